@@ -1,0 +1,7 @@
+"""``python -m aioublk``: the kublk-compatible command line."""
+
+import sys
+
+from aioublk.cli import main
+
+sys.exit(main())

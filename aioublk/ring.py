@@ -1,0 +1,401 @@
+"""An io_uring bound to an asyncio event loop.
+
+io_uring facts this module relies on:
+
+- Completions are announced through an eventfd registered with the ring and
+  watched with ``loop.add_reader``. The eventfd's count is *not* a CQE count:
+  one wake-up may cover many CQEs, or none, so the reader always reaps until
+  the CQ is empty.
+- With ``IORING_SETUP_DEFER_TASKRUN`` the kernel wakes the eventfd but posts
+  CQEs only when the owning thread enters the kernel with GETEVENTS, so the
+  reader runs ``io_uring_get_events`` (``aur_wake``) before reaping, and every
+  submit is a submit-and-get-events.
+- ``IORING_SETUP_SINGLE_ISSUER`` binds the ring to the thread that created it:
+  a Ring lives and dies on one thread and one loop.
+- A buffer handed to the kernel must stay alive until its CQE arrives, even if
+  the awaiting coroutine is cancelled: the Ring keeps a reference per in-flight
+  operation, and closing waits (bounded) for the kernel to let go.
+
+Submissions made during one loop turn are gathered and flushed with one
+``io_uring_enter`` at the end of the turn (``call_soon``), and completions are
+copied out of the CQ by one C call per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from aioublk._uring import ffi, lib
+
+CQE = struct.Struct("=QiI")
+_REAP_BATCH = 256
+_iter_cqes = CQE.iter_unpack
+
+#: A completion handler: called with (res, cqe_flags) on the loop's thread.
+Handler = Callable[[int, int], None]
+
+_local = threading.local()
+
+
+def current_ring() -> Ring:
+    """The Ring of the queue thread running this coroutine."""
+    ring: Ring | None = getattr(_local, "ring", None)
+    if ring is None:
+        raise RuntimeError("no aioublk Ring is bound to this thread")
+    return ring
+
+
+def buffer_address(buf: Any) -> int:
+    """Address of a writable or read-only buffer (memoryview, bytearray, mmap)."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
+
+
+def check(res: int, what: str = "io_uring operation") -> int:
+    """Turn a negative CQE result into OSError."""
+    if res < 0:
+        raise OSError(-res, f"{what}: {os.strerror(-res)}")
+    return res
+
+
+class Ring:
+    """One io_uring, driven by the loop of the thread that created it."""
+
+    def __init__(
+        self,
+        entries: int = 256,
+        *,
+        cq_entries: int = 0,
+        flags: int = 0,
+        sqe128: bool = False,
+        loop: asyncio.AbstractEventLoop | None = None,
+        bind_thread: bool = False,
+    ) -> None:
+        self.loop = loop or asyncio.get_running_loop()
+        if sqe128:
+            flags |= lib.IORING_SETUP_SQE128
+        self._r = ffi.new("struct aur *")
+        ret = lib.aur_init(self._r, entries, cq_entries, flags)
+        if ret < 0:
+            raise OSError(-ret, f"io_uring setup failed: {os.strerror(-ret)}")
+        self.flags = lib.aur_setup_flags(self._r)
+        self._efd = lib.aur_eventfd(self._r)
+        self._handlers: dict[int, Handler | asyncio.Future[int]] = {}
+        self._keep: dict[int, Any] = {}
+        self._next_ud = 1
+        self._flush_scheduled = False
+        self._cqes = bytearray(16 * _REAP_BATCH)
+        self._cqe_buf = ffi.from_buffer(self._cqes)
+        self._cqe_view = memoryview(self._cqes)
+        self._closed = False
+        self.loop.add_reader(self._efd, self._on_wake)
+        if bind_thread:
+            _local.ring = self
+
+    # -- submission ---------------------------------------------------------
+
+    def _new_ud(self) -> int:
+        ud = self._next_ud
+        self._next_ud = ud + 1 if ud < 0x7FFF_FFFF_FFFF_FFFF else 1
+        return ud
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._closed:
+            return
+        ret = lib.aur_submit(self._r)
+        if ret < 0 and ret not in (-errno.EAGAIN, -errno.EBUSY, -errno.EINTR):
+            raise OSError(-ret, f"io_uring_enter failed: {os.strerror(-ret)}")
+        self._reap()
+
+    def _track(self, handler: Handler | asyncio.Future[int] | None, keep: Any) -> int:
+        if self._closed:
+            raise RuntimeError("ring is closed")
+        ud = self._new_ud()
+        if handler is not None:
+            self._handlers[ud] = handler
+        if keep is not None:
+            self._keep[ud] = keep
+        self._schedule_flush()
+        return ud
+
+    def _checked(self, ret: int, ud: int) -> None:
+        if ret < 0:
+            self._handlers.pop(ud, None)
+            self._keep.pop(ud, None)
+            raise OSError(-ret, f"cannot queue SQE: {os.strerror(-ret)}")
+
+    def prep(
+        self,
+        opcode: int,
+        fd: int,
+        *,
+        addr: int = 0,
+        length: int = 0,
+        offset: int = 0,
+        op_flags: int = 0,
+        buf_index: int = 0,
+        sqe_flags: int = 0,
+        handler: Handler | asyncio.Future[int] | None = None,
+        keep: Any = None,
+    ) -> int:
+        """Queue one SQE; its CQE goes to ``handler``. Returns its user_data."""
+        ud = self._track(handler, keep)
+        self._checked(
+            lib.aur_prep(
+                self._r, opcode, fd, addr, length, offset, op_flags, buf_index, sqe_flags, ud
+            ),
+            ud,
+        )
+        return ud
+
+    def prep_cmd(
+        self,
+        fd: int,
+        cmd_op: int,
+        cmd: bytes,
+        *,
+        addr: int = 0,
+        length: int = 0,
+        cmd_flags: int = 0,
+        buf_index: int = 0,
+        sqe_flags: int = 0,
+        handler: Handler | asyncio.Future[int] | None = None,
+        keep: Any = None,
+    ) -> int:
+        """Queue an ``IORING_OP_URING_CMD`` with the raw command area ``cmd``
+        (at most 16 bytes on a 64-byte-SQE ring, 80 with ``sqe128``)."""
+        ud = self._track(handler, keep)
+        self._checked(
+            lib.aur_prep_cmd(
+                self._r, fd, cmd_op, cmd, len(cmd), addr, length, cmd_flags, buf_index,
+                sqe_flags, ud,
+            ),
+            ud,
+        )
+        return ud
+
+    def prep_ublk_io(
+        self, fd: int, cmd_op: int, q_id: int, tag: int, result: int, io_addr: int,
+        handler: Handler, sqe_addr: int = 0, sqe_flags: int = 0,
+    ) -> None:
+        """The per-I/O hot path: a ``ublksrv_io_cmd`` built in C."""
+        ud = self._new_ud()
+        self._handlers[ud] = handler
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+        ret = lib.aur_prep_ublk_io(
+            self._r, fd, cmd_op, q_id, tag, result, io_addr, sqe_addr, sqe_flags, ud
+        )
+        if ret < 0:
+            self._checked(ret, ud)
+
+    def submit_now(self) -> None:
+        """Flush queued SQEs at once instead of at the end of the loop turn."""
+        ret = lib.aur_submit(self._r)
+        if ret < 0 and ret not in (-errno.EAGAIN, -errno.EBUSY, -errno.EINTR):
+            raise OSError(-ret, f"io_uring_enter failed: {os.strerror(-ret)}")
+
+    # -- awaitable operations ----------------------------------------------
+
+    def _op(self, opcode: int, fd: int, keep: Any = None, **kw: int) -> asyncio.Future[int]:
+        fut: asyncio.Future[int] = self.loop.create_future()
+        self.prep(opcode, fd, handler=fut, keep=keep, **kw)
+        return fut
+
+    async def read(self, fd: int, buf: Any, offset: int) -> int:
+        """pread into ``buf``; returns bytes read (short at EOF)."""
+        view = ffi.from_buffer(buf, require_writable=True)
+        res = await self._op(
+            lib.IORING_OP_READ, fd, keep=view,
+            addr=int(ffi.cast("uintptr_t", view)), length=len(view), offset=offset,
+        )
+        return check(res, "read")
+
+    async def write(self, fd: int, buf: Any, offset: int, rw_flags: int = 0) -> int:
+        """pwrite from ``buf``; returns bytes written."""
+        view = ffi.from_buffer(buf)
+        res = await self._op(
+            lib.IORING_OP_WRITE, fd, keep=view,
+            addr=int(ffi.cast("uintptr_t", view)), length=len(view), offset=offset,
+            op_flags=rw_flags,
+        )
+        return check(res, "write")
+
+    async def read_fixed(self, fd: int, addr: int, length: int, offset: int,
+                         buf_index: int) -> int:
+        """Read into a registered buffer (``addr`` lies inside buffer ``buf_index``)."""
+        res = await self._op(lib.IORING_OP_READ_FIXED, fd, addr=addr, length=length,
+                             offset=offset, buf_index=buf_index)
+        return check(res, "read_fixed")
+
+    async def write_fixed(self, fd: int, addr: int, length: int, offset: int,
+                          buf_index: int) -> int:
+        res = await self._op(lib.IORING_OP_WRITE_FIXED, fd, addr=addr, length=length,
+                             offset=offset, buf_index=buf_index)
+        return check(res, "write_fixed")
+
+    async def _vec(self, opcode: int, fd: int, bufs: list[Any], offset: int,
+                   what: str, writable: bool) -> int:
+        views = [ffi.from_buffer(b, require_writable=writable) for b in bufs]
+        iov = ffi.new("struct { uint64_t base; uint64_t len; }[]", len(views))
+        for i, v in enumerate(views):
+            iov[i].base = int(ffi.cast("uintptr_t", v))
+            iov[i].len = len(v)
+        res = await self._op(opcode, fd, keep=(iov, views),
+                             addr=int(ffi.cast("uintptr_t", iov)), length=len(views),
+                             offset=offset)
+        return check(res, what)
+
+    async def readv(self, fd: int, bufs: list[Any], offset: int) -> int:
+        return await self._vec(lib.IORING_OP_READV, fd, bufs, offset, "readv", True)
+
+    async def writev(self, fd: int, bufs: list[Any], offset: int) -> int:
+        return await self._vec(lib.IORING_OP_WRITEV, fd, bufs, offset, "writev", False)
+
+    async def fsync(self, fd: int, *, datasync: bool = False) -> None:
+        flags = lib.IORING_FSYNC_DATASYNC if datasync else 0
+        check(await self._op(lib.IORING_OP_FSYNC, fd, op_flags=flags), "fsync")
+
+    async def fdatasync(self, fd: int) -> None:
+        await self.fsync(fd, datasync=True)
+
+    async def fallocate(self, fd: int, mode: int, offset: int, length: int) -> None:
+        # io_uring's FALLOCATE carries the length in sqe->addr, the mode in len.
+        res = await self._op(lib.IORING_OP_FALLOCATE, fd, addr=length, length=mode,
+                             offset=offset)
+        check(res, "fallocate")
+
+    async def nop(self) -> int:
+        return await self._op(lib.IORING_OP_NOP, -1)
+
+    async def uring_cmd(self, fd: int, cmd_op: int, cmd: bytes, *, keep: Any = None,
+                        addr: int = 0) -> int:
+        """A URING_CMD; returns the raw (possibly negative) result."""
+        fut: asyncio.Future[int] = self.loop.create_future()
+        self.prep_cmd(fd, cmd_op, cmd, addr=addr, handler=fut, keep=keep)
+        return await fut
+
+    async def cancel(self, user_data: int, *, any_op: bool = False) -> int:
+        """Cancel the operation queued as ``user_data`` (or all, with any_op);
+        returns the kernel's answer (0, -ENOENT, -EALREADY, or a count)."""
+        flags = lib.IORING_ASYNC_CANCEL_ANY if any_op else 0
+        return await self._op(lib.IORING_OP_ASYNC_CANCEL, -1, addr=user_data,
+                              op_flags=flags)
+
+    # -- completion ---------------------------------------------------------
+
+    def _on_wake(self) -> None:
+        lib.aur_wake(self._r)
+        self._reap()
+
+    def _reap(self) -> None:
+        handlers = self._handlers
+        keep = self._keep
+        more = lib.IORING_CQE_F_MORE
+        while True:
+            n = lib.aur_reap(self._r, self._cqe_buf, _REAP_BATCH)
+            if not n:
+                return
+            for ud, res, flags in _iter_cqes(self._cqe_view[: 16 * n]):
+                if flags & more:
+                    h = handlers.get(ud)
+                else:
+                    h = handlers.pop(ud, None)
+                    if keep:
+                        keep.pop(ud, None)
+                if h is None:
+                    continue
+                if isinstance(h, asyncio.Future):
+                    if not h.done():
+                        h.set_result(res)
+                else:
+                    h(res, flags)
+            if n < _REAP_BATCH:
+                return
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._handlers)
+
+    # -- resources ----------------------------------------------------------
+
+    def register_buffers_sparse(self, nr: int) -> None:
+        check(lib.aur_register_buffers_sparse(self._r, nr), "register sparse buffers")
+
+    def register_files(self, fds: list[int]) -> None:
+        arr = ffi.new("int[]", fds)
+        check(lib.aur_register_files(self._r, arr, len(fds)), "register files")
+
+    @property
+    def raw(self) -> Any:
+        """The C ring (``struct aur *``) for drivers that batch in C."""
+        return self._r
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel what is in flight, wait (bounded) for the kernel to release
+        every buffer, settle every awaiter, and free the ring."""
+        if self._closed:
+            return
+        self._closed = True
+        self.loop.remove_reader(self._efd)
+        if self._handlers:
+            lib.aur_prep(self._r, lib.IORING_OP_ASYNC_CANCEL, -1, 0, 0, 0,
+                         lib.IORING_ASYNC_CANCEL_ANY, 0, 0, 0)
+            lib.aur_submit(self._r)
+            deadline = self.loop.time() + timeout
+            while self._handlers and self.loop.time() < deadline:
+                lib.aur_wait(self._r, 50)
+                lib.aur_wake(self._r)
+                self._reap_closing()
+        for h in self._handlers.values():
+            if isinstance(h, asyncio.Future):
+                if not h.done():
+                    h.set_exception(OSError(errno.ECANCELED, "io_uring ring closed"))
+            else:
+                try:
+                    h(-errno.ECANCELED, 0)
+                except Exception:  # noqa: BLE001 - a handler must not stop the close
+                    pass
+        self._handlers.clear()
+        self._keep.clear()
+        lib.aur_exit(self._r)
+        if getattr(_local, "ring", None) is self:
+            _local.ring = None
+
+    def _reap_closing(self) -> None:
+        while True:
+            n = lib.aur_reap(self._r, self._cqe_buf, _REAP_BATCH)
+            if not n:
+                return
+            for ud, res, flags in _iter_cqes(self._cqe_view[: 16 * n]):
+                if flags & lib.IORING_CQE_F_MORE:
+                    continue
+                h = self._handlers.pop(ud, None)
+                self._keep.pop(ud, None)
+                if isinstance(h, asyncio.Future):
+                    if not h.done():
+                        h.set_result(res)
+                elif h is not None:
+                    h(res, flags)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

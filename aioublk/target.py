@@ -1,0 +1,107 @@
+"""What a block-device target is: coroutines over byte ranges, plus the
+parameters it advertises.
+
+One request is one coroutine; many run concurrently on a queue's loop, and
+one target object serves every queue (each queue on its own thread), so a
+target keeps per-request state in locals. Backend I/O goes through
+``aioublk.current_ring()``, the ring of the queue the request arrived on.
+
+Errors: raise ``OSError`` (its errno is returned to the kernel) or anything
+else (the request fails with EIO and a log line; the queue keeps serving).
+"""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass
+
+from aioublk import uapi
+
+
+@dataclass
+class Geometry:
+    """What the device looks like to the kernel."""
+
+    size: int
+    logical_block_size: int = 512
+    physical_block_size: int = 4096
+    io_min: int = 512
+    io_opt: int = 4096
+    max_io_size: int = 1 << 20
+    volatile_cache: bool = False
+    fua: bool = False
+    read_only: bool = False
+    rotational: bool = False
+    discard: bool = False
+    discard_granularity: int = 4096
+    write_zeroes: bool = False
+    dma_alignment: int | None = None
+    segment: tuple[int, int, int] | None = None
+
+    def params(self, max_io_buf_bytes: int) -> uapi.Params:
+        """The ``ublk_params`` for this geometry, capped by the kernel's
+        negotiated max I/O size."""
+        attrs = 0
+        if self.volatile_cache:
+            attrs |= uapi.ATTR_VOLATILE_CACHE
+            if self.fua:
+                attrs |= uapi.ATTR_FUA
+        if self.read_only:
+            attrs |= uapi.ATTR_READ_ONLY
+        if self.rotational:
+            attrs |= uapi.ATTR_ROTATIONAL
+        max_bytes = min(self.max_io_size, max_io_buf_bytes)
+        discard = None
+        if self.discard or self.write_zeroes:
+            max_sect = max_bytes >> 9
+            discard = (
+                0,
+                self.discard_granularity if self.discard else 0,
+                max_sect if self.discard else 0,
+                max_sect if self.write_zeroes else 0,
+                1 if self.discard else 0,
+            )
+        return uapi.Params(
+            dev_sectors=self.size >> 9,
+            logical_bs_shift=self.logical_block_size.bit_length() - 1,
+            physical_bs_shift=self.physical_block_size.bit_length() - 1,
+            io_min_shift=self.io_min.bit_length() - 1,
+            io_opt_shift=self.io_opt.bit_length() - 1,
+            max_sectors=max_bytes >> 9,
+            attrs=attrs,
+            discard=discard,
+            dma_alignment=self.dma_alignment,
+            segment=self.segment,
+        )
+
+
+class Target:
+    """Base class of targets. Subclasses set ``geometry`` and override the
+    operations they support; the defaults refuse with EOPNOTSUPP."""
+
+    name = "custom"
+    geometry: Geometry
+
+    async def read(self, offset: int, buf: memoryview) -> None:
+        """Fill all of ``buf`` with the device's bytes at ``offset``."""
+        raise OSError(errno.EOPNOTSUPP, "read not supported")
+
+    async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
+        """Store ``buf`` at ``offset`` (durably before returning if ``fua``)."""
+        raise OSError(errno.EOPNOTSUPP, "write not supported")
+
+    async def flush(self) -> None:
+        """Make every completed write durable."""
+
+    async def discard(self, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "discard not supported")
+
+    async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
+        raise OSError(errno.EOPNOTSUPP, "write_zeroes not supported")
+
+    def close(self) -> None:
+        """Release resources; called once, after every queue has stopped."""
+
+    def describe(self) -> dict[str, object]:
+        """Fields for logs and ``list``."""
+        return {"target": self.name, "size": self.geometry.size}

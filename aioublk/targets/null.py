@@ -1,0 +1,32 @@
+"""The null target: reads return whatever is in the buffer, writes vanish.
+
+Like kublk's null target it is a measure of the framework's own cost: no
+backend I/O, 250 GiB by default.
+"""
+
+from __future__ import annotations
+
+from aioublk.target import Geometry, Target
+
+
+class NullTarget(Target):
+    name = "null"
+
+    def __init__(self, size: int = 250 << 30) -> None:
+        self.geometry = Geometry(size=size, dma_alignment=4095,
+                                 segment=(4095, 32 << 10, 32))
+
+    async def read(self, offset: int, buf: memoryview) -> None:
+        return None
+
+    async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
+        return None
+
+    async def flush(self) -> None:
+        return None
+
+    async def discard(self, offset: int, length: int) -> None:
+        return None
+
+    async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
+        return None

@@ -1,0 +1,98 @@
+"""The stripe target: RAID-0 over 2 to 4 equally sized backing files, as
+kublk's: chunk ``c`` of the device lives in file ``c % n`` at chunk
+``c // n``. A request touching several chunks becomes one readv/writev per
+file (a file's pieces of one request are contiguous in that file), all in
+flight at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aioublk.ring import current_ring
+from aioublk.target import Geometry, Target
+from aioublk.targets.backing import Backing, BackingError
+
+MAX_FILES = 4
+
+
+def split(offset: int, length: int, chunk: int, nr_files: int
+          ) -> dict[int, tuple[int, list[tuple[int, int]]]]:
+    """Map a device range to ``{file: (file_offset, [(buf_start, buf_len)...])}``."""
+    out: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+    pos = 0
+    while pos < length:
+        dev_off = offset + pos
+        idx, within = divmod(dev_off, chunk)
+        n = min(chunk - within, length - pos)
+        f = idx % nr_files
+        file_off = (idx // nr_files) * chunk + within
+        if f in out:
+            out[f][1].append((pos, n))
+        else:
+            out[f] = (file_off, [(pos, n)])
+        pos += n
+    return out
+
+
+class StripeTarget(Target):
+    name = "stripe"
+
+    def __init__(self, paths: list[str], chunk_size: int = 65536) -> None:
+        if not 2 <= len(paths) <= MAX_FILES:
+            raise BackingError(f"stripe needs 2 to {MAX_FILES} backing files, got {len(paths)}")
+        if chunk_size & (chunk_size - 1) or not 4096 <= chunk_size <= 512 << 10:
+            raise BackingError(f"invalid chunk size {chunk_size}: use a power of two "
+                               "from 4096 to 524288")
+        self.chunk = chunk_size
+        self.files: list[Backing] = []
+        try:
+            for p in paths:
+                self.files.append(Backing.open(p))
+            sizes = [b.size & ~(chunk_size - 1) for b in self.files]
+            for b, s in zip(self.files, sizes, strict=True):
+                if s == 0:
+                    raise BackingError(f"backing file {b.path} ({b.size} bytes) is smaller "
+                                       f"than one chunk ({chunk_size} bytes)")
+            if len(set(sizes)) != 1:
+                raise BackingError("stripe backing files must have the same size "
+                                   f"(rounded down to the chunk size: {sizes})")
+        except BaseException:
+            self.close()
+            raise
+        self.geometry = Geometry(size=sizes[0] * len(self.files), volatile_cache=True,
+                                 dma_alignment=511)
+
+    async def _rw(self, offset: int, buf: memoryview, write: bool) -> None:
+        ring = current_ring()
+        parts = split(offset, len(buf), self.chunk, len(self.files))
+        ops = []
+        for f, (file_off, pieces) in parts.items():
+            bufs = [buf[s:s + n] for s, n in pieces]
+            fd = self.files[f].fd
+            ops.append(ring.writev(fd, bufs, file_off) if write
+                       else ring.readv(fd, bufs, file_off))
+        results = await asyncio.gather(*ops) if len(ops) > 1 else [await ops[0]]
+        for (f, (_off, pieces)), n in zip(parts.items(), results, strict=True):
+            want = sum(p[1] for p in pieces)
+            if n != want:
+                raise OSError(5, f"short {'write' if write else 'read'} on "
+                              f"{self.files[f].path}: {n} of {want}")
+
+    async def read(self, offset: int, buf: memoryview) -> None:
+        await self._rw(offset, buf, False)
+
+    async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
+        await self._rw(offset, buf, True)
+        if fua:
+            await self.flush()
+
+    async def flush(self) -> None:
+        await asyncio.gather(*(b.sync() for b in self.files))
+
+    def close(self) -> None:
+        for b in self.files:
+            b.close()
+
+    def describe(self) -> dict[str, object]:
+        return {"target": self.name, "size": self.geometry.size,
+                "files": [b.path for b in self.files], "chunk_size": self.chunk}

@@ -1,0 +1,5 @@
+"""Only here because cffi's extension hook (cffi_modules) has no pyproject key."""
+
+from setuptools import setup
+
+setup(cffi_modules=["aioublk/_uring_build.py:ffibuilder"])
