@@ -16,6 +16,7 @@ import cffi
 
 CDEF = """
 struct aur { ...; };
+struct aur_iovec { uint64_t base; uint64_t len; };
 
 int aur_init(struct aur *r, unsigned entries, unsigned cq_entries,
              unsigned flags);
@@ -99,6 +100,8 @@ SOURCE = r"""
 #ifndef IORING_ASYNC_CANCEL_ANY
 #define IORING_ASYNC_CANCEL_ANY (1U << 2)
 #endif
+
+struct aur_iovec { uint64_t base; uint64_t len; };
 
 struct aur {
     struct io_uring ring;

@@ -23,8 +23,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from typing import NoReturn
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NoReturn
 
 from aioublk import logs, uapi
 from aioublk.device import Control, Device, DeviceConfig, UblkError
@@ -229,10 +229,11 @@ async def serve(target: Target, cfg: DeviceConfig,
         target.close()
 
 
-def _run(coro: Awaitable[int]) -> int:
+def _run(coro: Coroutine[Any, Any, int]) -> int:
     import uvloop
 
-    return uvloop.run(coro)  # type: ignore[no-any-return]
+    result: int = uvloop.run(coro)
+    return result
 
 
 def cmd_add(args: argparse.Namespace) -> int:

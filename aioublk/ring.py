@@ -249,7 +249,7 @@ class Ring:
     async def _vec(self, opcode: int, fd: int, bufs: list[Any], offset: int,
                    what: str, writable: bool) -> int:
         views = [ffi.from_buffer(b, require_writable=writable) for b in bufs]
-        iov = ffi.new("struct { uint64_t base; uint64_t len; }[]", len(views))
+        iov = ffi.new("struct aur_iovec[]", len(views))
         for i, v in enumerate(views):
             iov[i].base = int(ffi.cast("uintptr_t", v))
             iov[i].len = len(v)

@@ -102,11 +102,8 @@ def feature_names(bits: int) -> list[tuple[int, str]]:
     for i in range(64):
         bit = 1 << i
         if bits & bit:
-            try:
-                name = "UBLK_F_" + str(Feature(bit).name)
-            except ValueError:
-                name = "unknown"
-            out.append((bit, name))
+            known = Feature._value2member_map_.get(bit)
+            out.append((bit, f"UBLK_F_{known.name}" if known is not None else "unknown"))
     return out
 
 
@@ -307,8 +304,8 @@ class Params:
             dev_sectors=sectors, logical_bs_shift=lbs, physical_bs_shift=pbs,
             io_opt_shift=opt, io_min_shift=mn, max_sectors=max_sectors, attrs=attrs,
             chunk_sectors=chunk, virt_boundary_mask=vbm,
-            discard=tuple(disc[:5]) if types & PARAM_TYPE_DISCARD else None,  # type: ignore[arg-type]
+            discard=tuple(disc[:5]) if types & PARAM_TYPE_DISCARD else None,
             dma_alignment=dma if types & PARAM_TYPE_DMA_ALIGN else None,
-            segment=tuple(seg) if types & PARAM_TYPE_SEGMENT else None,  # type: ignore[arg-type]
+            segment=tuple(seg) if types & PARAM_TYPE_SEGMENT else None,
             devt=devt, types=types,
         )

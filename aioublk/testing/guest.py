@@ -1,0 +1,344 @@
+"""Run a command under a real ublk kernel: Debian sid's, booted by virtme-ng in QEMU.
+
+Why and how (every point was seen on a Debian 12 build machine):
+
+- The host kernel has io_uring but no ublk driver, so tests that need
+  `/dev/ublk-control` run in a guest. `/dev/kvm` exists but cannot run an
+  ordinary guest (QEMU aborts with "failed to set MSR 0x10a"), hence
+  `--disable-kvm`: TCG software emulation, 11-14x slower for Python code.
+- The kernel is Debian sid's generic amd64 flavour (`cloud-amd64` lacks 9p and
+  does not boot under vng). Its release changes over time, so it is resolved
+  from `linux-image-amd64`'s dependency, never hard-coded, and only when the
+  cache has no kernel (or on `--refresh`): a cached lookup costs no network.
+  `linux-modules-*` ships no `modules.dep`, so `depmod -b` runs after
+  unpacking, or modprobe finds nothing. vng loads modules from
+  `/lib/modules/$REL`: a symlink to the cache is enough (needs root).
+- vng shares the host's root file system read-only over 9p, with writable
+  overlays on /tmp, /etc, /usr, /var... that live in guest RAM (`--memory`)
+  and never reach the host. The project checkout is read-only in the guest;
+  `--rwdir DIR` is the way back: the generated script, the command's output
+  and its exit status live in such a folder.
+- vng does not return the guest command's output or status here ("cannot
+  find script I/O ports"): it exits 255 whatever happens. We read the status
+  file instead; no status file means the guest never got that far.
+- vng 1.42 crashes at start when stdin is closed (`'NoneType' object has no
+  attribute 'isatty'`), as it may be in CI: stdin is always /dev/null.
+- vng first tries virtiofsd for the root file system; here it fails ("fuse:
+  invalid argument") and vng falls back to 9p after about 6 s of retries.
+  `--force-9p` skips that: a boot to a shell command takes 6.5-7.5 s of wall
+  time instead of 13 s.
+- vng rejects a space-separated option value that starts with a dash: every
+  option is passed in its `--opt=value` form.
+- The guest's `python3` on PATH is Debian's: the host interpreter's folder
+  (a venv's `bin` works) is put first on the guest's PATH, and callers pass
+  `sys.executable` explicitly anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import BinaryIO, NamedTuple
+
+from aioublk.testing.sid import (
+    SetupError,
+    SidApt,
+    cache_dir,
+    extract,
+    locked,
+    progress,
+    run,
+    scratch_dir,
+)
+
+DEFAULT_TIMEOUT = 25 * 60.0
+# Host variables worth seeing in the guest; the guest does not inherit the host env.
+FORWARDED_ENV = ("PYTHONPATH", "PYTHONWARNINGS", "CI", "LANG", "LC_ALL", "TERM", "COLUMNS")
+STATUS_TIMEOUT = 124  # like timeout(1)
+STATUS_NO_RESULT = 125  # the guest never wrote a status: boot failure, crash, vng error
+
+
+class Kernel(NamedTuple):
+    release: str
+    vmlinuz: Path
+
+
+def default_memory() -> str:
+    return os.environ.get("AIOUBLK_GUEST_MEMORY", "4G")
+
+
+def _kernels() -> Path:
+    return cache_dir() / "kernel"
+
+
+def _modules_dir(release: str) -> Path:
+    return _kernels() / release / "usr" / "lib" / "modules" / release
+
+
+def _cached_kernel() -> Kernel | None:
+    """The kernel named by `kernel/current`, if it is completely unpacked."""
+    try:
+        release = (_kernels() / "current").read_text().strip()
+    except FileNotFoundError:
+        return None
+    modules = _modules_dir(release)
+    if not (modules / "vmlinuz").is_file() or not (modules / "modules.dep").is_file():
+        return None
+    return Kernel(release, modules / "vmlinuz")
+
+
+def _link_modules(release: str) -> None:
+    """Make `/lib/modules/$REL` point at the cache, where vng looks for modules."""
+    link, target = Path("/lib/modules") / release, _modules_dir(release)
+    if link.is_symlink() and link.readlink() == target:
+        return
+    if link.exists() and not link.is_symlink():
+        return  # a real install of the very same release: its modules will do
+    try:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp = link.with_name(f".{release}.aioublk")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target)
+        tmp.replace(link)
+    except PermissionError:
+        raise SetupError(f"cannot create {link} -> {target}: run once as root") from None
+
+
+def _depmod() -> str:
+    found = shutil.which("depmod") or next(
+        (p for p in ("/usr/sbin/depmod", "/sbin/depmod") if os.access(p, os.X_OK)), None
+    )
+    if found is None:
+        raise SetupError("depmod not found: install kmod (scripts/setup does)")
+    return found
+
+
+def resolve_release(apt: SidApt) -> str:
+    """sid's current generic amd64 release, e.g. 7.2.13+deb14-amd64 (fetches the index)."""
+    apt.update()
+    for line in apt.cache_query("depends", "linux-image-amd64").splitlines():
+        dep = line.strip().removeprefix("Depends: ")
+        if dep != line.strip() and dep.startswith("linux-image-"):
+            return dep.removeprefix("linux-image-")
+    raise SetupError(
+        "cannot resolve sid's kernel: linux-image-amd64 has no linux-image-* dependency"
+    )
+
+
+def _install(apt: SidApt, release: str) -> None:
+    """Download, unpack and depmod a release; atomic: an interrupted run leaves no half kernel."""
+    debs = apt.download([f"linux-binary-{release}", f"linux-modules-{release}"])
+    final, tmp = _kernels() / release, _kernels() / f".{release}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"unpacking kernel {release}")
+    for deb in debs:
+        extract(deb, tmp)
+    run([_depmod(), "-b", tmp / "usr", release])
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for deb in debs:  # 125 MB we can fetch again if ever needed
+        deb.unlink()
+
+
+def _prune(keep: str) -> None:
+    """Drop kernels other than `keep`, with their /lib/modules links into our cache."""
+    for old in _kernels().iterdir():
+        if old.is_dir() and old.name != keep and not old.name.startswith("."):
+            link = Path("/lib/modules") / old.name
+            if link.is_symlink() and link.readlink().is_relative_to(_kernels()):
+                link.unlink()
+            shutil.rmtree(old)
+
+
+def ensure_kernel(refresh: bool = False) -> Kernel:
+    """The guest kernel, downloaded on first use; cached calls do no network at all."""
+    kernel = _cached_kernel()
+    if kernel is None or refresh:
+        with locked("kernel"):
+            kernel = _cached_kernel()  # another process may have just filled the cache
+            if kernel is None or refresh:
+                apt = SidApt()
+                release = resolve_release(apt)
+                if kernel is None or kernel.release != release:
+                    _install(apt, release)
+                (_kernels() / "current").write_text(release + "\n")
+                _prune(keep=release)
+                kernel = _cached_kernel()
+                if kernel is None:
+                    raise SetupError(f"kernel {release} unpacked without vmlinuz or modules.dep")
+    _link_modules(kernel.release)
+    return kernel
+
+
+def _vng() -> str:
+    """vng next to the running interpreter first: a venv need not be on PATH."""
+    beside = Path(sys.executable).with_name("vng")
+    found = str(beside) if os.access(beside, os.X_OK) else shutil.which("vng")
+    if found is None:
+        raise SetupError("vng not found: pip install virtme-ng (scripts/setup does)")
+    return found
+
+
+def _guest_env(extra: Mapping[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith("AIOUBLK_")}
+    env |= {
+        "AIOUBLK_IN_GUEST": "1",
+        "PYTHONUNBUFFERED": "1",  # the output file is streamed live
+        "PYTHONDONTWRITEBYTECODE": "1",  # the checkout is read-only in the guest
+    }
+    path = os.environ.get("PATH", "/usr/bin:/bin").split(":")
+    env["PATH"] = ":".join(dict.fromkeys([str(Path(sys.executable).parent), *path]))
+    return env | dict(extra or {})
+
+
+def _script(argv: Sequence[str], env: Mapping[str, str], cwd: Path, ctl: Path) -> str:
+    """The guest side: load drivers, run argv, leave its output and status in `ctl`."""
+    q = shlex.quote
+    exports = "".join(f"export {k}={q(v)}\n" for k, v in env.items())
+    return f"""\
+exec >{q(str(ctl / "output"))} 2>&1 </dev/null
+modprobe ublk_drv || echo "aioublk guest: modprobe ublk_drv failed"
+modprobe nbd 2>/dev/null
+{exports}cd {q(str(cwd))} && {shlex.join(argv)}
+echo $? >{q(str(ctl / "status.tmp"))}
+mv {q(str(ctl / "status.tmp"))} {q(str(ctl / "status"))}
+sync
+"""
+
+
+def _pump(src: BinaryIO, emit: Callable[[bytes], None]) -> None:
+    while chunk := src.read(65536):
+        emit(chunk)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """vng runs QEMU as a child: signal the whole session we started it in."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _write_stdout(chunk: bytes) -> None:
+    sys.stdout.buffer.write(chunk)
+    sys.stdout.buffer.flush()
+
+
+def run_in_guest(
+    argv: Sequence[str],
+    rwdirs: Sequence[Path | str] = (),
+    memory: str = "4G",
+    cpus: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    cwd: Path | str | None = None,
+    on_output: Callable[[bytes], None] = _write_stdout,
+) -> int:
+    """Boot the guest, run argv in `cwd` (default: ours), return argv's exit status.
+
+    The output is passed to `on_output` while the VM runs. `rwdirs` are made
+    writable in the guest at the same paths. Without a status from the guest
+    a one-line reason and the tail of vng's log go to stderr, and the result is
+    STATUS_TIMEOUT or STATUS_NO_RESULT.
+    """
+    if not argv:
+        raise ValueError("run_in_guest needs a command")
+    kernel = ensure_kernel()
+    vng = _vng()
+    ctl = scratch_dir("runs")
+    workdir = Path(cwd or Path.cwd()).absolute()
+    script, output, status, log = (ctl / n for n in ("run.sh", "output", "status", "vng.log"))
+    script.write_text(_script(argv, _guest_env(env), workdir, ctl))
+    output.touch()
+    cmd = [
+        vng,
+        f"--run={kernel.vmlinuz}",
+        "--disable-kvm",
+        "--verbose",
+        "--force-9p",
+        f"--memory={memory}",
+        f"--cpus={cpus}",
+        f"--rwdir={ctl}",
+        *(f"--rwdir={Path(d).absolute()}" for d in rwdirs),
+        f"--exec=sh {shlex.quote(str(script))}",
+    ]
+    timed_out = False
+    with open(log, "wb") as logf, open(output, "rb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while proc.poll() is None:
+                _pump(out, on_output)
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.2)
+        finally:
+            _stop(proc)
+        _pump(out, on_output)
+    if status.exists():
+        code = int(status.read_text().strip() or STATUS_NO_RESULT)
+        shutil.rmtree(ctl)
+        return code
+    reason = f"timed out after {timeout:.0f} s" if timed_out else "the guest command never finished"
+    tail = log.read_text(errors="replace").splitlines()[-40:]
+    print("\n".join(["--- tail of vng's log ---", *tail, "---"]), file=sys.stderr)
+    print(f"aioublk guest: {reason} (vng exit {proc.returncode}; kept {ctl})", file=sys.stderr)
+    return STATUS_TIMEOUT if timed_out else STATUS_NO_RESULT
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m aioublk.testing.guest", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="action", required=True)
+    kern = sub.add_parser(
+        "kernel", help="download the guest kernel if needed and print its release"
+    )
+    kern.add_argument("--refresh", action="store_true", help="re-resolve sid's current kernel")
+    runp = sub.add_parser("run", help="run a command in the guest; exits with its status")
+    runp.add_argument(
+        "--memory", default=default_memory(), help="guest RAM (env AIOUBLK_GUEST_MEMORY)"
+    )
+    runp.add_argument("--cpus", type=int, default=2)
+    runp.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds")
+    runp.add_argument(
+        "--rwdir", action="append", default=[], help="host folder writable in the guest"
+    )
+    runp.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    ns = parser.parse_args(args)
+    try:
+        if ns.action == "kernel":
+            print(ensure_kernel(refresh=ns.refresh).release)
+            return 0
+        command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+        if not command:
+            parser.error("run needs a command: run -- CMD ARGS...")
+        return run_in_guest(command, ns.rwdir, ns.memory, ns.cpus, timeout=ns.timeout)
+    except SetupError as e:
+        print(f"aioublk: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

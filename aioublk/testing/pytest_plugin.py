@@ -1,0 +1,319 @@
+"""pytest side of the guest harness: `@pytest.mark.guest` tests run under a real ublk kernel.
+
+How it works, and the pytest facts it leans on:
+
+- Three situations. With `/dev/ublk-control` present (a host with ublk_drv,
+  or inside our guest) guest tests simply run. Inside the guest
+  (`AIOUBLK_IN_GUEST=1`) without it, each guest test fails with a clear
+  message: a skipped kernel test would hide a broken harness. On a host
+  without it, the selected guest tests run in ONE guest boot (a boot costs
+  about 7 s, starting pytest in the emulated guest 5-10 s more, and Python
+  runs 11-14x slower there) and the host replays their results.
+- Selection first: `-k`, `-m` and node ids deselect in a normal
+  `pytest_collection_modifyitems`; ours is `trylast`, so it sees the final
+  list, and it swaps each guest item for a `GuestProxy`, a plain `pytest.Item`
+  with the same node id and location but no fixtures at all: nothing of the
+  test (no `tmp_path`, no ublk fixture, no autouse fixture) runs on the host.
+  The proxies keep their place in the list, so host fixtures scoped to a
+  module or class are set up and torn down as pytest's SetupState expects.
+- The guest pytest runs lazily, before the first proxy's protocol (outside the
+  per-phase output capture), with `-p no:cacheprovider` (the checkout is
+  read-only there), `--junitxml` into a `--rwdir` folder, and our plugin
+  writing every report, serialised with `pytest_report_to_serializable` (as
+  pytest-xdist does), one JSON line each, as it happens: a guest that dies at
+  test 40 still gives the results of tests 1-39. Its output is streamed live.
+- `pytest_runtest_makereport` is `firstresult`: for a proxy we return the
+  guest's own report for that phase (outcome, longrepr, captured output,
+  duration), so the host summary counts guest tests like any other test. A
+  phase the guest never reported fails, saying why.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aioublk.testing import guest
+from aioublk.testing.sid import SetupError, scratch_dir
+
+UBLK_CONTROL = Path("/dev/ublk-control")
+REPORTS_ENV = "AIOUBLK_GUEST_REPORTS"  # set for the guest pytest: where to write reports
+STOPPED = {
+    guest.STATUS_TIMEOUT: "the guest run timed out (--guest-timeout)",
+    guest.STATUS_NO_RESULT: "the guest stopped early: panic, crash or failed boot (see above)",
+}
+
+
+PYTEST_EXIT = {2: "interrupted", 3: "internal error", 4: "usage error", 5: "no tests collected"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("aioublk", "aioublk kernel tests")
+    group.addoption(
+        "--no-guest",
+        action="store_true",
+        help="deselect @pytest.mark.guest tests (they need ublk_drv, maybe a QEMU guest)",
+    )
+    group.addoption(
+        "--guest-timeout",
+        type=float,
+        default=float(os.environ.get("AIOUBLK_GUEST_TIMEOUT", guest.DEFAULT_TIMEOUT)),
+        help="seconds for the whole guest run (env AIOUBLK_GUEST_TIMEOUT, default 1500)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "guest: needs the real ublk_drv kernel driver")
+    if os.environ.get(REPORTS_ENV) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_ReportWriter(config, Path(os.environ[REPORTS_ENV])))
+
+
+class _ReportWriter:
+    """Guest side: every test and failed collection report as a JSON line, flushed at once."""
+
+    def __init__(self, config: pytest.Config, path: Path) -> None:
+        self.config = config
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the session
+
+    def _write(self, report: pytest.TestReport | pytest.CollectReport) -> None:
+        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+        self.file.write(json.dumps(data) + "\n")
+        self.file.flush()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self._write(report)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self._write(report)
+
+    def pytest_unconfigure(self) -> None:
+        self.file.close()
+
+
+class GuestProxy(pytest.Item):
+    """Stands in on the host for a guest test: no fixtures, its results come from `run`."""
+
+    def __init__(self, *, original: pytest.Item, run: GuestRun, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.original = original
+        self.run = run
+
+    def reportinfo(self) -> tuple[os.PathLike[str] | str, int | None, str]:
+        return self.original.reportinfo()
+
+    def runtest(self) -> None:
+        if self.run.report(self.nodeid, "call") is None:
+            pytest.fail(self.run.missing("for this test"), pytrace=False)
+
+    def teardown(self) -> None:
+        called = self.run.report(self.nodeid, "call") is not None
+        if called and self.run.report(self.nodeid, "teardown") is None:
+            pytest.fail(self.run.missing("for this test's teardown"), pytrace=False)
+
+
+class GuestRun:
+    """One guest boot running all selected guest tests; results keyed by (node id, phase)."""
+
+    def __init__(self, config: pytest.Config, nodeids: list[str], *, unavailable: str = "") -> None:
+        self.config = config
+        self.nodeids = nodeids
+        self.reports: dict[tuple[str, str], pytest.TestReport] = {}
+        self.collect_errors: list[str] = []
+        self.started = False
+        self.status: int | None = None
+        self.unavailable = unavailable  # set: no guest at all, every guest test fails with it
+        self.problem = ""  # why results may be missing
+        self.results: Path | None = None
+        self.summary = ""
+
+    def report(self, nodeid: str, when: str) -> pytest.TestReport | None:
+        return self.reports.get((nodeid, when))
+
+    def missing(self, what: str) -> str:
+        if self.unavailable:
+            return self.unavailable
+        if self.problem:
+            why = self.problem
+        elif self.status is None:
+            why = "the guest did not run"
+        else:
+            why = f"the guest pytest exited with status {self.status}"
+            why += f" ({PYTEST_EXIT[self.status]})" if self.status in PYTEST_EXIT else ""
+        errors = "".join(f"\n{e}" for e in self.collect_errors)
+        return f"the guest reported nothing {what}: {why}{errors}"
+
+    def ensure_ran(self) -> None:
+        if self.started or self.unavailable:
+            return
+        self.started = True
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        capman = self.config.pluginmanager.get_plugin("capturemanager")
+        with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+            self._run(tr)
+
+    def _run(self, tr: pytest.TerminalReporter | None) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+        def emit(chunk: bytes) -> None:
+            text = decoder.decode(chunk)
+            if tr is not None:
+                tr.write(text, flush=True)
+            else:
+                sys.stdout.write(text)
+
+        start = time.monotonic()
+        try:
+            kernel = guest.ensure_kernel()
+            n = len(self.nodeids)
+            title = f"{n} guest test{'s' * (n != 1)}, one boot of Linux {kernel.release}"
+            _sep(tr, title)
+            self.results = scratch_dir("results")
+            argv, env = self._command(self.results, tr)
+            self.status = guest.run_in_guest(
+                argv,
+                [self.results],
+                memory=guest.default_memory(),
+                cpus=int(os.environ.get("AIOUBLK_GUEST_CPUS", "2")),
+                env=env,
+                timeout=self.config.getoption("guest_timeout"),
+                cwd=self.config.rootpath,
+                on_output=emit,
+            )
+        except (SetupError, OSError) as e:
+            self.problem = f"the guest could not run: {e}"
+        self._load(self.results)
+        if self.status in STOPPED:
+            self.problem = STOPPED[self.status]
+        took = time.monotonic() - start
+        done = sum(1 for _, when in self.reports if when == "call")
+        self.summary = f"{done} of {len(self.nodeids)} guest tests reported in {took:.0f} s"
+        if self.results and (self.results / "junit.xml").exists():
+            self.summary += f"; guest JUnit XML: {self.results / 'junit.xml'}"
+        _sep(tr, f"guest done: {self.problem or f'pytest exit status {self.status}'}")
+
+    def _command(
+        self, results: Path, tr: pytest.TerminalReporter | None
+    ) -> tuple[list[str], dict[str, str]]:
+        """The guest pytest: our selection, the host's reporting options, our rootdir and ini."""
+        opt = self.config.option
+        argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
+        argv += [f"--junitxml={results / 'junit.xml'}", f"--rootdir={self.config.rootpath}"]
+        if self.config.inipath:
+            argv += ["-c", str(self.config.inipath)]
+        if opt.verbose:
+            argv.append("-" + ("v" * opt.verbose if opt.verbose > 0 else "q" * -opt.verbose))
+        argv += [f"--tb={opt.tbstyle}", f"--capture={opt.capture}"]
+        argv += [f"--maxfail={opt.maxfail}"] if opt.maxfail else []
+        argv += ["-l"] if opt.showlocals else []
+        argv += [a for o in opt.override_ini or () for a in ("-o", o)]
+        argv += [a for w in opt.pythonwarnings or () for a in ("-W", w)]
+        argv += [a for p in _plugin_args(self.config.invocation_params.args) for a in ("-p", p)]
+        env = {REPORTS_ENV: str(results / "reports.jsonl")}
+        if tr is not None:
+            tw = self.config.get_terminal_writer()
+            argv += ["--color=yes"] if tw.hasmarkup else []
+            env["COLUMNS"] = str(tw.fullwidth)
+        return argv + self.nodeids, env
+
+    def _load(self, results: Path | None) -> None:
+        path = results / "reports.jsonl" if results else None
+        if path is None or not path.exists():
+            return
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a dying guest
+            rep = self.config.hook.pytest_report_from_serializable(config=self.config, data=data)
+            if isinstance(rep, pytest.TestReport):
+                # a skip's (path, line, reason) tuple came back from JSON as a list
+                if isinstance(rep.longrepr, list):
+                    rep.longrepr = tuple(rep.longrepr)
+                self.reports[(rep.nodeid, rep.when)] = rep
+            elif isinstance(rep, pytest.CollectReport):
+                self.collect_errors.append(
+                    f"guest collection error in {rep.nodeid}:\n{rep.longreprtext}"
+                )
+
+
+def _plugin_args(args: tuple[str, ...]) -> Iterator[str]:
+    """The host's `-p NAME` options: the guest needs the same plugins for the same markers."""
+    it = iter(args)
+    for a in it:
+        if a == "-p":
+            yield next(it, "")
+        elif a.startswith("-p") and len(a) > 2:
+            yield a[2:].removeprefix("=")
+
+
+def _sep(tr: pytest.TerminalReporter | None, title: str) -> None:
+    if tr is not None:
+        tr.ensure_newline()
+        tr.write_sep("-", title)
+    else:
+        print(f"--- {title} ---", flush=True)
+
+
+_run_key = pytest.StashKey[GuestRun]()
+_deselected_key = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    guests = [i for i in items if i.get_closest_marker("guest") is not None]
+    if not guests or config.option.collectonly:
+        return
+    if config.getoption("no_guest"):
+        items[:] = [i for i in items if i.get_closest_marker("guest") is None]
+        config.hook.pytest_deselected(items=guests)
+        config.stash[_deselected_key] = len(guests)
+        return
+    if UBLK_CONTROL.exists():
+        return
+    unavailable = ""
+    if os.environ.get("AIOUBLK_IN_GUEST") == "1":
+        unavailable = f"{UBLK_CONTROL} is missing inside the guest: did `modprobe ublk_drv` fail?"
+    run = GuestRun(config, [i.nodeid for i in guests], unavailable=unavailable)
+    config.stash[_run_key] = run
+    for n, item in enumerate(items):
+        if item.get_closest_marker("guest") is not None:
+            assert item.parent is not None, "a test item always has a parent"
+            items[n] = GuestProxy.from_parent(
+                item.parent, name=item.name, nodeid=item.nodeid, original=item, run=run
+            )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> None:
+    if isinstance(item, GuestProxy):
+        item.run.ensure_ran()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> pytest.TestReport | None:
+    if isinstance(item, GuestProxy):
+        return item.run.report(item.nodeid, call.when)
+    return None
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    deselected = config.stash.get(_deselected_key, 0)
+    if deselected:
+        terminalreporter.write_line(f"aioublk: {deselected} guest tests deselected (--no-guest)")
+    run = config.stash.get(_run_key, None)
+    if run is not None and run.summary:
+        terminalreporter.write_line(f"aioublk: {run.summary}")

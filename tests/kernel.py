@@ -1,0 +1,165 @@
+"""Helpers for tests that drive the real ublk driver through the CLI.
+
+They run where /dev/ublk-control exists (the guest); every call has a
+timeout so that a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from aioublk import cli as cli_mod
+from aioublk.device import Control, UblkError
+
+T = TypeVar("T")
+
+CLI = [sys.executable, "-m", "aioublk"]
+
+_DEV_LINE = re.compile(
+    r"^dev id (\d+): nr_hw_queues (\d+) queue_depth (\d+) block size (\d+) dev_capacity (\d+)$")
+_INFO_LINE = re.compile(
+    r"^\tmax rq size (\d+) daemon pid (-?\d+) flags 0x([0-9a-f]+) state (\w+)$")
+_QUEUE_LINE = re.compile(r"^\tqueue (\d+): affinity\(((?:\d+ )*)\)$")
+
+
+@dataclass
+class DevListing:
+    dev_id: int
+    queues: int
+    depth: int
+    block_size: int
+    sectors: int
+    max_rq: int
+    pid: int
+    flags: int
+    state: str
+    affinity: list[str]
+
+
+def parse_list(out: str) -> list[DevListing]:
+    """Parse kublk's ``list`` format strictly: any other line is an error."""
+    devs: list[DevListing] = []
+    for line in out.splitlines():
+        if not line:
+            continue
+        if m := _DEV_LINE.match(line):
+            a = [int(x) for x in m.groups()]
+            devs.append(DevListing(a[0], a[1], a[2], a[3], a[4], 0, 0, 0, "", []))
+        elif m := _INFO_LINE.match(line):
+            d = devs[-1]
+            d.max_rq, d.pid, d.flags, d.state = (int(m[1]), int(m[2]), int(m[3], 16), m[4])
+        elif m := _QUEUE_LINE.match(line):
+            devs[-1].affinity.append(m[2])
+        else:
+            raise AssertionError(f"unexpected list line: {line!r}")
+    return devs
+
+
+def cli(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                       stdin=subprocess.DEVNULL)
+    if check and p.returncode != 0:
+        raise AssertionError(f"aioublk {' '.join(args)} failed ({p.returncode}): "
+                             f"{p.stderr.strip()}")
+    return p
+
+
+def add(*args: str) -> DevListing:
+    """``aioublk add ...``; returns the new device as ``list`` describes it."""
+    p = cli("add", *args)
+    devs = parse_list(p.stdout)
+    assert len(devs) == 1, p.stdout
+    d = devs[0]
+    assert d.state == "LIVE", p.stdout
+    assert Path(f"/dev/ublkb{d.dev_id}").exists()
+    return d
+
+
+# In-process versions of list/del: each CLI call starts Python in the
+# emulated guest (seconds over 9p), so only the command under test is run
+# as a process.
+
+def _in_process(coro_fn: Callable[[Control], Awaitable[T]]) -> T:
+    async def run() -> T:
+        ctrl = Control()
+        try:
+            return await coro_fn(ctrl)
+        finally:
+            ctrl.close()
+    return asyncio.run(run())
+
+
+def listing() -> list[DevListing]:
+    async def run(ctrl: Control) -> str:
+        lines: list[str] = []
+        for dev_id in range(64):
+            try:
+                lines += await cli_mod.dump(ctrl, dev_id)
+            except UblkError:
+                pass
+        return "\n".join(lines)
+    return parse_list(_in_process(run))
+
+
+def delete(dev_id: int) -> None:
+    _in_process(lambda ctrl: cli_mod.delete(ctrl, dev_id))
+
+
+def delete_all() -> None:
+    for d in listing():
+        delete(d.dev_id)
+
+
+def wait_gone(pid: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"server pid {pid} still running after {timeout}s")
+
+
+def fio(dev: str, cwd: Path, *args: str, timeout: float = 120) -> dict[str, object]:
+    """Run fio against ``dev`` and return its JSON report's first job."""
+    cmd = ["fio", "--name=t", f"--filename={dev}", "--ioengine=io_uring", "--direct=1",
+           "--output-format=json", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                       stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        raise AssertionError(f"fio failed ({p.returncode}): {p.stderr.strip()}\n{p.stdout}")
+    report = json.loads(p.stdout[p.stdout.index("{"):])
+    job: dict[str, object] = report["jobs"][0]
+    assert job["error"] == 0, job
+    return job
+
+
+def run(*cmd: str, timeout: float = 120) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                       stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()}")
+    return p.stdout
+
+
+def make_file(path: Path, size: int) -> Path:
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def cpus() -> int:
+    return os.cpu_count() or 1

@@ -1,0 +1,232 @@
+"""null, loop and stripe against the real driver, through the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aioublk.targets.stripe import split
+from tests import kernel
+from tests.kernel import add, cli, delete, fio, make_file, run
+
+pytestmark = pytest.mark.guest
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def no_devices_left() -> Iterator[None]:
+    kernel.delete_all()
+    yield
+    left = kernel.listing()
+    kernel.delete_all()
+    assert not left, f"devices left behind: {left}"
+
+
+def target_args(target: str, tmp_path: Path, size: int = 256 * MiB) -> list[str]:
+    if target == "null":
+        return ["-t", "null"]
+    if target == "loop":
+        return ["-t", "loop", str(make_file(tmp_path / "loop.img", size))]
+    return ["-t", "stripe", "--chunk_size", "65536",
+            str(make_file(tmp_path / "s0.img", size // 2)),
+            str(make_file(tmp_path / "s1.img", size // 2))]
+
+
+@pytest.mark.parametrize("target", ["null", "loop", "stripe"])
+@pytest.mark.parametrize("queues,depth", [(1, 1), (2, 64), (4, 128)])
+def test_fio_randrw(target: str, queues: int, depth: int, tmp_path: Path) -> None:
+    dev = add(*target_args(target, tmp_path), "-q", str(queues), "-d", str(depth))
+    assert dev.queues == min(queues, kernel.cpus())
+    assert dev.depth == depth
+    assert len(dev.affinity) == dev.queues
+    job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randrw", "--bs=4k",
+              f"--iodepth={max(depth, 1)}", "--time_based", "--runtime=10", "--size=128M",
+              f"--numjobs={1}")
+    assert job["read"]["io_bytes"] > 0 and job["write"]["io_bytes"] > 0  # type: ignore[index]
+    delete(dev.dev_id)
+    assert not Path(f"/dev/ublkb{dev.dev_id}").exists()
+
+
+@pytest.mark.parametrize("target", ["loop", "stripe"])
+def test_fio_verify(target: str, tmp_path: Path) -> None:
+    dev = add(*target_args(target, tmp_path), "-q", "2")
+    job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randwrite", "--bs=8k",
+              "--iodepth=32", "--size=96M", "--verify=crc32c", "--verify_fatal=1",
+              "--do_verify=1")
+    assert job["write"]["io_bytes"] == 96 * MiB  # type: ignore[index]
+    delete(dev.dev_id)
+
+
+def _pattern(n: int) -> bytes:
+    return b"".join(i.to_bytes(4, "little") * 1024 for i in range(n))  # n 4 KiB blocks
+
+
+@pytest.mark.parametrize("target", ["loop", "stripe"])
+def test_written_data_reaches_backing(target: str, tmp_path: Path) -> None:
+    args = target_args(target, tmp_path, size=64 * MiB)
+    dev = add(*args, "-q", "1")
+    data = _pattern(2048)  # 8 MiB, crossing many 64 KiB chunks
+    offset = 3 * MiB + 4096
+    fd = os.open(f"/dev/ublkb{dev.dev_id}", os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    delete(dev.dev_id)
+    files = [Path(a) for a in args if a.endswith(".img")]
+    if target == "loop":
+        with open(files[0], "rb") as f:
+            f.seek(offset)
+            assert f.read(len(data)) == data
+        return
+    got = bytearray(len(data))
+    for idx, (file_off, pieces) in split(offset, len(data), 65536, len(files)).items():
+        with open(files[idx], "rb") as f:
+            f.seek(file_off)
+            for start, n in pieces:
+                got[start:start + n] = f.read(n)
+    assert bytes(got) == data
+
+
+@pytest.mark.parametrize("target", ["loop", "stripe"])
+def test_ext4_survives_remount_and_readd(target: str, tmp_path: Path) -> None:
+    args = target_args(target, tmp_path)
+    dev = add(*args)
+    blk = f"/dev/ublkb{dev.dev_id}"
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    run("mkfs.ext4", "-q", "-F", blk)
+    run("mount", blk, str(mnt))
+    files = {f"f{i}": os.urandom(37 * 1024 + i) for i in range(20)}
+    for name, body in files.items():
+        (mnt / name).write_bytes(body)
+    run("umount", str(mnt))
+    run("mount", blk, str(mnt))
+    assert {n: (mnt / n).read_bytes() for n in files} == files
+    run("umount", str(mnt))
+    delete(dev.dev_id)
+    # the data lives in the backing files: a new device over them sees it
+    dev = add(*args)
+    blk = f"/dev/ublkb{dev.dev_id}"
+    run("mount", "-o", "ro", blk, str(mnt))
+    try:
+        assert {n: (mnt / n).read_bytes() for n in files} == files
+    finally:
+        run("umount", str(mnt))
+    delete(dev.dev_id)
+
+
+def _fio_background(dev: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        ["fio", "--name=bg", f"--filename={dev}", "--ioengine=io_uring", "--direct=1",
+         "--rw=randrw", "--bs=4k", "--iodepth=32", "--time_based", "--runtime=60"],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdin=subprocess.DEVNULL)
+
+
+def _wait_io_started(dev_id: int) -> None:
+    stat = Path(f"/sys/block/ublkb{dev_id}/stat")
+    for _ in range(200):
+        fields = stat.read_text().split()
+        if int(fields[0]) + int(fields[4]) > 100:
+            return
+        time.sleep(0.05)
+    raise AssertionError("fio never started I/O")
+
+
+@pytest.mark.parametrize("target", ["null", "loop"])
+def test_delete_under_io(target: str, tmp_path: Path) -> None:
+    dev = add(*target_args(target, tmp_path))
+    proc = _fio_background(f"/dev/ublkb{dev.dev_id}", tmp_path)
+    try:
+        _wait_io_started(dev.dev_id)
+        cli("del", "-n", str(dev.dev_id), timeout=60)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 or "err=" in out and "err= 0" not in out, out
+    kernel.wait_gone(dev.pid)
+    assert not Path(f"/dev/ublkb{dev.dev_id}").exists()
+
+
+@pytest.mark.parametrize("target", ["null", "loop"])
+def test_kill9_under_io(target: str, tmp_path: Path) -> None:
+    dev = add(*target_args(target, tmp_path))
+    proc = _fio_background(f"/dev/ublkb{dev.dev_id}", tmp_path)
+    try:
+        _wait_io_started(dev.dev_id)
+        os.kill(dev.pid, 9)
+        kernel.wait_gone(dev.pid)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 or "err= 0" not in out, out
+    states = [d.state for d in kernel.listing() if d.dev_id == dev.dev_id]
+    assert not states or states[0] != "LIVE", states
+    cli("del", "-n", str(dev.dev_id), check=False)
+    assert not [d for d in kernel.listing() if d.dev_id == dev.dev_id]
+
+
+def test_several_devices_at_once(tmp_path: Path) -> None:
+    devs = [add(*target_args(t, tmp_path / t), "-q", "1")
+            for t in ("null", "loop", "stripe") if (tmp_path / t).mkdir() is None]
+    assert len({d.dev_id for d in devs}) == 3
+    procs = [subprocess.Popen(
+        ["fio", "--name=m", f"--filename=/dev/ublkb{d.dev_id}", "--ioengine=io_uring",
+         "--direct=1", "--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=16M",
+         "--verify=crc32c"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for d in devs]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out
+    assert sorted(d.dev_id for d in kernel.listing()) == sorted(d.dev_id for d in devs)
+    for d in devs:
+        delete(d.dev_id)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-t", "loop", "/nonexistent.img"], "does not exist"),
+    (["-t", "bogus"], "unknown target type"),
+    (["-t", "null", "-d", "0"], "queue depth 0"),
+    (["-t", "null", "-d", "4097"], "queue depth 4097"),
+    (["-t", "null", "-q", "33"], "33 queues"),
+    (["-t", "stripe", "SMALL0", "SMALL1"], "smaller than one chunk"),
+    (["-t", "null", "EXTRA"], "takes no backing file"),
+])
+def test_bad_input(args: list[str], message: str, tmp_path: Path) -> None:
+    small = [str(make_file(tmp_path / f"small{i}", 4096)) for i in range(2)]
+    args = [small[0] if a == "SMALL0" else small[1] if a == "SMALL1" else a for a in args]
+    p = cli("add", *args, check=False)
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+    assert kernel.listing() == []
+
+
+def test_device_id_in_use(tmp_path: Path) -> None:
+    dev = add("-t", "null", "-n", "5")
+    assert dev.dev_id == 5
+    p = cli("add", "-t", "null", "-n", "5", check=False)
+    assert p.returncode != 0
+    assert p.stderr.strip().count("\n") == 0 and "already in use" in p.stderr, p.stderr
+    assert [d.dev_id for d in kernel.listing()] == [5]
+    delete(5)
+
+
+def test_features_names_every_bit() -> None:
+    out = cli("features").stdout.splitlines()
+    assert out[0].startswith("ublk_drv features: 0x")
+    feats = int(out[0].split("0x")[1], 16)
+    assert feats & 0x8000, "the guest kernel offers UBLK_F_BATCH_IO"
+    assert len(out) - 1 == bin(feats).count("1")
+    for line in out[1:]:
+        bit, name = line.split(": ")
+        assert len(bit) == 18 and name.startswith("UBLK_F_"), line

@@ -1,0 +1,159 @@
+"""Target logic and the CLI's input checks, on the host (no kernel needed)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from aioublk.ring import Ring
+from aioublk.targets import BackingError, LoopTarget, StripeTarget
+from aioublk.targets.stripe import split
+
+K = 1024
+
+
+def aligned(data: bytes | int) -> memoryview:
+    """A page-aligned buffer, as queues hand to targets (O_DIRECT needs it)."""
+    size = data if isinstance(data, int) else len(data)
+    m = memoryview(mmap.mmap(-1, size))
+    if not isinstance(data, int):
+        m[:] = data
+    return m
+
+
+def test_split_single_chunk() -> None:
+    assert split(0, 4096, 64 * K, 2) == {0: (0, [(0, 4096)])}
+    assert split(64 * K, 4096, 64 * K, 2) == {1: (0, [(0, 4096)])}
+    assert split(128 * K + 512, 512, 64 * K, 2) == {0: (64 * K + 512, [(0, 512)])}
+
+
+def test_split_across_chunks_is_contiguous_per_file() -> None:
+    parts = split(60 * K, 200 * K, 64 * K, 2)
+    # device [60K, 260K) = chunk0 tail, chunk1, chunk2, chunk3, chunk4 head (4K)
+    assert parts[0] == (60 * K, [(0, 4 * K), (68 * K, 64 * K), (196 * K, 4 * K)])
+    assert parts[1] == (0, [(4 * K, 64 * K), (132 * K, 64 * K)])
+    covered = sorted(p for _f, (_o, ps) in parts.items() for p in ps)
+    assert sum(n for _s, n in covered) == 200 * K
+
+
+def _mirror(offset: int, length: int, chunk: int, n: int) -> list[tuple[int, int, int]]:
+    out = []
+    for pos in range(offset, offset + length, 512):
+        c = pos // chunk
+        out.append((pos - offset, c % n, (c // n) * chunk + pos % chunk))
+    return out
+
+
+@pytest.mark.parametrize("files", [2, 3, 4])
+@pytest.mark.parametrize("offset,length", [(0, 512), (4096, 1 << 20), (65024, 131584)])
+def test_split_matches_sector_by_sector_mapping(files: int, offset: int, length: int) -> None:
+    chunk = 64 * K
+    parts = split(offset, length, chunk, files)
+    got = {}
+    for f, (file_off, pieces) in parts.items():
+        pos = file_off
+        for start, n in pieces:
+            for s in range(0, n, 512):
+                got[start + s] = (f, pos + s)
+            pos += n
+    assert got == {b: (f, o) for b, f, o in _mirror(offset, length, chunk, files)}
+
+
+@pytest_asyncio.fixture
+async def ring():
+    r = Ring(64, bind_thread=True)
+    yield r
+    r.close()
+
+
+@pytest.mark.asyncio
+async def test_loop_target_round_trip(ring: Ring, tmp_path: Path) -> None:
+    path = tmp_path / "disk"
+    path.write_bytes(bytes(1 << 20))
+    t = LoopTarget(str(path))
+    try:
+        data = aligned(os.urandom(8192))
+        await t.write(4096, data)
+        await t.flush()
+        back = aligned(8192)
+        await t.read(4096, back)
+        assert back == data
+        await t.discard(4096, 4096)
+        await t.read(4096, back)
+        assert back[:4096] == bytes(4096) and back[4096:] == data[4096:]
+        await t.write_zeroes(8192, 4096)
+        await t.read(4096, back)
+        assert back == bytes(8192)
+    finally:
+        t.close()
+    assert t.geometry.size == 1 << 20
+
+
+@pytest.mark.asyncio
+async def test_stripe_target_layout_on_disk(ring: Ring, tmp_path: Path) -> None:
+    paths = [tmp_path / f"s{i}" for i in range(3)]
+    for p in paths:
+        p.write_bytes(bytes(256 * K))
+    t = StripeTarget([str(p) for p in paths], chunk_size=4096)
+    try:
+        data = b"".join(bytes([i]) * 4096 for i in range(12))
+        await t.write(0, aligned(data))
+        back = aligned(len(data))
+        await t.read(0, back)
+        assert back == data
+    finally:
+        t.close()
+    # chunk i lives in file i % 3 at chunk i // 3
+    for i in range(12):
+        raw = paths[i % 3].read_bytes()
+        assert raw[(i // 3) * 4096:(i // 3 + 1) * 4096] == bytes([i]) * 4096
+
+
+def test_stripe_refuses_bad_layouts(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(bytes(128 * K))
+    b.write_bytes(bytes(256 * K))
+    with pytest.raises(BackingError, match="same size"):
+        StripeTarget([str(a), str(b)])
+    with pytest.raises(BackingError, match="2 to 4"):
+        StripeTarget([str(a)])
+    with pytest.raises(BackingError, match="chunk size"):
+        StripeTarget([str(a), str(a)], chunk_size=3000)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "aioublk", *args], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["add", "-t", "loop", "/nonexistent.img"], "does not exist"),
+    (["add", "-t", "bogus"], "unknown target type 'bogus'"),
+    (["add", "-t", "null", "-d", "0"], "queue depth 0 out of range"),
+    (["add", "-t", "null", "-d", "5000"], "queue depth 5000 out of range"),
+    (["add", "-t", "null", "-q", "64"], "64 queues out of range"),
+    (["add", "-t", "null", "-q", "x"], "invalid int value"),
+    (["add"], "required"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_cli_bad_input_is_one_line(args: list[str], message: str) -> None:
+    p = _cli(*args)
+    assert p.returncode != 0
+    assert p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_cli_without_driver_says_what_to_do() -> None:
+    if Path("/dev/ublk-control").exists():
+        pytest.skip("this host has ublk_drv loaded")  # the guest tests cover it there
+    p = _cli("list")
+    assert p.returncode == 1
+    assert p.stderr.strip() == (
+        "aioublk: /dev/ublk-control not found: the ublk_drv kernel module is not loaded "
+        "(run 'modprobe ublk_drv' as root; kernel 6.4 or later)")

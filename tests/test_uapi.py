@@ -1,0 +1,148 @@
+"""The Python encoding of the ublk ABI checked against the kernel's own header.
+
+The header comes from Debian sid's ``linux-libc-dev`` (the one matching the
+guest kernel, with the BATCH_IO structs); a small C program compiled against
+it prints every size, offset and opcode we rely on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from aioublk import uapi
+from aioublk.testing.sid import SidApt, cache_dir, extract, locked
+
+PROBE = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include <sys/ioctl.h>
+#include <linux/ublk_cmd.h>
+#define S(t) printf("\"sizeof %s\": %zu,\n", #t, sizeof(struct t))
+#define O(t, f) printf("\"offsetof %s.%s\": %zu,\n", #t, #f, offsetof(struct t, f))
+#define V(x) printf("\"%s\": %llu,\n", #x, (unsigned long long)(x))
+int main(void) {
+    printf("{\n");
+    S(ublksrv_ctrl_cmd); S(ublksrv_ctrl_dev_info); S(ublksrv_io_desc); S(ublksrv_io_cmd);
+    S(ublk_params); S(ublk_param_basic); S(ublk_param_discard); S(ublk_param_segment);
+    S(ublk_batch_io); S(ublk_elem_header);
+    O(ublk_params, basic); O(ublk_params, discard); O(ublk_params, devt);
+    O(ublk_params, zoned); O(ublk_params, dma); O(ublk_params, seg);
+    O(ublk_params, integrity);
+    O(ublksrv_ctrl_dev_info, flags); O(ublksrv_ctrl_dev_info, ublksrv_pid);
+    O(ublksrv_ctrl_cmd, data); O(ublksrv_ctrl_cmd, addr);
+    %OPS%
+    printf("\"end\": 0}\n");
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel_abi() -> dict[str, int]:
+    root = cache_dir() / "uapi"
+    header = root / "usr" / "include" / "linux" / "ublk_cmd.h"
+    with locked("uapi"):
+        if not header.exists():
+            (deb,) = SidApt().download(["linux-libc-dev"])
+            shutil.rmtree(root, ignore_errors=True)
+            extract(deb, root)
+    ops = [f"V(UBLK_U_CMD_{c.name});" for c in uapi.Cmd]
+    ops += [f"V(UBLK_U_IO_{c.name});" for c in uapi.IoCmd]
+    ops += [f"V(UBLK_F_{f.name});" for f in uapi.Feature]
+    ops += ["V(UBLK_IO_F_FUA);", "V(UBLK_IO_F_NOUNMAP);", "V(UBLKSRV_IO_BUF_OFFSET);",
+            "V(UBLK_MAX_QUEUE_DEPTH);", "V(UBLK_PARAM_TYPE_DMA_ALIGN);",
+            "V(UBLK_PARAM_TYPE_SEGMENT);", "V(UBLK_ATTR_VOLATILE_CACHE);"]
+    build = cache_dir() / "uapi-probe"
+    build.mkdir(exist_ok=True)
+    src = build / "probe.c"
+    src.write_text(PROBE.replace("%OPS%", "\n    ".join(ops)))
+    exe = build / "probe"
+    subprocess.run(["gcc", "-I", str(header.parents[1]), "-I",
+                    str(header.parents[1] / "x86_64-linux-gnu"), "-o", str(exe), str(src)],
+                   check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    values: dict[str, int] = json.loads(out)
+    return values
+
+
+def test_struct_sizes(kernel_abi: dict[str, int]) -> None:
+    assert kernel_abi["sizeof ublksrv_ctrl_cmd"] == uapi.CTRL_CMD.size == uapi.CTRL_CMD_SIZE
+    assert kernel_abi["sizeof ublksrv_ctrl_dev_info"] == uapi.DevInfo.SIZE
+    assert kernel_abi["sizeof ublksrv_io_desc"] == uapi.IO_DESC.size
+    assert kernel_abi["sizeof ublksrv_io_cmd"] == uapi.IO_CMD.size == uapi.IO_CMD_SIZE
+    assert kernel_abi["sizeof ublk_params"] == uapi.PARAMS_SIZE
+    assert kernel_abi["sizeof ublk_batch_io"] == uapi.BATCH_IO.size
+    assert kernel_abi["sizeof ublk_elem_header"] == uapi.ELEM_HEADER.size
+
+
+def test_params_layout(kernel_abi: dict[str, int]) -> None:
+    p = uapi.Params(dev_sectors=12345, dma_alignment=511, segment=(4095, 65536, 7),
+                    discard=(0, 4096, 2048, 2048, 1), attrs=uapi.ATTR_VOLATILE_CACHE)
+    raw = p.pack()
+    assert len(raw) == kernel_abi["sizeof ublk_params"]
+    basic = kernel_abi["offsetof ublk_params.basic"]
+    assert int.from_bytes(raw[basic + 16:basic + 24], "little") == 12345  # dev_sectors
+    dma = kernel_abi["offsetof ublk_params.dma"]
+    assert int.from_bytes(raw[dma:dma + 4], "little") == 511
+    seg = kernel_abi["offsetof ublk_params.seg"]
+    assert int.from_bytes(raw[seg:seg + 8], "little") == 4095
+    assert int.from_bytes(raw[seg + 12:seg + 14], "little") == 7
+    disc = kernel_abi["offsetof ublk_params.discard"]
+    assert int.from_bytes(raw[disc + 4:disc + 8], "little") == 4096
+    assert uapi.Params.unpack(raw).segment == (4095, 65536, 7)
+
+
+def test_dev_info_layout(kernel_abi: dict[str, int]) -> None:
+    info = uapi.DevInfo(nr_hw_queues=3, queue_depth=64, dev_id=9, ublksrv_pid=4242,
+                        flags=0x8040)
+    raw = info.pack()
+    off = kernel_abi["offsetof ublksrv_ctrl_dev_info.flags"]
+    assert int.from_bytes(raw[off:off + 8], "little") == 0x8040
+    off = kernel_abi["offsetof ublksrv_ctrl_dev_info.ublksrv_pid"]
+    assert int.from_bytes(raw[off:off + 4], "little") == 4242
+    assert uapi.DevInfo.unpack(raw) == info
+
+
+def test_ctrl_cmd_layout(kernel_abi: dict[str, int]) -> None:
+    raw = uapi.ctrl_cmd(7, length=8, addr=0xABCDEF, data=99)
+    off = kernel_abi["offsetof ublksrv_ctrl_cmd.addr"]
+    assert int.from_bytes(raw[off:off + 8], "little") == 0xABCDEF
+    off = kernel_abi["offsetof ublksrv_ctrl_cmd.data"]
+    assert int.from_bytes(raw[off:off + 8], "little") == 99
+
+
+@pytest.mark.parametrize("enum,prefix", [(uapi.Cmd, "UBLK_U_CMD_"), (uapi.IoCmd, "UBLK_U_IO_"),
+                                         (uapi.Feature, "UBLK_F_")])
+def test_opcodes_and_flags(kernel_abi: dict[str, int], enum: type, prefix: str) -> None:
+    for member in enum:  # type: ignore[attr-defined]
+        assert kernel_abi[prefix + member.name] == member.value, member
+
+
+def test_constants(kernel_abi: dict[str, int]) -> None:
+    assert kernel_abi["UBLK_IO_F_FUA"] == uapi.IO_F_FUA
+    assert kernel_abi["UBLK_IO_F_NOUNMAP"] == uapi.IO_F_NOUNMAP
+    assert kernel_abi["UBLKSRV_IO_BUF_OFFSET"] == uapi.IO_BUF_OFFSET
+    assert kernel_abi["UBLK_MAX_QUEUE_DEPTH"] == uapi.MAX_QUEUE_DEPTH
+    assert kernel_abi["UBLK_ATTR_VOLATILE_CACHE"] == uapi.ATTR_VOLATILE_CACHE
+
+
+def test_feature_names_cover_every_known_bit() -> None:
+    names = dict(uapi.feature_names((1 << 20) - 1))
+    assert len(names) == 20
+    assert "unknown" not in names.values()
+    assert names[1 << 19] == "UBLK_F_SHMEM_ZC"
+    assert uapi.feature_names(1 << 40) == [(1 << 40, "unknown")]
+
+
+def test_desc_mmap_offsets() -> None:
+    # each queue's descriptors sit at a stride sized for the maximum depth
+    assert uapi.desc_area_size(128) == 4096
+    assert uapi.desc_mmap_offset(1) == 4096 * 24
+    assert uapi.user_copy_offset(1, 2) == 0x8000_0000 | (1 << 41) | (2 << 25)
+
+
