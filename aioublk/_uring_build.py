@@ -17,6 +17,7 @@ import cffi
 CDEF = """
 struct aur { ...; };
 struct aur_iovec { uint64_t base; uint64_t len; };
+struct __kernel_timespec { int64_t tv_sec; long long tv_nsec; };
 
 int aur_init(struct aur *r, unsigned entries, unsigned cq_entries,
              unsigned flags);
@@ -68,6 +69,7 @@ void aur_buf_ring_advance(void *br, unsigned count);
 #define IORING_OP_READ ...
 #define IORING_OP_WRITE ...
 #define IORING_OP_ASYNC_CANCEL ...
+#define IORING_OP_TIMEOUT ...
 #define IORING_OP_URING_CMD ...
 #define IORING_FSYNC_DATASYNC ...
 #define IORING_ASYNC_CANCEL_ALL ...
@@ -243,11 +245,30 @@ int aur_prep_ublk_io(struct aur *r, int fd, uint32_t cmd_op, uint16_t q_id,
     return 0;
 }
 
+/*
+ * With DEFER_TASKRUN a plain GETEVENTS enter (io_uring_get_events) runs at
+ * most 20 task-work items (IO_LOCAL_TW_DEFAULT_MAX), and the eventfd is
+ * signalled only when the work list goes from empty to non-empty: work left
+ * behind would never wake us again (seen as requests stuck in a ublk queue).
+ * A wait for "as many CQEs as the CQ holds" with a zero timeout makes the
+ * kernel run every pending item before it gives up waiting.
+ */
+static int aur_run_task_work(struct aur *r)
+{
+    struct __kernel_timespec ts = { 0, 0 };
+    struct io_uring_cqe *cqe;
+    int ret = io_uring_wait_cqes(&r->ring, &cqe, r->ring.cq.ring_entries, &ts, NULL);
+
+    return (ret == -ETIME || ret == -EAGAIN || ret == -EINTR) ? 0 : ret;
+}
+
 int aur_submit(struct aur *r)
 {
+    int ret = io_uring_submit(&r->ring);
+
     if (r->flags & IORING_SETUP_DEFER_TASKRUN)
-        return io_uring_submit_and_get_events(&r->ring);
-    return io_uring_submit(&r->ring);
+        aur_run_task_work(r);
+    return ret;
 }
 
 /* Consume the eventfd's count and run deferred task work, if any. */
@@ -258,7 +279,7 @@ int aur_wake(struct aur *r)
     if (read(r->efd, &v, sizeof(v)) < 0 && errno != EAGAIN)
         return -errno;
     if (r->flags & IORING_SETUP_DEFER_TASKRUN)
-        return io_uring_get_events(&r->ring);
+        return aur_run_task_work(r);
     return 0;
 }
 

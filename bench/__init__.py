@@ -1,0 +1,1 @@
+"""Benchmarks: aioublk beside a peer in the same guest run, reported as ratios."""
