@@ -1,3 +1,21 @@
-"""Root conftest: only the guest harness plugin (fixtures live in tests/fixtures_*.py)."""
+"""Root conftest: the guest harness plugin, and the event loops tests run on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+
+import pytest
+import uvloop
 
 pytest_plugins = ["aioublk.testing.pytest_plugin"]
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Host tests run under the default loop and under uvloop; kernel tests
+    (slow under emulation) under uvloop, the loop aioublk itself uses."""
+    if item.get_closest_marker("guest"):
+        return {"uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}

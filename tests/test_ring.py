@@ -16,15 +16,6 @@ from aioublk.ring import Ring, buffer_address, current_ring
 pytestmark = pytest.mark.asyncio
 
 
-@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    """Every ring test runs under the default loop and under uvloop."""
-    if request.param == "uvloop":
-        import uvloop
-
-        return uvloop.EventLoopPolicy()
-    return asyncio.DefaultEventLoopPolicy()
-
 DEFER = lib.IORING_SETUP_SINGLE_ISSUER | lib.IORING_SETUP_DEFER_TASKRUN
 
 
