@@ -183,7 +183,9 @@ class GuestRun:
                 argv,
                 [self.results],
                 memory=guest.default_memory(),
-                cpus=int(os.environ.get("AIOUBLK_GUEST_CPUS", "2")),
+                # ublk caps a device's queues at the CPU count: 4 vCPUs let the
+                # 4-queue tests have 4 queues (TCG runs them on our 2 cores)
+                cpus=int(os.environ.get("AIOUBLK_GUEST_CPUS", "4")),
                 env=env,
                 timeout=self.config.getoption("guest_timeout"),
                 cwd=self.config.rootpath,
