@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -159,7 +158,3 @@ def make_file(path: Path, size: int) -> Path:
     with open(path, "wb") as f:
         f.truncate(size)
     return path
-
-
-def cpus() -> int:
-    return os.cpu_count() or 1
