@@ -142,7 +142,14 @@ class DeviceConfig:
     flags: int = 0
     max_io_size: int = 1 << 20
 
+    #: device flags this version serves; the copy modes and batch I/O come next
+    SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
+
     def validate(self) -> None:
+        unsupported = self.flags & ~self.SUPPORTED_FLAGS
+        if unsupported:
+            names = ", ".join(n for _b, n in uapi.feature_names(unsupported))
+            raise UblkError(f"aioublk does not serve {names} yet: leave it out")
         if not 1 <= self.depth <= uapi.MAX_QUEUE_DEPTH:
             raise UblkError(f"queue depth {self.depth} out of range: use 1..4096")
         if not 1 <= self.queues <= 32:

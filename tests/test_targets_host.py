@@ -157,3 +157,12 @@ def test_cli_without_driver_says_what_to_do() -> None:
     assert p.stderr.strip() == (
         "aioublk: /dev/ublk-control not found: the ublk_drv kernel module is not loaded "
         "(run 'modprobe ublk_drv' as root; kernel 6.4 or later)")
+
+
+def test_device_refuses_flags_it_cannot_serve() -> None:
+    from aioublk import uapi
+    from aioublk.device import DeviceConfig, UblkError
+
+    DeviceConfig(flags=uapi.Feature.NO_AUTO_PART_SCAN).validate()
+    with pytest.raises(UblkError, match="UBLK_F_USER_COPY"):
+        DeviceConfig(flags=uapi.Feature.USER_COPY).validate()
