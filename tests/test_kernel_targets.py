@@ -230,3 +230,20 @@ def test_features_names_every_bit() -> None:
     for line in out[1:]:
         bit, name = line.split(": ")
         assert len(bit) == 18 and name.startswith("UBLK_F_"), line
+
+
+def test_foreground_serves_until_sigterm_then_deletes(tmp_path: Path) -> None:
+    proc = subprocess.Popen([*kernel.CLI, "add", "-t", "null", "-q", "1", "--foreground"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+        (dev,) = kernel.parse_list("".join(lines))
+        assert dev.state == "LIVE" and dev.pid == proc.pid
+        fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randread", "--bs=4k", "--size=16M")
+        proc.send_signal(15)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        proc.kill()
+    assert kernel.listing() == []
