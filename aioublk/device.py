@@ -148,8 +148,8 @@ class DeviceConfig:
     def validate(self) -> None:
         unsupported = self.flags & ~self.SUPPORTED_FLAGS
         if unsupported:
-            names = ", ".join(n for _b, n in uapi.feature_names(unsupported))
-            raise UblkError(f"aioublk does not serve {names} yet: leave it out")
+            raise UblkError(f"aioublk does not serve {uapi.flag_list(unsupported)} yet: "
+                            "leave it out")
         if not 1 <= self.depth <= uapi.MAX_QUEUE_DEPTH:
             raise UblkError(f"queue depth {self.depth} out of range: use 1..4096")
         if not 1 <= self.queues <= 32:
@@ -215,8 +215,8 @@ class Device:
                                 "aioublk needs kernel 6.4 or later")
             missing = cfg.flags & ~features
             if missing:
-                names = ", ".join(n for _b, n in uapi.feature_names(missing))
-                raise UblkError(f"this kernel's ublk_drv does not support {names}")
+                raise UblkError("this kernel's ublk_drv does not support "
+                                f"{uapi.flag_list(missing)}")
             want = uapi.DevInfo(
                 nr_hw_queues=cfg.queues, queue_depth=cfg.depth,
                 max_io_buf_bytes=cfg.max_io_size,

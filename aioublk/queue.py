@@ -166,8 +166,7 @@ class PerIoDriver:
         depth = queue.depth
         max_io = queue.max_io
         base = buffer_address(bufs)
-        user_copy = bool(queue.cfg.flags & uapi.Feature.USER_COPY)
-        self.addrs = [0 if user_copy else base + t * max_io for t in range(depth)]
+        self.addrs = [base + t * max_io for t in range(depth)]
         view = memoryview(bufs)
         self.views = [view[t * max_io:(t + 1) * max_io] for t in range(depth)]
         self.handlers: list[Callable[[int, int], None]] = [

@@ -358,7 +358,7 @@ class Ring:
             while self._handlers and self.loop.time() < deadline:
                 lib.aur_wait(self._r, 50)
                 lib.aur_wake(self._r)
-                self._reap_closing()
+                self._reap()
         for h in self._handlers.values():
             if isinstance(h, asyncio.Future):
                 if not h.done():
@@ -373,22 +373,6 @@ class Ring:
         lib.aur_exit(self._r)
         if getattr(_local, "ring", None) is self:
             _local.ring = None
-
-    def _reap_closing(self) -> None:
-        while True:
-            n = lib.aur_reap(self._r, self._cqe_buf, _REAP_BATCH)
-            if not n:
-                return
-            for ud, res, flags in _iter_cqes(self._cqe_view[: 16 * n]):
-                if flags & lib.IORING_CQE_F_MORE:
-                    continue
-                h = self._handlers.pop(ud, None)
-                self._keep.pop(ud, None)
-                if isinstance(h, asyncio.Future):
-                    if not h.done():
-                        h.set_result(res)
-                elif h is not None:
-                    h(res, flags)
 
     @property
     def closed(self) -> bool:

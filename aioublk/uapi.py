@@ -107,6 +107,11 @@ def feature_names(bits: int) -> list[tuple[int, str]]:
     return out
 
 
+def flag_list(bits: int) -> str:
+    """``UBLK_F_A, UBLK_F_B`` for messages."""
+    return ", ".join(name for _bit, name in feature_names(bits))
+
+
 class State(enum.IntEnum):
     DEAD = 0
     LIVE = 1
