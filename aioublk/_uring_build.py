@@ -262,13 +262,14 @@ static int aur_run_task_work(struct aur *r)
     return (ret == -ETIME || ret == -EAGAIN || ret == -EINTR) ? 0 : ret;
 }
 
+/*
+ * A plain submit (no GETEVENTS) never runs deferred task work, so it cannot
+ * leave a partly-run list behind; whatever it queues signals the eventfd and
+ * is run in full by the next aur_wake. One syscall per loop turn.
+ */
 int aur_submit(struct aur *r)
 {
-    int ret = io_uring_submit(&r->ring);
-
-    if (r->flags & IORING_SETUP_DEFER_TASKRUN)
-        aur_run_task_work(r);
-    return ret;
+    return io_uring_submit(&r->ring);
 }
 
 /* Consume the eventfd's count and run deferred task work, if any. */
@@ -364,9 +365,10 @@ void *aur_buf_ring_setup(struct aur *r, unsigned entries, int bgid, int *err)
     return br;
 }
 
+/* r may be NULL once the ring is gone (its exit unregistered every group) */
 int aur_buf_ring_free(struct aur *r, void *br, unsigned entries, int bgid)
 {
-    int ret = io_uring_unregister_buf_ring(&r->ring, bgid);
+    int ret = r ? io_uring_unregister_buf_ring(&r->ring, bgid) : 0;
 
     (void)entries;
     free(br);

@@ -1,5 +1,18 @@
-"""``UBLK_F_BATCH_IO`` protocol core: command encoding and commit bookkeeping,
-with no I/O (the queue driver that sends these is built on top).
+"""``UBLK_F_BATCH_IO``: the command encoding and commit bookkeeping (plain
+classes, no I/O), and ``BatchDriver``, the queue driver built on them.
+
+How a worker serves its queues with batch I/O:
+
+- Before START_DEV, the first worker of each queue arms every tag of it with
+  one ``PREP_IO_CMDS`` (with each tag's buffer in copy mode).
+- Each worker keeps two multishot ``FETCH_IO_CMDS`` armed per queue over a
+  provided-buffer group of its own; a completion carries up to 128 tags, each
+  started as a coroutine. A fetch ends on -ENOBUFS or without ``F_MORE``
+  (the kernel put the tags back): it is re-armed at once.
+- Results are gathered per queue and sent as one ``COMMIT_IO_CMDS`` per queue
+  at the end of the loop turn (a ring flush hook), so one command commits
+  everything the turn finished. A partial commit is resent from the element
+  after the one the kernel refused.
 
 Facts from the kernel (drivers/block/ublk_drv.c, Linux 7.2):
 
@@ -20,10 +33,20 @@ Facts from the kernel (drivers/block/ublk_drv.c, Linux 7.2):
 
 from __future__ import annotations
 
+import errno
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from aioublk import uapi
+from aioublk._uring import ffi, lib
+from aioublk.queue import CopyMode, Driver, IoPath, QueueMem
+from aioublk.ring import Ring, buffer_address
+
+if TYPE_CHECKING:
+    from aioublk.queue import Worker
 
 F_HAS_ZONE_LBA = 1 << 0
 F_HAS_BUF_ADDR = 1 << 1
@@ -46,6 +69,15 @@ def elem_bytes(flags: int) -> int:
 def batch_header(q_id: int, flags: int, nr_elem: int) -> bytes:
     """The 16-byte ``ublk_batch_io`` command area."""
     return uapi.BATCH_IO.pack(q_id, flags, nr_elem, elem_bytes(flags), 0, 0)
+
+
+def fetch_header(q_id: int, nr_tags: int) -> bytes:
+    """The command area of ``FETCH_IO_CMDS``: elements are u16 tags."""
+    return uapi.BATCH_IO.pack(q_id, 0, nr_tags, 2, 0, 0)
+
+
+#: the kernel copies at most this many tags into one fetch completion
+MAX_TAGS_PER_FETCH = 128
 
 
 def fetched_tags(buf: bytes | bytearray | memoryview, nbytes: int) -> list[int]:
@@ -116,3 +148,166 @@ class BatchBuilder:
         self._tags = []
         self._data = bytearray()
         return out
+
+
+@dataclass
+class _QueueState:
+    """A worker's view of one queue it serves."""
+
+    qm: QueueMem
+    local: int                   # position among the worker's queues: buffer group id
+    builder: BatchBuilder
+    tags_mem: bytearray          # the provided buffers the fetches fill with tags
+    buf_ring: Any = None         # the C buffer ring of group ``local``
+    fetches: int = 0             # fetch commands armed
+
+
+class BatchDriver(Driver):
+    """Serves a worker's queues with ``UBLK_F_BATCH_IO`` (see the module doc)."""
+
+    FETCHES = 2
+
+    def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
+        super().__init__(worker, ring, path)
+        cfg = worker.cfg
+        self.depth = cfg.depth
+        self.mode = worker.mode
+        flags = 0
+        if self.mode is CopyMode.COPY:
+            flags |= F_HAS_BUF_ADDR
+        if self.mode is CopyMode.AUTO_ZC and cfg.auto_zc_fallback:
+            flags |= F_AUTO_BUF_REG_FALLBACK
+        self.flags = flags
+        self.auto_zc = self.mode is CopyMode.AUTO_ZC
+        self.buf_bytes = cfg.fetch_buf_bytes or 2 * min(self.depth, MAX_TAGS_PER_FETCH)
+        self.buf_entries = cfg.fetch_buf_entries or 8
+        self.queues = [
+            _QueueState(qm, i, BatchBuilder(qm.q_id, self.depth, flags),
+                        bytearray(self.buf_entries * self.buf_bytes))
+            for i, (qm, _tags) in enumerate(worker.spec.work)]
+        self.live = 0
+        self.stopping = False
+        ring.add_flush_hook(self._commit)
+
+    # -- setup ----------------------------------------------------------------
+
+    def _index(self, qs: _QueueState, tag: int) -> int:
+        return qs.local * self.depth + tag
+
+    def _add(self, qs: _QueueState, tag: int, result: int) -> None:
+        qs.builder.add(tag, result, buf_addr=qs.qm.addrs[tag],
+                       buf_index=self._index(qs, tag) if self.auto_zc else 0)
+
+    def arm(self) -> None:
+        results: list[int] = []
+        expected = 0
+        for qs in self.queues:
+            if qs.qm.q_id in self.w.spec.prep:
+                for tag in range(self.depth):
+                    self._add(qs, tag, 0)
+                for b in qs.builder.take():
+                    self._send(uapi.IoCmd.PREP_IO_CMDS, b, lambda res, _f: results.append(res))
+                    expected += 1
+        for qs in self.queues:
+            err = ffi.new("int *")
+            br = lib.aur_buf_ring_setup(self.ring.raw, self.buf_entries, qs.local, err)
+            if br == ffi.NULL:
+                self.failed = err[0]
+                return
+            qs.buf_ring = br
+            for bid in range(self.buf_entries):
+                self._give_back(qs, bid, bid)
+            lib.aur_buf_ring_advance(br, self.buf_entries)
+            for _ in range(self.FETCHES):
+                self._fetch(qs)
+        self.ring.submit_now()
+        self.ring._reap()
+        if len(results) < expected:
+            self.failed = -errno.ETIMEDOUT  # PREP completes inline unless something broke
+        self.failed = self.failed or min([0, *results])
+
+    def _send(self, op: int, b: Batch, handler: Callable[[int, int], None]) -> None:
+        data = b.data
+        self.ring.prep_cmd(self.char_fd, op, b.header(), addr=buffer_address(data),
+                           length=len(data), handler=handler, keep=data)
+
+    # -- fetch ----------------------------------------------------------------
+
+    def _fetch(self, qs: _QueueState) -> None:
+        self.ring.prep_cmd(
+            self.char_fd, uapi.IoCmd.FETCH_IO_CMDS,
+            fetch_header(qs.qm.q_id, self.buf_bytes // 2),
+            cmd_flags=lib.IORING_URING_CMD_MULTISHOT, buf_index=qs.local,
+            sqe_flags=lib.IOSQE_BUFFER_SELECT, handler=partial(self._on_fetch, qs))
+        qs.fetches += 1
+        self.live += 1
+
+    def _give_back(self, qs: _QueueState, bid: int, offset: int = 0) -> None:
+        """Put provided buffer ``bid`` back (at ``offset`` past the ring's tail;
+        the caller advances the tail)."""
+        size = self.buf_bytes
+        lib.aur_buf_ring_add(qs.buf_ring, buffer_address(qs.tags_mem) + bid * size,
+                             size, bid, self.buf_entries, offset)
+
+    def _on_fetch(self, qs: _QueueState, res: int, flags: int) -> None:
+        if flags & lib.IORING_CQE_F_BUFFER:
+            bid = flags >> 16
+            start = bid * self.buf_bytes
+            tags = memoryview(qs.tags_mem)[start:start + max(res, 0)].cast("H").tolist()
+            self._give_back(qs, bid)
+            lib.aur_buf_ring_advance(qs.buf_ring, 1)
+            serve = self._serve
+            spawn = self.spawn
+            for tag in tags:
+                spawn(serve(qs, tag))
+        if flags & lib.IORING_CQE_F_MORE:
+            return
+        qs.fetches -= 1
+        self.live -= 1
+        if res >= 0 or res == -errno.ENOBUFS:
+            if not self.stopping:
+                self._fetch(qs)
+                return
+        elif res != -errno.ENODEV:
+            self.w.log.warning("FETCH_IO_CMDS failed", q=qs.qm.q_id, res=res)
+            if not self.failed:
+                self.failed = res
+        else:
+            self.stopping = True
+        if self.live == 0:
+            self.w.finished()
+
+    # -- commit ---------------------------------------------------------------
+
+    async def _serve(self, qs: _QueueState, tag: int) -> None:
+        try:
+            res = await self.path.serve(qs.qm, tag, self._index(qs, tag))
+        finally:
+            self.answered()
+        self._add(qs, tag, res)
+        self.ring.request_flush()
+
+    def _commit(self) -> None:
+        for qs in self.queues:
+            if len(qs.builder):
+                for b in qs.builder.take():
+                    self._send(uapi.IoCmd.COMMIT_IO_CMDS, b, partial(self._on_commit, b))
+
+    def _on_commit(self, b: Batch, res: int, flags: int) -> None:
+        rest, refused = b.after(res)
+        if refused is not None and res != -errno.ENODEV:
+            self.w.log.warning("COMMIT_IO_CMDS refused a tag", q=b.q_id, tag=refused,
+                               res=res if res < 0 else None)
+        if rest is not None:
+            self._send(uapi.IoCmd.COMMIT_IO_CMDS, rest, partial(self._on_commit, rest))
+
+    async def drain(self) -> None:
+        await super().drain()
+        self._commit()
+
+    def close(self) -> None:
+        """Free the buffer rings' memory (after the ring is gone)."""
+        for qs in self.queues:
+            if qs.buf_ring is not None:
+                lib.aur_buf_ring_free(ffi.NULL, qs.buf_ring, self.buf_entries, qs.local)
+            qs.buf_ring = None

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 from aioublk import logs, uapi
 from aioublk.device import Control, Device, DeviceConfig, UblkError
+from aioublk.queue import CopyMode
 from aioublk.target import Target
 from aioublk.targets import BackingError, LoopTarget, NullTarget, StripeTarget
 
@@ -57,6 +58,20 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("--debug_mask", default=None)
     add.add_argument("--no_auto_part_scan", action="store_true")
     add.add_argument("--chunk_size", type=int, default=65536)
+    batch = add.add_mutually_exclusive_group()
+    batch.add_argument("-b", "--batch", action="store_true", default=None,
+                       help="require UBLK_F_BATCH_IO (default: use it when the kernel has it)")
+    batch.add_argument("--no-batch", dest="batch", action="store_false",
+                       help="use the per-I/O FETCH/COMMIT path")
+    add.add_argument("-z", dest="zero_copy", action="store_true",
+                     help="zero copy (UBLK_F_SUPPORT_ZERO_COPY)")
+    add.add_argument("--auto_zc", action="store_true", help="UBLK_F_AUTO_BUF_REG")
+    add.add_argument("--auto_zc_fallback", action="store_true",
+                     help="with --auto_zc: register by hand when the kernel cannot")
+    add.add_argument("-u", dest="user_copy", action="store_true",
+                     help="user copy (UBLK_F_USER_COPY)")
+    add.add_argument("--nthreads", type=int, default=0)
+    add.add_argument("--per_io_tasks", action="store_true")
     add.add_argument("--buffered", action="store_true",
                      help="loop/stripe: do not use O_DIRECT on the backing files")
     add.add_argument("-v", "--verbose", action="store_true")
@@ -198,7 +213,19 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
     flags = 0
     if args.no_auto_part_scan:
         flags |= uapi.Feature.NO_AUTO_PART_SCAN
-    cfg = DeviceConfig(dev_id=args.dev_id, queues=args.queues, depth=args.depth, flags=flags)
+    # kublk spells the fallback mode "-z --auto_zc --auto_zc_fallback"
+    modes = [m for on, m in ((args.zero_copy and not args.auto_zc_fallback, CopyMode.ZERO_COPY),
+                             (args.auto_zc or args.auto_zc_fallback, CopyMode.AUTO_ZC),
+                             (args.user_copy, CopyMode.USER_COPY)) if on]
+    if len(modes) > 1:
+        names = {CopyMode.ZERO_COPY: "-z", CopyMode.AUTO_ZC: "--auto_zc",
+                 CopyMode.USER_COPY: "-u"}
+        raise UblkError(f"{' and '.join(names[m] for m in modes)} are different data-copy "
+                        "modes: pick one")
+    cfg = DeviceConfig(dev_id=args.dev_id, queues=args.queues, depth=args.depth, flags=flags,
+                       batch=args.batch, copy=modes[0] if modes else CopyMode.COPY,
+                       auto_zc_fallback=args.auto_zc_fallback, nthreads=args.nthreads,
+                       per_io_tasks=args.per_io_tasks)
     cfg.validate()
     return cfg
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 
 from aioublk import uapi
-from aioublk.queue import Queue
+from aioublk.queue import CopyMode, QueueMem, Worker, WorkerSpec, layout
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import Target
 
@@ -139,16 +139,24 @@ class DeviceConfig:
     dev_id: int = -1
     queues: int = 1
     depth: int = 128
-    flags: int = 0
+    flags: int = 0               # extra UBLK_F_* flags (e.g. NO_AUTO_PART_SCAN)
     max_io_size: int = 1 << 20
+    #: batch I/O: None = when the kernel has it, True = required (-b), False = never
+    batch: bool | None = None
+    copy: CopyMode = CopyMode.COPY
+    auto_zc_fallback: bool = False  # with AUTO_ZC: register by hand when the kernel cannot
+    nthreads: int = 0            # worker threads; 0 = one per queue
+    per_io_tasks: bool = False   # per-I/O path: spread each queue's tags over the workers
+    fetch_buf_bytes: int = 0     # batch: bytes per provided fetch buffer (0 = depth's tags)
+    fetch_buf_entries: int = 0   # batch: provided buffers per queue and worker (0 = 8)
 
-    #: device flags this version serves; the copy modes and batch I/O come next
+    #: device flags a caller may pass in ``flags``; the rest come from the options
     SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
 
     def validate(self) -> None:
         unsupported = self.flags & ~self.SUPPORTED_FLAGS
         if unsupported:
-            raise UblkError(f"aioublk does not serve {uapi.flag_list(unsupported)} yet: "
+            raise UblkError(f"aioublk does not serve {uapi.flag_list(unsupported)}: "
                             "leave it out")
         if not 1 <= self.depth <= uapi.MAX_QUEUE_DEPTH:
             raise UblkError(f"queue depth {self.depth} out of range: use 1..4096")
@@ -156,6 +164,51 @@ class DeviceConfig:
             raise UblkError(f"{self.queues} queues out of range: use 1..32")
         if self.dev_id < -1:
             raise UblkError(f"device id {self.dev_id} is invalid: use -1 (any) or >= 0")
+        if not 0 <= self.nthreads <= 64:
+            raise UblkError(f"--nthreads {self.nthreads} out of range: use 1..64")
+        if self.per_io_tasks and self.batch:
+            raise UblkError("--per_io_tasks and -b/--batch conflict: per-I/O tasks are a "
+                            "per-I/O path feature (use --nthreads alone with batch)")
+        if self.auto_zc_fallback and self.copy is not CopyMode.AUTO_ZC:
+            raise UblkError("--auto_zc_fallback needs --auto_zc")
+        if (self.fetch_buf_bytes and (self.fetch_buf_bytes % 2
+                                      or not 2 <= self.fetch_buf_bytes <= 4096)) \
+                or self.fetch_buf_entries & (self.fetch_buf_entries - 1) \
+                or self.fetch_buf_entries > 4096:
+            raise UblkError("fetch buffers: bytes must be even (2..4096) and entries a power "
+                            "of two (1..4096)")
+
+    def resolve(self, features: int) -> tuple[bool, int]:
+        """Against the kernel's features: (use batch I/O, device flags).
+        Raises UblkError for what this kernel or combination cannot do."""
+        has_batch = bool(features & uapi.Feature.BATCH_IO)
+        if self.batch and not has_batch:
+            raise UblkError("this kernel's ublk_drv lacks UBLK_F_BATCH_IO (kernel 6.19+): "
+                            "drop -b/--batch")
+        if self.batch and self.depth < 2:
+            raise UblkError("batch I/O needs a queue depth of 2 or more (ublk_drv refuses "
+                            "depth 1 with UBLK_F_BATCH_IO): raise -d or drop -b")
+        auto = has_batch and not self.per_io_tasks and self.depth >= 2
+        batch = auto if self.batch is None else self.batch
+        nthreads = self.nthreads or self.queues
+        if not batch and nthreads != self.queues and not self.per_io_tasks:
+            raise UblkError(f"--nthreads {nthreads} differs from -q {self.queues}: add "
+                            "--per_io_tasks, or use batch I/O (-b)")
+        flags = self.flags | self.copy.flags
+        if self.auto_zc_fallback:
+            flags |= uapi.Feature.SUPPORT_ZERO_COPY
+        if batch:
+            flags |= uapi.Feature.BATCH_IO
+            if self.copy is CopyMode.AUTO_ZC and nthreads > self.queues:
+                raise UblkError(f"--auto_zc with batch I/O cannot use more threads "
+                                f"({nthreads}) than queues ({self.queues}): lower --nthreads")
+        missing = flags & ~features
+        if self.per_io_tasks and not features & uapi.Feature.PER_IO_DAEMON:
+            missing |= uapi.Feature.PER_IO_DAEMON
+        if missing:
+            raise UblkError("this kernel's ublk_drv does not support "
+                            f"{uapi.flag_list(missing)}: drop the option that asks for it")
+        return batch, flags
 
 
 async def _open_char(path: str, timeout: float = 3.0) -> int:
@@ -185,8 +238,14 @@ class Device:
         self.target = target
         self.config = config or DeviceConfig(**kw)
         self.config.validate()
+        if self.config.copy.fixed and not target.fixed_buffers:
+            raise UblkError(f"target {target.name} cannot serve zero-copy modes (-z, "
+                            "--auto_zc): it needs the data in memory; use the default copy "
+                            "mode or -u")
         self.info: uapi.DevInfo | None = None
-        self.queues: list[Queue] = []
+        self.batch = False
+        self.mems: list[QueueMem] = []
+        self.workers: list[Worker] = []
         self._ctrl: Control | None = None
         self._char_fd = -1
         self._stopped = False
@@ -213,14 +272,11 @@ class Device:
             if not features & uapi.Feature.CMD_IOCTL_ENCODE:
                 raise UblkError("this ublk_drv lacks UBLK_F_CMD_IOCTL_ENCODE: "
                                 "aioublk needs kernel 6.4 or later")
-            missing = cfg.flags & ~features
-            if missing:
-                raise UblkError("this kernel's ublk_drv does not support "
-                                f"{uapi.flag_list(missing)}")
+            self.batch, flags = cfg.resolve(features)
             want = uapi.DevInfo(
                 nr_hw_queues=cfg.queues, queue_depth=cfg.depth,
                 max_io_buf_bytes=cfg.max_io_size,
-                dev_id=uapi.DEV_ID_ANY if cfg.dev_id < 0 else cfg.dev_id, flags=cfg.flags)
+                dev_id=uapi.DEV_ID_ANY if cfg.dev_id < 0 else cfg.dev_id, flags=flags)
             self.info = await ctrl.add_dev(want)
         except BaseException:
             ctrl.close()
@@ -232,30 +288,48 @@ class Device:
             self._char_fd = await _open_char(self.char_path)
             params = self.target.geometry.params(info.max_io_buf_bytes)
             await ctrl.set_params(info.dev_id, params)
-            qcfg = DeviceConfig(info.dev_id, info.nr_hw_queues, info.queue_depth, info.flags,
-                                info.max_io_buf_bytes)
-            self.queues = [Queue(qcfg, q, self._char_fd, self.target, info.max_io_buf_bytes)
-                           for q in range(info.nr_hw_queues)]
-            for q in self.queues:
-                q.start()
+            self._start_workers(info)
             loop = asyncio.get_running_loop()
-            for q in self.queues:
-                await loop.run_in_executor(None, q.ready.wait)
-                if q.error is not None:
-                    raise UblkError(f"queue {q.q_id} failed to start: {q.error}")
+            for w in self.workers:
+                await loop.run_in_executor(None, w.ready.wait)
+                if w.error is not None:
+                    raise UblkError(f"queue worker {w.spec.index} failed to start: {w.error}")
             await ctrl.start_dev(info.dev_id, os.getpid())
             self.info = await ctrl.get_info(info.dev_id)
         except BaseException:
             await self._teardown(delete=True)
             raise
         self.log.info("device started", path=self.path, queues=info.nr_hw_queues,
-                      depth=info.queue_depth, **self.target.describe())
+                      depth=info.queue_depth, batch=self.batch, copy=cfg.copy.value,
+                      workers=len(self.workers), **self.target.describe())
+
+    def _start_workers(self, info: uapi.DevInfo) -> None:
+        cfg = self.config
+        # what the kernel granted (queues are capped at the CPU count)
+        wcfg = replace(cfg, dev_id=info.dev_id, queues=info.nr_hw_queues,
+                       depth=info.queue_depth, max_io_size=info.max_io_buf_bytes)
+        nthreads = cfg.nthreads or info.nr_hw_queues
+        if not self.batch and not cfg.per_io_tasks:
+            nthreads = info.nr_hw_queues
+        self.mems = [QueueMem(self._char_fd, q, info.queue_depth, info.max_io_buf_bytes,
+                              cfg.copy) for q in range(info.nr_hw_queues)]
+        plan = layout(info.nr_hw_queues, info.queue_depth, nthreads, batch=self.batch,
+                      per_io_tasks=cfg.per_io_tasks)
+        prepared: set[int] = set()
+        for i, work in enumerate(plan):
+            prep = {q for q, _tags in work} - prepared
+            prepared |= prep
+            spec = WorkerSpec(i, [(self.mems[q], tags) for q, tags in work], prep)
+            self.workers.append(Worker(wcfg, spec, self._char_fd, self.target, cfg.copy,
+                                       self.batch))
+        for w in self.workers:
+            w.start()
 
     async def wait(self) -> None:
         """Until every queue has ended (the device was stopped or deleted)."""
         loop = asyncio.get_running_loop()
-        for q in self.queues:
-            await loop.run_in_executor(None, q.join)
+        for w in self.workers:
+            await loop.run_in_executor(None, w.join)
 
     async def stop(self, delete: bool = True) -> None:
         """Stop serving (in-flight requests finish first) and delete the device."""
@@ -272,11 +346,14 @@ class Device:
         res = await ctrl.stop_dev(dev_id)
         if res < 0 and res != -errno.ENODEV:
             log.warning("STOP_DEV failed", dev=dev_id, res=res)
-        for q in self.queues:
-            # a queue whose tags were never fetched has nothing to abort
-            if not q.ready.is_set() and q.loop is not None:
-                q.loop.call_soon_threadsafe(q.finished)
+        for w in self.workers:
+            # a worker whose tags were never armed has nothing to abort
+            if not w.ready.is_set() and w.loop is not None:
+                w.loop.call_soon_threadsafe(w.finished)
         await self.wait()
+        for m in self.mems:
+            m.close()
+        self.mems = []
         if self._char_fd >= 0:
             os.close(self._char_fd)
             self._char_fd = -1

@@ -1,37 +1,45 @@
-"""A ublk queue: one thread, one uvloop loop, one Ring, one coroutine per
-request.
+"""Serving ublk queues: shared per-queue memory, worker threads (one uvloop
+loop and one Ring each), the data-copy modes, and the per-I/O driver.
 
-The per-tag protocol (per-I/O path, every kernel):
+The per-tag protocol of the per-I/O path (every kernel):
 
     FETCH_REQ ──► (request arrives: CQE res 0) ──► target coroutine
         ▲                                              │
         └──────────── COMMIT_AND_FETCH_REQ(result) ◄───┘
 
 A CQE with res -ENODEV means the kernel aborted the tag (device stopped or
-deleted): the tag is finished and is not re-armed. The queue ends when every
-tag is finished. Commands for a tag must be issued by the thread that fetched
-it, which holds because each queue's Ring is used only by its own thread.
+deleted): the tag is finished and is not re-armed. A worker ends when all its
+tags are finished. Commands for a tag must come from the thread that fetched
+it; every worker uses only its own Ring, so that holds.
 
-``serve_request`` (the op → target dispatch) is shared with the batch driver
-in ``batch.py``.
+Workers and queues (``layout``): by default one worker per queue. With
+``--per_io_tasks`` (``UBLK_F_PER_IO_DAEMON``) the (queue, tag) pairs are dealt
+out to N workers in turn, so one busy queue keeps every worker busy. The batch
+path (``batch.py``) maps N workers onto M queues round-robin, the way kublk
+does: a worker may serve several queues and a queue several workers.
+
+``IoPath`` is the one place that knows the data-copy modes; both drivers run
+every request through it and ``serve_request`` (the op → target dispatch).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
 from aioublk import uapi
 from aioublk.ring import Ring, buffer_address
-from aioublk.target import Target
+from aioublk.target import Buffer, FixedBuf, Target
 
 if TYPE_CHECKING:
     from aioublk.device import DeviceConfig
@@ -43,18 +51,20 @@ _READ, _WRITE, _FLUSH, _DISCARD, _WRITE_ZEROES = (
 
 
 async def serve_request(target: Target, op_flags: int, nr_sectors: int, start_sector: int,
-                        buf: memoryview) -> int:
+                        buf: Buffer) -> int:
     """Run one request on the target; returns the result for the kernel
     (bytes for read/write, 0 for the others, -errno on failure)."""
     op = op_flags & 0xFF
     offset = start_sector << 9
     length = nr_sectors << 9
+    # a FixedBuf only reaches targets that declared fixed_buffers
+    data = cast(memoryview, buf[:length])
     try:
         if op == _READ:
-            await target.read(offset, buf[:length])
+            await target.read(offset, data)
             return length
         if op == _WRITE:
-            await target.write(offset, buf[:length], bool(op_flags & uapi.IO_F_FUA))
+            await target.write(offset, data, bool(op_flags & uapi.IO_F_FUA))
             return length
         if op == _FLUSH:
             await target.flush()
@@ -73,24 +83,234 @@ async def serve_request(target: Target, op_flags: int, nr_sectors: int, start_se
         return -errno.EIO
 
 
-class Queue:
-    """Serves one hardware queue of a device on a thread of its own."""
+class CopyMode(enum.Enum):
+    """How request data moves between the kernel and the target (kublk's flags)."""
 
-    def __init__(self, cfg: DeviceConfig, q_id: int, char_fd: int, target: Target,
-                 max_io: int) -> None:
-        self.cfg = cfg
+    COPY = "copy"             # default: the kernel copies to/from our buffer
+    ZERO_COPY = "zero_copy"   # -z: register the request's pages, fixed-buffer I/O
+    AUTO_ZC = "auto_zc"       # --auto_zc: the kernel registers them for us
+    USER_COPY = "user_copy"   # -u: pread/pwrite on /dev/ublkcN
+
+    @property
+    def flags(self) -> int:
+        return {
+            CopyMode.COPY: 0,
+            CopyMode.ZERO_COPY: uapi.Feature.SUPPORT_ZERO_COPY,
+            CopyMode.AUTO_ZC: uapi.Feature.AUTO_BUF_REG,
+            CopyMode.USER_COPY: uapi.Feature.USER_COPY,
+        }[self]
+
+    @property
+    def kernel_buffers(self) -> bool:
+        """Whether the kernel copies into a buffer of ours (given with each command)."""
+        return self is CopyMode.COPY
+
+    @property
+    def own_buffers(self) -> bool:
+        return self in (CopyMode.COPY, CopyMode.USER_COPY)
+
+    @property
+    def fixed(self) -> bool:
+        return self in (CopyMode.ZERO_COPY, CopyMode.AUTO_ZC)
+
+
+class QueueMem:
+    """One hardware queue's memory, shared by the workers that serve it: the
+    kernel's read-only request descriptors and (copy modes) one buffer per tag."""
+
+    def __init__(self, char_fd: int, q_id: int, depth: int, max_io: int, mode: CopyMode) -> None:
         self.q_id = q_id
-        self.depth = cfg.depth
+        self.depth = depth
+        self.descs = mmap.mmap(char_fd, uapi.desc_area_size(depth), mmap.MAP_SHARED,
+                               mmap.PROT_READ, offset=uapi.desc_mmap_offset(q_id))
+        self.bufs: mmap.mmap | None = None
+        self.addrs = [0] * depth
+        self.views: list[memoryview] = []
+        if mode.own_buffers:
+            self.bufs = mmap.mmap(-1, depth * max_io, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            base = buffer_address(self.bufs)
+            self.addrs = [base + t * max_io for t in range(depth)]
+            view = memoryview(self.bufs)
+            self.views = [view[t * max_io:(t + 1) * max_io] for t in range(depth)]
+        self.unpack = partial(uapi.IO_DESC.unpack_from, self.descs)
+
+    def close(self) -> None:
+        self.views.clear()
+        for m in (self.descs, self.bufs):
+            if m is None:
+                continue
+            try:
+                m.close()
+            except BufferError:
+                pass  # a straggling view; the mapping goes with the process
+
+
+class IoPath:
+    """Runs one request on the target in the device's copy mode. ``index``
+    is the tag's slot in the worker ring's buffer table (zero-copy modes)."""
+
+    def __init__(self, target: Target, ring: Ring, char_fd: int, mode: CopyMode) -> None:
+        self.target = target
+        self.ring = ring
+        self.char_fd = char_fd
+        self.mode = mode
+
+    def serve(self, qm: QueueMem, tag: int, index: int) -> Coroutine[Any, Any, int]:
+        op_flags, nr, sector, _addr = qm.unpack(tag * 24)
+        mode = self.mode
+        if mode is CopyMode.COPY or op_flags & 0xFF not in (_READ, _WRITE):
+            return serve_request(self.target, op_flags, nr, sector,
+                                 qm.views[tag] if qm.views else _NO_DATA)
+        if mode is CopyMode.USER_COPY:
+            return self._user_copy(qm, tag, op_flags, nr, sector)
+        if mode is CopyMode.ZERO_COPY or op_flags & uapi.IO_F_NEED_REG_BUF:
+            return self._registered(qm, tag, index, op_flags, nr, sector)
+        return serve_request(self.target, op_flags, nr, sector, FixedBuf(index, 0, nr << 9))
+
+    async def _user_copy(self, qm: QueueMem, tag: int, op_flags: int, nr: int,
+                         sector: int) -> int:
+        length = nr << 9
+        view = qm.views[tag][:length]
+        pos = uapi.user_copy_offset(qm.q_id, tag)
+        ring = self.ring
+        try:
+            if op_flags & 0xFF == _WRITE:
+                done = 0
+                while done < length:
+                    n = await ring.read(self.char_fd, view[done:], pos + done)
+                    if n <= 0:
+                        return -errno.EIO
+                    done += n
+            res = await serve_request(self.target, op_flags, nr, sector, view)
+            if op_flags & 0xFF == _READ and res > 0:
+                done = 0
+                while done < res:
+                    n = await ring.write(self.char_fd, view[done:res], pos + done)
+                    if n <= 0:
+                        return -errno.EIO
+                    done += n
+            return res
+        except OSError as e:
+            return -(e.errno or errno.EIO)
+
+    async def _registered(self, qm: QueueMem, tag: int, index: int, op_flags: int, nr: int,
+                          sector: int) -> int:
+        """-z (or an auto registration the kernel could not do): register the
+        request's pages at ``index``, serve, unregister. The unregister is
+        queued, not awaited: it reaches the kernel before the commit, in order."""
+        ring = self.ring
+        res = await ring.uring_cmd(self.char_fd, uapi.IoCmd.REGISTER_IO_BUF,
+                                   uapi.io_cmd(qm.q_id, tag, 0, index))
+        if res < 0:
+            log.warning("REGISTER_IO_BUF failed", q=qm.q_id, tag=tag, res=res)
+            return res
+        try:
+            return await serve_request(self.target, op_flags, nr, sector,
+                                       FixedBuf(index, 0, nr << 9))
+        finally:
+            ring.prep_cmd(self.char_fd, uapi.IoCmd.UNREGISTER_IO_BUF,
+                          uapi.io_cmd(qm.q_id, tag, 0, index))
+
+
+_NO_DATA = memoryview(b"")
+
+
+def auto_buf_reg(index: int, fallback: bool) -> int:
+    """``struct ublk_auto_buf_reg`` as the kernel reads it from ``sqe->addr``."""
+    return index | (1 << 16 if fallback else 0)
+
+
+def layout(queues: int, depth: int, nthreads: int, *, batch: bool,
+           per_io_tasks: bool) -> list[list[tuple[int, list[int]]]]:
+    """For each worker, the (queue, tags) it serves."""
+    if batch:
+        # kublk's round-robin N:M map: worker j % N serves queue i % M
+        work: list[dict[int, list[int]]] = [{} for _ in range(nthreads)]
+        i = 0
+        while i < queues or i < nthreads:
+            work[i % nthreads].setdefault(i % queues, list(range(depth)))
+            i += 1
+        return [sorted(w.items()) for w in work]
+    if per_io_tasks:
+        out: list[list[tuple[int, list[int]]]] = [[] for _ in range(nthreads)]
+        for w in range(nthreads):
+            mine: dict[int, list[int]] = {}
+            for n in range(w, queues * depth, nthreads):
+                mine.setdefault(n // depth, []).append(n % depth)
+            out[w] = sorted(mine.items())
+        return out
+    return [[(q, list(range(depth)))] for q in range(queues)]
+
+
+class Driver:
+    """What the per-I/O and batch drivers share: a worker's ring and copy
+    path, and the requests in flight (one task each)."""
+
+    def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
+        self.w = worker
+        self.ring = ring
+        self.path = path
+        self.char_fd = worker.char_fd
+        self.failed = 0  # the first error the kernel answered an arming command with
+        self.inflight = 0  # requests started and not yet answered
+        self._drained: asyncio.Future[None] | None = None
+        self.loop = asyncio.get_running_loop()
+
+    def arm(self) -> None:
+        """Queue the commands that must reach the kernel before START_DEV."""
+        raise NotImplementedError
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Start one request; it calls ``answered`` when done. (A pending task
+        stays referenced through the ring future it awaits: no set to keep.)"""
+        self.inflight += 1
+        self.loop.create_task(coro)
+
+    def answered(self) -> None:
+        self.inflight -= 1
+        if not self.inflight and self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def drain(self) -> None:
+        """Let the requests in flight finish (bounded) after the device stopped."""
+        if self.inflight:
+            self._drained = self.loop.create_future()
+            try:
+                await asyncio.wait_for(self._drained, 5)
+            except TimeoutError:
+                self.w.log.warning("requests still in flight at stop", n=self.inflight)
+
+    def close(self) -> None:
+        """Release what outlives the ring (called after the ring is closed)."""
+
+
+@dataclass
+class WorkerSpec:
+    """What one worker thread serves."""
+
+    index: int
+    work: list[tuple[QueueMem, list[int]]]
+    prep: set[int]  # batch: queues whose tags this worker prepares before START_DEV
+
+
+class Worker:
+    """One thread, one uvloop loop, one Ring: serves its share of the queues."""
+
+    def __init__(self, cfg: DeviceConfig, spec: WorkerSpec, char_fd: int, target: Target,
+                 mode: CopyMode, batch: bool) -> None:
+        self.cfg = cfg
+        self.spec = spec
         self.char_fd = char_fd
         self.target = target
-        self.max_io = max_io
+        self.mode = mode
+        self.batch = batch
         self.ready = threading.Event()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"ublk{cfg.dev_id}q{q_id}",
+        self.thread = threading.Thread(target=self._run, name=f"ublk{cfg.dev_id}w{spec.index}",
                                        daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Future[None] | None = None
-        self.log = log.bind(q=q_id)
+        self.log = log.bind(worker=spec.index)
 
     def start(self) -> None:
         self.thread.start()
@@ -108,105 +328,109 @@ class Queue:
             loop.run_until_complete(self._main())
         except BaseException as e:  # noqa: BLE001 - reported to the control plane
             self.error = e
-            self.log.error("queue failed", error=str(e))
+            self.log.error("worker failed", error=str(e))
         finally:
             self.ready.set()
             loop.close()
 
+    @property
+    def nr_tags(self) -> int:
+        return sum(len(tags) for _qm, tags in self.spec.work)
+
     async def _main(self) -> None:
-        depth = self.depth
+        depth = max(self.nr_tags, 1)
         ring = Ring(
             max(2 * depth, 64), cq_entries=max(8 * depth, 256),
             flags=queue_ring_flags(), bind_thread=True,
         )
-        descs = mmap.mmap(self.char_fd, uapi.desc_area_size(depth), mmap.MAP_SHARED,
-                          mmap.PROT_READ, offset=uapi.desc_mmap_offset(self.q_id))
-        bufs = mmap.mmap(-1, depth * self.max_io, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._stop = asyncio.get_running_loop().create_future()
-        driver = PerIoDriver(self, ring, descs, bufs)
+        path = IoPath(self.target, ring, self.char_fd, self.mode)
+        driver: Driver
+        if self.batch:
+            from aioublk.batch import BatchDriver
+
+            driver = BatchDriver(self, ring, path)
+        else:
+            driver = PerIoDriver(self, ring, path)
         try:
+            if self.mode.fixed:
+                ring.register_buffers_sparse(driver_table_size(self))
             driver.arm()
             if driver.failed:
-                raise OSError(-driver.failed, "FETCH_REQ refused by the kernel: "
+                raise OSError(-driver.failed, "the kernel refused the queue's commands: "
                               + os.strerror(-driver.failed))
             self.ready.set()
             await self._stop
             await driver.drain()
         finally:
             ring.close()
-            del driver
-            descs.close()
-            try:
-                bufs.close()
-            except BufferError:
-                pass  # a straggling view; the mapping goes with the process
+            driver.close()
+            del driver, path
 
     def finished(self) -> None:
         if self._stop is not None and not self._stop.done():
             self._stop.set_result(None)
 
 
+def driver_table_size(worker: Worker) -> int:
+    """Buffer-table slots a worker's ring needs: one per tag it may see."""
+    if worker.batch:
+        return len(worker.spec.work) * worker.cfg.depth
+    return worker.nr_tags
+
+
 def queue_ring_flags() -> int:
-    """Setup flags for a queue's ring: single issuer and deferred task work
-    (completions are run only when the queue's own thread asks for them)."""
+    """Setup flags for a worker's ring: single issuer and deferred task work
+    (completions are run only when the worker's own thread asks for them)."""
     from aioublk._uring import lib
 
     return int(lib.IORING_SETUP_SINGLE_ISSUER | lib.IORING_SETUP_DEFER_TASKRUN
                | lib.IORING_SETUP_COOP_TASKRUN)
 
 
-class PerIoDriver:
-    """``FETCH_REQ`` / ``COMMIT_AND_FETCH_REQ`` for every tag of a queue."""
+class PerIoDriver(Driver):
+    """``FETCH_REQ`` / ``COMMIT_AND_FETCH_REQ`` for every tag a worker owns."""
 
-    def __init__(self, queue: Queue, ring: Ring, descs: mmap.mmap, bufs: mmap.mmap) -> None:
-        self.q = queue
-        self.ring = ring
-        self.descs = descs
-        self.target = queue.target
-        depth = queue.depth
-        max_io = queue.max_io
-        base = buffer_address(bufs)
-        self.addrs = [base + t * max_io for t in range(depth)]
-        view = memoryview(bufs)
-        self.views = [view[t * max_io:(t + 1) * max_io] for t in range(depth)]
-        self.handlers: list[Callable[[int, int], None]] = [
-            partial(self._on_cqe, t) for t in range(depth)]
-        self.live = depth
-        self.busy: set[asyncio.Task[None]] = set()
-        self.failed = 0
-        self.loop = asyncio.get_running_loop()
-        self._unpack = uapi.IO_DESC.unpack_from
+    def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
+        super().__init__(worker, ring, path)
+        mode = worker.mode
+        fallback = worker.cfg.auto_zc_fallback
+        # (queue, tag, buffer-table index, io addr, sqe addr, handler) per owned tag
+        self.slots: list[tuple[QueueMem, int, int, int, int, Callable[[int, int], None]]] = []
+        for qm, tags in worker.spec.work:
+            for tag in tags:
+                index = len(self.slots)
+                sqe_addr = auto_buf_reg(index, fallback) if mode is CopyMode.AUTO_ZC else 0
+                io_addr = qm.addrs[tag] if mode.kernel_buffers else 0
+                self.slots.append((qm, tag, index, io_addr, sqe_addr,
+                                   partial(self._on_cqe, index)))
+        self.live = len(self.slots)
 
     def arm(self) -> None:
-        q = self.q
-        for tag in range(q.depth):
-            self.ring.prep_ublk_io(q.char_fd, uapi.IoCmd.FETCH_REQ, q.q_id, tag, 0,
-                                   self.addrs[tag], self.handlers[tag])
+        for qm, tag, _index, io_addr, sqe_addr, handler in self.slots:
+            self.ring.prep_ublk_io(self.char_fd, uapi.IoCmd.FETCH_REQ, qm.q_id, tag, 0,
+                                   io_addr, handler, sqe_addr)
         # FETCH must reach the kernel before START_DEV; errors come back at once
         self.ring.submit_now()
         self.ring._reap()
 
-    def _on_cqe(self, tag: int, res: int, flags: int) -> None:
+    def _on_cqe(self, slot: int, res: int, flags: int) -> None:
         if res == uapi.IO_RES_OK:
-            op_flags, nr, sector, _addr = self._unpack(self.descs, tag * 24)
-            task = self.loop.create_task(self._serve(tag, op_flags, nr, sector))
-            self.busy.add(task)
-            task.add_done_callback(self.busy.discard)
+            self.spawn(self._serve(slot))
             return
         if res != -errno.ENODEV:
-            self.q.log.warning("io command failed", tag=tag, res=res)
+            self.w.log.warning("io command failed", slot=slot, res=res)
             if not self.failed:
                 self.failed = res
         self.live -= 1
         if self.live == 0:
-            self.q.finished()
+            self.w.finished()
 
-    async def _serve(self, tag: int, op_flags: int, nr: int, sector: int) -> None:
-        res = await serve_request(self.target, op_flags, nr, sector, self.views[tag])
-        q = self.q
-        self.ring.prep_ublk_io(q.char_fd, uapi.IoCmd.COMMIT_AND_FETCH_REQ, q.q_id, tag, res,
-                               self.addrs[tag], self.handlers[tag])
-
-    async def drain(self) -> None:
-        if self.busy:
-            await asyncio.wait(list(self.busy), timeout=5)
+    async def _serve(self, slot: int) -> None:
+        qm, tag, index, io_addr, sqe_addr, handler = self.slots[slot]
+        try:
+            res = await self.path.serve(qm, tag, index)
+        finally:
+            self.answered()
+        self.ring.prep_ublk_io(self.char_fd, uapi.IoCmd.COMMIT_AND_FETCH_REQ, qm.q_id, tag,
+                               res, io_addr, handler, sqe_addr)

@@ -93,6 +93,7 @@ class Ring:
         self._cqe_buf = ffi.from_buffer(self._cqes)
         self._cqe_view = memoryview(self._cqes)
         self._closed = False
+        self._flush_hooks: list[Callable[[], None]] = []
         self.loop.add_reader(self._efd, self._on_wake)
         if bind_thread:
             _local.ring = self
@@ -104,7 +105,13 @@ class Ring:
         self._next_ud = ud + 1 if ud < 0x7FFF_FFFF_FFFF_FFFF else 1
         return ud
 
-    def _schedule_flush(self) -> None:
+    def add_flush_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` at the end of every loop turn that submits, just before
+        the submit: the place to queue a batch of what the turn produced."""
+        self._flush_hooks.append(hook)
+
+    def request_flush(self) -> None:
+        """Make sure this loop turn ends with a submit (and its hooks)."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
@@ -113,6 +120,8 @@ class Ring:
         self._flush_scheduled = False
         if self._closed:
             return
+        for hook in self._flush_hooks:
+            hook()
         ret = lib.aur_submit(self._r)
         if ret < 0 and ret not in (-errno.EAGAIN, -errno.EBUSY, -errno.EINTR):
             raise OSError(-ret, f"io_uring_enter failed: {os.strerror(-ret)}")
@@ -126,7 +135,7 @@ class Ring:
             self._handlers[ud] = handler
         if keep is not None:
             self._keep[ud] = keep
-        self._schedule_flush()
+        self.request_flush()
         return ud
 
     def _checked(self, ret: int, ud: int) -> None:

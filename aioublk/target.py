@@ -6,6 +6,11 @@ one target object serves every queue (each queue on its own thread), so a
 target keeps per-request state in locals. Backend I/O goes through
 ``aioublk.current_ring()``, the ring of the queue the request arrived on.
 
+Zero-copy modes (``-z``, ``--auto_zc``) hand a target a ``FixedBuf`` instead
+of a memoryview: the request's pages registered in the queue ring's buffer
+table, reachable only by io_uring fixed-buffer reads and writes. A target
+that can work that way sets ``fixed_buffers = True``.
+
 Errors: raise ``OSError`` (its errno is returned to the kernel) or anything
 else (the request fails with EIO and a log line; the queue keeps serving).
 """
@@ -75,12 +80,35 @@ class Geometry:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class FixedBuf:
+    """``length`` bytes at ``offset`` inside registered buffer ``index`` of the
+    current ring (use ``ring.read_fixed``/``write_fixed`` with ``addr=offset``)."""
+
+    index: int
+    offset: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, s: slice) -> FixedBuf:
+        start, stop, step = s.indices(self.length)
+        if step != 1:
+            raise ValueError("FixedBuf slices are contiguous")
+        return FixedBuf(self.index, self.offset + start, max(0, stop - start))
+
+
+Buffer = memoryview | FixedBuf
+
+
 class Target:
     """Base class of targets. Subclasses set ``geometry`` and override the
     operations they support; the defaults refuse with EOPNOTSUPP."""
 
     name = "custom"
     geometry: Geometry
+    fixed_buffers = False  # True: read/write also accept a FixedBuf (zero copy)
 
     async def read(self, offset: int, buf: memoryview) -> None:
         """Fill all of ``buf`` with the device's bytes at ``offset``."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 import uvloop
@@ -19,3 +19,15 @@ def pytest_asyncio_loop_factories(
     if item.get_closest_marker("guest"):
         return {"uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture
+def no_devices_left() -> Iterator[None]:
+    """Kernel tests start with no device and fail if they leave one behind."""
+    from tests import kernel
+
+    kernel.delete_all()
+    yield
+    left = kernel.listing()
+    kernel.delete_all()
+    assert not left, f"devices left behind: {left}"

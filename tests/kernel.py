@@ -11,14 +11,17 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aioublk import cli as cli_mod
-from aioublk.device import Control, UblkError
+from aioublk.device import Control, Device, DeviceConfig, UblkError
+from aioublk.target import Target
 
 T = TypeVar("T")
 
@@ -158,3 +161,47 @@ def make_file(path: Path, size: int) -> Path:
     with open(path, "wb") as f:
         f.truncate(size)
     return path
+
+
+@contextmanager
+def served(target: Target, **config: Any) -> Iterator[Device]:
+    """A device served by this process (its control loop on a thread of its
+    own) while the test drives it with fio, mkfs, mount: no CLI start-up."""
+    import uvloop
+
+    box: list[Device] = []
+    failed: list[BaseException] = []
+    started = threading.Event()
+    stop: list[Callable[[], object]] = []
+
+    async def main() -> None:
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        stop.append(lambda: loop.call_soon_threadsafe(done.set))
+        async with Device(target, DeviceConfig(**config)) as dev:
+            box.append(dev)
+            started.set()
+            await done.wait()
+
+    def thread() -> None:
+        try:
+            uvloop.run(main())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            failed.append(e)
+        finally:
+            started.set()
+
+    t = threading.Thread(target=thread, daemon=True)
+    t.start()
+    started.wait(120)
+    if failed:
+        raise failed[0]
+    try:
+        yield box[0]
+    finally:
+        if stop:
+            stop[0]()
+        t.join(120)
+        target.close()
+    if failed:
+        raise failed[0]

@@ -101,3 +101,87 @@ def test_fetched_tags_decode_u16s() -> None:
     struct.pack_into("=4H", buf, 0, 0, 17, 4095, 3)
     assert fetched_tags(buf, 8) == [0, 17, 4095, 3]
     assert fetched_tags(buf, 0) == []
+
+
+# -- worker layout and option resolution ------------------------------------
+
+def test_layout_one_worker_per_queue_by_default() -> None:
+    from aioublk.queue import layout
+
+    plan = layout(2, 4, 2, batch=False, per_io_tasks=False)
+    assert plan == [[(0, [0, 1, 2, 3])], [(1, [0, 1, 2, 3])]]
+
+
+def test_layout_batch_maps_n_workers_onto_m_queues() -> None:
+    from aioublk.queue import layout
+
+    one_loop = layout(4, 2, 1, batch=True, per_io_tasks=False)
+    assert [[q for q, _ in w] for w in one_loop] == [[0, 1, 2, 3]]
+    four_loops = layout(1, 2, 4, batch=True, per_io_tasks=False)
+    assert [[q for q, _ in w] for w in four_loops] == [[0]] * 4
+    two_four = layout(4, 2, 2, batch=True, per_io_tasks=False)
+    assert [[q for q, _ in w] for w in two_four] == [[0, 2], [1, 3]]
+
+
+def test_layout_per_io_tasks_deals_every_tag_once() -> None:
+    from aioublk.queue import layout
+
+    plan = layout(2, 3, 4, batch=False, per_io_tasks=True)
+    pairs = [(q, t) for w in plan for q, tags in w for t in tags]
+    assert sorted(pairs) == [(q, t) for q in range(2) for t in range(3)]
+    assert plan[0] == [(0, [0]), (1, [1])]  # (0,0) and the 5th pair, (1,1)
+
+
+ALL = int(uapi.Feature.CMD_IOCTL_ENCODE | uapi.Feature.BATCH_IO | uapi.Feature.USER_COPY
+          | uapi.Feature.SUPPORT_ZERO_COPY | uapi.Feature.AUTO_BUF_REG
+          | uapi.Feature.PER_IO_DAEMON)
+
+
+def test_batch_is_the_default_where_the_kernel_has_it() -> None:
+    from aioublk.device import DeviceConfig
+
+    assert DeviceConfig().resolve(ALL) == (True, uapi.Feature.BATCH_IO)
+    assert DeviceConfig().resolve(ALL & ~uapi.Feature.BATCH_IO) == (False, 0)
+    assert DeviceConfig(batch=False).resolve(ALL)[0] is False
+    assert DeviceConfig(per_io_tasks=True, nthreads=2).resolve(ALL)[0] is False
+    assert DeviceConfig(depth=1).resolve(ALL)[0] is False  # the kernel refuses depth 1
+
+
+@pytest.mark.parametrize("kw,features,message", [
+    ({"batch": True}, ALL & ~uapi.Feature.BATCH_IO, "lacks UBLK_F_BATCH_IO"),
+    ({"batch": True, "depth": 1}, ALL, "queue depth of 2 or more"),
+    ({"copy": "user_copy"}, ALL & ~uapi.Feature.USER_COPY, "UBLK_F_USER_COPY"),
+    ({"nthreads": 3, "batch": False}, ALL, "--nthreads 3 differs from -q 1"),
+    ({"copy": "auto_zc", "nthreads": 2}, ALL, "--auto_zc with batch"),
+    ({"per_io_tasks": True, "nthreads": 2}, ALL & ~uapi.Feature.PER_IO_DAEMON,
+     "UBLK_F_PER_IO_DAEMON"),
+])
+def test_resolve_refuses_with_one_line(kw: dict[str, object], features: int,
+                                       message: str) -> None:
+    from aioublk.device import DeviceConfig, UblkError
+    from aioublk.queue import CopyMode
+
+    if "copy" in kw:
+        kw["copy"] = CopyMode(kw["copy"])
+    cfg = DeviceConfig(**kw)  # type: ignore[arg-type]
+    cfg.validate()
+    with pytest.raises(UblkError, match=message) as e:
+        cfg.resolve(features)
+    assert "\n" not in str(e.value)
+
+
+def test_auto_zc_fallback_adds_zero_copy_and_needs_auto_zc() -> None:
+    from aioublk.device import DeviceConfig, UblkError
+    from aioublk.queue import CopyMode
+
+    batch, flags = DeviceConfig(copy=CopyMode.AUTO_ZC, auto_zc_fallback=True).resolve(ALL)
+    assert flags & uapi.Feature.SUPPORT_ZERO_COPY and flags & uapi.Feature.AUTO_BUF_REG
+    with pytest.raises(UblkError, match="--auto_zc_fallback needs --auto_zc"):
+        DeviceConfig(auto_zc_fallback=True).validate()
+
+
+def test_fetch_header_is_u16_tags() -> None:
+    from aioublk.batch import fetch_header
+
+    q_id, flags, nr, eb = struct.unpack_from("=HHHB", fetch_header(2, 64))
+    assert (q_id, flags, nr, eb) == (2, 0, 64, 2)

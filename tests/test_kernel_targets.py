@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,18 +14,9 @@ from aioublk.targets.stripe import split
 from tests import kernel
 from tests.kernel import add, cli, delete, fio, make_file, run
 
-pytestmark = pytest.mark.guest
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 
 MiB = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def no_devices_left() -> Iterator[None]:
-    kernel.delete_all()
-    yield
-    left = kernel.listing()
-    kernel.delete_all()
-    assert not left, f"devices left behind: {left}"
 
 
 def target_args(target: str, tmp_path: Path, size: int = 256 * MiB) -> list[str]:
@@ -152,16 +143,18 @@ def _interrupt_fio(dev: kernel.DevListing, cwd: Path, interrupt: Callable[[], No
     kernel.wait_gone(dev.pid)
 
 
+@pytest.mark.parametrize("path", ["-b", "--no-batch"])
 @pytest.mark.parametrize("target", ["null", "loop"])
-def test_delete_under_io(target: str, tmp_path: Path) -> None:
-    dev = add(*target_args(target, tmp_path))
+def test_delete_under_io(target: str, path: str, tmp_path: Path) -> None:
+    dev = add(*target_args(target, tmp_path), path)
     _interrupt_fio(dev, tmp_path, lambda: cli("del", "-n", str(dev.dev_id), timeout=60))
     assert not Path(f"/dev/ublkb{dev.dev_id}").exists()
 
 
+@pytest.mark.parametrize("path", ["-b", "--no-batch"])
 @pytest.mark.parametrize("target", ["null", "loop"])
-def test_kill9_under_io(target: str, tmp_path: Path) -> None:
-    dev = add(*target_args(target, tmp_path))
+def test_kill9_under_io(target: str, path: str, tmp_path: Path) -> None:
+    dev = add(*target_args(target, tmp_path), path)
     _interrupt_fio(dev, tmp_path, lambda: os.kill(dev.pid, 9))
     states = [d.state for d in kernel.listing() if d.dev_id == dev.dev_id]
     assert not states or states[0] != "LIVE", states

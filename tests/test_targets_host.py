@@ -141,6 +141,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     (["add", "-t", "null", "-q", "x"], "invalid int value"),
     (["add"], "required"),
     (["frobnicate"], "invalid choice"),
+    (["add", "-t", "null", "-z", "-u"], "-z and -u are different data-copy modes"),
+    (["add", "-t", "null", "--auto_zc", "-u"], "--auto_zc and -u"),
+    (["add", "-t", "null", "-b", "--per_io_tasks"], "--per_io_tasks and -b/--batch conflict"),
+    (["add", "-t", "null", "-b", "--no-batch"], "not allowed with argument"),
+    (["add", "-t", "null", "--nthreads", "100"], "--nthreads 100 out of range"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], message: str) -> None:
     p = _cli(*args)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import stat
 import struct
 from dataclasses import dataclass
 
 from aioublk.ring import current_ring
+from aioublk.target import Buffer, FixedBuf
 
 BLKGETSIZE64 = 0x80081272
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -67,24 +69,35 @@ class Backing:
             size = st.st_size
         return cls(path, fd, size, used_direct, is_block)
 
-    async def read_full(self, buf: memoryview, offset: int) -> None:
+    async def read_full(self, buf: Buffer, offset: int) -> None:
         """Read all of ``buf``; zeros past end of file."""
         ring = current_ring()
         done = 0
         total = len(buf)
         while done < total:
-            n = await ring.read(self.fd, buf[done:], offset + done)
+            if isinstance(buf, FixedBuf):
+                n = await ring.read_fixed(self.fd, buf.offset + done, total - done,
+                                          offset + done, buf.index)
+            else:
+                n = await ring.read(self.fd, buf[done:], offset + done)
             if n == 0:
-                buf[done:] = bytes(total - done)
-                return
+                break
             done += n
+        if done < total:
+            if isinstance(buf, FixedBuf):
+                raise OSError(errno.EIO, f"read past the end of {self.path}")
+            buf[done:] = bytes(total - done)
 
-    async def write_full(self, buf: memoryview, offset: int) -> None:
+    async def write_full(self, buf: Buffer, offset: int) -> None:
         ring = current_ring()
         done = 0
         total = len(buf)
         while done < total:
-            n = await ring.write(self.fd, buf[done:], offset + done)
+            if isinstance(buf, FixedBuf):
+                n = await ring.write_fixed(self.fd, buf.offset + done, total - done,
+                                           offset + done, buf.index)
+            else:
+                n = await ring.write(self.fd, buf[done:], offset + done)
             if n == 0:
                 raise OSError(errno.EIO, f"short write to {self.path}")
             done += n
@@ -105,8 +118,23 @@ class Backing:
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-        await current_ring().fallocate(
-            self.fd, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, offset, length)
+        try:
+            await current_ring().fallocate(
+                self.fd, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, offset, length)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            await self._write_zeroes(offset, length)
+
+    async def _write_zeroes(self, offset: int, length: int) -> None:
+        """For file systems without ZERO_RANGE (tmpfs): plain writes of zeros."""
+        chunk = min(length, 1 << 20)
+        zeros = memoryview(mmap.mmap(-1, chunk))  # page-aligned, for O_DIRECT
+        done = 0
+        while done < length:
+            n = min(chunk, length - done)
+            await self.write_full(zeros[:n], offset + done)
+            done += n
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -3,12 +3,13 @@ ring. Flush is fdatasync; discard punches a hole."""
 
 from __future__ import annotations
 
-from aioublk.target import Geometry, Target
+from aioublk.target import Buffer, Geometry, Target
 from aioublk.targets.backing import Backing
 
 
 class LoopTarget(Target):
     name = "loop"
+    fixed_buffers = True
 
     def __init__(self, path: str, *, direct: bool = True, read_only: bool = False) -> None:
         self.backing = Backing.open(path, direct=direct, read_only=read_only)
@@ -16,10 +17,10 @@ class LoopTarget(Target):
         self.geometry = Geometry(size=size, volatile_cache=True, read_only=read_only,
                                  discard=True, write_zeroes=True, dma_alignment=511)
 
-    async def read(self, offset: int, buf: memoryview) -> None:
+    async def read(self, offset: int, buf: Buffer) -> None:
         await self.backing.read_full(buf, offset)
 
-    async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
+    async def write(self, offset: int, buf: Buffer, fua: bool = False) -> None:
         await self.backing.write_full(buf, offset)
         if fua:
             await self.backing.sync()

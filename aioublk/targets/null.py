@@ -6,20 +6,21 @@ backend I/O, 250 GiB by default.
 
 from __future__ import annotations
 
-from aioublk.target import Geometry, Target
+from aioublk.target import Buffer, Geometry, Target
 
 
 class NullTarget(Target):
     name = "null"
+    fixed_buffers = True
 
     def __init__(self, size: int = 250 << 30) -> None:
         self.geometry = Geometry(size=size, dma_alignment=4095,
                                  segment=(4095, 32 << 10, 32))
 
-    async def read(self, offset: int, buf: memoryview) -> None:
+    async def read(self, offset: int, buf: Buffer) -> None:
         return None
 
-    async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
+    async def write(self, offset: int, buf: Buffer, fua: bool = False) -> None:
         return None
 
     async def flush(self) -> None:

@@ -7,9 +7,10 @@ flight at once."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 from aioublk.ring import current_ring
-from aioublk.target import Geometry, Target
+from aioublk.target import Buffer, FixedBuf, Geometry, Target
 from aioublk.targets.backing import Backing, BackingError
 
 MAX_FILES = 4
@@ -36,6 +37,7 @@ def split(offset: int, length: int, chunk: int, nr_files: int
 
 class StripeTarget(Target):
     name = "stripe"
+    fixed_buffers = True
 
     def __init__(self, paths: list[str], chunk_size: int = 65536) -> None:
         if not 2 <= len(paths) <= MAX_FILES:
@@ -62,13 +64,16 @@ class StripeTarget(Target):
         self.geometry = Geometry(size=sizes[0] * len(self.files), volatile_cache=True,
                                  dma_alignment=511)
 
-    async def _rw(self, offset: int, buf: memoryview, write: bool) -> None:
+    async def _rw(self, offset: int, buf: Buffer, write: bool) -> None:
         ring = current_ring()
         parts = split(offset, len(buf), self.chunk, len(self.files))
-        ops = []
+        ops: list[Awaitable[int]] = []
         for f, (file_off, pieces) in parts.items():
-            bufs = [buf[s:s + n] for s, n in pieces]
             fd = self.files[f].fd
+            if isinstance(buf, FixedBuf):
+                ops.append(self._fixed(fd, buf, file_off, pieces, write))
+                continue
+            bufs = [buf[s:s + n] for s, n in pieces]
             ops.append(ring.writev(fd, bufs, file_off) if write
                        else ring.readv(fd, bufs, file_off))
         results = await asyncio.gather(*ops) if len(ops) > 1 else [await ops[0]]
@@ -78,10 +83,25 @@ class StripeTarget(Target):
                 raise OSError(5, f"short {'write' if write else 'read'} on "
                               f"{self.files[f].path}: {n} of {want}")
 
-    async def read(self, offset: int, buf: memoryview) -> None:
+    @staticmethod
+    async def _fixed(fd: int, buf: FixedBuf, file_off: int, pieces: list[tuple[int, int]],
+                     write: bool) -> int:
+        """A file's pieces of a registered buffer: one fixed read/write each
+        (no vectored form for fixed buffers on older kernels), in flight together."""
+        ring = current_ring()
+        op = ring.write_fixed if write else ring.read_fixed
+        ops = []
+        pos = file_off
+        for s, n in pieces:
+            ops.append(op(fd, buf.offset + s, n, pos, buf.index))
+            pos += n
+        done = await asyncio.gather(*ops)
+        return sum(done) if all(d == p[1] for d, p in zip(done, pieces, strict=True)) else -1
+
+    async def read(self, offset: int, buf: Buffer) -> None:
         await self._rw(offset, buf, False)
 
-    async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
+    async def write(self, offset: int, buf: Buffer, fua: bool = False) -> None:
         await self._rw(offset, buf, True)
         if fua:
             await self.flush()
