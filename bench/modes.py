@@ -1,0 +1,392 @@
+"""aioublk beside kublk across I/O modes, targets and workloads, in one guest run.
+
+    python -m bench.modes [--runtime 5] [--rounds 1] [--quick]
+
+For the null and loop targets and each mode (per-I/O, batch, batch with
+auto buffer registration, batch with zero copy) each server adds one device
+(1 queue, depth 128) and fio runs five workloads on it (4k random read and
+write at iodepth 1 and 64, 128k sequential read at iodepth 16; io_uring,
+O_DIRECT). kublk and aioublk alternate for every target/mode so that drift in
+the emulated guest hits both. A second part compares 1 and 2 queues (batch
+mode, null target, two fio jobs). A server that cannot add a device in some
+mode gets its error recorded and the run goes on.
+
+The guest only writes JSON; the host turns it into ``bench/results/modes.md``
+and ``modes.png`` (matplotlib: ``pip install -e .[bench]``). Absolute numbers
+under software emulation mean little; the aioublk/kublk ratio is the result.
+``--quick`` is a smoke test of this script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SERVERS = ("kublk", "aioublk")  # kublk first in every pair, as in null_kublk
+TARGETS = ("null", "loop")
+# Mode flags per server: aioublk picks batch by itself unless told, kublk is per-I/O by default.
+MODES: dict[str, dict[str, list[str]]] = {
+    "per-io": {"kublk": [], "aioublk": ["--no-batch"]},
+    "batch": {"kublk": ["-b"], "aioublk": ["-b"]},
+    "batch+auto_zc": {"kublk": ["-b", "--auto_zc"], "aioublk": ["-b", "--auto_zc"]},
+    "batch+z": {"kublk": ["-b", "-z"], "aioublk": ["-b", "-z"]},
+}
+# name -> (fio arguments, which side of fio's job report holds the IOPS)
+WORKLOADS: dict[str, tuple[list[str], str]] = {
+    "4k randread qd1": (["--rw=randread", "--bs=4k", "--iodepth=1"], "read"),
+    "4k randread qd64": (["--rw=randread", "--bs=4k", "--iodepth=64"], "read"),
+    "4k randwrite qd1": (["--rw=randwrite", "--bs=4k", "--iodepth=1"], "write"),
+    "4k randwrite qd64": (["--rw=randwrite", "--bs=4k", "--iodepth=64"], "write"),
+    "128k read qd16": (["--rw=read", "--bs=128k", "--iodepth=16"], "read"),
+}
+SCALING_WORKLOAD = "4k randread qd64"
+SCALING_FIO = ["--numjobs=2", "--group_reporting"]
+RAMP = 1
+BACKING_SIZE = 1 << 30
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[str, str | None]:
+    """(stdout, None) or (stdout, error): one failed step must not end the whole run."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return "", f"timed out after {timeout:.0f} s"
+    if p.returncode != 0:
+        msg = (p.stderr.strip() or p.stdout.strip()).splitlines()
+        return p.stdout, f"exit {p.returncode}: {' | '.join(msg[-5:])}"
+    return p.stdout, None
+
+
+def _fio(dev: str, workload: str, runtime: int,
+         extra: list[str]) -> tuple[float | None, str | None]:
+    args, side = WORKLOADS[workload]
+    out, err = _run(["fio", "--name=w", f"--filename={dev}", "--ioengine=io_uring", "--direct=1",
+                     *args, *extra, "--time_based", f"--runtime={runtime}",
+                     f"--ramp_time={RAMP}", "--output-format=json"],
+                    timeout=runtime + RAMP + 120)
+    if err:
+        return None, f"fio {err}"
+    try:
+        job = json.loads(out[out.index("{"):])["jobs"][0]
+        return float(job[side]["iops"]), None
+    except (ValueError, KeyError, IndexError) as e:
+        return None, f"fio output unreadable: {e!r}"
+
+
+def _backing_file() -> dict[str, object]:
+    """A 1 GiB guest-RAM file, preferring a folder that accepts O_DIRECT.
+
+    kublk opens its loop file with O_DIRECT and fails where that is refused;
+    aioublk falls back to buffered I/O. The file is allocated up front so
+    that reads hit real pages, not holes, whichever server goes first.
+    """
+    folders = [f for f in ("/tmp", "/dev/shm") if os.access(f, os.W_OK)]
+    if not folders:
+        raise SystemExit("no writable folder for the loop target's backing file")
+    for folder in folders:
+        path = os.path.join(tempfile.mkdtemp(dir=folder), "loop.img")
+        with open(path, "wb") as f:
+            f.truncate(BACKING_SIZE)
+            try:
+                os.posix_fallocate(f.fileno(), 0, BACKING_SIZE)
+            except OSError:
+                pass  # a sparse file still works, only less evenly for the first reader
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_DIRECT))
+            o_direct = True
+        except OSError:
+            o_direct = False
+        if o_direct or folder == folders[-1]:  # else try the next folder
+            fstype, _ = _run(["stat", "-f", "-c", "%T", path], timeout=10)
+            return {"path": path, "fs": fstype.strip(), "o_direct": o_direct}
+        os.unlink(path)
+    raise AssertionError("unreachable")
+
+
+def _add(cmd: list[str], args: list[str]) -> tuple[str | None, str | None]:
+    """(device id, None) or (None, error)."""
+    out, err = _run([*cmd, "add", *args], timeout=120)
+    if err:
+        return None, f"add {err}"
+    if "dev id " not in out:
+        return None, f"add printed no device id: {out.strip()!r}"
+    dev_id = out.split("dev id ")[1].split(":")[0]
+    node = f"/dev/ublkb{dev_id}"
+    for _ in range(50):  # devtmpfs creates the node shortly after START_DEV
+        if os.path.exists(node):
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)
+    return dev_id, None
+
+
+def _device_runs(cmd: list[str], add_args: list[str], workloads: list[str], runtime: int,
+                 fio_extra: list[str]) -> list[tuple[str, float | None, str | None]]:
+    """Add one device, run each workload on it, delete it; log how long each step took."""
+    t0 = time.monotonic()
+    dev_id, err = _add(cmd, add_args)
+    if dev_id is None:
+        return [(w, None, err) for w in workloads]
+    t1 = time.monotonic()
+    runs = []
+    try:
+        for w in workloads:
+            iops, err = _fio(f"/dev/ublkb{dev_id}", w, runtime, fio_extra)
+            runs.append((w, iops, err))
+    finally:
+        t2 = time.monotonic()
+        _, del_err = _run([*cmd, "del", "-n", dev_id], timeout=120)
+        if del_err:
+            print(f"  del -n {dev_id} failed: {del_err}", flush=True)
+        print(f"  {os.path.basename(cmd[-1])} {' '.join(add_args)}: add {t1 - t0:.1f} s, "
+              f"fio {t2 - t1:.1f} s, del {time.monotonic() - t2:.1f} s", flush=True)
+    return runs
+
+
+def inner(kublk: str, runtime: int, rounds: int, quick: bool, out: Path) -> None:
+    """Runs in the guest; rewrites `out` after every device so a crash keeps what was done."""
+    servers = {"kublk": [kublk], "aioublk": [sys.executable, "-m", "aioublk"]}
+    targets = ["null"] if quick else list(TARGETS)
+    modes = ["per-io", "batch"] if quick else list(MODES)
+    workloads = ["4k randread qd64"] if quick else list(WORKLOADS)
+    start = time.monotonic()  # elapsed time in the log shows where a long run spends it
+    release, _ = _run(["uname", "-r"], timeout=10)
+    data: dict[str, object] = {
+        "kernel": release.strip(), "cpus": os.cpu_count(),
+        "guest": os.environ.get("AIOUBLK_IN_GUEST") == "1", "runtime": runtime, "ramp": RAMP,
+        "rounds": rounds, "quick": quick, "complete": False, "runs": [], "scaling": [],
+    }
+    backing = _backing_file() if "loop" in targets else None
+    if backing:
+        data["backing"] = backing
+        print(f"loop backing file: {backing}", flush=True)
+    runs, scaling = data["runs"], data["scaling"]
+    assert isinstance(runs, list) and isinstance(scaling, list)
+
+    def save() -> None:
+        out.write_text(json.dumps(data))
+
+    def log(what: str, iops: float | None, err: str | None) -> None:
+        shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {err}"
+        print(f"[{time.monotonic() - start:4.0f} s] {what} {shown}", flush=True)
+
+    for r in range(rounds):
+        for target in targets:
+            files = [str(backing["path"])] if backing and target == "loop" else []
+            for mode in modes:
+                for server in SERVERS:
+                    add_args = ["-t", target, "-q", "1", "-d", "128", *MODES[mode][server], *files]
+                    for w, iops, err in _device_runs(servers[server], add_args, workloads,
+                                                     runtime, []):
+                        runs.append({"round": r + 1, "target": target, "mode": mode,
+                                     "workload": w, "server": server, "iops": iops,
+                                     "error": err})
+                        log(f"round {r + 1}: {target:4} {mode:13} {w:17} {server:7}", iops, err)
+                    save()
+        for queues in ([] if quick else [1, 2]):
+            for server in SERVERS:
+                add_args = ["-t", "null", "-q", str(queues), "-d", "128", "-b"]
+                for w, iops, err in _device_runs(servers[server], add_args, [SCALING_WORKLOAD],
+                                                 runtime, SCALING_FIO):
+                    scaling.append({"round": r + 1, "queues": queues, "workload": w,
+                                    "server": server, "iops": iops, "error": err})
+                    log(f"round {r + 1}: null -q {queues} batch numjobs 2 {server:7}", iops, err)
+                save()
+    data["complete"] = True
+    save()
+
+
+def _median(records: list[dict[str, object]], server: str, **key: object) -> float | None:
+    values = [float(x["iops"]) for x in records
+              if x["server"] == server and x["iops"] is not None
+              and all(x[k] == v for k, v in key.items())]
+    return statistics.median(values) if values else None
+
+
+def _keys(records: list[dict[str, object]], *fields: str) -> list[tuple[object, ...]]:
+    """Distinct field tuples in first-seen order (the order the guest ran them)."""
+    return list(dict.fromkeys(tuple(x[f] for f in fields) for x in records))
+
+
+def rows(data: dict[str, object]) -> list[dict[str, object]]:
+    """One row per (target, mode, workload): median IOPS of each server and their ratio."""
+    runs = data["runs"]
+    assert isinstance(runs, list)
+    table = []
+    for target, mode, workload in _keys(runs, "target", "mode", "workload"):
+        key = {"target": target, "mode": mode, "workload": workload}
+        k = _median(runs, "kublk", **key)
+        a = _median(runs, "aioublk", **key)
+        table.append({**key, "kublk": k, "aioublk": a,
+                      "ratio": a / k if a is not None and k else None})
+    return table
+
+
+def _fmt(v: float | None, spec: str = ",.0f") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def report(data: dict[str, object], command: str) -> str:
+    runs, scaling = data["runs"], data["scaling"]
+    assert isinstance(runs, list) and isinstance(scaling, list)
+    rounds = data["rounds"]
+    backing = data.get("backing")
+    setup = ("One guest run: QEMU TCG software emulation (no KVM), 4 GiB RAM" if data["guest"]
+             else "One run on the host")
+    lines = [
+        "# aioublk vs kublk across modes, targets and workloads",
+        "",
+        f"{setup}, {data['cpus']} CPUs, Linux {data['kernel']}. fio with io_uring, "
+        f"O_DIRECT, {data['runtime']} s per workload after {data['ramp']} s ramp; median "
+        f"of {rounds} round(s). Each device has 1 queue of depth 128 unless stated; kublk "
+        "and aioublk alternate for every target/mode; copy mode unless the mode says "
+        "otherwise. Under emulation the absolute IOPS mean little: **the aioublk/kublk "
+        "ratios are the result**.",
+    ]
+    if isinstance(backing, dict):
+        o_direct = "accepted" if backing["o_direct"] else "refused"
+        lines += ["", f"The loop target's backing file is 1 GiB at `{backing['path']}` "
+                      f"({backing['fs']}, O_DIRECT {o_direct}), preallocated, shared by both "
+                      "servers."]
+    if data.get("quick"):
+        lines += ["", "**Smoke run (`--quick`)**: null target, two modes, one workload, "
+                      "one round; not a measurement."]
+    if not data.get("complete"):
+        lines += ["", "**Incomplete**: the guest run stopped early; rows below are what it "
+                      "finished."]
+    lines += ["", "| target | mode | workload | kublk IOPS | aioublk IOPS | aioublk / kublk |",
+              "| --- | --- | --- | ---: | ---: | ---: |"]
+    for row in rows(data):
+        lines.append(f"| {row['target']} | {row['mode']} | {row['workload']} "
+                     f"| {_fmt(row['kublk'])} | {_fmt(row['aioublk'])} "
+                     f"| {_fmt(row['ratio'], '.2f')} |")
+    if scaling:
+        lines += ["", "## Queue scaling", "",
+                  "null target, batch mode (`-b`), depth 128; fio 4k randread iodepth 64 with "
+                  "`--numjobs=2 --group_reporting` (IOPS of both jobs together).", "",
+                  "| queues | kublk IOPS | aioublk IOPS | aioublk / kublk |",
+                  "| ---: | ---: | ---: | ---: |"]
+        for (queues,) in _keys(scaling, "queues"):
+            k = _median(scaling, "kublk", queues=queues)
+            a = _median(scaling, "aioublk", queues=queues)
+            ratio = a / k if a is not None and k else None
+            lines.append(f"| {queues} | {_fmt(k)} | {_fmt(a)} | {_fmt(ratio, '.2f')} |")
+    errors: dict[tuple[object, ...], str] = {}
+    for x in [*runs, *scaling]:
+        if x["error"]:
+            where = (x["server"], x.get("target", "null"), x.get("mode", f"-q {x.get('queues')}"))
+            errors.setdefault(where, str(x["error"]))
+    if errors:
+        lines += ["", "## Errors", "", "— in a table means the server produced no number; "
+                  "the first error of each server/target/mode, verbatim:", ""]
+        lines += [f"- {s} {t} {m}: `{e}`" for (s, t, m), e in errors.items()]
+    lines += ["", f"Chart: `modes.png`. Reproduce: `{command}` from the repository root "
+                  "(boots the guest when the host has no ublk_drv; builds kublk from Debian "
+                  "sid's linux-source).", ""]
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, object], path: Path) -> None:
+    """Grouped bars of the ratio: one group per workload, one bar per target+mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = rows(data)
+    workloads = list(dict.fromkeys(str(r["workload"]) for r in table))
+    series = list(dict.fromkeys(f"{r['target']} {r['mode']}" for r in table))
+    ratio = {(f"{r['target']} {r['mode']}", r["workload"]): r["ratio"] for r in table}
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(workloads) + 2), 5.5))
+    top = 1.1
+    for i, name in enumerate(series):
+        xs = [j - 0.4 + width * (i + 0.5) for j in range(len(workloads))]
+        ys = [ratio.get((name, w)) for w in workloads]
+        bars = ax.bar(xs, [y or 0 for y in ys], width, label=name)
+        for bar, y in zip(bars, ys, strict=True):
+            text = "n/a" if y is None else f"{y:.2f}"
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y or 0), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=7,
+                        rotation=90 if len(series) > 4 else 0)
+            top = max(top, (y or 0) + 0.25)
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="-")
+    ax.axhline(0.5, color="grey", linewidth=1, linestyle="--")
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylim(0, top)
+    ax.set_ylabel("aioublk IOPS / kublk IOPS")
+    where = "QEMU TCG" if data["guest"] else "host"
+    ax.set_title(f"aioublk / kublk IOPS\n{where}, {data['cpus']} CPUs, Linux {data['kernel']}, "
+                 f"median of {data['rounds']} round(s)", fontsize=10)
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _guest_timeout(runtime: int, rounds: int, quick: bool) -> float:
+    """Generous: a busy host makes TCG very slow (an aioublk add+del took ~60 s in a
+    smoke run), but a hung guest must not hold the machine forever."""
+    devices = 4 if quick else len(TARGETS) * len(MODES) * 2 + 4
+    fio_runs = 4 if quick else len(TARGETS) * len(MODES) * 2 * len(WORKLOADS) + 4
+    return 600 + rounds * (devices * 120 + fio_runs * (runtime + RAMP + 30))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
+    ap.add_argument("--rounds", type=int, default=None, help="default 1")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: null target, per-io and batch, 4k randread qd64, "
+                         "1 round of 2 s")
+    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    runtime = ns.runtime or (2 if ns.quick else 5)
+    rounds = ns.rounds or 1
+    if ns.inner:
+        inner(ns.inner[0], runtime, rounds, ns.quick, Path(ns.inner[1]))
+        return 0
+    from aioublk.testing.guest import run_in_guest
+    from aioublk.testing.kublk import ensure_kublk
+
+    kublk = str(ensure_kublk())
+    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
+        out = Path(rw) / "result.json"
+        argv = [sys.executable, "-m", "bench.modes", "--runtime", str(runtime),
+                "--rounds", str(rounds), *(["--quick"] if ns.quick else []),
+                "--inner", kublk, str(out)]
+        if Path("/dev/ublk-control").exists():
+            code = subprocess.run(argv).returncode
+        else:
+            code = run_in_guest(argv, [rw], memory="4G", cpus=2,
+                                timeout=_guest_timeout(runtime, rounds, ns.quick),
+                                cwd=Path(__file__).resolve().parents[1])
+        if not out.exists():
+            print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
+            return 1
+        data = json.loads(out.read_text())
+    command = ".venv/bin/python -m bench.modes" + (" --quick" if ns.quick else "")
+    if ns.runtime or ns.rounds:
+        command += f" --runtime {runtime} --rounds {rounds}"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "modes.json").write_text(json.dumps(data, indent=1) + "\n")
+    text = report(data, command)
+    (RESULTS / "modes.md").write_text(text)
+    print(text)
+    plot(data, RESULTS / "modes.png")
+    if code != 0:
+        print(f"benchmark incomplete (exit {code})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
