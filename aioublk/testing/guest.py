@@ -187,6 +187,13 @@ def _vng() -> str:
     return found
 
 
+def _host_env(vng: str) -> dict[str, str]:
+    """vng runs its helpers (virtme-run) through the shell: their folder must
+    be on PATH even when the venv is not activated."""
+    path = os.environ.get("PATH", "/usr/bin:/bin").split(":")
+    return os.environ | {"PATH": ":".join(dict.fromkeys([str(Path(vng).parent), *path]))}
+
+
 def _guest_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith("AIOUBLK_")}
     env |= {
@@ -284,6 +291,7 @@ def run_in_guest(
             stderr=subprocess.STDOUT,
             cwd=workdir,
             start_new_session=True,
+            env=_host_env(vng),
         )
         deadline = time.monotonic() + timeout
         try:
