@@ -82,7 +82,8 @@ MAX_TAGS_PER_FETCH = 128
 
 def fetched_tags(buf: bytes | bytearray | memoryview, nbytes: int) -> list[int]:
     """The tags a FETCH_IO_CMDS completion delivered (``res`` bytes of u16)."""
-    return list(memoryview(buf)[:nbytes].cast("H"))
+    tags: list[int] = memoryview(buf)[:nbytes].cast("H").tolist()
+    return tags
 
 
 @dataclass
@@ -158,8 +159,8 @@ class _QueueState:
     local: int                   # position among the worker's queues: buffer group id
     builder: BatchBuilder
     tags_mem: bytearray          # the provided buffers the fetches fill with tags
+    tags_addr: int = 0           # its address, for handing buffers back
     buf_ring: Any = None         # the C buffer ring of group ``local``
-    fetches: int = 0             # fetch commands armed
 
 
 class BatchDriver(Driver):
@@ -215,6 +216,7 @@ class BatchDriver(Driver):
                 self.failed = err[0]
                 return
             qs.buf_ring = br
+            qs.tags_addr = buffer_address(qs.tags_mem)
             for bid in range(self.buf_entries):
                 self._give_back(qs, bid, bid)
             lib.aur_buf_ring_advance(br, self.buf_entries)
@@ -239,21 +241,19 @@ class BatchDriver(Driver):
             fetch_header(qs.qm.q_id, self.buf_bytes // 2),
             cmd_flags=lib.IORING_URING_CMD_MULTISHOT, buf_index=qs.local,
             sqe_flags=lib.IOSQE_BUFFER_SELECT, handler=partial(self._on_fetch, qs))
-        qs.fetches += 1
         self.live += 1
 
     def _give_back(self, qs: _QueueState, bid: int, offset: int = 0) -> None:
         """Put provided buffer ``bid`` back (at ``offset`` past the ring's tail;
         the caller advances the tail)."""
         size = self.buf_bytes
-        lib.aur_buf_ring_add(qs.buf_ring, buffer_address(qs.tags_mem) + bid * size,
-                             size, bid, self.buf_entries, offset)
+        lib.aur_buf_ring_add(qs.buf_ring, qs.tags_addr + bid * size, size, bid,
+                             self.buf_entries, offset)
 
     def _on_fetch(self, qs: _QueueState, res: int, flags: int) -> None:
         if flags & lib.IORING_CQE_F_BUFFER:
             bid = flags >> 16
-            start = bid * self.buf_bytes
-            tags = memoryview(qs.tags_mem)[start:start + max(res, 0)].cast("H").tolist()
+            tags = fetched_tags(memoryview(qs.tags_mem)[bid * self.buf_bytes:], max(res, 0))
             self._give_back(qs, bid)
             lib.aur_buf_ring_advance(qs.buf_ring, 1)
             serve = self._serve
@@ -262,7 +262,6 @@ class BatchDriver(Driver):
                 spawn(serve(qs, tag))
         if flags & lib.IORING_CQE_F_MORE:
             return
-        qs.fetches -= 1
         self.live -= 1
         if res >= 0 or res == -errno.ENOBUFS:
             if not self.stopping:

@@ -320,8 +320,7 @@ class Device:
             prep = {q for q, _tags in work} - prepared
             prepared |= prep
             spec = WorkerSpec(i, [(self.mems[q], tags) for q, tags in work], prep)
-            self.workers.append(Worker(wcfg, spec, self._char_fd, self.target, cfg.copy,
-                                       self.batch))
+            self.workers.append(Worker(wcfg, spec, self._char_fd, self.target, self.batch))
         for w in self.workers:
             w.start()
 

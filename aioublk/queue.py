@@ -30,7 +30,7 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
@@ -57,14 +57,14 @@ async def serve_request(target: Target, op_flags: int, nr_sectors: int, start_se
     op = op_flags & 0xFF
     offset = start_sector << 9
     length = nr_sectors << 9
-    # a FixedBuf only reaches targets that declared fixed_buffers
-    data = cast(memoryview, buf[:length])
     try:
+        # (a FixedBuf only reaches targets that declared fixed_buffers)
         if op == _READ:
-            await target.read(offset, data)
+            await target.read(offset, cast(memoryview, buf[:length]))
             return length
         if op == _WRITE:
-            await target.write(offset, data, bool(op_flags & uapi.IO_F_FUA))
+            await target.write(offset, cast(memoryview, buf[:length]),
+                               bool(op_flags & uapi.IO_F_FUA))
             return length
         if op == _FLUSH:
             await target.flush()
@@ -172,26 +172,27 @@ class IoPath:
         length = nr << 9
         view = qm.views[tag][:length]
         pos = uapi.user_copy_offset(qm.q_id, tag)
-        ring = self.ring
         try:
-            if op_flags & 0xFF == _WRITE:
-                done = 0
-                while done < length:
-                    n = await ring.read(self.char_fd, view[done:], pos + done)
-                    if n <= 0:
-                        return -errno.EIO
-                    done += n
+            if op_flags & 0xFF == _WRITE and not await self._char_io(self.ring.read, view, pos):
+                return -errno.EIO
             res = await serve_request(self.target, op_flags, nr, sector, view)
-            if op_flags & 0xFF == _READ and res > 0:
-                done = 0
-                while done < res:
-                    n = await ring.write(self.char_fd, view[done:res], pos + done)
-                    if n <= 0:
-                        return -errno.EIO
-                    done += n
+            if op_flags & 0xFF == _READ and res > 0 and not await self._char_io(
+                    self.ring.write, view[:res], pos):
+                return -errno.EIO
             return res
         except OSError as e:
             return -(e.errno or errno.EIO)
+
+    async def _char_io(self, op: Callable[[int, Any, int], Awaitable[int]], view: memoryview,
+                       pos: int) -> bool:
+        """All of ``view`` from/to the request's data on /dev/ublkcN (``-u``)."""
+        done = 0
+        while done < len(view):
+            n = await op(self.char_fd, view[done:], pos + done)
+            if n <= 0:
+                return False
+            done += n
+        return True
 
     async def _registered(self, qm: QueueMem, tag: int, index: int, op_flags: int, nr: int,
                           sector: int) -> int:
@@ -223,22 +224,17 @@ def auto_buf_reg(index: int, fallback: bool) -> int:
 def layout(queues: int, depth: int, nthreads: int, *, batch: bool,
            per_io_tasks: bool) -> list[list[tuple[int, list[int]]]]:
     """For each worker, the (queue, tags) it serves."""
+    work: list[dict[int, list[int]]] = [{} for _ in range(nthreads)]
     if batch:
-        # kublk's round-robin N:M map: worker j % N serves queue i % M
-        work: list[dict[int, list[int]]] = [{} for _ in range(nthreads)]
-        i = 0
-        while i < queues or i < nthreads:
+        # kublk's round-robin N:M map: worker i % N serves queue i % M
+        for i in range(max(queues, nthreads)):
             work[i % nthreads].setdefault(i % queues, list(range(depth)))
-            i += 1
         return [sorted(w.items()) for w in work]
     if per_io_tasks:
-        out: list[list[tuple[int, list[int]]]] = [[] for _ in range(nthreads)]
-        for w in range(nthreads):
-            mine: dict[int, list[int]] = {}
-            for n in range(w, queues * depth, nthreads):
-                mine.setdefault(n // depth, []).append(n % depth)
-            out[w] = sorted(mine.items())
-        return out
+        # the n-th (queue, tag) pair, in queue-major order, goes to worker n % N
+        for n in range(queues * depth):
+            work[n % nthreads].setdefault(n // depth, []).append(n % depth)
+        return [sorted(w.items()) for w in work]
     return [[(q, list(range(depth)))] for q in range(queues)]
 
 
@@ -297,12 +293,12 @@ class Worker:
     """One thread, one uvloop loop, one Ring: serves its share of the queues."""
 
     def __init__(self, cfg: DeviceConfig, spec: WorkerSpec, char_fd: int, target: Target,
-                 mode: CopyMode, batch: bool) -> None:
+                 batch: bool) -> None:
         self.cfg = cfg
         self.spec = spec
         self.char_fd = char_fd
         self.target = target
-        self.mode = mode
+        self.mode = cfg.copy
         self.batch = batch
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -337,6 +333,12 @@ class Worker:
     def nr_tags(self) -> int:
         return sum(len(tags) for _qm, tags in self.spec.work)
 
+    @property
+    def table_size(self) -> int:
+        """Buffer-table slots the ring needs (zero copy): one per tag it may see;
+        with batch any tag of its queues, indexed queue-major."""
+        return len(self.spec.work) * self.cfg.depth if self.batch else self.nr_tags
+
     async def _main(self) -> None:
         depth = max(self.nr_tags, 1)
         ring = Ring(
@@ -354,7 +356,7 @@ class Worker:
             driver = PerIoDriver(self, ring, path)
         try:
             if self.mode.fixed:
-                ring.register_buffers_sparse(driver_table_size(self))
+                ring.register_buffers_sparse(self.table_size)
             driver.arm()
             if driver.failed:
                 raise OSError(-driver.failed, "the kernel refused the queue's commands: "
@@ -370,13 +372,6 @@ class Worker:
     def finished(self) -> None:
         if self._stop is not None and not self._stop.done():
             self._stop.set_result(None)
-
-
-def driver_table_size(worker: Worker) -> int:
-    """Buffer-table slots a worker's ring needs: one per tag it may see."""
-    if worker.batch:
-        return len(worker.spec.work) * worker.cfg.depth
-    return worker.nr_tags
 
 
 def queue_ring_flags() -> int:
