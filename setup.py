@@ -2,4 +2,5 @@
 
 from setuptools import setup
 
-setup(cffi_modules=["aioublk/_uring_build.py:ffibuilder"])
+setup(cffi_modules=["aioublk/_uring_build.py:ffibuilder",
+                    "aioublk/qcow2/_zstd_build.py:ffibuilder"])
