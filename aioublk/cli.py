@@ -28,11 +28,12 @@ from typing import Any, NoReturn
 
 from aioublk import logs, uapi
 from aioublk.device import Control, Device, DeviceConfig, UblkError
+from aioublk.qcow2 import Qcow2Error
 from aioublk.queue import CopyMode
 from aioublk.target import Target
 from aioublk.targets import BackingError, LoopTarget, NullTarget, StripeTarget
 
-TARGETS = ("null", "loop", "stripe")
+TARGETS = ("null", "loop", "stripe", "qcow2")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,7 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("--nthreads", type=int, default=0)
     add.add_argument("--per_io_tasks", action="store_true")
     add.add_argument("--buffered", action="store_true",
-                     help="loop/stripe: do not use O_DIRECT on the backing files")
+                     help="loop/stripe/qcow2: do not use O_DIRECT on the backing files")
+    add.add_argument("--read-only", "--read_only", dest="read_only", action="store_true",
+                     help="qcow2: serve the image read-only")
+    add.add_argument("--l2-cache", dest="l2_cache", type=int, default=None,
+                     help="qcow2: L2 cache bytes (default: map the whole disk, up to 32 MiB)")
     add.add_argument("-v", "--verbose", action="store_true")
     add.add_argument("--log-format", choices=("console", "json"), default="console")
     add.add_argument("files", nargs="*")
@@ -193,7 +198,7 @@ async def cmd_del(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------- add --
 
 def make_target(args: argparse.Namespace) -> Target:
-    """Build the target named by ``-t`` (raises UblkError/BackingError)."""
+    """Build the target named by ``-t`` (raises UblkError/BackingError/Qcow2Error)."""
     name = args.target
     files = args.files
     if name == "null":
@@ -206,6 +211,13 @@ def make_target(args: argparse.Namespace) -> Target:
         return LoopTarget(files[0], direct=not args.buffered)
     if name == "stripe":
         return StripeTarget(files, chunk_size=args.chunk_size)
+    if name == "qcow2":
+        if len(files) != 1:
+            raise UblkError(f"the qcow2 target needs exactly one image file, got {len(files)}")
+        from aioublk.targets.qcow2 import Qcow2Target
+
+        return Qcow2Target(files[0], read_only=args.read_only, cache_bytes=args.l2_cache,
+                           direct=not args.buffered)
     raise UblkError(f"unknown target type '{name}': use one of {', '.join(TARGETS)}")
 
 
@@ -287,7 +299,7 @@ def cmd_add(args: argparse.Namespace) -> int:
                 os.write(wfd, f"OK {dev.id}\n".encode())
                 os.close(wfd)
             code = _run(serve(target, cfg, report))
-        except (UblkError, BackingError, OSError) as e:
+        except (UblkError, BackingError, Qcow2Error, OSError) as e:
             _report_error(wfd, str(e))
         except BaseException as e:  # noqa: BLE001 - the parent must hear about it
             _report_error(wfd, f"server failed: {e!r}")
@@ -337,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.configure()
         handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features}[args.cmd]
         return _run(handler(args))
-    except (UblkError, BackingError) as e:
+    except (UblkError, BackingError, Qcow2Error) as e:
         sys.stderr.write(f"aioublk: {e}\n")
         return 1
     except KeyboardInterrupt:

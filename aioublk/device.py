@@ -147,6 +147,7 @@ class DeviceConfig:
     auto_zc_fallback: bool = False  # with AUTO_ZC: register by hand when the kernel cannot
     nthreads: int = 0            # worker threads; 0 = one per queue
     per_io_tasks: bool = False   # per-I/O path: spread each queue's tags over the workers
+    one_loop: bool = False       # every queue on one thread (targets that need it set it)
     fetch_buf_bytes: int = 0     # batch: bytes per provided fetch buffer (0 = depth's tags)
     fetch_buf_entries: int = 0   # batch: provided buffers per queue and worker (0 = 8)
 
@@ -178,6 +179,13 @@ class DeviceConfig:
             raise UblkError("fetch buffers: bytes must be even (2..4096) and entries a power "
                             "of two (1..4096)")
 
+    def threads(self) -> int:
+        return 1 if self.one_loop else self.nthreads or self.queues
+
+    def spread(self, batch: bool) -> bool:
+        """Per-I/O path with each queue's tags dealt over the workers (per-I/O daemons)."""
+        return self.per_io_tasks or (self.one_loop and not batch and self.queues > 1)
+
     def resolve(self, features: int) -> tuple[bool, int]:
         """Against the kernel's features: (use batch I/O, device flags).
         Raises UblkError for what this kernel or combination cannot do."""
@@ -190,8 +198,8 @@ class DeviceConfig:
                             "depth 1 with UBLK_F_BATCH_IO): raise -d or drop -b")
         auto = has_batch and not self.per_io_tasks and self.depth >= 2
         batch = auto if self.batch is None else self.batch
-        nthreads = self.nthreads or self.queues
-        if not batch and nthreads != self.queues and not self.per_io_tasks:
+        nthreads = self.threads()
+        if not batch and nthreads != self.queues and not self.spread(batch):
             raise UblkError(f"--nthreads {nthreads} differs from -q {self.queues}: add "
                             "--per_io_tasks, or use batch I/O (-b)")
         flags = self.flags | self.copy.flags
@@ -203,7 +211,7 @@ class DeviceConfig:
                 raise UblkError(f"--auto_zc with batch I/O cannot use more threads "
                                 f"({nthreads}) than queues ({self.queues}): lower --nthreads")
         missing = flags & ~features
-        if self.per_io_tasks and not features & uapi.Feature.PER_IO_DAEMON:
+        if self.spread(batch) and not features & uapi.Feature.PER_IO_DAEMON:
             missing |= uapi.Feature.PER_IO_DAEMON
         if missing:
             raise UblkError("this kernel's ublk_drv does not support "
@@ -237,6 +245,11 @@ class Device:
     def __init__(self, target: Target, config: DeviceConfig | None = None, **kw: Any) -> None:
         self.target = target
         self.config = config or DeviceConfig(**kw)
+        if target.one_loop and not self.config.one_loop:
+            if self.config.nthreads > 1:
+                raise UblkError(f"target {target.name} serves all queues from one thread: "
+                                "drop --nthreads")
+            self.config = replace(self.config, one_loop=True)
         self.config.validate()
         if self.config.copy.fixed and not target.fixed_buffers:
             raise UblkError(f"target {target.name} cannot serve zero-copy modes (-z, "
@@ -308,13 +321,14 @@ class Device:
         # what the kernel granted (queues are capped at the CPU count)
         wcfg = replace(cfg, dev_id=info.dev_id, queues=info.nr_hw_queues,
                        depth=info.queue_depth, max_io_size=info.max_io_buf_bytes)
-        nthreads = cfg.nthreads or info.nr_hw_queues
-        if not self.batch and not cfg.per_io_tasks:
+        spread = replace(cfg, queues=info.nr_hw_queues).spread(self.batch)
+        nthreads = 1 if cfg.one_loop else cfg.nthreads or info.nr_hw_queues
+        if not self.batch and not spread:
             nthreads = info.nr_hw_queues
         self.mems = [QueueMem(self._char_fd, q, info.queue_depth, info.max_io_buf_bytes,
                               cfg.copy) for q in range(info.nr_hw_queues)]
         plan = layout(info.nr_hw_queues, info.queue_depth, nthreads, batch=self.batch,
-                      per_io_tasks=cfg.per_io_tasks)
+                      per_io_tasks=spread)
         prepared: set[int] = set()
         for i, work in enumerate(plan):
             prep = {q for q, _tags in work} - prepared

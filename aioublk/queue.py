@@ -364,6 +364,10 @@ class Worker:
             self.ready.set()
             await self._stop
             await driver.drain()
+            try:
+                await self.target.drain()
+            except Exception as e:  # noqa: BLE001 - the device is going away anyway
+                self.log.error("target drain failed", error=str(e))
         finally:
             ring.close()
             driver.close()

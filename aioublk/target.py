@@ -109,6 +109,7 @@ class Target:
     name = "custom"
     geometry: Geometry
     fixed_buffers = False  # True: read/write also accept a FixedBuf (zero copy)
+    one_loop = False  # True: every queue of a device is served from one thread's loop
 
     async def read(self, offset: int, buf: memoryview) -> None:
         """Fill all of ``buf`` with the device's bytes at ``offset``."""
@@ -126,6 +127,10 @@ class Target:
 
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
         raise OSError(errno.EOPNOTSUPP, "write_zeroes not supported")
+
+    async def drain(self) -> None:
+        """On each queue loop, once its requests are done and before its ring
+        closes: write back what the target caches (its I/O still works)."""
 
     def close(self) -> None:
         """Release resources; called once, after every queue has stopped."""

@@ -154,5 +154,5 @@ class RawBacking:
     async def read(self, offset: int, buf: memoryview) -> None:
         await self.file.read_into(buf, offset)
 
-    async def close(self) -> None:
+    def release(self) -> None:
         self.file.close()

@@ -101,6 +101,10 @@ class Qcow2Image:
         f = HostFile(path, read_only=read_only, direct=direct)
         try:
             return cls(f, read_only, cache_bytes, direct, _chain + (real,))
+        except Qcow2Error as e:
+            f.close()
+            msg = str(e)
+            raise Qcow2Error(msg if path in msg else f"{path}: {msg}") from None
         except BaseException:
             f.close()
             raise
@@ -912,6 +916,10 @@ class Qcow2Image:
                 if self._frees:
                     await self.writeback()
         finally:
-            self.file.close()
-            if self.backing is not None:
-                await self.backing.close()
+            self.release()
+
+    def release(self) -> None:
+        """Close the files of the image and its backing chain, without writing."""
+        self.file.close()
+        if self.backing is not None:
+            self.backing.release()

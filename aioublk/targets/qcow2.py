@@ -1,0 +1,59 @@
+"""The qcow2 target: a thin adapter from ublk requests to ``Qcow2Image``.
+
+All of a device's queues run on one loop (``one_loop``): the image's caches
+and locks belong to that loop (see ``aioublk.qcow2.image``)."""
+
+from __future__ import annotations
+
+from aioublk.qcow2 import Qcow2Image
+from aioublk.target import Geometry, Target
+
+
+class Qcow2Target(Target):
+    name = "qcow2"
+    one_loop = True
+
+    def __init__(self, path: str, *, read_only: bool = False,
+                 cache_bytes: int | None = None, direct: bool = True) -> None:
+        self.image = Qcow2Image.open(path, read_only=read_only, cache_bytes=cache_bytes,
+                                     direct=direct)
+        cs = self.image.cluster_size
+        self.geometry = Geometry(
+            size=self.image.size & ~511, volatile_cache=True, fua=True, read_only=read_only,
+            discard=not read_only, discard_granularity=max(cs, 4096),
+            write_zeroes=not read_only, io_opt=max(cs, 4096))
+        self._closed = False
+
+    async def read(self, offset: int, buf: memoryview) -> None:
+        await self.image.read(offset, buf)
+
+    async def write(self, offset: int, buf: memoryview,
+                    fua: bool = False) -> None:
+        await self.image.write(offset, buf)
+        if fua:
+            await self.image.flush()
+
+    async def flush(self) -> None:
+        await self.image.flush()
+
+    async def discard(self, offset: int, length: int) -> None:
+        await self.image.discard(offset, length)
+
+    async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
+        await self.image.write_zeroes(offset, length, unmap=unmap)
+
+    async def drain(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self.image.close()
+
+    def close(self) -> None:
+        if not self._closed:  # never served: nothing cached, just the files
+            self._closed = True
+            self.image.release()
+
+    def describe(self) -> dict[str, object]:
+        h = self.image.h
+        return {"target": self.name, "size": self.geometry.size, "file": self.image.path,
+                "cluster_size": self.image.cluster_size, "version": h.version,
+                "backing": h.backing_file}
