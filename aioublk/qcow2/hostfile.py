@@ -67,43 +67,48 @@ class HostFile:
         os.pwritev(self.fd, [buf], offset)
         os.fdatasync(self.fd)
 
-    # --- asynchronous, on the current ring
-    def _fits(self, buf: Any, offset: int) -> bool:
-        if not self.direct:
-            return True
-        n = len(buf)
-        return not (offset | n) & (self.sector - 1) and not buffer_address(buf) & (self.sector - 1)
-
+    # --- asynchronous, on the current ring. With O_DIRECT an unaligned buffer
+    # fails with EINVAL; only then do we bounce (checking first costs every call)
     async def read_into(self, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` from ``offset``; zeros past the end of the file."""
-        if not self._fits(buf, offset):
-            start = offset & ~(ALIGN - 1)
-            end = (offset + len(buf) + ALIGN - 1) & ~(ALIGN - 1)
-            bounce = aligned(end - start)
-            await self.read_into(bounce, start)
-            buf[:] = bounce[offset - start:offset - start + len(buf)]
-            return
         ring = current_ring()
         done = 0
         total = len(buf)
         while done < total:
-            n = await ring.read(self.fd, buf[done:], offset + done)
+            try:
+                n = await ring.read(self.fd, buf[done:] if done else buf, offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                await self._bounce_read(buf[done:], offset + done)
+                return
             if n == 0:
                 buf[done:] = bytes(total - done)
                 return
             done += n
 
+    async def _bounce_read(self, buf: memoryview, offset: int) -> None:
+        start = offset & ~(ALIGN - 1)
+        end = (offset + len(buf) + ALIGN - 1) & ~(ALIGN - 1)
+        bounce = aligned(end - start)
+        await self.read_into(bounce, start)
+        buf[:] = bounce[offset - start:offset - start + len(buf)]
+
     async def write(self, buf: Any, offset: int) -> None:
-        if not self._fits(buf, offset):
-            bounce = aligned(len(buf))
-            bounce[:] = buf
-            buf = bounce
         ring = current_ring()
         done = 0
         total = len(buf)
         view = memoryview(buf)
         while done < total:
-            n = await ring.write(self.fd, view[done:], offset + done)
+            try:
+                n = await ring.write(self.fd, view[done:] if done else view, offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct or (offset | total) & 511:
+                    raise
+                bounce = aligned(total - done)
+                bounce[:] = view[done:]
+                view, offset, total, done = bounce, offset + done, total - done, 0
+                continue
             if n <= 0:
                 raise OSError(errno.EIO, f"short write to {self.path}")
             done += n
@@ -116,7 +121,8 @@ class HostFile:
             await self.write(bufs[0], offset)
             return
         total = sum(len(b) for b in bufs)
-        if self.direct and not all(self._fits(b, 0) for b in bufs):
+        if self.direct and any(buffer_address(b) & (self.sector - 1) or len(b) & 511
+                               for b in bufs):
             joined = aligned(total)
             pos = 0
             for b in bufs:

@@ -357,6 +357,7 @@ class Qcow2Image:
             if not create:
                 return None
             await self._grow_reftable(t)
+            return await self._refblock(t, create)  # growing may have made block t
         off = self.reftable[t] & fmt.REFT_OFFSET_MASK
         if off:
             if off & self.cmask or off + self.cluster_size > self.used_end:
@@ -416,7 +417,7 @@ class Qcow2Image:
         header switches to it in write-back; the old one is freed after."""
         cs = self.cluster_size
         per = cs // 8
-        start = self._end_cluster()
+        start = max(self._end_cluster(), max(self._reserving, default=-1) + 1)
         entries = max(need + 1, len(self.reftable) * 2)
         while True:  # big enough to cover itself and the blocks that count it
             clusters = -(-entries // per)
@@ -444,7 +445,7 @@ class Qcow2Image:
         self.reftable_moved = True
         for c in range(old_off >> self.cbits, (old_off >> self.cbits) + old_clusters):
             self._defer_free(c)
-        log.debug("qcow2 refcount table grown", image=self.path, clusters=clusters)
+        log.info("qcow2 refcount table grown", image=self.path, clusters=clusters)
 
     async def _alloc(self, n: int, meta: bool = False) -> tuple[int, bool]:
         """``n`` contiguous free host clusters, their refcounts set to 1: the
@@ -471,6 +472,9 @@ class Qcow2Image:
                 start = c
             run = range(start, start + n)
             fresh = start << self.cbits >= self.used_end
+            # claim the run before counting it: a refcount block or a grown table
+            # made on the way must land elsewhere
+            self.used_end = max(self.used_end, run.stop << self.cbits)
             self._reserving.update(run)
             try:
                 for c in run:
@@ -479,7 +483,6 @@ class Qcow2Image:
                 self._reserving.difference_update(run)
             if start == self._free_hint:
                 self._free_hint = run.stop
-            self.used_end = max(self.used_end, run.stop << self.cbits)
             if meta:
                 self.meta.update(run)
             return start, fresh
@@ -511,6 +514,14 @@ class Qcow2Image:
         if end > self.size:
             raise OSError(errno.EINVAL, f"read past the end of {self.path}")
         cbits, cmask, cs = self.cbits, self.cmask, self.cluster_size
+        vc = offset >> cbits
+        if (end - 1) >> cbits == vc:  # one cluster, mapped and cached: the common case
+            e = self._lookup(vc)
+            if e and not e & (COMPRESSED | ZERO) and e & OFFSET_MASK:
+                host = e & OFFSET_MASK
+                self._check_host(host, vc)
+                await self._data_read(view, host + (offset & cmask))
+                return
         pending = []
         pos = offset
         while pos < end:
@@ -765,19 +776,28 @@ class Qcow2Image:
         last = end & ~self.cmask if end != self.size else -(-end // cs) * cs
         if first >= last:
             if not discard:
-                await self._write_zero_bytes(offset, end)
+                await self._zero_part(offset, end)
             return
         if not discard:
             if offset < first:
-                await self._write_zero_bytes(offset, first)
+                await self._zero_part(offset, first)
             if last < end:
-                await self._write_zero_bytes(last, end)
+                await self._zero_part(last, end)
         zero_flag = self.v3 and (self.backing is not None or not discard)
         if not self.v3 and self.backing is not None and not discard:
             await self._write_zero_bytes(first, min(last, end))  # v2 cannot hide the backing
             return
         await self._per_table(first, min(last, self.size),
                               lambda s, e: self._zero_chunk(s, e, unmap, zero_flag))
+
+    async def _zero_part(self, s: int, e: int) -> None:
+        """Zeros inside one cluster: nothing to do if it reads as zeros already."""
+        vc = s >> self.cbits
+        old = await self._entry(vc)
+        if old & COMPRESSED == 0 and (old & ZERO or not old & OFFSET_MASK and (
+                self.backing is None or vc << self.cbits >= self.backing.size)):
+            return
+        await self._write_zero_bytes(s, e)
 
     async def _write_zero_bytes(self, s: int, e: int) -> None:
         pos = s
