@@ -155,7 +155,10 @@ def parse_header(first: bytes, file_size: int) -> Header:
         if h.header_length <= 104:
             raise Qcow2Error("qcow2 compression type bit is set but the header has no "
                              "compression_type field")
-        if h.compression_type not in (COMPRESSION_ZLIB, COMPRESSION_ZSTD):
+        if h.compression_type == COMPRESSION_ZLIB:
+            raise Qcow2Error("qcow2 compression type bit is set with compression_type zlib "
+                             "(0), which the spec forbids")
+        if h.compression_type != COMPRESSION_ZSTD:
             raise Qcow2Error(f"unknown qcow2 compression type {h.compression_type}")
     elif h.compression_type != COMPRESSION_ZLIB:
         raise Qcow2Error("qcow2 compression_type is not zlib but the compression type "

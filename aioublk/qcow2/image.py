@@ -40,7 +40,7 @@ import errno
 import os
 from array import array
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 
@@ -50,6 +50,11 @@ from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO, Qcow2Err
 from aioublk.qcow2.hostfile import HostFile, RawBacking, aligned
 
 log = structlog.get_logger("aioublk.qcow2")
+
+# metadata kinds, strongest first (see _add_meta)
+HEADER, L1, REFTABLE, REFBLOCK, SNAPSHOT, L2 = range(6)
+KIND_NAMES = {HEADER: "header", L1: "L1 table", REFTABLE: "refcount table",
+              REFBLOCK: "refcount block", SNAPSHOT: "snapshot table", L2: "L2 table"}
 
 DEFAULT_CACHE_BYTES = 32 << 20  # L2 cache bound, as QEMU's default maximum
 MAX_CHAIN = 64
@@ -74,6 +79,10 @@ class L2Table:
 
 def _eio(what: str) -> OSError:
     return OSError(errno.EIO, what)
+
+
+def _nclusters(offset: int, length: int, cs: int) -> int:
+    return 0 if length <= 0 else (offset + length - 1) // cs - offset // cs + 1
 
 
 def _fill_zero(view: memoryview) -> None:
@@ -148,28 +157,32 @@ class Qcow2Image:
         self.reftable_moved = False
         self.refblocks: dict[int, fmt.RefBlock] = {}
         self.rbe = h.refblock_entries
-        # what a data write must never touch
-        self.meta: set[int] = set()
-        self._add_meta(0, cs)
-        self._add_meta(h.l1_table_offset, h.l1_size * 8)
-        self._add_meta(h.refcount_table_offset, rt_bytes)
+        # every metadata cluster and what it holds: data writes must never touch
+        # one, and a table is only ever written where a table of its kind lives
+        self.meta: dict[int, int] = {}
+        self._add_meta(0, cs, HEADER)
+        self._add_meta(h.l1_table_offset, h.l1_size * 8, L1)
+        self._add_meta(h.refcount_table_offset, rt_bytes, REFTABLE)
+        if len(self.meta) < 1 + _nclusters(h.l1_table_offset, h.l1_size * 8, cs) + \
+                h.refcount_table_clusters:
+            raise Qcow2Error("qcow2 header, L1 table and refcount table overlap each other")
         for e in self.reftable:
             if e & fmt.REFT_OFFSET_MASK:
-                self.meta.add((e & fmt.REFT_OFFSET_MASK) >> self.cbits)
-        for e in self.l1:
-            if e & OFFSET_MASK:
-                self.meta.add((e & OFFSET_MASK) >> self.cbits)
+                self._add_meta(e & fmt.REFT_OFFSET_MASK, cs, REFBLOCK)
+        l2s = [e & OFFSET_MASK for e in self.l1 if e & OFFSET_MASK]
         if h.nb_snapshots:
             raw = f.pread(h.snapshots_offset, 1 << 24)
             snaps, nbytes = fmt.parse_snapshots(raw, h.nb_snapshots)
-            self._add_meta(h.snapshots_offset, nbytes)
+            self._add_meta(h.snapshots_offset, nbytes, SNAPSHOT)
             for s in snaps:
                 if s.l1_size * 8 > fmt.MAX_L1_BYTES or s.l1_table_offset % cs:
                     raise Qcow2Error(f"qcow2 snapshot '{s.name}' has an invalid L1 table")
-                self._add_meta(s.l1_table_offset, s.l1_size * 8)
-                for e in fmt.load_table(f.pread(s.l1_table_offset, s.l1_size * 8)):
-                    if e & OFFSET_MASK:
-                        self.meta.add((e & OFFSET_MASK) >> self.cbits)
+                self._add_meta(s.l1_table_offset, s.l1_size * 8, SNAPSHOT)
+                l2s += [e & OFFSET_MASK for e in
+                        fmt.load_table(f.pread(s.l1_table_offset, s.l1_size * 8))
+                        if e & OFFSET_MASK]
+        for off in l2s:
+            self._add_meta(off, cs, L2)
         self.used_end = f.size  # below this the file may hold old bytes
         # L2 cache, sized by how much of the disk it maps
         want = len(self.l1) * cs
@@ -214,10 +227,20 @@ class Qcow2Image:
             return RawBacking(path, direct)
         raise Qcow2Error(f"backing file {path} has format '{kind}': only qcow2 and raw")
 
-    def _add_meta(self, offset: int, length: int) -> None:
-        if length <= 0:
-            return
-        self.meta.update(range(offset >> self.cbits, ((offset + length - 1) >> self.cbits) + 1))
+    def _add_meta(self, offset: int, length: int, kind: int) -> None:
+        """Record metadata clusters; where two kinds claim one cluster the
+        stronger (lower) kind wins, so writing the weaker table there is refused."""
+        meta = self.meta
+        for c in range(offset >> self.cbits, ((offset + length - 1) >> self.cbits) + 1):
+            if meta.get(c, 99) > kind:
+                meta[c] = kind
+
+    def _meta_write(self, kind: int, offset: int, length: int) -> None:
+        """QEMU's overlap check for a metadata write: only onto its own kind."""
+        for c in range(offset >> self.cbits, ((offset + length - 1) >> self.cbits) + 1):
+            if self.meta.get(c) != kind:
+                self._mark_corrupt(f"a {KIND_NAMES[kind]} write to {offset:#x} would "
+                                   f"overwrite {KIND_NAMES.get(self.meta.get(c, -1), 'data')}")
 
     # ------------------------------------------------------------------ locks, I/O
     @property
@@ -285,8 +308,11 @@ class Qcow2Image:
         if pending is not None:
             return await asyncio.shield(pending)
         if off & self.cmask or off + self.cluster_size > self.used_end:
-            raise _eio(f"{self.path}: L1 entry points to {off:#x}, "
-                       + ("not cluster aligned" if off & self.cmask else "past end of file"))
+            self._mark_corrupt(f"an L1 entry points to {off:#x}, " + (
+                "not cluster aligned" if off & self.cmask else "past the end of the file"))
+        if self.meta.get(off >> self.cbits) != L2:
+            kind = KIND_NAMES.get(self.meta.get(off >> self.cbits, -1), "?")
+            self._mark_corrupt(f"an L1 entry points to {off:#x}, which holds the {kind}")
         fut: asyncio.Future[L2Table] = asyncio.get_running_loop().create_future()
         self._loading[off] = fut
         try:
@@ -335,7 +361,7 @@ class Qcow2Image:
                     entries = array("Q", old.entries)
                 else:
                     entries = array("Q", bytes(self.cluster_size))
-                c, _fresh = await self._alloc(1, meta=True)
+                c, _fresh = await self._alloc(1, meta=L2)
                 new = L2Table(c << self.cbits, entries, dirty=True)
                 await self._make_room()
                 self.l2cache[new.offset] = new
@@ -386,7 +412,7 @@ class Qcow2Image:
                 await self._add_ref(c, 1)
             finally:
                 self._reserving.discard(c)
-        self.meta.add(c)
+        self.meta[c] = REFBLOCK
         self.used_end = max(self.used_end, (c + 1) << self.cbits)
         self.reftable[t] = c << self.cbits
         self.reftable_dirty = True
@@ -402,13 +428,16 @@ class Qcow2Image:
         return b[c % self.rbe] if b is not None else 0
 
     async def _add_ref(self, c: int, delta: int) -> int:
-        b = await self._refblock(c // self.rbe, create=True)
-        assert b is not None
+        """Change a refcount; returns the new value. A decrement never creates
+        refcount structures: a cluster without a refcount is left alone (leaked
+        at worst) and reported, as QEMU does."""
+        b = await self._refblock(c // self.rbe, create=delta > 0)
         i = c % self.rbe
+        if b is None or b[i] + delta < 0:
+            log.error("qcow2 refcount underflow: cluster left alone", image=self.path,
+                      cluster=c)
+            return -1
         v = b[i] + delta
-        if v < 0:
-            log.error("qcow2 refcount underflow", image=self.path, cluster=c)
-            v = 0
         b[i] = v
         return v
 
@@ -438,7 +467,8 @@ class Qcow2Image:
                 await self._add_ref(c, 1)
         finally:
             self._reserving.difference_update(run)
-        self.meta.update(run)
+        for c in run:
+            self.meta[c] = REFTABLE
         self.reftable_offset = start << self.cbits
         self.reftable_clusters = clusters
         self.reftable_dirty = True
@@ -447,7 +477,7 @@ class Qcow2Image:
             self._defer_free(c)
         log.info("qcow2 refcount table grown", image=self.path, clusters=clusters)
 
-    async def _alloc(self, n: int, meta: bool = False) -> tuple[int, bool]:
+    async def _alloc(self, n: int, meta: int | None = None) -> tuple[int, bool]:
         """``n`` contiguous free host clusters, their refcounts set to 1: the
         first one, and whether they were never written (past the old end of
         the file, so their unwritten parts read as zeros)."""
@@ -483,29 +513,36 @@ class Qcow2Image:
                 self._reserving.difference_update(run)
             if start == self._free_hint:
                 self._free_hint = run.stop
-            if meta:
-                self.meta.update(run)
+            if meta is not None:
+                for c in run:
+                    self.meta[c] = meta
             return start, fresh
 
     def _defer_free(self, c: int) -> None:
         self._frees.append((self.gen, c))
 
     def _release(self, entry: int) -> None:
-        """Drop the references an L2 entry held (deferred: see the module docstring)."""
+        """Drop the references an L2 entry held (deferred: see the module
+        docstring). An entry pointing nowhere valid is leaked, not freed."""
         if entry & COMPRESSED:
-            for c in fmt.compressed_clusters(entry, self.cbits):
-                self._defer_free(c)
+            clusters = fmt.compressed_clusters(entry, self.cbits)
+            if clusters.stop << self.cbits <= self.used_end + self.cluster_size:
+                for c in clusters:
+                    self._defer_free(c)
         elif entry & OFFSET_MASK:
-            self._defer_free((entry & OFFSET_MASK) >> self.cbits)
+            host = entry & OFFSET_MASK
+            if not host & self.cmask and host < self.used_end and host >> self.cbits \
+                    not in self.meta:
+                self._defer_free(host >> self.cbits)
 
     # ------------------------------------------------------------------ reads
     def _check_host(self, host: int, vc: int) -> None:
         if host & self.cmask:
-            raise _eio(f"{self.path}: L2 entry of cluster {vc} is not cluster aligned "
-                       f"({host:#x})")
+            self._mark_corrupt(f"the L2 entry of cluster {vc} is not cluster aligned "
+                               f"({host:#x})")
         if host >= self.used_end:
-            raise _eio(f"{self.path}: L2 entry of cluster {vc} points past the end of "
-                       f"the file ({host:#x})")
+            self._mark_corrupt(f"the L2 entry of cluster {vc} points past the end of the "
+                               f"file ({host:#x})")
 
     async def read(self, offset: int, buf: Any) -> None:
         """Fill ``buf`` with the disk's bytes at ``offset``."""
@@ -612,7 +649,7 @@ class Qcow2Image:
             if c in self.meta:
                 self._mark_corrupt(f"a data write to {host:#x} would overwrite metadata")
 
-    def _mark_corrupt(self, why: str) -> None:
+    def _mark_corrupt(self, why: str) -> NoReturn:
         self.corrupt = True
         log.error("qcow2 image marked corrupt", image=self.path, reason=why)
         if self.v3 and not self.read_only:
@@ -744,6 +781,7 @@ class Qcow2Image:
         if old & ZERO:
             return None
         if old & OFFSET_MASK:
+            self._check_host(old & OFFSET_MASK, vc)
             buf = aligned(length)
             await self._data_read(buf, (old & OFFSET_MASK) + at)
             return buf
@@ -868,6 +906,15 @@ class Qcow2Image:
             moved = (self.reftable_offset, self.reftable_clusters) if self.reftable_moved else None
             self.reftable_dirty = self.reftable_moved = False
             try:
+                for t, _g, _raw in l2s:  # refuse before writing anything
+                    self._meta_write(L2, t.offset, self.cluster_size)
+                for ti, _b, _g, _raw in refs:
+                    self._meta_write(REFBLOCK, self.reftable[ti] & fmt.REFT_OFFSET_MASK,
+                                     self.cluster_size)
+                if rt is not None:
+                    self._meta_write(REFTABLE, rt_off, len(rt))
+                if l1:
+                    self._meta_write(L1, self.h.l1_table_offset, len(self.l1) * 8)
                 await self._write_refblocks(refs)
                 if rt is not None:
                     await f.sync()
@@ -922,7 +969,7 @@ class Qcow2Image:
         async with self.alloc_lock:
             for c in ready:
                 if await self._add_ref(c, -1) == 0:
-                    self.meta.discard(c)
+                    self.meta.pop(c, None)
                     self._free_hint = min(self._free_hint, c)
                     self.l2cache.pop(c << self.cbits, None)
         await self._write_refblocks(self._refblock_cut())
