@@ -43,6 +43,7 @@ REFT_OFFSET_MASK = ~0x1FF & ((1 << 64) - 1)
 MAX_L1_BYTES = 32 << 20
 MAX_REFTABLE_BYTES = 8 << 20
 MAX_SNAPSHOTS = 65536
+MAX_SNAPSHOT_EXTRA = 1024
 MAX_BACKING_NAME = 1023
 
 COMPRESSION_ZLIB = 0
@@ -365,8 +366,13 @@ def parse_snapshots(data: bytes, count: int) -> tuple[list[Snapshot], int]:
             raise Qcow2Error("qcow2 snapshot table is truncated")
         (l1_off, l1_size, id_len, name_len, _s, _ns, _vm, _vs,
          extra) = _SNAP.unpack_from(data, pos)
+        if extra > MAX_SNAPSHOT_EXTRA:
+            raise Qcow2Error(f"qcow2 snapshot table entry has {extra} bytes of extra data "
+                             f"(at most {MAX_SNAPSHOT_EXTRA})")
         pos += _SNAP.size + extra + id_len
         name = data[pos:pos + name_len].decode("utf-8", "replace")
         pos = (pos + name_len + 7) & ~7
+        if pos > len(data):
+            raise Qcow2Error("qcow2 snapshot table is truncated")
         snaps.append(Snapshot(l1_off, l1_size, name))
     return snaps, pos

@@ -267,13 +267,6 @@ class Qcow2Image:
         else:
             del self._io[g]
 
-    async def _data_read(self, view: memoryview, host: int) -> None:
-        g = self._io_begin()
-        try:
-            await self.file.read_into(view, host)
-        finally:
-            self._io_end(g)
-
     async def _data_write(self, bufs: list[Any], host: int) -> None:
         g = self._io_begin()
         try:
@@ -550,15 +543,24 @@ class Qcow2Image:
         end = offset + len(view)
         if end > self.size:
             raise OSError(errno.EINVAL, f"read past the end of {self.path}")
+        # counted as in flight from the lookup on: no cluster it looked up is
+        # freed (and reused) before it is done
+        g = self._io_begin()
+        try:
+            vc = offset >> self.cbits
+            if (end - 1) >> self.cbits == vc:  # one cluster, mapped and cached: common
+                e = self._lookup(vc)
+                if e and not e & (COMPRESSED | ZERO) and e & OFFSET_MASK:
+                    host = e & OFFSET_MASK
+                    self._check_host(host, vc)
+                    await self.file.read_into(view, host + (offset & self.cmask))
+                    return
+            await self._read(view, offset, end)
+        finally:
+            self._io_end(g)
+
+    async def _read(self, view: memoryview, offset: int, end: int) -> None:
         cbits, cmask, cs = self.cbits, self.cmask, self.cluster_size
-        vc = offset >> cbits
-        if (end - 1) >> cbits == vc:  # one cluster, mapped and cached: the common case
-            e = self._lookup(vc)
-            if e and not e & (COMPRESSED | ZERO) and e & OFFSET_MASK:
-                host = e & OFFSET_MASK
-                self._check_host(host, vc)
-                await self._data_read(view, host + (offset & cmask))
-                return
         pending = []
         pos = offset
         while pos < end:
@@ -584,7 +586,7 @@ class Qcow2Image:
                     stop = min(end, stop + cs)
                     nxt += cs
                 sub = view[pos - offset:stop - offset]
-                pending.append(self._data_read(sub, host + (pos & cmask)))
+                pending.append(self.file.read_into(sub, host + (pos & cmask)))
             elif self.backing is not None:
                 while stop < end and self._lookup(stop >> cbits) == 0:
                     stop = min(end, stop + cs)
@@ -616,11 +618,7 @@ class Qcow2Image:
             raise _eio(f"{self.path}: compressed cluster at {span.offset:#x} lies past the "
                        "end of the file")
         raw = aligned(span.length)
-        g = self._io_begin()
-        try:
-            await self.file.read_into(raw, span.offset)
-        finally:
-            self._io_end(g)
+        await self.file.read_into(raw, span.offset)
         try:
             data = decompress(self.h.compression_type, raw, self.cluster_size)
         except ValueError as err:
@@ -783,7 +781,7 @@ class Qcow2Image:
         if old & OFFSET_MASK:
             self._check_host(old & OFFSET_MASK, vc)
             buf = aligned(length)
-            await self._data_read(buf, (old & OFFSET_MASK) + at)
+            await self.file.read_into(buf, (old & OFFSET_MASK) + at)  # under the cluster lock
             return buf
         if self.backing is None or (vc << self.cbits) + at >= self.backing.size:
             return None
