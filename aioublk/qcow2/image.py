@@ -477,6 +477,7 @@ class Qcow2Image:
         rbe = self.rbe
         async with self.alloc_lock:
             start = c = self._free_hint
+            hole = -1  # the first free cluster passed over (a run too short for n)
             end_cluster = self._end_cluster()
             while c - start < n:
                 if c >= end_cluster:
@@ -488,6 +489,8 @@ class Qcow2Image:
                 if b is None or b[c % rbe] == 0:
                     c += 1
                     continue
+                if hole < 0 and c > start:
+                    hole = start
                 c += 1
                 if c % rbe:
                     nxt = b.first_free(c % rbe)
@@ -504,8 +507,7 @@ class Qcow2Image:
                     await self._add_ref(c, 1)
             finally:
                 self._reserving.difference_update(run)
-            if start == self._free_hint:
-                self._free_hint = run.stop
+            self._free_hint = run.stop if hole < 0 else hole
             if meta is not None:
                 for c in run:
                     self.meta[c] = meta
