@@ -56,7 +56,8 @@ HEADER, L1, REFTABLE, REFBLOCK, SNAPSHOT, L2 = range(6)
 KIND_NAMES = {HEADER: "header", L1: "L1 table", REFTABLE: "refcount table",
               REFBLOCK: "refcount block", SNAPSHOT: "snapshot table", L2: "L2 table"}
 
-DEFAULT_CACHE_BYTES = 32 << 20  # L2 cache bound, as QEMU's default maximum
+DEFAULT_CACHE_BYTES = 32 << 20
+OFFLOAD_BYTES = 64 << 10  # clusters this big are decompressed on a worker thread  # L2 cache bound, as QEMU's default maximum
 MAX_CHAIN = 64
 _ZEROS = bytes(1 << 20)
 
@@ -622,7 +623,11 @@ class Qcow2Image:
         raw = aligned(span.length)
         await self.file.read_into(raw, span.offset)
         try:
-            data = decompress(self.h.compression_type, raw, self.cluster_size)
+            if self.cluster_size >= OFFLOAD_BYTES:  # inflating takes long: off the loop
+                data = await asyncio.get_running_loop().run_in_executor(
+                    None, decompress, self.h.compression_type, raw, self.cluster_size)
+            else:
+                data = decompress(self.h.compression_type, raw, self.cluster_size)
         except ValueError as err:
             raise _eio(f"{self.path}: compressed cluster at {span.offset:#x}: {err}") from None
         self._zcache[e] = data
