@@ -72,11 +72,19 @@ class HostFile:
     async def read_into(self, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` from ``offset``; zeros past the end of the file."""
         ring = current_ring()
-        done = 0
         total = len(buf)
+        try:
+            done = await ring.read(self.fd, buf, offset)  # nearly always all of it
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self.direct:
+                raise
+            await self._bounce_read(buf, offset)
+            return
+        if done == total:
+            return
         while done < total:
             try:
-                n = await ring.read(self.fd, buf[done:] if done else buf, offset + done)
+                n = await ring.read(self.fd, buf[done:], offset + done)
             except OSError as e:
                 if e.errno != errno.EINVAL or not self.direct:
                     raise

@@ -56,8 +56,8 @@ HEADER, L1, REFTABLE, REFBLOCK, SNAPSHOT, L2 = range(6)
 KIND_NAMES = {HEADER: "header", L1: "L1 table", REFTABLE: "refcount table",
               REFBLOCK: "refcount block", SNAPSHOT: "snapshot table", L2: "L2 table"}
 
-DEFAULT_CACHE_BYTES = 32 << 20
-OFFLOAD_BYTES = 64 << 10  # clusters this big are decompressed on a worker thread  # L2 cache bound, as QEMU's default maximum
+DEFAULT_CACHE_BYTES = 32 << 20  # L2 cache bound, as QEMU's default maximum
+OFFLOAD_BYTES = 64 << 10  # clusters this big are decompressed on a worker thread
 MAX_CHAIN = 64
 _ZEROS = bytes(1 << 20)
 
@@ -542,7 +542,7 @@ class Qcow2Image:
 
     async def read(self, offset: int, buf: Any) -> None:
         """Fill ``buf`` with the disk's bytes at ``offset``."""
-        view = memoryview(buf).cast("B")
+        view = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
         end = offset + len(view)
         if end > self.size:
             raise OSError(errno.EINVAL, f"read past the end of {self.path}")
