@@ -670,8 +670,10 @@ class Qcow2Image:
 
     async def write(self, offset: int, data: Any) -> None:
         """Store ``data`` at ``offset``."""
-        self._writable()
-        view = memoryview(data).cast("B")
+        if self.read_only or self.corrupt:
+            self._writable()
+        view = data if type(data) is memoryview and data.format == "B" else \
+            memoryview(data).cast("B")
         end = offset + len(view)
         if end > self.size:
             raise OSError(errno.EINVAL, f"write past the end of {self.path}")
@@ -685,7 +687,11 @@ class Qcow2Image:
                 host += offset & self.cmask
                 if host >> self.cbits in self.meta:
                     self._overlap(host, len(view))
-                await self._data_write([view], host)
+                g = self._io_begin()
+                try:
+                    await self.file.write(view, host)
+                finally:
+                    self._io_end(g)
                 return
         await self._per_table(offset, end, lambda s, e: self._write_chunk(s, e, offset, view))
 
