@@ -113,8 +113,10 @@ class Qcow2Image:
             return cls(f, read_only, cache_bytes, direct, _chain + (real,))
         except Qcow2Error as e:
             f.close()
-            msg = str(e)
-            raise Qcow2Error(msg if path in msg else f"{path}: {msg}") from None
+            msg = str(e) if path in str(e) else f"{path}: {e}"
+            # one line whatever the image says (a backing file name may hold a newline)
+            raise Qcow2Error("".join(c if c.isprintable() else repr(c)[1:-1]
+                                     for c in msg)) from None
         except BaseException:
             f.close()
             raise
