@@ -212,6 +212,10 @@ class DeviceConfig:
                                 f"({nthreads}) than queues ({self.queues}): lower --nthreads")
         missing = flags & ~features
         if self.spread(batch) and not features & uapi.Feature.PER_IO_DAEMON:
+            if not self.per_io_tasks:
+                raise UblkError(f"this target serves all {self.queues} queues from one thread, "
+                                "which needs batch I/O or UBLK_F_PER_IO_DAEMON (kernel "
+                                "6.17+): use -q 1")
             missing |= uapi.Feature.PER_IO_DAEMON
         if missing:
             raise UblkError("this kernel's ublk_drv does not support "

@@ -155,6 +155,8 @@ def test_batch_is_the_default_where_the_kernel_has_it() -> None:
     ({"copy": "auto_zc", "nthreads": 2}, ALL, "--auto_zc with batch"),
     ({"per_io_tasks": True, "nthreads": 2}, ALL & ~uapi.Feature.PER_IO_DAEMON,
      "UBLK_F_PER_IO_DAEMON"),
+    ({"one_loop": True, "queues": 2, "batch": False}, ALL & ~uapi.Feature.PER_IO_DAEMON,
+     "all 2 queues from one thread"),
 ])
 def test_resolve_refuses_with_one_line(kw: dict[str, object], features: int,
                                        message: str) -> None:
@@ -168,6 +170,28 @@ def test_resolve_refuses_with_one_line(kw: dict[str, object], features: int,
     with pytest.raises(UblkError, match=message) as e:
         cfg.resolve(features)
     assert "\n" not in str(e.value)
+
+
+def test_one_loop_targets_get_one_worker_on_either_path() -> None:
+    """A target that keeps per-loop state (qcow2) sees all queues on one loop:
+    batch maps them N:1, the per-I/O path deals the tags to one daemon."""
+    from aioublk.device import Device, UblkError
+    from aioublk.queue import layout
+    from aioublk.target import Geometry, Target
+
+    class OneLoop(Target):
+        one_loop = True
+        geometry = Geometry(size=1 << 20)
+
+    cfg = Device(OneLoop(), queues=4, depth=8).config
+    assert cfg.one_loop and cfg.threads() == 1
+    for batch in (True, False):
+        spread = cfg.spread(batch)
+        assert spread is not batch
+        plan = layout(4, 8, cfg.threads(), batch=batch, per_io_tasks=spread)
+        assert len(plan) == 1 and [q for q, _t in plan[0]] == [0, 1, 2, 3]
+    with pytest.raises(UblkError, match="serves all queues from one thread"):
+        Device(OneLoop(), queues=4, nthreads=2)
 
 
 def test_auto_zc_fallback_adds_zero_copy_and_needs_auto_zc() -> None:
