@@ -161,6 +161,7 @@ class _QueueState:
     tags_mem: bytearray          # the provided buffers the fetches fill with tags
     tags_addr: int = 0           # its address, for handing buffers back
     buf_ring: Any = None         # the C buffer ring of group ``local``
+    dones: list[Any] = field(default_factory=list)  # per tag: answer it (fast path)
 
 
 class BatchDriver(Driver):
@@ -186,6 +187,8 @@ class BatchDriver(Driver):
             _QueueState(qm, i, BatchBuilder(qm.q_id, self.depth, flags),
                         bytearray(self.buf_entries * self.buf_bytes))
             for i, (qm, _tags) in enumerate(worker.spec.work)]
+        for qs in self.queues:
+            qs.dones = [partial(self._answer, qs, tag) for tag in range(self.depth)]
         self.live = 0
         self.stopping = False
         ring.add_flush_hook(self._commit)
@@ -258,8 +261,11 @@ class BatchDriver(Driver):
             lib.aur_buf_ring_advance(qs.buf_ring, 1)
             serve = self._serve
             spawn = self.spawn
+            start = self.start
+            qm, dones = qs.qm, qs.dones
             for tag in tags:
-                spawn(serve(qs, tag))
+                if not start(qm, tag, dones[tag]):
+                    spawn(serve(qs, tag))
         if flags & lib.IORING_CQE_F_MORE:
             return
         self.live -= 1
@@ -281,8 +287,13 @@ class BatchDriver(Driver):
     async def _serve(self, qs: _QueueState, tag: int) -> None:
         try:
             res = await self.path.serve(qs.qm, tag, self._index(qs, tag))
-        finally:
+        except BaseException:
             self.answered()
+            raise
+        self._answer(qs, tag, res)
+
+    def _answer(self, qs: _QueueState, tag: int, res: int) -> None:
+        self.answered()
         self._add(qs, tag, res)
         self.ring.request_flush()
 

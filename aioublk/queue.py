@@ -39,7 +39,7 @@ import structlog
 
 from aioublk import uapi
 from aioublk.ring import Ring, buffer_address
-from aioublk.target import Buffer, FixedBuf, Target
+from aioublk.target import Buffer, Done, FixedBuf, Target
 
 if TYPE_CHECKING:
     from aioublk.device import DeviceConfig
@@ -154,6 +154,22 @@ class IoPath:
         self.ring = ring
         self.char_fd = char_fd
         self.mode = mode
+        self.fast = mode is CopyMode.COPY and (
+            type(target).start_read is not Target.start_read
+            or type(target).start_write is not Target.start_write)
+
+    def start(self, qm: QueueMem, tag: int, done: Done) -> bool:
+        """The target's task-free path (``Target.start_read``/``start_write``),
+        where the copy mode and the op allow it; False: use ``serve``."""
+        if not self.fast:
+            return False
+        op_flags, nr, sector, _addr = qm.unpack(tag * 24)
+        op = op_flags & 0xFF
+        if op == _READ:
+            return self.target.start_read(sector << 9, qm.views[tag][:nr << 9], done)
+        if op == _WRITE and not op_flags & uapi.IO_F_FUA:
+            return self.target.start_write(sector << 9, qm.views[tag][:nr << 9], done)
+        return False
 
     def serve(self, qm: QueueMem, tag: int, index: int) -> Coroutine[Any, Any, int]:
         op_flags, nr, sector, _addr = qm.unpack(tag * 24)
@@ -255,6 +271,18 @@ class Driver:
     def arm(self) -> None:
         """Queue the commands that must reach the kernel before START_DEV."""
         raise NotImplementedError
+
+    def start(self, qm: QueueMem, tag: int, done: Done) -> bool:
+        """Start a request on the target's fast path (``done`` answers it)."""
+        self.inflight += 1
+        try:
+            started = self.path.start(qm, tag, done)
+        except Exception:  # noqa: BLE001 - the coroutine path still serves it
+            self.w.log.exception("target fast path raised")
+            started = False
+        if not started:
+            self.inflight -= 1
+        return started
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Start one request; it calls ``answered`` when done. (A pending task
@@ -404,6 +432,7 @@ class PerIoDriver(Driver):
                 self.slots.append((qm, tag, index, io_addr, sqe_addr,
                                    partial(self._on_cqe, index)))
         self.live = len(self.slots)
+        self.dones = [partial(self._answer, slot) for slot in range(len(self.slots))]
 
     def arm(self) -> None:
         for qm, tag, _index, io_addr, sqe_addr, handler in self.slots:
@@ -415,7 +444,9 @@ class PerIoDriver(Driver):
 
     def _on_cqe(self, slot: int, res: int, flags: int) -> None:
         if res == uapi.IO_RES_OK:
-            self.spawn(self._serve(slot))
+            qm, tag = self.slots[slot][:2]
+            if not self.start(qm, tag, self.dones[slot]):
+                self.spawn(self._serve(slot))
             return
         if res != -errno.ENODEV:
             self.w.log.warning("io command failed", slot=slot, res=res)
@@ -426,10 +457,16 @@ class PerIoDriver(Driver):
             self.w.finished()
 
     async def _serve(self, slot: int) -> None:
-        qm, tag, index, io_addr, sqe_addr, handler = self.slots[slot]
+        qm, tag, index = self.slots[slot][:3]
         try:
             res = await self.path.serve(qm, tag, index)
-        finally:
+        except BaseException:
             self.answered()
+            raise
+        self._answer(slot, res)
+
+    def _answer(self, slot: int, res: int) -> None:
+        self.answered()
+        qm, tag, _index, io_addr, sqe_addr, handler = self.slots[slot]
         self.ring.prep_ublk_io(self.char_fd, uapi.IoCmd.COMMIT_AND_FETCH_REQ, qm.q_id, tag,
                                res, io_addr, handler, sqe_addr)

@@ -223,16 +223,15 @@ class Ring:
         self.prep(opcode, fd, handler=fut, keep=keep, **kw)
         return fut
 
-    def _rw(self, opcode: int, fd: int, view: Any, offset: int,
-            rw_flags: int = 0) -> asyncio.Future[int]:
-        """The read/write hot path: ``prep`` and ``_track`` inlined (a backend
-        request costs one of these)."""
+    def submit_rw(self, opcode: int, fd: int, view: Any, offset: int,
+                  handler: Handler | asyncio.Future[int], rw_flags: int = 0) -> None:
+        """The read/write hot path (``prep`` and ``_track`` inlined): ``view``
+        is a cffi buffer (``ffi.from_buffer``); the CQE goes to ``handler``."""
         if self._closed:
             raise RuntimeError("ring is closed")
-        fut: asyncio.Future[int] = self.loop.create_future()
         ud = self._next_ud
         self._next_ud = ud + 1 if ud < 0x7FFF_FFFF_FFFF_FFFF else 1
-        self._handlers[ud] = fut
+        self._handlers[ud] = handler
         self._keep[ud] = view
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -241,17 +240,29 @@ class Ring:
                            offset, rw_flags, 0, 0, ud)
         if ret < 0:
             self._checked(ret, ud)
-        return fut
+
+    def start_read(self, fd: int, buf: Any, offset: int,
+                   handler: Handler | asyncio.Future[int]) -> None:
+        """Queue a pread into ``buf``; its CQE goes to ``handler``."""
+        self.submit_rw(lib.IORING_OP_READ, fd, ffi.from_buffer(buf, require_writable=True),
+                       offset, handler)
+
+    def start_write(self, fd: int, buf: Any, offset: int,
+                    handler: Handler | asyncio.Future[int], rw_flags: int = 0) -> None:
+        """Queue a pwrite from ``buf``; its CQE goes to ``handler``."""
+        self.submit_rw(lib.IORING_OP_WRITE, fd, ffi.from_buffer(buf), offset, handler, rw_flags)
 
     async def read(self, fd: int, buf: Any, offset: int) -> int:
         """pread into ``buf``; returns bytes read (short at EOF)."""
-        view = ffi.from_buffer(buf, require_writable=True)
-        return check(await self._rw(lib.IORING_OP_READ, fd, view, offset), "read")
+        fut: asyncio.Future[int] = self.loop.create_future()
+        self.start_read(fd, buf, offset, fut)
+        return check(await fut, "read")
 
     async def write(self, fd: int, buf: Any, offset: int, rw_flags: int = 0) -> int:
         """pwrite from ``buf``; returns bytes written."""
-        view = ffi.from_buffer(buf)
-        return check(await self._rw(lib.IORING_OP_WRITE, fd, view, offset, rw_flags), "write")
+        fut: asyncio.Future[int] = self.loop.create_future()
+        self.start_write(fd, buf, offset, fut, rw_flags)
+        return check(await fut, "write")
 
     async def read_fixed(self, fd: int, addr: int, length: int, offset: int,
                          buf_index: int) -> int:

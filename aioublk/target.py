@@ -17,8 +17,13 @@ else (the request fails with EIO and a log line; the queue keeps serving).
 
 from __future__ import annotations
 
+import asyncio
 import errno
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
+
+import structlog
 
 from aioublk import uapi
 
@@ -101,6 +106,37 @@ class FixedBuf:
 
 Buffer = memoryview | FixedBuf
 
+#: A request's completion: called once with the result for the kernel.
+Done = Callable[[int], None]
+
+log = structlog.get_logger("aioublk.target")
+
+
+def rw_handler(n: int, done: Done,
+               retry: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[int, int], None]:
+    """The CQE handler of a fast-path read/write of ``n`` bytes: a full result
+    or an error goes straight to ``done``; anything else (a short transfer,
+    O_DIRECT refusing an unaligned buffer) runs ``retry``, the coroutine path,
+    as a task."""
+    def on_cqe(res: int, flags: int) -> None:
+        if res == n or (res < 0 and res not in (-errno.EINVAL, -errno.EAGAIN)):
+            done(res)
+        else:
+            asyncio.get_running_loop().create_task(_retried(retry, n, done))
+    return on_cqe
+
+
+async def _retried(retry: Callable[[], Coroutine[Any, Any, None]], n: int, done: Done) -> None:
+    try:
+        await retry()
+        res = n
+    except OSError as e:
+        res = -(e.errno or errno.EIO)
+    except Exception:
+        log.exception("target raised")
+        res = -errno.EIO
+    done(res)
+
 
 class Target:
     """Base class of targets. Subclasses set ``geometry`` and override the
@@ -118,6 +154,17 @@ class Target:
     async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
         """Store ``buf`` at ``offset`` (durably before returning if ``fua``)."""
         raise OSError(errno.EOPNOTSUPP, "write not supported")
+
+    def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
+        """Optional fast path (copy mode): start the read without a coroutine
+        and call ``done(result)`` exactly once, now or later on this loop; or
+        return False, having done nothing, to be served by ``read``. It saves
+        the task a request costs, the bulk of the framework's time per I/O."""
+        return False
+
+    def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
+        """As ``start_read``, for a write without FUA."""
+        return False
 
     async def flush(self) -> None:
         """Make every completed write durable."""

@@ -48,6 +48,8 @@ from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.compress import decompress
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO, Qcow2Error
 from aioublk.qcow2.hostfile import HostFile, RawBacking, aligned
+from aioublk.ring import Handler, current_ring
+from aioublk.target import Done, rw_handler
 
 log = structlog.get_logger("aioublk.qcow2")
 
@@ -552,17 +554,57 @@ class Qcow2Image:
         # freed (and reused) before it is done
         g = self._io_begin()
         try:
-            vc = offset >> self.cbits
-            if (end - 1) >> self.cbits == vc:  # one cluster, mapped and cached: common
-                e = self._lookup(vc)
-                if e and not e & (COMPRESSED | ZERO) and e & OFFSET_MASK:
-                    host = e & OFFSET_MASK
-                    self._check_host(host, vc)
-                    await self.file.read_into(view, host + (offset & self.cmask))
-                    return
+            host = self._mapped(offset, len(view), False)  # the common case
+            if host >= 0:
+                await self.file.read_into(view, host)
+                return
             await self._read(view, offset, end)
         finally:
             self._io_end(g)
+
+    def _mapped(self, offset: int, n: int, write: bool) -> int:
+        """The host offset of [offset, offset+n) when it lies in one cached,
+        allocated cluster (written in place, for a write), else -1."""
+        vc = offset >> self.cbits
+        if (offset + n - 1) >> self.cbits != vc or offset + n > self.size:
+            return -1
+        e = self._lookup(vc)
+        if not e or e & (COMPRESSED | ZERO) or not e & OFFSET_MASK:
+            return -1
+        host = e & OFFSET_MASK
+        if host & self.cmask or host >= self.used_end:
+            return -1  # the coroutine path reports it
+        if write and (not e & COPIED or self.read_only or self.corrupt or vc in self._busy
+                      or host >> self.cbits in self.meta):
+            return -1
+        return host + (offset & self.cmask)
+
+    def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
+        """The task-free read (see ``Target.start_read``): one mapped cluster."""
+        host = self._mapped(offset, len(buf), False)
+        if host < 0:
+            return False
+        current_ring().start_read(self.file.fd, buf, host, self._tracked(
+            rw_handler(len(buf), done, lambda: self.read(offset, buf))))
+        return True
+
+    def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
+        """The task-free write: in place, into one cluster the image owns alone."""
+        host = self._mapped(offset, len(buf), True)
+        if host < 0:
+            return False
+        current_ring().start_write(self.file.fd, buf, host, self._tracked(
+            rw_handler(len(buf), done, lambda: self.write(offset, buf))))
+        return True
+
+    def _tracked(self, handler: Handler) -> Handler:
+        """Count the I/O in flight until its CQE (frees wait for it)."""
+        g = self._io_begin()
+
+        def on_cqe(res: int, flags: int) -> None:
+            self._io_end(g)
+            handler(res, flags)
+        return on_cqe
 
     async def _read(self, view: memoryview, offset: int, end: int) -> None:
         cbits, cmask, cs = self.cbits, self.cmask, self.cluster_size
@@ -679,22 +721,14 @@ class Qcow2Image:
         end = offset + len(view)
         if end > self.size:
             raise OSError(errno.EINVAL, f"write past the end of {self.path}")
-        vc = offset >> self.cbits
-        if (end - 1) >> self.cbits == vc:
-            e = self._lookup(vc)
-            if e is not None and e & (COPIED | COMPRESSED | ZERO) == COPIED and \
-                    e & OFFSET_MASK and vc not in self._busy:
-                host = (e & OFFSET_MASK)
-                self._check_host(host, vc)
-                host += offset & self.cmask
-                if host >> self.cbits in self.meta:
-                    self._overlap(host, len(view))
-                g = self._io_begin()
-                try:
-                    await self.file.write(view, host)
-                finally:
-                    self._io_end(g)
-                return
+        host = self._mapped(offset, len(view), True)  # in place: the common case
+        if host >= 0:
+            g = self._io_begin()
+            try:
+                await self.file.write(view, host)
+            finally:
+                self._io_end(g)
+            return
         await self._per_table(offset, end, lambda s, e: self._write_chunk(s, e, offset, view))
 
     async def _per_table(self, start: int, end: int, fn: Any) -> None:

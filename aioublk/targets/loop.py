@@ -3,7 +3,8 @@ ring. Flush is fdatasync; discard punches a hole."""
 
 from __future__ import annotations
 
-from aioublk.target import Buffer, Geometry, Target
+from aioublk.ring import current_ring
+from aioublk.target import Buffer, Done, Geometry, Target, rw_handler
 from aioublk.targets.backing import Backing
 
 
@@ -24,6 +25,16 @@ class LoopTarget(Target):
         await self.backing.write_full(buf, offset)
         if fua:
             await self.backing.sync()
+
+    def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
+        current_ring().start_read(self.backing.fd, buf, offset,
+                                  rw_handler(len(buf), done, lambda: self.read(offset, buf)))
+        return True
+
+    def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
+        current_ring().start_write(self.backing.fd, buf, offset,
+                                   rw_handler(len(buf), done, lambda: self.write(offset, buf)))
+        return True
 
     async def flush(self) -> None:
         await self.backing.sync()

@@ -6,7 +6,7 @@ and locks belong to that loop (see ``aioublk.qcow2.image``)."""
 from __future__ import annotations
 
 from aioublk.qcow2 import Qcow2Image
-from aioublk.target import Geometry, Target
+from aioublk.target import Done, Geometry, Target
 
 
 class Qcow2Target(Target):
@@ -32,6 +32,12 @@ class Qcow2Target(Target):
         await self.image.write(offset, buf)
         if fua:
             await self.image.flush()
+
+    def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
+        return self.image.start_read(offset, buf, done)
+
+    def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
+        return self.image.start_write(offset, buf, done)
 
     async def flush(self) -> None:
         await self.image.flush()

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable
 
 from aioublk.ring import current_ring
-from aioublk.target import Buffer, FixedBuf, Geometry, Target
+from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, rw_handler
 from aioublk.targets.backing import Backing, BackingError
 
 MAX_FILES = 4
@@ -96,6 +96,30 @@ class StripeTarget(Target):
             ops.append(op(fd, buf.offset + s, n, pos, buf.index))
             pos += n
         return sum(await asyncio.gather(*ops))  # short only if some piece was short
+
+    def _one_file(self, offset: int, n: int) -> tuple[int, int] | None:
+        """(fd, file offset) when [offset, offset+n) lies in one chunk."""
+        idx, within = divmod(offset, self.chunk)
+        if within + n > self.chunk:
+            return None
+        nr = len(self.files)
+        return self.files[idx % nr].fd, (idx // nr) * self.chunk + within
+
+    def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
+        where = self._one_file(offset, len(buf))
+        if where is None:
+            return False
+        current_ring().start_read(where[0], buf, where[1],
+                                  rw_handler(len(buf), done, lambda: self.read(offset, buf)))
+        return True
+
+    def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
+        where = self._one_file(offset, len(buf))
+        if where is None:
+            return False
+        current_ring().start_write(where[0], buf, where[1],
+                                   rw_handler(len(buf), done, lambda: self.write(offset, buf)))
+        return True
 
     async def read(self, offset: int, buf: Buffer) -> None:
         await self._rw(offset, buf, False)
