@@ -88,6 +88,11 @@ def _nclusters(offset: int, length: int, cs: int) -> int:
     return 0 if length <= 0 else (offset + length - 1) // cs - offset // cs + 1
 
 
+def _zero_buf(n: int) -> Any:
+    """``n`` zero bytes (a slice of a shared buffer when it is long enough)."""
+    return _ZEROS[:n] if n <= len(_ZEROS) else aligned(n)
+
+
 def _fill_zero(view: memoryview) -> None:
     n = len(view)
     pos = 0
@@ -802,12 +807,12 @@ class Qcow2Image:
                 if head is None and fresh:
                     at = host0 + (ws - run_s)
                 else:
-                    bufs.append(head if head is not None else _ZEROS[:ws - run_s])
+                    bufs.append(head if head is not None else _zero_buf(ws - run_s))
             bufs.append(view[ws - base:we - base])
             if we < run_e:
                 tail = await self._cow(vcs[-1], olds[-1], we - (vcs[-1] << cbits), run_e - we)
                 if tail is not None or not fresh:
-                    bufs.append(tail if tail is not None else _ZEROS[:run_e - we])
+                    bufs.append(tail if tail is not None else _zero_buf(run_e - we))
             await self._data_write(bufs, at)
         except BaseException:
             for c in range(c0, c0 + len(vcs)):
@@ -859,9 +864,12 @@ class Qcow2Image:
         cs = self.cluster_size
         first = (offset + cs - 1) & ~self.cmask
         last = end & ~self.cmask if end != self.size else -(-end // cs) * cs
-        if first >= last:
+        if first >= last:  # no whole cluster, but maybe the end of one and the start of the next
             if not discard:
-                await self._zero_part(offset, end)
+                cut = offset < first < end
+                await self._zero_part(offset, first if cut else end)
+                if cut:
+                    await self._zero_part(first, end)
             return
         if not discard:
             if offset < first:
