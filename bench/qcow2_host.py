@@ -318,7 +318,7 @@ def report(data: dict[str, object], command: str) -> str:
         lines += ["", f"**Smoke run (`--quick`)**: COUNT divided by {QUICK_DIVISOR}; not a "
                       "measurement."]
     lines += ["", "| workload | COUNT | " + " | ".join(f"qemu-img {a} IOPS" for a in AIO_MODES)
-              + "".join(f" | aioublk {k} ring IOPS | ratio" for k in RINGS) + " |",
+              + "".join(f" | aioublk {k} IOPS | ratio" for k in RINGS) + " |",
               "| --- | ---: |" + " ---: |" * (len(AIO_MODES) + 2 * len(RINGS))]
     for r in rows(data):
         qemu = r["qemu"]
