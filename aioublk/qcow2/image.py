@@ -851,8 +851,9 @@ class Qcow2Image:
 
     async def discard(self, offset: int, length: int) -> None:
         """Unmap whole clusters (they read as zeros, or as the backing file's
-        bytes on a v2 image, where there is no zero flag); partial clusters are
-        left alone."""
+        bytes on a v2 image, where there is no zero flag). The parts of
+        clusters at either end are zeroed rather than left with old data
+        (QEMU leaves them): a discarded range never reads back stale bytes."""
         self._writable()
         await self._zero_or_discard(offset, length, unmap=True, discard=True)
 
@@ -865,17 +866,15 @@ class Qcow2Image:
         first = (offset + cs - 1) & ~self.cmask
         last = end & ~self.cmask if end != self.size else -(-end // cs) * cs
         if first >= last:  # no whole cluster, but maybe the end of one and the start of the next
-            if not discard:
-                cut = offset < first < end
-                await self._zero_part(offset, first if cut else end)
-                if cut:
-                    await self._zero_part(first, end)
+            cut = offset < first < end
+            await self._zero_part(offset, first if cut else end)
+            if cut:
+                await self._zero_part(first, end)
             return
-        if not discard:
-            if offset < first:
-                await self._zero_part(offset, first)
-            if last < end:
-                await self._zero_part(last, end)
+        if offset < first:
+            await self._zero_part(offset, first)
+        if last < end:
+            await self._zero_part(last, end)
         zero_flag = self.v3 and (self.backing is not None or not discard)
         if not self.v3 and self.backing is not None and not discard:
             await self._write_zero_bytes(first, min(last, end))  # v2 cannot hide the backing
