@@ -38,12 +38,13 @@ import mmap
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.modes import _run as _sh  # (stdout, error or None); a failed step never ends a run
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMAGE_SIZE = 1 << 30
@@ -176,16 +177,7 @@ def _engine(ring_kind: str) -> str:
     return f"aioublk {ring_kind}"
 
 
-def _sh(cmd: list[str], timeout: float) -> tuple[str, str | None]:
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return "", f"timed out after {timeout:.0f} s"
-    if p.returncode != 0:
-        msg = (p.stderr.strip() or p.stdout.strip()).splitlines()
-        return p.stdout, f"exit {p.returncode}: {' | '.join(msg[-5:])}"
-    return p.stdout, None
+
 
 
 def qemu_img_bench(image: str, aio: str, write: bool, depth: int, count: int,

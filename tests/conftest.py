@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import pytest
+import pytest_asyncio
 import uvloop
+
+from aioublk.ring import Ring
 
 pytest_plugins = ["aioublk.testing.pytest_plugin"]
 
@@ -19,6 +22,17 @@ def pytest_asyncio_loop_factories(
     if item.get_closest_marker("guest"):
         return {"uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest_asyncio.fixture
+async def ring() -> AsyncIterator[Ring]:
+    """A Ring bound to this thread and the test's loop: what the engine and
+    the targets submit their I/O to (``aioublk.current_ring``)."""
+    r = Ring(256, bind_thread=True)
+    try:
+        yield r
+    finally:
+        r.close()
 
 
 @pytest.fixture

@@ -15,10 +15,9 @@ import random
 import shlex
 import subprocess
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from aioublk.ring import Ring
 
 K = 1024
 M = 1024 * K
@@ -34,6 +33,16 @@ CHUNKS_B: tuple[int, ...] = (1 * M, 71 * SECTOR, 4 * K, 3 * M // 2 + SECTOR, 3 *
 #: What a read buffer holds before the engine fills it: a read that leaves a
 #: range untouched (instead of zeroing it) shows up as this byte.
 SENTINEL = 0xA5
+
+
+@dataclass(frozen=True)
+class Spec:
+    """An image to create: cluster size, refcount width, compat level, size."""
+
+    cluster: int
+    refcount_bits: int
+    compat: str
+    size: int
 
 
 # -- running QEMU's tools -------------------------------------------------------
@@ -202,17 +211,6 @@ def pattern_file(path: Path, seed: int = 7) -> Path:
 
 
 # -- the engine ------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def bound_ring(entries: int = 256) -> AsyncIterator[Ring]:
-    """A Ring bound to this thread and the running loop, for the engine's I/O.
-    Use from an async fixture: ``async with bound_ring() as r: yield r``."""
-    ring = Ring(entries, bind_thread=True)
-    try:
-        yield ring
-    finally:
-        ring.close()
 
 
 @contextlib.asynccontextmanager

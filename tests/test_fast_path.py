@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from aioublk.qcow2 import Qcow2Image
 from aioublk.ring import Ring
@@ -20,13 +19,6 @@ from aioublk.target import rw_handler
 from aioublk.targets.loop import LoopTarget
 
 pytestmark = pytest.mark.asyncio
-
-
-@pytest_asyncio.fixture
-async def ring():
-    r = Ring(64, bind_thread=True)
-    yield r
-    r.close()
 
 
 def waiter() -> tuple[asyncio.Future[int], object]:

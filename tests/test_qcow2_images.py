@@ -22,13 +22,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import subprocess
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from aioublk.ring import Ring
 from tests.qcow2_util import (
@@ -37,8 +36,8 @@ from tests.qcow2_util import (
     SECTOR,
     K,
     M,
+    Spec,
     assert_same,
-    bound_ring,
     check_clean,
     compare_identical,
     create,
@@ -56,21 +55,7 @@ from tests.qcow2_util import (
 pytestmark = pytest.mark.asyncio
 
 
-@pytest_asyncio.fixture
-async def ring() -> AsyncIterator[Ring]:
-    async with bound_ring() as r:
-        yield r
-
-
 # -- the images -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Spec:
-    cluster: int
-    refcount_bits: int
-    compat: str
-    size: int
 
 
 #: Pairwise: every cluster size with compat 0.10 and 1.1, every cluster size

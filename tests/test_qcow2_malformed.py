@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from aioublk.qcow2 import Qcow2Error, Qcow2Image
 from aioublk.ring import Ring
@@ -448,13 +447,6 @@ def test_flagged_image_refused_read_write(tpl: Templates, tmp_path: Path, bit: i
 
 
 # ---------------------------------------------------------------- async I/O-time cases
-
-
-@pytest_asyncio.fixture
-async def ring() -> Any:
-    r = Ring(64, bind_thread=True)
-    yield r
-    r.close()
 
 
 async def expect_eio(aw: Awaitable[Any], what: str) -> None:

@@ -37,13 +37,12 @@ import os
 import random
 import shutil
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from aioublk.ring import Ring
 from tests.qcow2_util import (
@@ -51,8 +50,8 @@ from tests.qcow2_util import (
     SECTOR,
     K,
     M,
+    Spec,
     assert_same,
-    bound_ring,
     check_clean,
     check_consistent,
     compare_identical,
@@ -70,12 +69,6 @@ from tests.qcow2_util import (
 )
 
 pytestmark = pytest.mark.asyncio
-
-
-@pytest_asyncio.fixture
-async def ring() -> AsyncIterator[Ring]:
-    async with bound_ring() as r:
-        yield r
 
 
 # -- operations and the raw mirror -------------------------------------------------------
@@ -341,14 +334,6 @@ def oplog(case: Case) -> str:
 
 
 # -- empty images -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Spec:
-    cluster: int
-    refcount_bits: int
-    compat: str
-    size: int
 
 
 EMPTY = {

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from aioublk.ring import Ring
 from aioublk.targets import BackingError, LoopTarget, StripeTarget
@@ -63,13 +62,6 @@ def test_split_matches_sector_by_sector_mapping(files: int, offset: int, length:
                 got[start + s] = (f, pos + s)
             pos += n
     assert got == {b: (f, o) for b, f, o in _mirror(offset, length, chunk, files)}
-
-
-@pytest_asyncio.fixture
-async def ring():
-    r = Ring(64, bind_thread=True)
-    yield r
-    r.close()
 
 
 @pytest.mark.asyncio
