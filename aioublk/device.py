@@ -325,10 +325,8 @@ class Device:
         # what the kernel granted (queues are capped at the CPU count)
         wcfg = replace(cfg, dev_id=info.dev_id, queues=info.nr_hw_queues,
                        depth=info.queue_depth, max_io_size=info.max_io_buf_bytes)
-        spread = replace(cfg, queues=info.nr_hw_queues).spread(self.batch)
-        nthreads = 1 if cfg.one_loop else cfg.nthreads or info.nr_hw_queues
-        if not self.batch and not spread:
-            nthreads = info.nr_hw_queues
+        spread = wcfg.spread(self.batch)
+        nthreads = wcfg.threads() if self.batch or spread else info.nr_hw_queues
         self.mems = [QueueMem(self._char_fd, q, info.queue_depth, info.max_io_buf_bytes,
                               cfg.copy) for q in range(info.nr_hw_queues)]
         plan = layout(info.nr_hw_queues, info.queue_depth, nthreads, batch=self.batch,

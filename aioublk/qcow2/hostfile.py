@@ -14,6 +14,7 @@ from aioublk.qcow2.format import Qcow2Error
 from aioublk.ring import buffer_address, current_ring
 
 ALIGN = 4096  # O_DIRECT alignment we assume for addresses and lengths of bounces
+SECTOR = 512  # what O_DIRECT needs of a buffer we pass through unbounced
 
 
 def aligned(n: int) -> memoryview:
@@ -22,7 +23,7 @@ def aligned(n: int) -> memoryview:
 
 
 class HostFile:
-    __slots__ = ("path", "fd", "direct", "size", "sector")
+    __slots__ = ("path", "fd", "direct", "size")
 
     def __init__(self, path: str, *, read_only: bool, direct: bool) -> None:
         self.path = path
@@ -48,8 +49,6 @@ class HostFile:
             except OSError as e:
                 raise Qcow2Error(f"cannot open {path}: {e.strerror}") from None
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
-        # O_DIRECT on a 4k-sector device needs 4k-aligned offsets; we bounce what isn't
-        self.sector = 512
 
     # --- synchronous, for open
     def pread(self, offset: int, length: int) -> bytes:
@@ -73,18 +72,10 @@ class HostFile:
         """Fill ``buf`` from ``offset``; zeros past the end of the file."""
         ring = current_ring()
         total = len(buf)
-        try:
-            done = await ring.read(self.fd, buf, offset)  # nearly always all of it
-        except OSError as e:
-            if e.errno != errno.EINVAL or not self.direct:
-                raise
-            await self._bounce_read(buf, offset)
-            return
-        if done == total:
-            return
-        while done < total:
+        done = 0
+        while done < total:  # nearly always one read
             try:
-                n = await ring.read(self.fd, buf[done:], offset + done)
+                n = await ring.read(self.fd, buf[done:] if done else buf, offset + done)
             except OSError as e:
                 if e.errno != errno.EINVAL or not self.direct:
                     raise
@@ -129,8 +120,7 @@ class HostFile:
             await self.write(bufs[0], offset)
             return
         total = sum(len(b) for b in bufs)
-        if self.direct and any(buffer_address(b) & (self.sector - 1) or len(b) & 511
-                               for b in bufs):
+        if self.direct and any((buffer_address(b) | len(b)) & (SECTOR - 1) for b in bufs):
             joined = aligned(total)
             pos = 0
             for b in bufs:

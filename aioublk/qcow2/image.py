@@ -426,10 +426,6 @@ class Qcow2Image:
     def _end_cluster(self) -> int:
         return (self.used_end + self.cmask) >> self.cbits
 
-    async def _refcount(self, c: int) -> int:
-        b = await self._refblock(c // self.rbe, create=False)
-        return b[c % self.rbe] if b is not None else 0
-
     async def _add_ref(self, c: int, delta: int) -> int:
         """Change a refcount; returns the new value. A decrement never creates
         refcount structures: a cluster without a refcount is left alone (leaked
