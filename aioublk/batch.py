@@ -190,7 +190,6 @@ class BatchDriver(Driver):
         for qs in self.queues:
             qs.dones = [partial(self._answer, qs, tag) for tag in range(self.depth)]
         self.live = 0
-        self.stopping = False
         ring.add_flush_hook(self._commit)
 
     # -- setup ----------------------------------------------------------------
@@ -208,6 +207,8 @@ class BatchDriver(Driver):
         for qs in self.queues:
             if qs.qm.q_id in self.w.spec.prep:
                 for tag in range(self.depth):
+                    if self.path.arming is not None:
+                        self.path.arming(qs.qm.q_id, tag)
                     self._add(qs, tag, 0)
                 for b in qs.builder.take():
                     self._send(uapi.IoCmd.PREP_IO_CMDS, b, lambda res, _f: results.append(res))

@@ -3,15 +3,20 @@
 Same subcommands, flags, defaults and output lines, so scripts written for
 kublk keep working::
 
-    python -m aioublk add -t null|loop|stripe [-n ID] [-q N] [-d DEPTH]
-                         [--foreground] [--chunk_size N] [FILE...]
+    python -m aioublk add -t null|loop|stripe|qcow2|fault_inject [-n ID] [-q N]
+                         [-d DEPTH] [-r 0|1] [-e 0|1] [-i 0|1] [--foreground] [FILE...]
+    python -m aioublk recover -n ID (the options it was added with)
     python -m aioublk del -n ID | -a
+    python -m aioublk stop -n ID [--safe]
+    python -m aioublk quiesce -n ID
+    python -m aioublk update_size -n ID -s BYTES
     python -m aioublk list [-n ID | -a]
     python -m aioublk features
+    python -m aioublk serve config.toml
 
-``add`` daemonizes like kublk: the command returns once the device is LIVE
-(printing the same lines as ``list``) or has failed (one line on stderr,
-non-zero exit, no device left behind).
+``add`` and ``recover`` daemonize like kublk: the command returns once the
+device is LIVE (printing the same lines as ``list``) or has failed (one line
+on stderr, non-zero exit, no device left behind by ``add``).
 """
 
 from __future__ import annotations
@@ -27,13 +32,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NoReturn
 
 from aioublk import logs, uapi
-from aioublk.device import Control, Device, DeviceConfig, UblkError
+from aioublk.device import Control, Device, DeviceConfig, UblkError, state_name
 from aioublk.qcow2 import Qcow2Error
 from aioublk.queue import CopyMode
 from aioublk.target import Target
 from aioublk.targets import BackingError, LoopTarget, NullTarget, StripeTarget
 
-TARGETS = ("null", "loop", "stripe", "qcow2")
+TARGETS = ("null", "loop", "stripe", "qcow2", "fault_inject")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,11 +49,14 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(1)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="aioublk", description="ublk block-device server (kublk-compatible)")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+def _flag01(value: str) -> bool:
+    if value not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"'{value}' is not 0 or 1")
+    return value == "1"
 
-    add = sub.add_parser("add", help="create a device and serve it")
+
+def _add_create_options(add: argparse.ArgumentParser) -> None:
+    """The options of ``add``, which ``recover`` takes again."""
     add.add_argument("-t", "--type", dest="target", required=True,
                      help="target: " + "|".join(TARGETS))
     add.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
@@ -73,36 +81,62 @@ def _parser() -> argparse.ArgumentParser:
                      help="user copy (UBLK_F_USER_COPY)")
     add.add_argument("--nthreads", type=int, default=0)
     add.add_argument("--per_io_tasks", action="store_true")
+    add.add_argument("-r", "--recovery", type=_flag01, default=False,
+                     help="1: the device outlives its server, QUIESCED until `recover`")
+    add.add_argument("-e", "--recovery_fail_io", type=_flag01, default=False,
+                     help="1: recovery, and I/O fails while no server is attached")
+    add.add_argument("-i", "--recovery_reissue", type=_flag01, default=False,
+                     help="1: recovery, and requests the dead server held are reissued")
     add.add_argument("--buffered", action="store_true",
                      help="loop/stripe/qcow2: do not use O_DIRECT on the backing files")
     add.add_argument("--read-only", "--read_only", dest="read_only", action="store_true",
                      help="qcow2: serve the image read-only")
     add.add_argument("--l2-cache", dest="l2_cache", type=int, default=None,
                      help="qcow2: L2 cache bytes (default: map the whole disk, up to 32 MiB)")
-    add.add_argument("-v", "--verbose", action="store_true")
+    add.add_argument("--delay_us", type=int, default=0,
+                     help="fault_inject: hold each request this many microseconds")
+    add.add_argument("--die_during_fetch", type=_flag01, default=False,
+                     help="fault_inject: 1 = SIGKILL the server while it arms its tags")
+    add.add_argument("-v", "--verbose", action="store_true", help="log every request")
     add.add_argument("--log-format", choices=("console", "json"), default="console")
     add.add_argument("files", nargs="*")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="aioublk", description="ublk block-device server (kublk-compatible)")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    _add_create_options(sub.add_parser("add", help="create a device and serve it"))
+    _add_create_options(sub.add_parser(
+        "recover", help="serve a QUIESCED device again (give the options it was added with)"))
 
     d = sub.add_parser("del", help="delete devices")
     d.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
     d.add_argument("-a", "--all", action="store_true")
+
+    st = sub.add_parser("stop", help="stop a device (its server exits; del removes it)")
+    st.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
+    st.add_argument("--safe", action="store_true", help="only if nothing has the disk open")
+
+    qu = sub.add_parser("quiesce", help="detach the server, leaving the device QUIESCED")
+    qu.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
+
+    us = sub.add_parser("update_size", help="change the device's size")
+    us.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
+    us.add_argument("-s", "--size", type=int, required=True, help="new size in bytes")
 
     ls = sub.add_parser("list", help="show devices")
     ls.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
     ls.add_argument("-a", "--all", action="store_true")
 
     sub.add_parser("features", help="show the driver's features")
+
+    sv = sub.add_parser("serve", help="serve the devices of a TOML config file (foreground)")
+    sv.add_argument("config")
     return p
 
 
 # ------------------------------------------------------------------ output --
-
-def _state_name(state: int) -> str:
-    try:
-        return uapi.State(state).name
-    except ValueError:
-        return "UNKNOWN"
-
 
 async def dump(ctrl: Control, dev_id: int) -> list[str]:
     """kublk's three-part description of one device."""
@@ -113,7 +147,7 @@ async def dump(ctrl: Control, dev_id: int) -> list[str]:
         f"queue_depth {info.queue_depth} block size {1 << params.logical_bs_shift} "
         f"dev_capacity {params.dev_sectors}",
         f"\tmax rq size {info.max_io_buf_bytes} daemon pid {info.ublksrv_pid} "
-        f"flags 0x{info.flags:x} state {_state_name(info.state)}",
+        f"flags 0x{info.flags:x} state {state_name(info.state)}",
     ]
     for q in range(info.nr_hw_queues):
         cpus = await ctrl.queue_affinity(dev_id, q)
@@ -195,6 +229,65 @@ async def cmd_del(args: argparse.Namespace) -> int:
     return await _with_control(run)
 
 
+def _need_id(args: argparse.Namespace) -> int:
+    if args.dev_id < 0:
+        raise UblkError(f"{args.cmd} needs a device id (-n ID)")
+    return int(args.dev_id)
+
+
+async def cmd_stop(args: argparse.Namespace) -> int:
+    dev_id = _need_id(args)
+
+    async def run(ctrl: Control) -> int:
+        await ctrl.get_info(dev_id)  # "does not exist" in one line
+        if args.safe:
+            res = await ctrl.try_stop_dev(dev_id)
+            if res == -errno.EBUSY:
+                raise UblkError(f"device {dev_id} is open (mounted, or held by a program): "
+                                "close it first, or stop without --safe")
+        else:
+            res = await ctrl.stop_dev(dev_id)
+        if res < 0:
+            raise UblkError(f"cannot stop device {dev_id}: {os.strerror(-res)}")
+        return 0
+    return await _with_control(run)
+
+
+async def cmd_quiesce(args: argparse.Namespace) -> int:
+    dev_id = _need_id(args)
+
+    async def run(ctrl: Control) -> int:
+        info = await ctrl.get_info(dev_id)
+        if info.flags & uapi.Feature.QUIESCE and info.flags & uapi.Feature.BATCH_IO:
+            sys.stderr.write(f"aioublk: warning: device {dev_id} uses batch I/O: until it is "
+                             "recovered the kernel fails its new requests (SIGTERM an aioublk "
+                             "server instead: it hands the device over without errors)\n")
+        res = await ctrl.quiesce_dev(dev_id)
+        if res == -errno.EOPNOTSUPP:
+            raise UblkError(f"device {dev_id} cannot be quiesced: it was added without user "
+                            "recovery (-r 1), or this kernel lacks UBLK_F_QUIESCE (6.15+)")
+        if res < 0:
+            raise UblkError(f"cannot quiesce device {dev_id}: {os.strerror(-res)}")
+        return 0
+    return await _with_control(run)
+
+
+async def cmd_update_size(args: argparse.Namespace) -> int:
+    dev_id = _need_id(args)
+
+    async def run(ctrl: Control) -> int:
+        params = await ctrl.get_params(dev_id)
+        block = 1 << params.logical_bs_shift
+        if args.size <= 0 or args.size % block:
+            raise UblkError(f"size {args.size} is not a positive multiple of the device's "
+                            f"logical block size ({block})")
+        res = await ctrl.update_size(dev_id, args.size >> 9)
+        if res < 0:
+            raise UblkError(f"cannot resize device {dev_id}: {os.strerror(-res)}")
+        return 0
+    return await _with_control(run)
+
+
 # --------------------------------------------------------------------- add --
 
 def make_target(args: argparse.Namespace) -> Target:
@@ -211,6 +304,14 @@ def make_target(args: argparse.Namespace) -> Target:
         return LoopTarget(files[0], direct=not args.buffered)
     if name == "stripe":
         return StripeTarget(files, chunk_size=args.chunk_size)
+    if name == "fault_inject":
+        if files:
+            raise UblkError("the fault_inject target takes no backing file")
+        from aioublk.targets.fault_inject import FaultInjectTarget
+
+        if args.delay_us < 0:
+            raise UblkError(f"--delay_us {args.delay_us} is negative")
+        return FaultInjectTarget(delay_us=args.delay_us, die_during_fetch=args.die_during_fetch)
     if name == "qcow2":
         if len(files) != 1:
             raise UblkError(f"the qcow2 target needs exactly one image file, got {len(files)}")
@@ -237,32 +338,39 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
     cfg = DeviceConfig(dev_id=args.dev_id, queues=args.queues, depth=args.depth, flags=flags,
                        batch=args.batch, copy=modes[0] if modes else CopyMode.COPY,
                        auto_zc_fallback=args.auto_zc_fallback, nthreads=args.nthreads,
-                       per_io_tasks=args.per_io_tasks)
+                       per_io_tasks=args.per_io_tasks, recovery=args.recovery,
+                       recovery_fail_io=args.recovery_fail_io,
+                       recovery_reissue=args.recovery_reissue)
     cfg.validate()
     return cfg
 
 
-async def serve(target: Target, cfg: DeviceConfig,
-                on_live: Callable[[Device], Awaitable[None]] | None = None) -> int:
-    """Run one device until SIGTERM/SIGINT (then delete it) or until it is
-    stopped from outside (``del``)."""
+async def run_device(target: Target, cfg: DeviceConfig,
+                     on_live: Callable[[Device], Awaitable[None]] | None = None,
+                     recover: bool = False) -> int:
+    """Serve one device until SIGTERM/SIGINT or until it is stopped, deleted
+    or quiesced from outside. On a signal a device with user recovery is
+    quiesced (it waits for ``recover``, as a killed kublk's does); any other
+    is deleted."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     dev = Device(target, cfg)
     try:
-        await dev.start()
+        await dev.start(recover=recover)
         if on_live is not None:
             await on_live(dev)
         ended = asyncio.ensure_future(dev.wait())
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ended, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
-        if stop.is_set():
-            await dev.stop()
+        if not stop.is_set():
+            await dev.release()
+        elif dev.info is not None and dev.info.flags & uapi.Feature.USER_RECOVERY:
+            await dev.quiesce()
         else:
-            await dev.stop(delete=False)
+            await dev.stop()
         return 0
     finally:
         target.close()
@@ -276,14 +384,19 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
+    """``add`` and ``recover``: serve in the foreground, or daemonize and
+    report how the start went."""
     logs.configure(verbose=args.verbose, json=args.log_format == "json")
+    recover = args.cmd == "recover"
+    if recover:
+        _need_id(args)
     cfg = device_config(args)
     target = make_target(args)
 
     if args.foreground:
         async def announce(dev: Device) -> None:
             print("\n".join(await dump(dev._ctrl, dev.id)), flush=True)  # type: ignore[arg-type]
-        return _run(serve(target, cfg, announce))
+        return _run(run_device(target, cfg, announce, recover))
 
     rfd, wfd = os.pipe()
     pid = os.fork()
@@ -298,7 +411,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             async def report(dev: Device) -> None:
                 os.write(wfd, f"OK {dev.id}\n".encode())
                 os.close(wfd)
-            code = _run(serve(target, cfg, report))
+            code = _run(run_device(target, cfg, report, recover))
         except (UblkError, BackingError, Qcow2Error, OSError) as e:
             _report_error(wfd, str(e))
         except BaseException as e:  # noqa: BLE001 - the parent must hear about it
@@ -344,10 +457,16 @@ def _detach_stdio() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.cmd == "add":
+        if args.cmd in ("add", "recover"):
             return cmd_add(args)
+        if args.cmd == "serve":
+            from aioublk.serve import main as serve_main
+
+            return serve_main(args.config)
         logs.configure()
-        handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features}[args.cmd]
+        handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features,
+                   "stop": cmd_stop, "quiesce": cmd_quiesce,
+                   "update_size": cmd_update_size}[args.cmd]
         return _run(handler(args))
     except (UblkError, BackingError, Qcow2Error) as e:
         sys.stderr.write(f"aioublk: {e}\n")

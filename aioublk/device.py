@@ -41,6 +41,13 @@ class UblkError(Exception):
     """A failure explained in one line for the user."""
 
 
+def state_name(state: int) -> str:
+    try:
+        return uapi.State(state).name
+    except ValueError:
+        return "UNKNOWN"
+
+
 def _fail(what: str, res: int) -> UblkError:
     return UblkError(f"{what}: {os.strerror(-res)} (errno {-res})")
 
@@ -124,6 +131,22 @@ class Control:
     async def stop_dev(self, dev_id: int) -> int:
         return await self.cmd(uapi.Cmd.STOP_DEV, dev_id)
 
+    async def try_stop_dev(self, dev_id: int) -> int:
+        """STOP_DEV unless the disk is open (-EBUSY)."""
+        return await self.cmd(uapi.Cmd.TRY_STOP_DEV, dev_id)
+
+    async def quiesce_dev(self, dev_id: int, timeout_ms: int = 10_000) -> int:
+        return await self.cmd(uapi.Cmd.QUIESCE_DEV, dev_id, data=timeout_ms)
+
+    async def update_size(self, dev_id: int, sectors: int) -> int:
+        return await self.cmd(uapi.Cmd.UPDATE_SIZE, dev_id, data=sectors)
+
+    async def start_user_recovery(self, dev_id: int) -> int:
+        return await self.cmd(uapi.Cmd.START_USER_RECOVERY, dev_id)
+
+    async def end_user_recovery(self, dev_id: int, pid: int) -> int:
+        return await self.cmd(uapi.Cmd.END_USER_RECOVERY, dev_id, data=pid)
+
     async def del_dev(self, dev_id: int) -> int:
         return await self.cmd(uapi.Cmd.DEL_DEV, dev_id)
 
@@ -150,6 +173,13 @@ class DeviceConfig:
     one_loop: bool = False       # every queue on one thread (targets that need it set it)
     fetch_buf_bytes: int = 0     # batch: bytes per provided fetch buffer (0 = depth's tags)
     fetch_buf_entries: int = 0   # batch: provided buffers per queue and worker (0 = 8)
+    #: user recovery (kublk -r/-i/-e): after the server dies the device waits,
+    #: QUIESCED, for a new server (``Device.start(recover=True)``); with
+    #: reissue the requests the old server held are replayed, with fail_io
+    #: I/O fails while no server is attached
+    recovery: bool = False
+    recovery_reissue: bool = False
+    recovery_fail_io: bool = False
 
     #: device flags a caller may pass in ``flags``; the rest come from the options
     SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
@@ -172,12 +202,26 @@ class DeviceConfig:
                             "per-I/O path feature (use --nthreads alone with batch)")
         if self.auto_zc_fallback and self.copy is not CopyMode.AUTO_ZC:
             raise UblkError("--auto_zc_fallback needs --auto_zc")
+        if self.recovery_reissue and self.recovery_fail_io:
+            raise UblkError("-i 1 (reissue) and -e 1 (fail I/O) are different recovery modes: "
+                            "pick one")
         if (self.fetch_buf_bytes and (self.fetch_buf_bytes % 2
                                       or not 2 <= self.fetch_buf_bytes <= 4096)) \
                 or self.fetch_buf_entries & (self.fetch_buf_entries - 1) \
                 or self.fetch_buf_entries > 4096:
             raise UblkError("fetch buffers: bytes must be even (2..4096) and entries a power "
                             "of two (1..4096)")
+
+    @property
+    def recovery_flags(self) -> int:
+        flags = 0
+        if self.recovery or self.recovery_reissue or self.recovery_fail_io:
+            flags |= uapi.Feature.USER_RECOVERY
+        if self.recovery_reissue:
+            flags |= uapi.Feature.USER_RECOVERY_REISSUE
+        if self.recovery_fail_io:
+            flags |= uapi.Feature.USER_RECOVERY_FAIL_IO
+        return flags
 
     def threads(self) -> int:
         return 1 if self.one_loop else self.nthreads or self.queues
@@ -202,7 +246,9 @@ class DeviceConfig:
         if not batch and nthreads != self.queues and not self.spread(batch):
             raise UblkError(f"--nthreads {nthreads} differs from -q {self.queues}: add "
                             "--per_io_tasks, or use batch I/O (-b)")
-        flags = self.flags | self.copy.flags
+        flags = self.flags | self.copy.flags | self.recovery_flags
+        if flags & uapi.Feature.USER_RECOVERY and features & uapi.Feature.QUIESCE:
+            flags |= uapi.Feature.QUIESCE  # as kublk: lets ``quiesce`` hand over the device
         if self.auto_zc_fallback:
             flags |= uapi.Feature.SUPPORT_ZERO_COPY
         if batch:
@@ -281,7 +327,10 @@ class Device:
     def char_path(self) -> str:
         return f"/dev/ublkc{self.id}"
 
-    async def start(self) -> None:
+    async def start(self, recover: bool = False) -> None:
+        """Create the device and serve it. With ``recover``, attach instead
+        to device ``config.dev_id``, left QUIESCED (or FAIL_IO) by a server
+        that died or was quiesced: re-arm every tag, then END_USER_RECOVERY."""
         cfg = self.config
         ctrl = self._ctrl = Control()
         try:
@@ -289,12 +338,15 @@ class Device:
             if not features & uapi.Feature.CMD_IOCTL_ENCODE:
                 raise UblkError("this ublk_drv lacks UBLK_F_CMD_IOCTL_ENCODE: "
                                 "aioublk needs kernel 6.4 or later")
-            self.batch, flags = cfg.resolve(features)
-            want = uapi.DevInfo(
-                nr_hw_queues=cfg.queues, queue_depth=cfg.depth,
-                max_io_buf_bytes=cfg.max_io_size,
-                dev_id=uapi.DEV_ID_ANY if cfg.dev_id < 0 else cfg.dev_id, flags=flags)
-            self.info = await ctrl.add_dev(want)
+            if recover:
+                self.info = await self._begin_recovery(ctrl, features)
+            else:
+                self.batch, flags = cfg.resolve(features)
+                want = uapi.DevInfo(
+                    nr_hw_queues=cfg.queues, queue_depth=cfg.depth,
+                    max_io_buf_bytes=cfg.max_io_size,
+                    dev_id=uapi.DEV_ID_ANY if cfg.dev_id < 0 else cfg.dev_id, flags=flags)
+                self.info = await ctrl.add_dev(want)
         except BaseException:
             ctrl.close()
             self._ctrl = None
@@ -303,22 +355,63 @@ class Device:
         self.log = log.bind(dev=info.dev_id)
         try:
             self._char_fd = await _open_char(self.char_path)
-            params = self.target.geometry.params(info.max_io_buf_bytes)
-            await ctrl.set_params(info.dev_id, params)
+            if not recover:
+                params = self.target.geometry.params(info.max_io_buf_bytes)
+                await ctrl.set_params(info.dev_id, params)
             self._start_workers(info)
             loop = asyncio.get_running_loop()
             for w in self.workers:
                 await loop.run_in_executor(None, w.ready.wait)
                 if w.error is not None:
                     raise UblkError(f"queue worker {w.spec.index} failed to start: {w.error}")
-            await ctrl.start_dev(info.dev_id, os.getpid())
+            if recover:
+                res = await ctrl.end_user_recovery(info.dev_id, os.getpid())
+                if res < 0:
+                    raise _fail(f"END_USER_RECOVERY of device {info.dev_id}", res)
+            else:
+                await ctrl.start_dev(info.dev_id, os.getpid())
             self.info = await ctrl.get_info(info.dev_id)
         except BaseException:
-            await self._teardown(delete=True)
+            # a failed recovery leaves the device QUIESCED for another try
+            await self._teardown(stop=not recover, delete=not recover)
             raise
-        self.log.info("device started", path=self.path, queues=info.nr_hw_queues,
-                      depth=info.queue_depth, batch=self.batch, copy=cfg.copy.value,
-                      workers=len(self.workers), **self.target.describe())
+        self.log.info("device recovered" if recover else "device started", path=self.path,
+                      queues=info.nr_hw_queues, depth=info.queue_depth, batch=self.batch,
+                      copy=self.config.copy.value, workers=len(self.workers),
+                      **self.target.describe())
+
+    async def _begin_recovery(self, ctrl: Control, features: int) -> uapi.DevInfo:
+        """Check the device can be recovered with this config, then
+        START_USER_RECOVERY. The device's own flags and sizes decide how it
+        is served; the copy mode given must match the one it was added with."""
+        cfg = self.config
+        if cfg.dev_id < 0:
+            raise UblkError("recover needs the id of the device to recover (-n ID)")
+        dev_id = cfg.dev_id
+        info = await ctrl.get_info(dev_id)
+        if not info.flags & uapi.Feature.USER_RECOVERY:
+            raise UblkError(f"device {dev_id} was added without user recovery (-r 1), so it "
+                            "cannot be recovered: delete it and add it again")
+        if info.state not in (uapi.State.QUIESCED, uapi.State.FAIL_IO):
+            raise UblkError(f"device {dev_id} is {state_name(info.state)} (server pid "
+                            f"{info.ublksrv_pid}): only a QUIESCED or FAIL_IO device can be "
+                            "recovered")
+        self.batch = bool(info.flags & uapi.Feature.BATCH_IO)
+        self.config = cfg = replace(cfg, batch=self.batch, queues=info.nr_hw_queues,
+                                    depth=info.queue_depth)
+        _batch, flags = cfg.resolve(features)
+        modes = uapi.Feature.SUPPORT_ZERO_COPY | uapi.Feature.AUTO_BUF_REG | uapi.Feature.USER_COPY
+        if flags & modes != info.flags & modes:
+            was = uapi.flag_list(info.flags & modes) or "the default copy mode"
+            raise UblkError(f"device {dev_id} was added with {was}: recover it with the "
+                            "options it was added with")
+        res = await ctrl.start_user_recovery(dev_id)
+        if res == -errno.EBUSY:
+            raise UblkError(f"device {dev_id} is still held by its previous server (pid "
+                            f"{info.ublksrv_pid}): wait for it to exit, then recover")
+        if res < 0:
+            raise _fail(f"START_USER_RECOVERY of device {dev_id}", res)
+        return info
 
     def _start_workers(self, info: uapi.DevInfo) -> None:
         cfg = self.config
@@ -350,17 +443,52 @@ class Device:
         """Stop serving (in-flight requests finish first) and delete the device."""
         if self._stopped:
             return
-        await self._teardown(delete=delete)
+        await self._teardown(stop=True, delete=delete)
 
-    async def _teardown(self, delete: bool) -> None:
+    async def quiesce(self) -> None:
+        """Hand the device over to a future server: the queues finish the
+        requests they hold and end, and the device waits QUIESCED for
+        ``start(recover=True)`` (it needs user recovery).
+
+        Per-I/O devices use QUIESCE_DEV: the kernel cancels the idle
+        commands and queues new requests for the next server. Batch devices
+        detach instead (finish, then close): on them QUIESCE_DEV sets the
+        queues' ``force_abort``, so the kernel fails every request that
+        arrives until a server recovers the device (ublk_batch_cancel_queue,
+        Linux 7.2). On detach, tags the kernel had queued but we had not
+        fetched are reissued with ``-i 1``, failed otherwise."""
+        if self._stopped or self._ctrl is None or self.info is None:
+            return
+        dev_id, flags = self.info.dev_id, self.info.flags
+        if not flags & uapi.Feature.USER_RECOVERY:
+            raise UblkError(f"device {dev_id} cannot be quiesced: it was added without user "
+                            "recovery (-r 1)")
+        if self.batch or not flags & uapi.Feature.QUIESCE:
+            for w in self.workers:
+                if w.loop is not None:
+                    w.loop.call_soon_threadsafe(w.finished)
+        else:
+            res = await self._ctrl.quiesce_dev(dev_id)
+            if res < 0:
+                raise _fail(f"QUIESCE_DEV of device {dev_id}", res)
+        await self._teardown(stop=False, delete=False)
+
+    async def release(self) -> None:
+        """Free what serving held, sending no command: for a device stopped,
+        deleted or quiesced from outside (``wait`` has returned)."""
+        if not self._stopped:
+            await self._teardown(stop=False, delete=False)
+
+    async def _teardown(self, stop: bool, delete: bool) -> None:
         self._stopped = True
         ctrl = self._ctrl
         if ctrl is None or self.info is None:
             return
         dev_id = self.info.dev_id
-        res = await ctrl.stop_dev(dev_id)
-        if res < 0 and res != -errno.ENODEV:
-            log.warning("STOP_DEV failed", dev=dev_id, res=res)
+        if stop:
+            res = await ctrl.stop_dev(dev_id)
+            if res < 0 and res != -errno.ENODEV:
+                log.warning("STOP_DEV failed", dev=dev_id, res=res)
         for w in self.workers:
             # a worker whose tags were never armed has nothing to abort
             if not w.ready.is_set() and w.loop is not None:
@@ -378,7 +506,7 @@ class Device:
                 log.warning("DEL_DEV failed", dev=dev_id, res=res)
         ctrl.close()
         self._ctrl = None
-        self.log.info("device stopped", deleted=delete)
+        self.log.info("device released", stopped=stop, deleted=delete)
 
     async def __aenter__(self) -> Device:
         await self.start()

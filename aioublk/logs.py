@@ -9,8 +9,11 @@ import sys
 import structlog
 
 
-def configure(*, verbose: bool = False, json: bool = False) -> None:
-    level = logging.DEBUG if verbose else logging.WARNING
+def configure(*, verbose: bool = False, json: bool = False, level: str | None = None) -> None:
+    """``level`` ("warning", "info", "debug") overrides ``verbose``."""
+    lvl = logging.DEBUG if verbose else logging.WARNING
+    if level is not None:
+        lvl = logging.getLevelNamesMapping()[level.upper()]
     renderer: structlog.types.Processor
     if json:
         renderer = structlog.processors.JSONRenderer()
@@ -24,7 +27,7 @@ def configure(*, verbose: bool = False, json: bool = False) -> None:
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -51,7 +52,7 @@ _READ, _WRITE, _FLUSH, _DISCARD, _WRITE_ZEROES = (
 
 
 async def serve_request(target: Target, op_flags: int, nr_sectors: int, start_sector: int,
-                        buf: Buffer) -> int:
+                        buf: Buffer, *, q: int = -1, tag: int = -1) -> int:
     """Run one request on the target; returns the result for the kernel
     (bytes for read/write, 0 for the others, -errno on failure)."""
     op = op_flags & 0xFF
@@ -79,7 +80,8 @@ async def serve_request(target: Target, op_flags: int, nr_sectors: int, start_se
     except OSError as e:
         return -(e.errno or errno.EIO)
     except Exception:
-        log.exception("target raised", op=op, offset=offset, length=length)
+        log.exception("target raised: request failed with EIO", q=q, tag=tag, op=op,
+                      offset=offset, length=length)
         return -errno.EIO
 
 
@@ -154,7 +156,11 @@ class IoPath:
         self.ring = ring
         self.char_fd = char_fd
         self.mode = mode
-        self.fast = mode is CopyMode.COPY and (
+        #: the target's arming hook, if it has one (fault injection)
+        self.arming = target.arming if type(target).arming is not Target.arming else None
+        #: -v logs every request, on the coroutine path only: the fast path stays untouched
+        self.debug = log.bind().is_enabled_for(logging.DEBUG)
+        self.fast = mode is CopyMode.COPY and not self.debug and (
             type(target).start_read is not Target.start_read
             or type(target).start_write is not Target.start_write)
 
@@ -172,16 +178,29 @@ class IoPath:
         return False
 
     def serve(self, qm: QueueMem, tag: int, index: int) -> Coroutine[Any, Any, int]:
+        if self.debug:
+            return self._traced(qm, tag, index)
+        return self._serve(qm, tag, index)
+
+    async def _traced(self, qm: QueueMem, tag: int, index: int) -> int:
+        op_flags, nr, sector, _addr = qm.unpack(tag * 24)
+        res = await self._serve(qm, tag, index)
+        log.debug("request", q=qm.q_id, tag=tag, op=uapi.op_name(op_flags), sector=sector,
+                  sectors=nr, res=res)
+        return res
+
+    def _serve(self, qm: QueueMem, tag: int, index: int) -> Coroutine[Any, Any, int]:
         op_flags, nr, sector, _addr = qm.unpack(tag * 24)
         mode = self.mode
         if mode is CopyMode.COPY or op_flags & 0xFF not in (_READ, _WRITE):
             return serve_request(self.target, op_flags, nr, sector,
-                                 qm.views[tag] if qm.views else _NO_DATA)
+                                 qm.views[tag] if qm.views else _NO_DATA, q=qm.q_id, tag=tag)
         if mode is CopyMode.USER_COPY:
             return self._user_copy(qm, tag, op_flags, nr, sector)
         if mode is CopyMode.ZERO_COPY or op_flags & uapi.IO_F_NEED_REG_BUF:
             return self._registered(qm, tag, index, op_flags, nr, sector)
-        return serve_request(self.target, op_flags, nr, sector, FixedBuf(index, 0, nr << 9))
+        return serve_request(self.target, op_flags, nr, sector, FixedBuf(index, 0, nr << 9),
+                             q=qm.q_id, tag=tag)
 
     async def _user_copy(self, qm: QueueMem, tag: int, op_flags: int, nr: int,
                          sector: int) -> int:
@@ -191,7 +210,8 @@ class IoPath:
         try:
             if op_flags & 0xFF == _WRITE and not await self._char_io(self.ring.read, view, pos):
                 return -errno.EIO
-            res = await serve_request(self.target, op_flags, nr, sector, view)
+            res = await serve_request(self.target, op_flags, nr, sector, view, q=qm.q_id,
+                                      tag=tag)
             if op_flags & 0xFF == _READ and res > 0 and not await self._char_io(
                     self.ring.write, view[:res], pos):
                 return -errno.EIO
@@ -223,7 +243,7 @@ class IoPath:
             return res
         try:
             return await serve_request(self.target, op_flags, nr, sector,
-                                       FixedBuf(index, 0, nr << 9))
+                                       FixedBuf(index, 0, nr << 9), q=qm.q_id, tag=tag)
         finally:
             ring.prep_cmd(self.char_fd, uapi.IoCmd.UNREGISTER_IO_BUF,
                           uapi.io_cmd(qm.q_id, tag, 0, index))
@@ -265,6 +285,7 @@ class Driver:
         self.char_fd = worker.char_fd
         self.failed = 0  # the first error the kernel answered an arming command with
         self.inflight = 0  # requests started and not yet answered
+        self.stopping = False  # the kernel aborted a command: serve what is held, then end
         self._drained: asyncio.Future[None] | None = None
         self.loop = asyncio.get_running_loop()
 
@@ -292,11 +313,17 @@ class Driver:
 
     def answered(self) -> None:
         self.inflight -= 1
-        if not self.inflight and self._drained is not None and not self._drained.done():
+        if not self.inflight and self.stopping:
+            self.idle()
+
+    def idle(self) -> None:
+        """Nothing is in flight any more, and the device is going away."""
+        if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
 
     async def drain(self) -> None:
         """Let the requests in flight finish (bounded) after the device stopped."""
+        self.stopping = True
         if self.inflight:
             self._drained = self.loop.create_future()
             try:
@@ -334,7 +361,7 @@ class Worker:
                                        daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Future[None] | None = None
-        self.log = log.bind(worker=spec.index)
+        self.log = log.bind(dev=cfg.dev_id, worker=spec.index)
 
     def start(self) -> None:
         self.thread.start()
@@ -345,6 +372,8 @@ class Worker:
     def _run(self) -> None:
         import uvloop
 
+        # every log line of this thread's tasks names the device and worker
+        structlog.contextvars.bind_contextvars(dev=self.cfg.dev_id, worker=self.spec.index)
         loop = uvloop.new_event_loop()
         self.loop = loop
         asyncio.set_event_loop(loop)
@@ -397,7 +426,9 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - the device is going away anyway
                 self.log.error("target drain failed", error=str(e))
         finally:
-            ring.close()
+            # after a quiesce, re-armed per-I/O commands stay armed until the
+            # ring goes: do not wait for them
+            ring.close(timeout=1.0 if driver.stopping else 5.0)
             driver.close()
             del driver, path
 
@@ -437,7 +468,10 @@ class PerIoDriver(Driver):
         self.dones = [partial(self._answer, slot) for slot in range(len(self.slots))]
 
     def arm(self) -> None:
+        hook = self.path.arming
         for qm, tag, _index, io_addr, sqe_addr, handler in self.slots:
+            if hook is not None:
+                hook(qm.q_id, tag)
             self.ring.prep_ublk_io(self.char_fd, uapi.IoCmd.FETCH_REQ, qm.q_id, tag, 0,
                                    io_addr, handler, sqe_addr)
         # FETCH must reach the kernel before START_DEV; errors come back at once
@@ -454,9 +488,18 @@ class PerIoDriver(Driver):
             self.w.log.warning("io command failed", slot=slot, res=res)
             if not self.failed:
                 self.failed = res
+        # Aborted. On STOP_DEV every tag is aborted once nothing is in flight;
+        # on QUIESCE_DEV only the idle ones are: the worker ends once the
+        # requests it holds are committed (their re-armed commands go with
+        # the ring).
+        self.stopping = True
         self.live -= 1
-        if self.live == 0:
+        if self.live == 0 or not self.inflight:
             self.w.finished()
+
+    def idle(self) -> None:
+        super().idle()
+        self.w.finished()
 
     async def _serve(self, slot: int) -> None:
         qm, tag, index = self.slots[slot][:3]

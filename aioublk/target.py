@@ -175,6 +175,10 @@ class Target:
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
         raise OSError(errno.EOPNOTSUPP, "write_zeroes not supported")
 
+    def arming(self, q_id: int, tag: int) -> None:
+        """Called on the queue's loop before each tag is armed (at start and
+        at recovery): a hook for fault injection, nothing else."""
+
     async def drain(self) -> None:
         """On each queue loop, once its requests are done and before its ring
         closes: write back what the target caches (its I/O still works)."""

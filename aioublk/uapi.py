@@ -130,6 +130,14 @@ class Op(enum.IntEnum):
     WRITE_ZEROES = 5
 
 
+def op_name(op_flags: int) -> str:
+    """``READ``, ``WRITE``... for a descriptor's ``op_flags`` (for logs)."""
+    try:
+        return Op(op_flags & 0xFF).name
+    except ValueError:
+        return f"op{op_flags & 0xFF}"
+
+
 IO_F_FUA = 1 << 13
 IO_F_NOUNMAP = 1 << 15
 IO_F_NEED_REG_BUF = 1 << 17

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import select
+import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -205,3 +209,59 @@ def served(target: Target, **config: Any) -> Iterator[Device]:
         target.close()
     if failed:
         raise failed[0]
+
+
+def start_server(args: list[str], log: Path, timeout: float = 120,
+                 cmd: str = "add") -> DevListing:
+    """``aioublk CMD ARGS --foreground`` (add or recover) in a child forked from this process:
+    the CLI's own code (argument parsing, target, serve) without starting a
+    Python interpreter, which costs 6-20 s per run in the emulated guest.
+    Its stderr goes to ``log``; the caller reaps it (os.waitpid)."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(rfd)
+            err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            null = os.open(os.devnull, os.O_RDONLY)
+            for src, dst in ((null, 0), (wfd, 1), (err, 2)):
+                os.dup2(src, dst)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            code = cli_mod.main([cmd, *args, "--foreground"])
+        except BaseException:  # noqa: BLE001 - reported through the log
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    out = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            lines = out.decode(errors="replace").splitlines(keepends=True)
+            if lines and lines[-1].endswith("\n"):
+                devs = parse_list("".join(lines))
+                if devs and len(devs[0].affinity) == devs[0].queues:
+                    assert devs[0].state == "LIVE" and devs[0].pid == pid, lines
+                    return devs[0]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"server not live after {timeout} s: {tail(log)}")
+            if select.select([rfd], [], [], left)[0]:
+                chunk = os.read(rfd, 4096)
+                if not chunk:  # the server exited
+                    os.waitpid(pid, 0)
+                    raise AssertionError(f"aioublk {cmd} {' '.join(args)} failed: {tail(log)}")
+                out += chunk
+    finally:
+        os.close(rfd)
+
+
+def tail(log: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no server log)"

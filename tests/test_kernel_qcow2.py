@@ -13,14 +13,11 @@ import json
 import mmap
 import os
 import random
-import select
 import shutil
 import signal
 import struct
 import subprocess
-import sys
 import time
-import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +27,7 @@ import pytest
 
 from aioublk.device import UblkError
 from tests import kernel
-from tests.kernel import add, delete, run
+from tests.kernel import add, delete, run, start_server, tail
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 
@@ -468,63 +465,6 @@ def _writes_done(dev_id: int) -> int:
     return int(Path(f"/sys/block/ublkb{dev_id}/stat").read_text().split()[4])
 
 
-def start_server(args: list[str], log: Path, timeout: float = 120) -> kernel.DevListing:
-    """``aioublk add ARGS --foreground`` in a child forked from this process:
-    the CLI's own code (argument parsing, target, serve) without starting a
-    Python interpreter, which costs 6-20 s per run in the emulated guest.
-    Its stderr goes to ``log``; the caller reaps it (os.waitpid)."""
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            os.close(rfd)
-            err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            null = os.open(os.devnull, os.O_RDONLY)
-            for src, dst in ((null, 0), (wfd, 1), (err, 2)):
-                os.dup2(src, dst)
-            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-            from aioublk import cli as cli_mod
-
-            code = cli_mod.main(["add", *args, "--foreground"])
-        except BaseException:  # noqa: BLE001 - reported through the log
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    os.close(wfd)
-    out = b""
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            lines = out.decode(errors="replace").splitlines(keepends=True)
-            if lines and lines[-1].endswith("\n"):
-                devs = kernel.parse_list("".join(lines))
-                if devs and len(devs[0].affinity) == devs[0].queues:
-                    assert devs[0].state == "LIVE" and devs[0].pid == pid, lines
-                    return devs[0]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError(f"server not live after {timeout} s: {_tail(log)}")
-            if select.select([rfd], [], [], left)[0]:
-                chunk = os.read(rfd, 4096)
-                if not chunk:  # the server exited
-                    os.waitpid(pid, 0)
-                    raise AssertionError(f"aioublk add {' '.join(args)} failed: {_tail(log)}")
-                out += chunk
-    finally:
-        os.close(rfd)
-
-
-def _tail(log: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no server log)"
-
-
 def read_image(img: Path, extents: list[tuple[int, int]], d: Path) -> list[bytes]:
     """What QEMU reads from ``img`` at each (offset, length): extents less
     than 8 MiB apart share one ``qemu-img convert`` of their window."""
@@ -598,7 +538,7 @@ def _kill_run(n: int, delay: float, d: Path,
         time.sleep(delay)
         r.writes_before_kill = _writes_done(dev.dev_id) - before
     except (AssertionError, OSError) as e:
-        r.error = f"{type(e).__name__}: {e}; server log: {_tail(log)}"
+        r.error = f"{type(e).__name__}: {e}; server log: {tail(log)}"
     os.kill(dev.pid, signal.SIGKILL)
     try:
         if proc is not None:

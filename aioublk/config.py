@@ -1,0 +1,501 @@
+"""The ``serve`` configuration file: TOML, read and checked in full before any
+device exists, so that a mistake costs one line on stderr and nothing else.
+
+Every problem is one line, ``FILE: PATH: what is wrong: what to do``, where
+PATH is the dotted key path with 0-based list indices
+(``devices[1].options.file``). Loading is pure: it reads the file, looks at
+backing files' existence and imports custom target classes, and touches no
+device. Relative backing-file paths are relative to the config file's
+directory (a daemon's working directory is rarely the user's).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import json
+import os
+import re
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from aioublk import uapi
+from aioublk.device import DeviceConfig, UblkError
+from aioublk.queue import CopyMode
+from aioublk.target import Target
+
+BUILTIN_TARGETS = ("null", "loop", "stripe", "qcow2", "fault_inject")
+LEVELS = ("warning", "info", "debug")
+FORMATS = ("console", "json")
+RECOVERY = ("none", "requeue", "reissue", "fail_io")
+ON_STOP = ("delete", "quiesce")
+BLOCK_SIZES = (512, 1024, 2048, 4096)
+
+#: the keys of each target's ``[devices.options]`` (custom targets: their
+#: constructor's keyword arguments)
+TARGET_OPTIONS = {
+    "null": ("size",),
+    "fault_inject": ("size", "delay_us"),
+    "loop": ("file", "buffered"),
+    "stripe": ("files", "chunk_size"),
+    "qcow2": ("image", "l2_cache", "buffered"),
+}
+DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fallback",
+               "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
+               "physical_block_size", "read_only", "options")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+)\s*([KMGT]?)\s*", re.IGNORECASE)
+
+
+class ConfigError(Exception):
+    """A configuration problem, in one line: ``FILE: PATH: problem: remedy``."""
+
+
+class _Invalid(Exception):
+    """A problem at ``where`` (a key path); ``load`` adds the file name."""
+
+    def __init__(self, where: str, msg: str) -> None:
+        super().__init__(f"{where}: {msg}" if where else msg)
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    level: str = "warning"
+    format: str = "console"
+    stats_interval: float = 0  # seconds between per-queue stats lines; 0 = none
+
+
+@dataclass
+class DeviceSpec:
+    """One ``[[devices]]`` table, checked: everything needed to serve it."""
+
+    where: str                     # "devices[N]", for messages
+    target: str                    # a builtin name or "pkg.module:Class"
+    options: dict[str, Any]        # normalized: sizes in bytes, paths absolute
+    config: DeviceConfig
+    recovery: str = "none"
+    on_stop: str = "delete"
+    read_only: bool = False
+    logical_block_size: int | None = None
+    physical_block_size: int | None = None
+
+    def backing_files(self) -> list[tuple[str, str]]:
+        """(key path, real path) of each file the target opens."""
+        at = f"{self.where}.options"
+        return [(f"{at}.{k}", self.options[k]) for k in ("file", "image") if k in self.options] \
+            + [(f"{at}.files[{i}]", f) for i, f in enumerate(self.options.get("files", ()))]
+
+    def build_target(self) -> Target:
+        """The target, with this device's read-only flag and block sizes."""
+        target = build_target(self.target, self.options, read_only=self.read_only)
+        geo = target.geometry
+        lbs = self.logical_block_size or geo.logical_block_size
+        pbs = self.physical_block_size or geo.physical_block_size
+        if pbs < lbs:
+            target.close()
+            raise UblkError(f"physical block size {pbs} is smaller than the logical block "
+                            f"size {lbs}: raise physical_block_size")
+        target.geometry = replace(geo, logical_block_size=lbs, physical_block_size=pbs,
+                                  size=geo.size & ~(lbs - 1),
+                                  read_only=geo.read_only or self.read_only)
+        return target
+
+
+@dataclass
+class ServeConfig:
+    path: str
+    logging: LogSettings = field(default_factory=LogSettings)
+    devices: list[DeviceSpec] = field(default_factory=list)
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an integer or a string like "64M" (K/M/G/T are binary).
+    Raises ValueError with the reason."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{_show(value)} is {_kind(value)}: use bytes or a string like \"64M\"")
+    if isinstance(value, int):
+        return value
+    m = _SIZE.fullmatch(value)
+    if m is None:
+        raise ValueError(f"{_show(value)} is not a size: use bytes or a number with K, M, G "
+                         "or T (binary), e.g. \"64M\"")
+    return int(m[1]) * _UNITS[m[2].upper()]
+
+
+def build_target(kind: str, options: dict[str, Any], *, read_only: bool = False) -> Target:
+    """The target ``kind`` ("loop", ..., or "pkg.module:Class") made from
+    checked ``options`` (sizes in bytes). Raises the target's own errors
+    (BackingError, Qcow2Error, UblkError, OSError...)."""
+    o = options
+    if kind == "null":
+        from aioublk.targets import NullTarget
+
+        return NullTarget(**o)
+    if kind == "fault_inject":
+        from aioublk.targets.fault_inject import FaultInjectTarget
+
+        return FaultInjectTarget(**o)
+    if kind == "loop":
+        from aioublk.targets import LoopTarget
+
+        return LoopTarget(o["file"], direct=not o.get("buffered", False), read_only=read_only)
+    if kind == "stripe":
+        from aioublk.targets import StripeTarget
+
+        return StripeTarget(list(o["files"]), **({"chunk_size": o["chunk_size"]}
+                                                 if "chunk_size" in o else {}))
+    if kind == "qcow2":
+        from aioublk.targets.qcow2 import Qcow2Target
+
+        return Qcow2Target(o["image"], read_only=read_only, cache_bytes=o.get("l2_cache"),
+                           direct=not o.get("buffered", False))
+    if ":" in kind:
+        return _custom_class(kind)(**o)
+    raise UblkError(f"unknown target type '{kind}': use one of {', '.join(BUILTIN_TARGETS)} "
+                    "or pkg.module:Class")
+
+
+def load(path: str) -> ServeConfig:
+    """Read and check the whole file; raises ConfigError (one line)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {_toml_error(str(e))}") from None
+    try:
+        return parse(data, path, base=os.path.dirname(os.path.abspath(path)))
+    except _Invalid as e:
+        raise ConfigError(f"{path}: {_one_line(str(e))}") from None
+
+
+def parse(data: dict[str, Any], path: str, *, base: str) -> ServeConfig:
+    """Check parsed TOML; raises _Invalid. ``base`` resolves relative paths."""
+    _known(data, "", ("logging", "devices"))
+    logging = _logging(data.get("logging", {}))
+    raw = data.get("devices")
+    if raw is None or raw == []:
+        raise _Invalid("devices", "no devices: add a [[devices]] table")
+    if not isinstance(raw, list) or not all(isinstance(d, dict) for d in raw):
+        raise _Invalid("devices", f"{_show(raw)} is {_kind(raw)}: write each device as a "
+                       "[[devices]] table")
+    devices = [_device(d, f"devices[{i}]", base) for i, d in enumerate(raw)]
+    _no_sharing(devices)
+    return ServeConfig(path, logging, devices)
+
+
+# ------------------------------------------------------------------ tables --
+
+def _logging(raw: Any) -> LogSettings:
+    at = "logging"
+    _table(raw, at)
+    _known(raw, at, ("level", "format", "stats_interval"))
+    interval = raw.get("stats_interval", 0)
+    if isinstance(interval, bool) or not isinstance(interval, int | float):
+        raise _Invalid(f"{at}.stats_interval", f"{_show(interval)} is {_kind(interval)}: use "
+                       "a number of seconds (0 = no stats)")
+    if interval < 0:
+        raise _Invalid(f"{at}.stats_interval", f"{interval} is negative: use 0 (no stats) or "
+                       "a number of seconds")
+    return LogSettings(level=_choice(raw.get("level", "warning"), f"{at}.level", LEVELS),
+                       format=_choice(raw.get("format", "console"), f"{at}.format", FORMATS),
+                       stats_interval=interval)
+
+
+def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
+    _known(raw, at, DEVICE_KEYS)
+    if "target" not in raw:
+        raise _Invalid(f"{at}.target", "missing: set it to one of "
+                       f"{', '.join(BUILTIN_TARGETS)} or \"pkg.module:Class\"")
+    kind = _target_kind(raw["target"], f"{at}.target")
+    key = _keyer(at)
+    batch_raw = raw.get("batch", "auto")
+    batch = None if batch_raw == "auto" else batch_raw
+    if not isinstance(batch, bool | None):
+        raise _Invalid(key("batch"), f"{_show(batch_raw)} is not a batch setting: use "
+                       "\"auto\", true or false")
+    copy = CopyMode(_choice(raw.get("copy", "copy"), key("copy"),
+                            tuple(m.value for m in CopyMode)))
+    recovery = _choice(raw.get("recovery", "none"), key("recovery"), RECOVERY)
+    on_stop = _choice(raw.get("on_stop", "delete"), key("on_stop"), ON_STOP)
+    dev_id = _int(raw.get("id", -1), key("id"), -1)
+    cfg = DeviceConfig(
+        dev_id=dev_id,
+        queues=_int(raw.get("queues", 1), key("queues"), 1, 32),
+        depth=_int(raw.get("depth", 128), key("depth"), 1, uapi.MAX_QUEUE_DEPTH),
+        batch=batch, copy=copy,
+        auto_zc_fallback=_bool(raw.get("auto_zc_fallback", False), key("auto_zc_fallback")),
+        nthreads=_int(raw.get("nthreads", 0), key("nthreads"), 0, 64),
+        per_io_tasks=_bool(raw.get("per_io_tasks", False), key("per_io_tasks")),
+        recovery=recovery != "none", recovery_reissue=recovery == "reissue",
+        recovery_fail_io=recovery == "fail_io")
+    if cfg.auto_zc_fallback and copy is not CopyMode.AUTO_ZC:
+        raise _Invalid(key("auto_zc_fallback"), "needs copy = \"auto_zc\": set it, or drop "
+                       "auto_zc_fallback")
+    if cfg.per_io_tasks and batch:
+        raise _Invalid(key("per_io_tasks"), "conflicts with batch = true (per-I/O tasks are "
+                       "a per-I/O path feature): set batch = false or \"auto\"")
+    if on_stop == "quiesce" and recovery == "none":
+        raise _Invalid(key("on_stop"), "\"quiesce\" needs recovery: set recovery = "
+                       "\"requeue\", \"reissue\" or \"fail_io\", or on_stop = \"delete\"")
+    if on_stop == "quiesce" and dev_id < 0:
+        raise _Invalid(key("on_stop"), "\"quiesce\" needs a fixed id (the next serve finds "
+                       "the device by it): set id = N")
+    try:
+        cfg.validate()
+    except UblkError as e:
+        raise _Invalid(at, str(e)) from None
+    lbs = _block_size(raw.get("logical_block_size"), key("logical_block_size"))
+    pbs = _block_size(raw.get("physical_block_size"), key("physical_block_size"))
+    if lbs and pbs and pbs < lbs:
+        raise _Invalid(key("physical_block_size"), f"{pbs} is smaller than "
+                       f"logical_block_size {lbs}: use {lbs} or more")
+    options = _options(kind, raw.get("options", {}), key("options"), base)
+    return DeviceSpec(at, kind, options, cfg, recovery=recovery, on_stop=on_stop,
+                      read_only=_bool(raw.get("read_only", False), key("read_only")),
+                      logical_block_size=lbs, physical_block_size=pbs)
+
+
+def _target_kind(v: Any, at: str) -> str:
+    kind = _str(v, at)
+    if kind in BUILTIN_TARGETS:
+        return kind
+    if ":" in kind:
+        try:
+            _custom_class(kind)
+        except UblkError as e:
+            raise _Invalid(at, str(e)) from None
+        return kind
+    raise _Invalid(at, f"unknown target {_show(kind)}{_did_you_mean(kind, BUILTIN_TARGETS)}: "
+                   f"use {', '.join(BUILTIN_TARGETS)} or \"pkg.module:Class\"")
+
+
+def _custom_class(spec: str) -> type[Target]:
+    """The Target subclass named "pkg.module:Class" (UblkError if it is not one)."""
+    mod_name, _, cls_name = spec.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - whatever the import raised, in one line
+        raise UblkError(f"cannot import {mod_name!r} ({type(e).__name__}: {e}): check the "
+                        "module name and sys.path") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise UblkError(f"module {mod_name!r} has no {cls_name!r}: check the class name")
+    if not (isinstance(cls, type) and issubclass(cls, Target)):
+        raise UblkError(f"{spec} is not a subclass of aioublk.Target: point at a Target class")
+    return cls
+
+
+def _options(kind: str, raw: Any, at: str, base: str) -> dict[str, Any]:
+    _table(raw, at)
+    if ":" in kind:
+        return _custom_options(kind, raw, at)
+    key = _keyer(at)
+    _known(raw, at, TARGET_OPTIONS[kind])
+    out: dict[str, Any] = {}
+    if "size" in raw:
+        out["size"] = _device_size(raw["size"], key("size"))
+    if "delay_us" in raw:
+        out["delay_us"] = _int(raw["delay_us"], key("delay_us"), 0)
+    if "buffered" in raw:
+        out["buffered"] = _bool(raw["buffered"], key("buffered"))
+    if "l2_cache" in raw:
+        out["l2_cache"] = _size(raw["l2_cache"], key("l2_cache"), 1)
+    for name in ("file", "image"):
+        if name in TARGET_OPTIONS[kind]:
+            if name not in raw:
+                raise _Invalid(key(name), f"missing: the {kind} target needs the path of its "
+                               f"{'image' if name == 'image' else 'backing file'}")
+            out[name] = _existing(raw[name], key(name), base)
+    if kind == "stripe":
+        out["files"] = _stripe_files(raw.get("files"), key("files"), base)
+        if "chunk_size" in raw:
+            chunk = _size(raw["chunk_size"], key("chunk_size"), 4096, 512 << 10)
+            if chunk & (chunk - 1):
+                raise _Invalid(key("chunk_size"), f"{chunk} is not a power of two: use "
+                               "4096, 8192, ... 524288")
+            out["chunk_size"] = chunk
+    return out
+
+
+def _custom_options(kind: str, raw: dict[str, Any], at: str) -> dict[str, Any]:
+    """Passed through as keyword arguments; checked against the constructor."""
+    try:
+        sig = inspect.signature(_custom_class(kind))
+    except (TypeError, ValueError):
+        return dict(raw)  # no signature to check against (a C type, say)
+    params = sig.parameters
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        _known(raw, at, named)
+    for n in named:
+        if params[n].default is params[n].empty and n not in raw:
+            raise _Invalid(f"{at}.{n}", f"missing: {kind} needs it")
+    try:
+        sig.bind(**raw)
+    except TypeError as e:
+        raise _Invalid(at, f"{e}: match {kind}'s keyword arguments") from None
+    return dict(raw)
+
+
+def _stripe_files(v: Any, at: str, base: str) -> list[str]:
+    if v is None:
+        raise _Invalid(at, "missing: the stripe target needs a list of 2 to 4 backing files")
+    if not isinstance(v, list):
+        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use a list of 2 to 4 paths")
+    if not 2 <= len(v) <= 4:
+        raise _Invalid(at, f"{len(v)} file{'s' * (len(v) != 1)} given: the stripe target "
+                       "needs 2 to 4")
+    files = [_existing(p, f"{at}[{i}]", base) for i, p in enumerate(v)]
+    for i, p in enumerate(files):
+        if p in files[:i]:
+            raise _Invalid(f"{at}[{i}]", f"{p} is also files[{files.index(p)}]: use distinct "
+                           "files")
+    return files
+
+
+def _no_sharing(devices: list[DeviceSpec]) -> None:
+    """No two devices with one explicit id, none writing a file another uses."""
+    ids: dict[int, str] = {}
+    for d in devices:
+        if d.config.dev_id >= 0:
+            if d.config.dev_id in ids:
+                raise _Invalid(f"{d.where}.id", f"{d.config.dev_id} is also the id of "
+                               f"{ids[d.config.dev_id]}: pick another id (or -1 for any)")
+            ids[d.config.dev_id] = d.where
+    users: dict[str, DeviceSpec] = {}
+    for d in devices:
+        for at, f in d.backing_files():
+            other = users.get(f)
+            if other is not None and other is not d and not (other.read_only and d.read_only):
+                raise _Invalid(at, f"{f} is also a backing file of {other.where}: two devices "
+                               "must not write one file (use another file, or read_only = "
+                               "true on both)")
+            users[f] = d
+
+
+# ------------------------------------------------------------------ values --
+
+def _keyer(at: str) -> Callable[[str], str]:
+    return lambda name: f"{at}.{name}"
+
+
+def _table(v: Any, at: str) -> None:
+    if not isinstance(v, dict):
+        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use a table")
+
+
+def _known(table: dict[str, Any], at: str, keys: Iterable[str]) -> None:
+    keys = tuple(keys)
+    for k in table:
+        if k not in keys:
+            name = k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+            where = f"{at}.{name}" if at else name
+            hint = _did_you_mean(k, keys) or (f" (known keys: {', '.join(keys)})" if keys
+                                              else " (this table takes none)")
+            raise _Invalid(where, f"unknown key{hint}")
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean \"{close[0]}\"?)" if close else ""
+
+
+def _int(v: Any, at: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use an integer")
+    if v < lo or (hi is not None and v > hi):
+        want = f"{lo}..{hi}" if hi is not None else f"{lo} or more"
+        raise _Invalid(at, f"{v} is out of range: use {want}")
+    return v
+
+
+def _bool(v: Any, at: str) -> bool:
+    if not isinstance(v, bool):
+        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use true or false")
+    return v
+
+
+def _str(v: Any, at: str) -> str:
+    if not isinstance(v, str):
+        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use a string")
+    return v
+
+
+def _choice(v: Any, at: str, choices: tuple[str, ...]) -> str:
+    if isinstance(v, str) and v in choices:
+        return v
+    hint = _did_you_mean(v, choices) if isinstance(v, str) else ""
+    listed = ", ".join(json.dumps(c) for c in choices[:-1]) + f" or {json.dumps(choices[-1])}"
+    raise _Invalid(at, f"{_show(v)} is not a valid choice{hint}: use {listed}")
+
+
+def _size(v: Any, at: str, lo: int, hi: int | None = None) -> int:
+    try:
+        n = parse_size(v)
+    except ValueError as e:
+        raise _Invalid(at, str(e)) from None
+    if n < lo or (hi is not None and n > hi):
+        want = f"{lo}..{hi}" if hi is not None else f"{lo} or more"
+        raise _Invalid(at, f"{n} is out of range: use {want} (bytes)")
+    return n
+
+
+def _device_size(v: Any, at: str) -> int:
+    n = _size(v, at, 512)
+    if n % 512:
+        raise _Invalid(at, f"{n} is not a multiple of 512: use whole sectors, e.g. \"64M\"")
+    return n
+
+
+def _block_size(v: Any, at: str) -> int | None:
+    if v is None:
+        return None
+    n = _int(v, at, 512, 4096)
+    if n not in BLOCK_SIZES:
+        raise _Invalid(at, f"{n} is not a power of two: use 512, 1024, 2048 or 4096")
+    return n
+
+
+def _existing(v: Any, at: str, base: str) -> str:
+    path = os.path.normpath(os.path.join(base, os.path.expanduser(_str(v, at))))
+    if not os.path.exists(path):
+        raise _Invalid(at, f"{path} does not exist: create it or fix the path")
+    return os.path.realpath(path)
+
+
+def _kind(v: Any) -> str:
+    for t, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"),
+                    (str, "a string"), (list, "a list"), (dict, "a table")):
+        if isinstance(v, t):
+            return name
+    return "a date/time"
+
+
+def _show(v: Any) -> str:
+    """A value as it looks in TOML, cut short."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        s = json.dumps(v)
+    elif isinstance(v, dict):
+        s = "{...}"
+    else:
+        s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _toml_error(msg: str) -> str:
+    """tomllib's "Problem (at line 3, column 5)" as "line 3, column 5: invalid TOML: problem"."""
+    m = re.fullmatch(r"(.*) \(at (line \d+, column \d+|end of document)\)", msg, re.DOTALL)
+    if m is None:
+        return f"invalid TOML: {_one_line(msg)}"
+    return f"{m[2]}: invalid TOML: {_one_line(m[1][:1].lower() + m[1][1:])}"
+
+
+def _one_line(s: str) -> str:
+    return " ".join(s.split())

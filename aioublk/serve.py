@@ -1,0 +1,186 @@
+"""``serve config.toml``: the devices of a config file, served in the
+foreground by one process until SIGTERM or SIGINT.
+
+- The whole file is checked first (``aioublk.config``); a bad file costs one
+  line and creates nothing.
+- Start-up is all or nothing: if a device cannot start, the ones started
+  before it are undone (deleted, or handed back QUIESCED if they were
+  reattached), one line goes to stderr and the exit status is 1.
+- A device with a fixed id and recovery that exists QUIESCED or FAIL_IO is
+  reattached (its previous server was quiesced or died) instead of added.
+- On SIGTERM/SIGINT each device is deleted (in-flight requests finish, the
+  target flushes) or, with ``on_stop = "quiesce"``, left QUIESCED for the
+  next server. A device deleted or quiesced from outside is released and
+  the others keep serving; when none is left, serve exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from dataclasses import dataclass
+
+import structlog
+
+from aioublk import logs, uapi
+from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
+from aioublk.device import Control, Device, UblkError, state_name
+from aioublk.qcow2 import Qcow2Error
+from aioublk.target import Target
+from aioublk.targets import BackingError
+
+log = structlog.get_logger("aioublk.serve")
+
+#: errors that explain themselves in one line; anything else gets its type name
+_ONE_LINE = (UblkError, BackingError, Qcow2Error, OSError)
+_RECOVERABLE = (uapi.State.QUIESCED, uapi.State.FAIL_IO)
+
+
+@dataclass
+class _Served:
+    spec: DeviceSpec
+    dev: Device
+    target: Target
+    reattached: bool
+
+
+def main(path: str, *, verbose: bool = False) -> int:
+    """The CLI's ``serve``: exit status 0 after a clean stop, 1 on a bad config
+    or a device that could not start (one line on stderr either way)."""
+    try:
+        cfg = load(path)
+    except ConfigError as e:
+        _report(str(e))
+        return 1
+    logs.configure(json=cfg.logging.format == "json",
+                   level="debug" if verbose else cfg.logging.level)
+    import uvloop
+
+    try:
+        code: int = uvloop.run(serve(cfg))
+    except KeyboardInterrupt:  # before the signal handlers were installed
+        return 130
+    return code
+
+
+async def serve(cfg: ServeConfig) -> int:
+    """Serve every device of ``cfg`` on the running loop until SIGTERM/SIGINT
+    or until all have ended; returns the exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        try:
+            ctrl = Control()
+        except UblkError as e:
+            _report(str(e))
+            return 1
+        try:
+            served = await _start_all(cfg, ctrl)
+        finally:
+            ctrl.close()
+        if served is None:
+            return 1
+        return await _run(served, stop)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+async def _start_all(cfg: ServeConfig, ctrl: Control) -> list[_Served] | None:
+    """Start the devices in order, printing kublk's ``list`` lines for each;
+    on a failure undo the started ones and return None."""
+    from aioublk.cli import dump  # the CLI imports this module
+
+    served: list[_Served] = []
+    for spec in cfg.devices:
+        try:
+            s = await _start(ctrl, spec)
+            served.append(s)
+            print("\n".join(await dump(ctrl, s.dev.id)), flush=True)
+        except Exception as e:  # noqa: BLE001 - one line, then undo
+            log.debug("device failed to start", where=spec.where, exc_info=True)
+            msg = str(e) if isinstance(e, _ONE_LINE) else f"{type(e).__name__}: {e}"
+            _report(f"{cfg.path}: {spec.where}: {' '.join(msg.split())}")
+            # undo: what we created goes, what we reattached goes back to waiting
+            await asyncio.gather(*(_finish(s, quiesce=s.reattached) for s in served))
+            return None
+    return served
+
+
+async def _start(ctrl: Control, spec: DeviceSpec) -> _Served:
+    reattach = await _reattach(ctrl, spec)
+    target = spec.build_target()
+    try:
+        dev = Device(target, spec.config)
+        await dev.start(recover=reattach)
+    except BaseException:
+        target.close()
+        raise
+    return _Served(spec, dev, target, reattach)
+
+
+async def _reattach(ctrl: Control, spec: DeviceSpec) -> bool:
+    """Whether the device already exists waiting for a server (then it is
+    recovered); UblkError if its id is taken otherwise."""
+    dev_id = spec.config.dev_id
+    if dev_id < 0:
+        return False
+    try:
+        info = await ctrl.get_info(dev_id)
+    except UblkError:
+        return False  # no such device (any other trouble, ADD_DEV will report)
+    if info.state in _RECOVERABLE and spec.recovery != "none":
+        return True
+    hint = "delete it or pick another id"
+    if info.state in _RECOVERABLE:
+        hint += ", or set recovery to reattach it"
+    raise UblkError(f"device {dev_id} already exists ({state_name(info.state)}, served "
+                    f"by pid {info.ublksrv_pid}): {hint}")
+
+
+async def _run(served: list[_Served], stop: asyncio.Event) -> int:
+    """Until ``stop`` (then end every device as its on_stop says) or until
+    every device has ended from outside."""
+    waits = {asyncio.ensure_future(s.dev.wait()): s for s in served}
+    stopper = asyncio.ensure_future(stop.wait())
+    live = dict(waits)
+    try:
+        while live and not stop.is_set():
+            done, _ = await asyncio.wait({stopper, *live}, return_when=asyncio.FIRST_COMPLETED)
+            for t in [t for t in live if t in done]:
+                s = live.pop(t)
+                log.warning("device ended from outside; the others keep serving",
+                            dev=s.dev.id)
+                await s.dev.release()
+                s.target.close()
+    finally:
+        stopper.cancel()
+    ok = await asyncio.gather(*(_finish(s, quiesce=s.spec.on_stop == "quiesce")
+                                for s in live.values()))
+    await asyncio.gather(*waits)
+    return 0 if all(ok) else 1
+
+
+async def _finish(s: _Served, *, quiesce: bool) -> bool:
+    """End one device and close its target; False if it could not be
+    quiesced (it is deleted instead, so that nothing is left half-served)."""
+    ok = True
+    if quiesce:
+        try:
+            await s.dev.quiesce()
+        except UblkError as e:
+            log.error("cannot quiesce the device: deleting it instead", dev=s.dev.id,
+                      error=str(e))
+            ok = False
+    await s.dev.stop()  # nothing left to do once quiesced
+    s.target.close()
+    return ok
+
+
+def _report(line: str) -> None:
+    sys.stderr.write(f"aioublk: {line}\n")
+    sys.stderr.flush()

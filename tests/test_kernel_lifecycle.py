@@ -1,0 +1,248 @@
+"""User recovery, quiesce, stop --safe, update_size and the fault_inject
+target against the real driver.
+
+Servers are ``aioublk add|recover ... --foreground`` forked from this
+process (``kernel.start_server``): the CLI's code without a fresh
+interpreter per start, which the emulated guest makes cost seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from aioublk import cli as cli_mod
+from tests import kernel
+from tests.kernel import delete, start_server
+
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
+
+
+def state(dev_id: int) -> str:
+    return next(d.state for d in kernel.listing() if d.dev_id == dev_id)
+
+
+def wait_state(dev_id: int, want: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := state(dev_id)) != want:
+        assert time.monotonic() < deadline, f"device {dev_id} is {got}, not {want}"
+        time.sleep(0.1)
+
+
+def reap(pid: int, timeout: float = 30) -> int:
+    """The exit status of a forked server (negative: killed by that signal)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        assert time.monotonic() < deadline, f"server {pid} did not exit"
+        time.sleep(0.05)
+
+
+def reads_done(dev_id: int) -> int:
+    return int(Path(f"/sys/block/ublkb{dev_id}/stat").read_text().split()[0])
+
+
+def start_fio(dev_id: int, cwd: Path, runtime: int) -> subprocess.Popen[str]:
+    """Random reads for ``runtime`` seconds, every error fatal; returns once
+    they are flowing."""
+    before = reads_done(dev_id)
+    p = subprocess.Popen(
+        ["fio", "--name=r", f"--filename=/dev/ublkb{dev_id}", "--ioengine=io_uring",
+         "--direct=1", "--rw=randread", "--bs=4k", "--iodepth=32", "--size=1G",
+         "--time_based", f"--runtime={runtime}", "--output-format=json"],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while reads_done(dev_id) < before + 1000:
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "fio did not start"
+        time.sleep(0.1)
+    return p
+
+
+def fio_result(p: subprocess.Popen[str], timeout: float = 120) -> dict[str, object]:
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, f"fio failed ({p.returncode}): {err.strip()}\n{out}"
+    job: dict[str, object] = json.loads(out[out.index("{"):])["jobs"][0]
+    assert job["error"] == 0, job
+    return job
+
+
+def in_process(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """A CLI command run by this process (same code as ``python -m aioublk``)."""
+    code = cli_mod.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("how,args", [
+    ("kill", ["-b", "-r", "1", "-i", "1"]),
+    ("kill", ["--no-batch", "-r", "1", "-i", "1"]),
+    ("sigterm", ["-b", "-r", "1", "-i", "1"]),
+    ("quiesce", ["--no-batch", "-r", "1"]),
+], ids=["kill-batch-reissue", "kill-per_io-reissue", "sigterm-batch-reissue",
+        "quiesce-per_io"])
+def test_recover_under_fio(how: str, args: list[str], tmp_path: Path,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The server goes away under random reads (killed, SIGTERM, or the
+    ``quiesce`` command); the device waits QUIESCED; ``recover`` serves it
+    again and fio finishes without a single error. (``quiesce`` on a batch
+    device makes the kernel fail new I/O until recovery: see
+    Device.quiesce.)"""
+    add_args = ["-t", "null", "-q", "2", "-d", "32", *args]
+    dev = start_server(add_args, tmp_path / "first.log")
+    dev_id = dev.dev_id
+    fio = start_fio(dev_id, tmp_path, runtime=6)
+    if how == "kill":
+        os.kill(dev.pid, signal.SIGKILL)
+        assert reap(dev.pid) == -signal.SIGKILL
+    elif how == "sigterm":
+        # a server with recovery hands its device over on SIGTERM (batch:
+        # by detaching, see Device.quiesce)
+        os.kill(dev.pid, signal.SIGTERM)
+        assert reap(dev.pid) == 0, kernel.tail(tmp_path / "first.log")
+    else:
+        code, out, err = in_process("quiesce", "-n", str(dev_id), capsys=capsys)
+        assert (code, out, err) == (0, "", "")
+        # the server saw its commands cancelled, finished what it held, and left
+        assert reap(dev.pid) == 0, kernel.tail(tmp_path / "first.log")
+    wait_state(dev_id, "QUIESCED")
+    stalled = reads_done(dev_id)
+    time.sleep(0.5)
+    assert reads_done(dev_id) == stalled, "I/O completed while no server was attached"
+
+    new = start_server(["-n", str(dev_id), *add_args], tmp_path / "second.log", cmd="recover")
+    assert (new.dev_id, new.state) == (dev_id, "LIVE") and new.pid != dev.pid
+    job = fio_result(fio)
+    assert job["read"]["io_bytes"] > 0  # type: ignore[index]
+    assert reads_done(dev_id) > stalled
+    delete(dev_id)
+    assert reap(new.pid) == 0
+
+
+def test_fail_io_mode_fails_fast_then_recovers(tmp_path: Path) -> None:
+    """``-e 1``: with the server dead the device is FAIL_IO and reads fail at
+    once; ``recover`` makes it LIVE and reads work again."""
+    add_args = ["-t", "null", "-q", "1", "-e", "1"]
+    dev = start_server(add_args, tmp_path / "first.log")
+    os.kill(dev.pid, signal.SIGKILL)
+    assert reap(dev.pid) == -signal.SIGKILL
+    wait_state(dev.dev_id, "FAIL_IO")
+    path = f"/dev/ublkb{dev.dev_id}"
+    p = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4k", "count=1",
+                        "iflag=direct"], capture_output=True, text=True, timeout=30)
+    # (the kernel fails them with BLK_STS_TARGET: EREMOTEIO)
+    assert p.returncode != 0 and "error reading" in p.stderr, p.stderr
+    new = start_server(["-n", str(dev.dev_id), *add_args], tmp_path / "second.log",
+                       cmd="recover")
+    assert new.state == "LIVE"
+    kernel.run("dd", f"if={path}", "of=/dev/null", "bs=4k", "count=16", "iflag=direct")
+    delete(dev.dev_id)
+    assert reap(new.pid) == 0
+
+
+def test_recover_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One line each: a device without recovery, and a LIVE device."""
+    dev = start_server(["-t", "null", "-q", "1"], tmp_path / "plain.log")
+    code, _out, err = in_process("recover", "-n", str(dev.dev_id), "-t", "null", "-q", "1",
+                                 "--foreground", capsys=capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert "was added without user recovery (-r 1)" in err, err
+    code, _out, err = in_process("quiesce", "-n", str(dev.dev_id), capsys=capsys)
+    assert code == 1 and "cannot be quiesced" in err and err.count("\n") == 1, err
+    delete(dev.dev_id)
+    assert reap(dev.pid) == 0
+
+    dev = start_server(["-t", "null", "-q", "1", "-r", "1"], tmp_path / "rec.log")
+    code, _out, err = in_process("recover", "-n", str(dev.dev_id), "-t", "null", "-q", "1",
+                                 "-r", "1", "--foreground", capsys=capsys)
+    assert code == 1 and f"device {dev.dev_id} is LIVE" in err and err.count("\n") == 1, err
+    assert state(dev.dev_id) == "LIVE"  # untouched
+    delete(dev.dev_id)
+    assert reap(dev.pid) == 0
+
+
+def test_server_dying_while_arming_leaves_a_deletable_device(tmp_path: Path) -> None:
+    """kublk's fault_inject test: a recovery whose server is SIGKILLed after
+    arming some but not all tags; the device can still be deleted."""
+    dev = start_server(["-t", "fault_inject", "-q", "1", "-r", "1"], tmp_path / "first.log")
+    os.kill(dev.pid, signal.SIGKILL)
+    assert reap(dev.pid) == -signal.SIGKILL
+    wait_state(dev.dev_id, "QUIESCED")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = cli_mod.main(["recover", "-n", str(dev.dev_id), "-t", "fault_inject",
+                                 "-q", "1", "-r", "1", "--die_during_fetch", "1",
+                                 "--foreground"])
+        finally:
+            os._exit(code)
+    assert reap(pid) == -signal.SIGKILL
+    delete(dev.dev_id)  # bounded: hangs here would fail the test
+    assert not Path(f"/dev/ublkb{dev.dev_id}").exists()
+
+
+def test_requests_held_by_a_killed_server_fail_fast(tmp_path: Path) -> None:
+    """fault_inject --delay_us: a write the server holds for 30 s fails soon
+    after the server is killed, not after an I/O timeout."""
+    # (no partition scan: its reads would be held 30 s each too)
+    dev = start_server(["-t", "fault_inject", "-q", "2", "-d", "1", "--delay_us", "30000000",
+                        "--no_auto_part_scan"], tmp_path / "s.log")
+    dd = subprocess.Popen(["dd", "if=/dev/zero", f"of=/dev/ublkb{dev.dev_id}", "bs=4k",
+                           "count=1", "oflag=direct"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while sum(map(int, Path(f"/sys/block/ublkb{dev.dev_id}/inflight").read_text().split())) == 0:
+        assert time.monotonic() < deadline, "the write never reached the device"
+        time.sleep(0.05)
+    killed = time.monotonic()
+    os.kill(dev.pid, signal.SIGKILL)
+    assert reap(dev.pid) == -signal.SIGKILL
+    _out, err = dd.communicate(timeout=60)
+    assert dd.returncode != 0, "the held write succeeded"
+    assert time.monotonic() - killed < 20, "the held write waited for a timeout"
+    delete(dev.dev_id)
+
+
+def test_update_size_and_safe_stop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dev = start_server(["-t", "null", "-q", "1"], tmp_path / "s.log")
+    path = f"/dev/ublkb{dev.dev_id}"
+    full = int(kernel.run("lsblk", "-bdno", "SIZE", path))
+    assert full == 250 << 30
+    code, out, err = in_process("update_size", "-n", str(dev.dev_id), "-s", str(full // 2),
+                                capsys=capsys)
+    assert (code, out, err) == (0, "", "")
+    assert int(kernel.run("lsblk", "-bdno", "SIZE", path)) == full // 2
+    code, _out, err = in_process("update_size", "-n", str(dev.dev_id), "-s", "1000",
+                                 capsys=capsys)
+    assert code == 1 and "logical block size (512)" in err, err
+
+    # dd keeps the disk open while it reads (the null device is 125 GiB now)
+    dd = subprocess.Popen(["dd", f"if={path}", "of=/dev/null", "bs=64k", "iflag=direct"],
+                          stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while reads_done(dev.dev_id) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        code, out, err = in_process("stop", "-n", str(dev.dev_id), "--safe", capsys=capsys)
+        assert code == 1 and err.count("\n") == 1, err
+        assert f"device {dev.dev_id} is open" in err, err
+        assert state(dev.dev_id) == "LIVE"
+    finally:
+        dd.terminate()
+        dd.wait(30)
+    code, out, err = in_process("stop", "-n", str(dev.dev_id), "--safe", capsys=capsys)
+    assert (code, out, err) == (0, "", "")
+    assert reap(dev.pid) == 0  # the server saw the stop and exited
+    assert not Path(path).exists()
+    assert state(dev.dev_id) == "DEAD"
+    delete(dev.dev_id)
