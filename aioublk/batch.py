@@ -264,6 +264,7 @@ class BatchDriver(Driver):
             spawn = self.spawn
             start = self.start
             qm, dones = qs.qm, qs.dones
+            self.stats[qm.q_id].started += len(tags)
             for tag in tags:
                 if not start(qm, tag, dones[tag]):
                     spawn(serve(qs, tag))
@@ -295,6 +296,7 @@ class BatchDriver(Driver):
 
     def _answer(self, qs: _QueueState, tag: int, res: int) -> None:
         self.answered()
+        self.stats[qs.qm.q_id].count(res)
         self._add(qs, tag, res)
         self.ring.request_flush()
 

@@ -10,7 +10,7 @@ kublk keep working::
     python -m aioublk stop -n ID [--safe]
     python -m aioublk quiesce -n ID
     python -m aioublk update_size -n ID -s BYTES
-    python -m aioublk list [-n ID | -a]
+    python -m aioublk list [-n ID | -a] [--stats]
     python -m aioublk features
     python -m aioublk serve config.toml
 
@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NoReturn
 
-from aioublk import logs, uapi
+from aioublk import logs, stats, uapi
 from aioublk.device import Control, Device, DeviceConfig, UblkError, state_name
 from aioublk.qcow2 import Qcow2Error
 from aioublk.queue import CopyMode
@@ -128,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="show devices")
     ls.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
     ls.add_argument("-a", "--all", action="store_true")
+    ls.add_argument("--stats", action="store_true",
+                    help="also each queue's requests, bytes, errors and in-flight count")
 
     sub.add_parser("features", help="show the driver's features")
 
@@ -165,13 +167,23 @@ async def _with_control(fn: Callable[[Control], Awaitable[int]]) -> int:
 
 
 async def cmd_list(args: argparse.Namespace) -> int:
+    async def show(ctrl: Control, dev_id: int) -> None:
+        out = await dump(ctrl, dev_id)
+        if args.stats:
+            pid = (await ctrl.get_info(dev_id)).ublksrv_pid
+            rows = stats.read(dev_id, pid)
+            out += stats.lines(rows) if rows is not None else [
+                f"\tstats: none published by server pid {pid} (not an aioublk server, "
+                "or not running)"]
+        print("\n".join(out))
+
     async def run(ctrl: Control) -> int:
         if args.dev_id >= 0:
-            print("\n".join(await dump(ctrl, args.dev_id)))
+            await show(ctrl, args.dev_id)
             return 0
         for dev_id in range(255):
             try:
-                print("\n".join(await dump(ctrl, dev_id)))
+                await show(ctrl, dev_id)
             except UblkError:
                 continue
         return 0
@@ -363,8 +375,10 @@ async def run_device(target: Target, cfg: DeviceConfig,
             await on_live(dev)
         ended = asyncio.ensure_future(dev.wait())
         stopper = asyncio.ensure_future(stop.wait())
+        publisher = asyncio.ensure_future(stats.publish(lambda: [dev]))
         await asyncio.wait({ended, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
+        publisher.cancel()
         if not stop.is_set():
             await dev.release()
         elif dev.info is not None and dev.info.flags & uapi.Feature.USER_RECOVERY:

@@ -37,6 +37,9 @@ log = structlog.get_logger("aioublk.device")
 CONTROL_PATH = "/dev/ublk-control"
 
 
+STAT_FIELDS = ("queue", "ios", "bytes", "errors", "inflight")
+
+
 class UblkError(Exception):
     """A failure explained in one line for the user."""
 
@@ -432,6 +435,23 @@ class Device:
             self.workers.append(Worker(wcfg, spec, self._char_fd, self.target, self.batch))
         for w in self.workers:
             w.start()
+
+    def stats(self) -> list[dict[str, int]]:
+        """Per queue, summed over the workers serving it: requests answered
+        (``ios``), bytes read or written, errors, and requests in flight."""
+        rows: dict[int, dict[str, int]] = {}
+        for w in self.workers:
+            driver = w.driver
+            if driver is None:
+                continue
+            for q, st in list(driver.stats.items()):
+                row = rows.setdefault(q, dict.fromkeys(STAT_FIELDS, 0) | {"queue": q})
+                started, ios = st.started, st.ios
+                row["ios"] += ios
+                row["bytes"] += st.bytes
+                row["errors"] += st.errors
+                row["inflight"] += max(started - ios, 0)
+        return [rows[q] for q in sorted(rows)]
 
     async def wait(self) -> None:
         """Until every queue has ended (the device was stopped or deleted)."""

@@ -274,12 +274,34 @@ def layout(queues: int, depth: int, nthreads: int, *, batch: bool,
     return [[(q, list(range(depth)))] for q in range(queues)]
 
 
+class QueueStats:
+    """What one worker has answered on one queue (read by the control thread
+    for ``list --stats`` and serve's stats log; plain ints under the GIL)."""
+
+    __slots__ = ("q_id", "started", "ios", "bytes", "errors")
+
+    def __init__(self, q_id: int) -> None:
+        self.q_id = q_id
+        self.started = 0  # requests received; started - ios are in flight
+        self.ios = 0
+        self.bytes = 0
+        self.errors = 0
+
+    def count(self, res: int) -> None:
+        self.ios += 1
+        if res > 0:
+            self.bytes += res
+        elif res < 0:
+            self.errors += 1
+
+
 class Driver:
     """What the per-I/O and batch drivers share: a worker's ring and copy
     path, and the requests in flight (one task each)."""
 
     def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
         self.w = worker
+        self.stats = {qm.q_id: QueueStats(qm.q_id) for qm, _tags in worker.spec.work}
         self.ring = ring
         self.path = path
         self.char_fd = worker.char_fd
@@ -357,6 +379,7 @@ class Worker:
         self.batch = batch
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        self.driver: Driver | None = None  # while serving (stats)
         self.thread = threading.Thread(target=self._run, name=f"ublk{cfg.dev_id}w{spec.index}",
                                        daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -411,6 +434,7 @@ class Worker:
             driver = BatchDriver(self, ring, path)
         else:
             driver = PerIoDriver(self, ring, path)
+        self.driver = driver
         try:
             if self.mode.fixed:
                 ring.register_buffers_sparse(self.table_size)
@@ -430,6 +454,7 @@ class Worker:
             # ring goes: do not wait for them
             ring.close(timeout=1.0 if driver.stopping else 5.0)
             driver.close()
+            self.driver = None
             del driver, path
 
     def finished(self) -> None:
@@ -466,6 +491,7 @@ class PerIoDriver(Driver):
                                    partial(self._on_cqe, index)))
         self.live = len(self.slots)
         self.dones = [partial(self._answer, slot) for slot in range(len(self.slots))]
+        self.slot_stats = [self.stats[qm.q_id] for qm, *_rest in self.slots]
 
     def arm(self) -> None:
         hook = self.path.arming
@@ -481,6 +507,7 @@ class PerIoDriver(Driver):
     def _on_cqe(self, slot: int, res: int, flags: int) -> None:
         if res == uapi.IO_RES_OK:
             qm, tag = self.slots[slot][:2]
+            self.slot_stats[slot].started += 1
             if not self.start(qm, tag, self.dones[slot]):
                 self.spawn(self._serve(slot))
             return
@@ -513,5 +540,6 @@ class PerIoDriver(Driver):
     def _answer(self, slot: int, res: int) -> None:
         self.answered()
         qm, tag, _index, io_addr, sqe_addr, handler = self.slots[slot]
+        self.slot_stats[slot].count(res)
         self.ring.prep_ublk_io(self.char_fd, uapi.IoCmd.COMMIT_AND_FETCH_REQ, qm.q_id, tag,
                                res, io_addr, handler, sqe_addr)

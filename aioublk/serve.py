@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from aioublk import logs, uapi
+from aioublk import logs, stats, uapi
 from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
 from aioublk.device import Control, Device, UblkError, state_name
 from aioublk.qcow2 import Qcow2Error
@@ -53,8 +53,10 @@ def main(path: str, *, verbose: bool = False) -> int:
     except ConfigError as e:
         _report(str(e))
         return 1
-    logs.configure(json=cfg.logging.format == "json",
-                   level="debug" if verbose else cfg.logging.level)
+    level = "debug" if verbose else cfg.logging.level
+    if cfg.logging.stats_interval and level == "warning":
+        level = "info"  # the stats lines are info: asking for them shows them
+    logs.configure(json=cfg.logging.format == "json", level=level)
     import uvloop
 
     try:
@@ -84,7 +86,7 @@ async def serve(cfg: ServeConfig) -> int:
             ctrl.close()
         if served is None:
             return 1
-        return await _run(served, stop)
+        return await _run(served, stop, cfg.logging.stats_interval)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
@@ -142,12 +144,14 @@ async def _reattach(ctrl: Control, spec: DeviceSpec) -> bool:
                     f"by pid {info.ublksrv_pid}): {hint}")
 
 
-async def _run(served: list[_Served], stop: asyncio.Event) -> int:
+async def _run(served: list[_Served], stop: asyncio.Event, stats_interval: float = 0) -> int:
     """Until ``stop`` (then end every device as its on_stop says) or until
     every device has ended from outside."""
     waits = {asyncio.ensure_future(s.dev.wait()): s for s in served}
     stopper = asyncio.ensure_future(stop.wait())
     live = dict(waits)
+    publisher = asyncio.ensure_future(stats.publish(
+        lambda: [s.dev for s in live.values()], log_every=stats_interval))
     try:
         while live and not stop.is_set():
             done, _ = await asyncio.wait({stopper, *live}, return_when=asyncio.FIRST_COMPLETED)
@@ -159,6 +163,7 @@ async def _run(served: list[_Served], stop: asyncio.Event) -> int:
                 s.target.close()
     finally:
         stopper.cancel()
+        publisher.cancel()
     ok = await asyncio.gather(*(_finish(s, quiesce=s.spec.on_stop == "quiesce")
                                 for s in live.values()))
     await asyncio.gather(*waits)

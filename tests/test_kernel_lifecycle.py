@@ -212,9 +212,26 @@ def test_requests_held_by_a_killed_server_fail_fast(tmp_path: Path) -> None:
     delete(dev.dev_id)
 
 
-def test_update_size_and_safe_stop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_stats_update_size_and_safe_stop(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     dev = start_server(["-t", "null", "-q", "1"], tmp_path / "s.log")
     path = f"/dev/ublkb{dev.dev_id}"
+    reads = reads_done(dev.dev_id)  # (the partition scan's)
+    kernel.run("dd", f"if={path}", "of=/dev/null", "bs=4k", "count=300", "iflag=direct")
+    deadline = time.monotonic() + 10
+    while True:  # published once a second
+        code, out, err = in_process("list", "-n", str(dev.dev_id), "--stats", capsys=capsys)
+        assert code == 0, err
+        stat = out.splitlines()[-1]
+        ios = int(stat.split(" ios ")[1].split()[0])
+        if ios >= reads + 300:
+            break
+        assert time.monotonic() < deadline, out
+        time.sleep(0.3)
+    assert stat.startswith("\tqueue 0 stats: ios ") and stat.endswith(" errors 0 inflight 0")
+    assert int(stat.split(" bytes ")[1].split()[0]) >= 300 * 4096
+    assert len(kernel.parse_list("\n".join(out.splitlines()[:-1]))) == 1  # kublk's lines first
+
     full = int(kernel.run("lsblk", "-bdno", "SIZE", path))
     assert full == 250 << 30
     code, out, err = in_process("update_size", "-n", str(dev.dev_id), "-s", str(full // 2),

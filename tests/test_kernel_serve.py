@@ -10,6 +10,7 @@ this process and call ``aioublk.serve.main`` (the same code, without the
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from aioublk import stats
 from aioublk.device import Control
 from tests import kernel
 from tests.kernel import DevListing, fio, listing, make_file, parse_list, run
@@ -152,7 +154,9 @@ options = { image = "vm.qcow2" }
 def test_serve_three_targets_until_sigterm(tmp_path: Path) -> None:
     make_file(tmp_path / "loop.img", 64 * MiB)
     run("qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / "vm.qcow2"), "64M")
-    (tmp_path / "cfg.toml").write_text(THREE)
+    # JSON logs with per-queue stats every second
+    (tmp_path / "cfg.toml").write_text(
+        '[logging]\nformat = "json"\nstats_interval = 1\n' + THREE)
     srv = Server(tmp_path / "cfg.toml", interpreter=True)
     try:
         null, loop, qcow2 = srv.devices(3)
@@ -164,6 +168,7 @@ def test_serve_three_targets_until_sigterm(tmp_path: Path) -> None:
         for d in (loop, qcow2):
             job = fio(f"/dev/ublkb{d.dev_id}", tmp_path, *WRITE_VERIFY)
             assert job["write"]["io_bytes"] == 8 * MiB  # type: ignore[index]
+        _assert_stats(srv, loop.dev_id, 8 * MiB)
         # deleted from outside: released, and the other two keep serving
         _stop_and_delete(null.dev_id)
         assert "device ended from outside" in srv.stderr()
@@ -174,6 +179,22 @@ def test_serve_three_targets_until_sigterm(tmp_path: Path) -> None:
         srv.close()
     assert listing() == []
     check_clean(tmp_path / "vm.qcow2")
+
+
+def _assert_stats(srv: Server, dev_id: int, written: int) -> None:
+    """The published counters (``list --stats``) and the JSON stats log
+    account for what fio wrote."""
+    deadline = time.monotonic() + 30
+    while True:
+        rows = stats.read(dev_id, srv.pid) or []
+        logged = [e for e in map(json.loads, srv.stderr().splitlines())
+                  if e["event"] == "stats" and e["dev"] == dev_id]
+        if sum(r["bytes"] for r in rows) >= written and \
+                sum(e["ios"] for e in logged[-len(rows):]) >= written // 4096:
+            break
+        assert time.monotonic() < deadline, (rows, logged[-2:])
+        time.sleep(0.5)
+    assert all(r["errors"] == 0 and r["inflight"] == 0 for r in rows), rows
 
 
 def test_bad_config_or_start_leaves_nothing(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ def test_fio_randrw(target: str, queues: int, depth: int, tmp_path: Path) -> Non
     assert dev.depth == depth
     assert len(dev.affinity) == dev.queues
     job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randrw", "--bs=4k",
-              f"--iodepth={max(depth, 1)}", "--time_based", "--runtime=10", "--size=128M",
+              f"--iodepth={max(depth, 1)}", "--time_based", "--runtime=5", "--size=128M",
               f"--numjobs={1}")
     assert job["read"]["io_bytes"] > 0 and job["write"]["io_bytes"] > 0  # type: ignore[index]
     delete(dev.dev_id)
