@@ -32,11 +32,12 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NoReturn
 
 from aioublk import logs, stats, uapi
+from aioublk.config import build_target
 from aioublk.device import Control, Device, DeviceConfig, UblkError, state_name
 from aioublk.qcow2 import Qcow2Error
 from aioublk.queue import CopyMode
 from aioublk.target import Target
-from aioublk.targets import BackingError, LoopTarget, NullTarget, StripeTarget
+from aioublk.targets import BackingError
 
 TARGETS = ("null", "loop", "stripe", "qcow2", "fault_inject")
 
@@ -90,7 +91,7 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("--buffered", action="store_true",
                      help="loop/stripe/qcow2: do not use O_DIRECT on the backing files")
     add.add_argument("--read-only", "--read_only", dest="read_only", action="store_true",
-                     help="qcow2: serve the image read-only")
+                     help="loop/qcow2: serve the file read-only")
     add.add_argument("--l2-cache", dest="l2_cache", type=int, default=None,
                      help="qcow2: L2 cache bytes (default: map the whole disk, up to 32 MiB)")
     add.add_argument("--delay_us", type=int, default=0,
@@ -303,35 +304,27 @@ async def cmd_update_size(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------- add --
 
 def make_target(args: argparse.Namespace) -> Target:
-    """Build the target named by ``-t`` (raises UblkError/BackingError/Qcow2Error)."""
-    name = args.target
-    files = args.files
-    if name == "null":
-        if files:
-            raise UblkError("the null target takes no backing file")
-        return NullTarget()
-    if name == "loop":
-        if len(files) != 1:
-            raise UblkError(f"the loop target needs exactly one backing file, got {len(files)}")
-        return LoopTarget(files[0], direct=not args.buffered)
-    if name == "stripe":
-        return StripeTarget(files, chunk_size=args.chunk_size)
-    if name == "fault_inject":
-        if files:
-            raise UblkError("the fault_inject target takes no backing file")
-        from aioublk.targets.fault_inject import FaultInjectTarget
-
-        if args.delay_us < 0:
-            raise UblkError(f"--delay_us {args.delay_us} is negative")
-        return FaultInjectTarget(delay_us=args.delay_us, die_during_fetch=args.die_during_fetch)
-    if name == "qcow2":
-        if len(files) != 1:
-            raise UblkError(f"the qcow2 target needs exactly one image file, got {len(files)}")
-        from aioublk.targets.qcow2 import Qcow2Target
-
-        return Qcow2Target(files[0], read_only=args.read_only, cache_bytes=args.l2_cache,
-                           direct=not args.buffered)
-    raise UblkError(f"unknown target type '{name}': use one of {', '.join(TARGETS)}")
+    """Build the target named by ``-t`` from the command line's files and
+    options (raises UblkError/BackingError/Qcow2Error)."""
+    name, files = args.target, args.files
+    if name not in TARGETS:
+        raise UblkError(f"unknown target type '{name}': use one of {', '.join(TARGETS)}")
+    if name in ("null", "fault_inject") and files:
+        raise UblkError(f"the {name} target takes no backing file")
+    if name in ("loop", "qcow2") and len(files) != 1:
+        what = "image" if name == "qcow2" else "backing"
+        raise UblkError(f"the {name} target needs exactly one {what} file, got {len(files)}")
+    if args.delay_us < 0:
+        raise UblkError(f"--delay_us {args.delay_us} is negative")
+    options: dict[str, Any] = {
+        "null": {},
+        "fault_inject": {"delay_us": args.delay_us, "die_during_fetch": args.die_during_fetch},
+        "loop": {"file": files[0] if files else "", "buffered": args.buffered},
+        "stripe": {"files": files, "chunk_size": args.chunk_size},
+        "qcow2": {"image": files[0] if files else "", "l2_cache": args.l2_cache,
+                  "buffered": args.buffered},
+    }[name]
+    return build_target(name, options, read_only=args.read_only)
 
 
 def device_config(args: argparse.Namespace) -> DeviceConfig:
