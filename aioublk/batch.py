@@ -275,7 +275,7 @@ class BatchDriver(Driver):
             if not self.stopping:
                 self._fetch(qs)
                 return
-        elif res != -errno.ENODEV:
+        elif res not in (-errno.ENODEV, -errno.ECANCELED):  # (ECANCELED: our ring closed)
             self.w.log.warning("FETCH_IO_CMDS failed", q=qs.qm.q_id, res=res)
             if not self.failed:
                 self.failed = res

@@ -511,7 +511,7 @@ class PerIoDriver(Driver):
             if not self.start(qm, tag, self.dones[slot]):
                 self.spawn(self._serve(slot))
             return
-        if res != -errno.ENODEV:
+        if res not in (-errno.ENODEV, -errno.ECANCELED):  # (ECANCELED: our ring closed)
             self.w.log.warning("io command failed", slot=slot, res=res)
             if not self.failed:
                 self.failed = res

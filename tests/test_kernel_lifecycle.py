@@ -131,7 +131,7 @@ def test_recover_under_fio(how: str, args: list[str], tmp_path: Path,
 def test_fail_io_mode_fails_fast_then_recovers(tmp_path: Path) -> None:
     """``-e 1``: with the server dead the device is FAIL_IO and reads fail at
     once; ``recover`` makes it LIVE and reads work again."""
-    add_args = ["-t", "null", "-q", "1", "-e", "1"]
+    add_args = ["-t", "null", "-q", "1", "-e", "1", "-v"]  # -v: a log line per request
     dev = start_server(add_args, tmp_path / "first.log")
     os.kill(dev.pid, signal.SIGKILL)
     assert reap(dev.pid) == -signal.SIGKILL
@@ -147,6 +147,9 @@ def test_fail_io_mode_fails_fast_then_recovers(tmp_path: Path) -> None:
     kernel.run("dd", f"if={path}", "of=/dev/null", "bs=4k", "count=16", "iflag=direct")
     delete(dev.dev_id)
     assert reap(new.pid) == 0
+    logged = (tmp_path / "second.log").read_text()
+    assert "device recovered" in logged
+    assert logged.count("request") >= 16 and "op=READ" in logged, logged[-2000:]
 
 
 def test_recover_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
