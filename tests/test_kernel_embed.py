@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import mmap
 import os
+from pathlib import Path
 
 import pytest
 
-from aioublk import Device, Geometry, Target
+from aioublk import Control, Device, Geometry, Target, UblkError
+from tests.kernel import run
+from tests.test_examples import load_example
 
 pytestmark = [pytest.mark.guest, pytest.mark.asyncio]
 
@@ -90,3 +94,80 @@ async def test_target_exception_is_eio_and_queue_keeps_serving() -> None:
         assert await loop.run_in_executor(None, bad_read) == errno.EIO
         data = os.urandom(4096)
         assert await loop.run_in_executor(None, _pwrite_pread, dev.path, data, 0) == data
+
+
+def _pread(path: str, offset: int, length: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, length)
+        assert os.preadv(fd, [buf], offset) == length
+        return bytes(buf)
+    finally:
+        os.close(fd)
+
+
+async def _gone(dev: Device) -> None:
+    assert not os.path.exists(dev.path)
+    ctrl = Control()
+    try:
+        with pytest.raises(UblkError, match="does not exist"):
+            await ctrl.get_info(dev.id)
+    finally:
+        ctrl.close()
+
+
+async def test_example_ramdisk_served_from_the_tests_loop() -> None:
+    ramdisk = load_example("ramdisk")
+    target = ramdisk.RamDisk(8 * MiB)
+    loop = asyncio.get_running_loop()
+    async with Device(target, queues=2, depth=16) as dev:
+        data = os.urandom(192 * 1024)
+        assert await loop.run_in_executor(None, _pwrite_pread, dev.path, data, MiB + 512) == data
+        assert target.data[MiB + 512:MiB + 512 + len(data)] == data
+    await _gone(dev)
+
+
+def _ext4(path: str, mnt: Path) -> None:
+    """mkfs (with its discards), a file written, remounted, read back; fsck clean."""
+    body = os.urandom(300 * 1024)
+    run("mkfs.ext4", "-q", "-F", path)
+    mnt.mkdir()
+    run("mount", path, str(mnt))
+    try:
+        (mnt / "f").write_bytes(body)
+    finally:
+        run("umount", str(mnt))
+    run("mount", "-o", "ro", path, str(mnt))
+    try:
+        assert (mnt / "f").read_bytes() == body
+    finally:
+        run("umount", str(mnt))
+    run("e2fsck", "-fn", path)
+
+
+async def test_example_kv_target_with_the_server_on_the_tests_loop(tmp_path: Path) -> None:
+    """The KV server runs on this loop and the queues' threads connect to it:
+    all blocking I/O on the device goes to executor threads, or nothing
+    would answer the device's requests."""
+    kvdisk = load_example("kvdisk")
+    loop = asyncio.get_running_loop()
+    size = 32 * MiB
+    async with kvdisk.KvServer() as server:
+        target = kvdisk.KvTarget(size, server.host, server.port)
+        async with Device(target, queues=2, depth=32) as dev:
+            assert dev.info is not None and dev.info.nr_hw_queues == 2
+            # whole blocks, sectors inside a block, blocks' tails and heads, 1 MiB
+            for offset, length in [(0, 4096), (3 * MiB + 512, 512), (5 * MiB + 1536, 9216),
+                                   (7 * MiB, MiB), (size - 2048, 2048)]:
+                data = os.urandom(length)
+                back = await loop.run_in_executor(None, _pwrite_pread, dev.path, data, offset)
+                assert back == data
+                assert server.read(offset, length) == data
+            assert server.read(5 * MiB, 1536) == bytes(1536)
+            assert await loop.run_in_executor(None, _pread, dev.path, 9 * MiB, 65536) \
+                == bytes(65536)
+            await loop.run_in_executor(None, _ext4, dev.path, tmp_path / "mnt")
+            assert server.connections <= 2  # at most one per queue loop
+            await dev.stop()
+            await _gone(dev)
+            assert target._conns == {}  # each queue's drain closed its connection
