@@ -50,14 +50,14 @@ def reads_done(dev_id: int) -> int:
     return int(Path(f"/sys/block/ublkb{dev_id}/stat").read_text().split()[0])
 
 
-def start_fio(dev_id: int, cwd: Path, runtime: int) -> subprocess.Popen[str]:
-    """Random reads for ``runtime`` seconds, every error fatal; returns once
-    they are flowing."""
+def start_fio(dev_id: int, cwd: Path, runtime: int, *extra: str) -> subprocess.Popen[str]:
+    """Random reads for ``runtime`` seconds, every error fatal unless
+    ``extra`` says otherwise; returns once they are flowing."""
     before = reads_done(dev_id)
     p = subprocess.Popen(
         ["fio", "--name=r", f"--filename=/dev/ublkb{dev_id}", "--ioengine=io_uring",
          "--direct=1", "--rw=randread", "--bs=4k", "--iodepth=32", "--size=1G",
-         "--time_based", f"--runtime={runtime}", "--output-format=json"],
+         "--time_based", f"--runtime={runtime}", "--output-format=json", *extra],
         cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
@@ -68,11 +68,12 @@ def start_fio(dev_id: int, cwd: Path, runtime: int) -> subprocess.Popen[str]:
     return p
 
 
-def fio_result(p: subprocess.Popen[str], timeout: float = 120) -> dict[str, object]:
+def fio_result(p: subprocess.Popen[str], timeout: float = 120,
+               errors_ok: bool = False) -> dict[str, object]:
     out, err = p.communicate(timeout=timeout)
-    assert p.returncode == 0, f"fio failed ({p.returncode}): {err.strip()}\n{out}"
+    assert errors_ok or p.returncode == 0, f"fio failed ({p.returncode}): {err.strip()}\n{out}"
     job: dict[str, object] = json.loads(out[out.index("{"):])["jobs"][0]
-    assert job["error"] == 0, job
+    assert errors_ok or job["error"] == 0, job
     return job
 
 
@@ -126,6 +127,39 @@ def test_recover_under_fio(how: str, args: list[str], tmp_path: Path,
     assert reads_done(dev_id) > stalled
     delete(dev_id)
     assert reap(new.pid) == 0
+
+
+def test_without_reissue_held_requests_fail_and_batch_quiesce(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Batch I/O with ``-r 1`` alone. kill -9 under fio: only the requests
+    the dead server held fail (EIO, at most a queue depth's worth per
+    queue); the rest wait for ``recover``. Then the ``quiesce`` command on
+    the batch device: the server finishes and exits, recover works again."""
+    add_args = ["-t", "null", "-q", "2", "-d", "32", "-b", "-r", "1"]
+    dev = start_server(add_args, tmp_path / "first.log")
+    dev_id = dev.dev_id
+    fio = start_fio(dev_id, tmp_path, 6, "--continue_on_error=io")
+    os.kill(dev.pid, signal.SIGKILL)
+    assert reap(dev.pid) == -signal.SIGKILL
+    wait_state(dev_id, "QUIESCED")
+    second = start_server(["-n", str(dev_id), *add_args], tmp_path / "second.log",
+                          cmd="recover")
+    job = fio_result(fio, errors_ok=True)
+    assert job["read"]["io_bytes"] > 0  # type: ignore[index]
+    failed = int(job["total_err"])  # type: ignore[call-overload]
+    assert failed <= 2 * 32, job["total_err"]
+    assert job["first_error"] in (0, 5), job["first_error"]  # none, or EIO
+
+    code, _out, err = in_process("quiesce", "-n", str(dev_id), capsys=capsys)
+    assert code == 0 and "uses batch I/O" in err, err  # the warning, one line
+    assert reap(second.pid) == 0, kernel.tail(tmp_path / "second.log")
+    wait_state(dev_id, "QUIESCED")
+    third = start_server(["-n", str(dev_id), *add_args], tmp_path / "third.log",
+                         cmd="recover")
+    kernel.run("dd", f"if=/dev/ublkb{dev_id}", "of=/dev/null", "bs=4k", "count=16",
+               "iflag=direct")
+    delete(dev_id)
+    assert reap(third.pid) == 0
 
 
 def test_fail_io_mode_fails_fast_then_recovers(tmp_path: Path) -> None:
