@@ -255,6 +255,8 @@ class BatchDriver(Driver):
                              self.buf_entries, offset)
 
     def _on_fetch(self, qs: _QueueState, res: int, flags: int) -> None:
+        if self.ring.closed:
+            return  # tags fetched as the ring closes: the kernel takes them back
         if flags & lib.IORING_CQE_F_BUFFER:
             bid = flags >> 16
             tags = fetched_tags(memoryview(qs.tags_mem)[bid * self.buf_bytes:], max(res, 0))
@@ -280,7 +282,13 @@ class BatchDriver(Driver):
             if not self.failed:
                 self.failed = res
         else:
+            # Stop or quiesce. The kernel leaves the fetch it is dispatching
+            # on armed (ublk_batch_cancel_queue), so do not wait for every
+            # fetch to end: drain, commit, and let the ring's exit take it.
             self.stopping = True
+            self.w.device_ending()
+            self.w.finished()
+            return
         if self.live == 0:
             self.w.finished()
 

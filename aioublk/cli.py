@@ -36,6 +36,7 @@ from aioublk.config import build_target
 from aioublk.device import Control, Device, DeviceConfig, UblkError, state_name
 from aioublk.qcow2 import Qcow2Error
 from aioublk.queue import CopyMode
+from aioublk.serve import stop_or_exit
 from aioublk.target import Target
 from aioublk.targets import BackingError
 
@@ -274,7 +275,7 @@ async def cmd_quiesce(args: argparse.Namespace) -> int:
         if info.flags & uapi.Feature.QUIESCE and info.flags & uapi.Feature.BATCH_IO:
             sys.stderr.write(f"aioublk: warning: device {dev_id} uses batch I/O: until it is "
                              "recovered the kernel fails its new requests (SIGTERM an aioublk "
-                             "server instead: it hands the device over without errors)\n")
+                             "server instead: it finishes its requests and detaches)\n")
         res = await ctrl.quiesce_dev(dev_id)
         if res == -errno.EOPNOTSUPP:
             raise UblkError(f"device {dev_id} cannot be quiesced: it was added without user "
@@ -291,7 +292,7 @@ async def cmd_update_size(args: argparse.Namespace) -> int:
     async def run(ctrl: Control) -> int:
         params = await ctrl.get_params(dev_id)
         block = 1 << params.logical_bs_shift
-        if args.size <= 0 or args.size % block:
+        if not 0 < args.size < 1 << 63 or args.size % block:
             raise UblkError(f"size {args.size} is not a positive multiple of the device's "
                             f"logical block size ({block})")
         res = await ctrl.update_size(dev_id, args.size >> 9)
@@ -360,7 +361,7 @@ async def run_device(target: Target, cfg: DeviceConfig,
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_or_exit, stop)
     dev = Device(target, cfg)
     try:
         await dev.start(recover=recover)
@@ -375,7 +376,7 @@ async def run_device(target: Target, cfg: DeviceConfig,
         if not stop.is_set():
             await dev.release()
         elif dev.info is not None and dev.info.flags & uapi.Feature.USER_RECOVERY:
-            await dev.quiesce()
+            await dev.quiesce()  # (falls back to detaching: never raises once started)
         else:
             await dev.stop()
         return 0

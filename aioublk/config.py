@@ -15,6 +15,7 @@ import difflib
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import tomllib
@@ -198,7 +199,7 @@ def _logging(raw: Any) -> LogSettings:
     if isinstance(interval, bool) or not isinstance(interval, int | float):
         raise _Invalid(f"{at}.stats_interval", f"{_show(interval)} is {_kind(interval)}: use "
                        "a number of seconds (0 = no stats)")
-    if interval < 0:
+    if not math.isfinite(interval) or interval < 0:
         raise _Invalid(f"{at}.stats_interval", f"{interval} is negative: use 0 (no stats) or "
                        "a number of seconds")
     return LogSettings(level=_choice(raw.get("level", "warning"), f"{at}.level", LEVELS),

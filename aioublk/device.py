@@ -37,6 +37,7 @@ log = structlog.get_logger("aioublk.device")
 CONTROL_PATH = "/dev/ublk-control"
 
 
+MAX_DEV_ID = 1 << 20  # ublk_drv's UBLK_MAX_UBLKS
 STAT_FIELDS = ("queue", "ios", "bytes", "errors", "inflight")
 
 
@@ -196,8 +197,9 @@ class DeviceConfig:
             raise UblkError(f"queue depth {self.depth} out of range: use 1..4096")
         if not 1 <= self.queues <= 32:
             raise UblkError(f"{self.queues} queues out of range: use 1..32")
-        if self.dev_id < -1:
-            raise UblkError(f"device id {self.dev_id} is invalid: use -1 (any) or >= 0")
+        if not -1 <= self.dev_id < MAX_DEV_ID:
+            raise UblkError(f"device id {self.dev_id} is invalid: use -1 (any) or "
+                            f"0..{MAX_DEV_ID - 1}")
         if not 0 <= self.nthreads <= 64:
             raise UblkError(f"--nthreads {self.nthreads} out of range: use 1..64")
         if self.per_io_tasks and self.batch:
@@ -270,6 +272,19 @@ class DeviceConfig:
             raise UblkError("this kernel's ublk_drv does not support "
                             f"{uapi.flag_list(missing)}: drop the option that asks for it")
         return batch, flags
+
+
+async def settled_info(ctrl: Control, dev_id: int, timeout: float = 5.0) -> uapi.DevInfo:
+    """GET_DEV_INFO, after waiting out the moment between a server's exit
+    and the kernel's release work, when the device still reads LIVE with
+    no server (pid -1) before turning QUIESCED or FAIL_IO."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        info = await ctrl.get_info(dev_id)
+        if info.state != uapi.State.LIVE or info.ublksrv_pid > 0 or loop.time() > deadline:
+            return info
+        await asyncio.sleep(0.1)
 
 
 async def _open_char(path: str, timeout: float = 3.0) -> int:
@@ -361,6 +376,11 @@ class Device:
             if not recover:
                 params = self.target.geometry.params(info.max_io_buf_bytes)
                 await ctrl.set_params(info.dev_id, params)
+            else:
+                had = (await ctrl.get_params(info.dev_id)).dev_sectors << 9
+                if had != self.target.geometry.size:
+                    self.log.warning("the target's size differs from the device's",
+                                     device_bytes=had, target_bytes=self.target.geometry.size)
             self._start_workers(info)
             loop = asyncio.get_running_loop()
             for w in self.workers:
@@ -391,7 +411,7 @@ class Device:
         if cfg.dev_id < 0:
             raise UblkError("recover needs the id of the device to recover (-n ID)")
         dev_id = cfg.dev_id
-        info = await ctrl.get_info(dev_id)
+        info = await settled_info(ctrl, dev_id)
         if not info.flags & uapi.Feature.USER_RECOVERY:
             raise UblkError(f"device {dev_id} was added without user recovery (-r 1), so it "
                             "cannot be recovered: delete it and add it again")
@@ -434,6 +454,7 @@ class Device:
             spec = WorkerSpec(i, [(self.mems[q], tags) for q, tags in work], prep)
             self.workers.append(Worker(wcfg, spec, self._char_fd, self.target, self.batch))
         for w in self.workers:
+            w.siblings = self.workers
             w.start()
 
     def stats(self) -> list[dict[str, int]]:
@@ -483,14 +504,10 @@ class Device:
         if not flags & uapi.Feature.USER_RECOVERY:
             raise UblkError(f"device {dev_id} cannot be quiesced: it was added without user "
                             "recovery (-r 1)")
-        if self.batch or not flags & uapi.Feature.QUIESCE:
-            for w in self.workers:
-                if w.loop is not None:
-                    w.loop.call_soon_threadsafe(w.finished)
-        else:
+        if not self.batch and flags & uapi.Feature.QUIESCE:
             res = await self._ctrl.quiesce_dev(dev_id)
-            if res < 0:
-                raise _fail(f"QUIESCE_DEV of device {dev_id}", res)
+            if res < 0:  # e.g. EBUSY: a request held past the timeout; detach
+                self.log.warning("QUIESCE_DEV failed: detaching instead", res=res)
         await self._teardown(stop=False, delete=False)
 
     async def release(self) -> None:
@@ -510,9 +527,11 @@ class Device:
             if res < 0 and res != -errno.ENODEV:
                 log.warning("STOP_DEV failed", dev=dev_id, res=res)
         for w in self.workers:
-            # a worker whose tags were never armed has nothing to abort
-            if not w.ready.is_set() and w.loop is not None:
-                w.loop.call_soon_threadsafe(w.finished)
+            # STOP_DEV ends the workers once their requests are done (a
+            # worker whose tags were never armed has nothing to abort);
+            # without it, each finishes what it holds and detaches
+            if not stop or not w.ready.is_set():
+                w.request_finish()
         await self.wait()
         for m in self.mems:
             m.close()

@@ -8,12 +8,23 @@ import sys
 
 import structlog
 
+_per_request = False
+
+
+def per_request() -> bool:
+    """Whether ``-v``/debug asked for a log line per request. Set only by
+    ``configure``: an application that embeds devices without configuring
+    aioublk's logs keeps the fast path and a quiet stdout."""
+    return _per_request
+
 
 def configure(*, verbose: bool = False, json: bool = False, level: str | None = None) -> None:
     """``level`` ("warning", "info", "debug") overrides ``verbose``."""
+    global _per_request
     lvl = logging.DEBUG if verbose else logging.WARNING
     if level is not None:
         lvl = logging.getLevelNamesMapping()[level.upper()]
+    _per_request = lvl <= logging.DEBUG
     renderer: structlog.types.Processor
     if json:
         renderer = structlog.processors.JSONRenderer()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import errno
-import logging
 import mmap
 import os
 import threading
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
-from aioublk import uapi
+from aioublk import logs, uapi
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import Buffer, Done, FixedBuf, Target
 
@@ -159,7 +158,7 @@ class IoPath:
         #: the target's arming hook, if it has one (fault injection)
         self.arming = target.arming if type(target).arming is not Target.arming else None
         #: -v logs every request, on the coroutine path only: the fast path stays untouched
-        self.debug = log.bind().is_enabled_for(logging.DEBUG)
+        self.debug = logs.per_request()
         self.fast = mode is CopyMode.COPY and not self.debug and (
             type(target).start_read is not Target.start_read
             or type(target).start_write is not Target.start_write)
@@ -384,6 +383,9 @@ class Worker:
                                        daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Future[None] | None = None
+        self._finish = False  # finished() came before the loop ran
+        self.siblings: list[Worker] = []  # every worker of the device (set by Device)
+        self.siblings_told = False
         self.log = log.bind(dev=cfg.dev_id, worker=spec.index)
 
     def start(self) -> None:
@@ -426,6 +428,8 @@ class Worker:
             flags=queue_ring_flags(), bind_thread=True,
         )
         self._stop = asyncio.get_running_loop().create_future()
+        if self._finish:
+            self._stop.set_result(None)
         path = IoPath(self.target, ring, self.char_fd, self.mode)
         driver: Driver
         if self.batch:
@@ -450,16 +454,41 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - the device is going away anyway
                 self.log.error("target drain failed", error=str(e))
         finally:
-            # after a quiesce, re-armed per-I/O commands stay armed until the
-            # ring goes: do not wait for them
-            ring.close(timeout=1.0 if driver.stopping else 5.0)
+            # Stopping, the requests are drained: what is left are ublk
+            # commands (re-armed fetches), which io_uring's cancel cannot
+            # reach and the ring's exit will: do not wait for them.
+            ring.close(timeout=0 if driver.stopping else 5.0)
             driver.close()
             self.driver = None
             del driver, path
 
     def finished(self) -> None:
+        """Stop serving (on this worker's loop): drain, then close the ring."""
+        self._finish = True
         if self._stop is not None and not self._stop.done():
             self._stop.set_result(None)
+
+    def request_finish(self) -> None:
+        """``finished`` from any thread; a worker already gone is left alone."""
+        self._finish = True  # seen by _main if its loop has not run yet
+        loop = self.loop
+        if loop is None or not self.thread.is_alive():
+            return
+        try:
+            loop.call_soon_threadsafe(self.finished)
+        except RuntimeError:  # its loop closed meanwhile
+            pass
+
+    def device_ending(self) -> None:
+        """The kernel aborted one of our commands: the device is stopping or
+        being quiesced, so every worker of it ends (a quiesce aborts only
+        idle tags, and a worker whose tags are all busy would see none)."""
+        if self.siblings_told:
+            return
+        self.siblings_told = True
+        for w in self.siblings:
+            if w is not self:
+                w.request_finish()
 
 
 def queue_ring_flags() -> int:
@@ -511,16 +540,21 @@ class PerIoDriver(Driver):
             if not self.start(qm, tag, self.dones[slot]):
                 self.spawn(self._serve(slot))
             return
+        self.live -= 1
         if res not in (-errno.ENODEV, -errno.ECANCELED):  # (ECANCELED: our ring closed)
+            # the kernel refused this tag's command: the tag is lost, the rest serve on
             self.w.log.warning("io command failed", slot=slot, res=res)
             if not self.failed:
                 self.failed = res
+            if self.live == 0:
+                self.w.finished()
+            return
         # Aborted. On STOP_DEV every tag is aborted once nothing is in flight;
-        # on QUIESCE_DEV only the idle ones are: the worker ends once the
-        # requests it holds are committed (their re-armed commands go with
-        # the ring).
+        # on QUIESCE_DEV only the idle ones are (maybe none of this worker's):
+        # every worker of the device ends once the requests it holds are
+        # committed; re-armed commands go with the rings.
         self.stopping = True
-        self.live -= 1
+        self.w.device_ending()
         if self.live == 0 or not self.inflight:
             self.w.finished()
 

@@ -17,6 +17,7 @@ foreground by one process until SIGTERM or SIGINT.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import structlog
 
 from aioublk import logs, stats, uapi
 from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
-from aioublk.device import Control, Device, UblkError, state_name
+from aioublk.device import Control, Device, UblkError, settled_info, state_name
 from aioublk.qcow2 import Qcow2Error
 from aioublk.target import Target
 from aioublk.targets import BackingError
@@ -73,7 +74,7 @@ async def serve(cfg: ServeConfig) -> int:
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_or_exit, stop)
     try:
         try:
             ctrl = Control()
@@ -132,7 +133,7 @@ async def _reattach(ctrl: Control, spec: DeviceSpec) -> bool:
     if dev_id < 0:
         return False
     try:
-        info = await ctrl.get_info(dev_id)
+        info = await settled_info(ctrl, dev_id)
     except UblkError:
         return False  # no such device (any other trouble, ADD_DEV will report)
     if info.state in _RECOVERABLE and spec.recovery != "none":
@@ -184,6 +185,15 @@ async def _finish(s: _Served, *, quiesce: bool) -> bool:
     await s.dev.stop()  # nothing left to do once quiesced
     s.target.close()
     return ok
+
+
+def stop_or_exit(stop: asyncio.Event) -> None:
+    """The first SIGTERM/SIGINT stops gracefully; a second one exits at once
+    (the kernel then ends the devices as for a killed server)."""
+    if stop.is_set():
+        log.warning("second signal: exiting without a clean stop")
+        os._exit(1)
+    stop.set()
 
 
 def _report(line: str) -> None:

@@ -59,7 +59,11 @@ async def publish(devices: Callable[[], list[Device]], log_every: float = 0,
                   period: float = 1.0) -> None:
     """Until cancelled: publish every second; log rates every ``log_every``
     seconds (0: never). Removes the files when cancelled."""
-    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("cannot publish stats", dir=str(RUN_DIR), error=str(e))
+        return
     loop = asyncio.get_running_loop()
     published: set[int] = set()
     last: dict[int, tuple[float, list[dict[str, int]]]] = {}
@@ -68,7 +72,12 @@ async def publish(devices: Callable[[], list[Device]], log_every: float = 0,
         while True:
             now = loop.time()
             due = log_every > 0 and now >= next_log
-            for dev in devices():
+            current = devices()
+            for gone in published - {d.id for d in current if d.info is not None}:
+                published.discard(gone)  # released: its counters are history
+                with contextlib.suppress(OSError):
+                    stats_path(gone).unlink()
+            for dev in current:
                 if dev.info is None:
                     continue
                 rows = dev.stats()

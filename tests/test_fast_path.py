@@ -101,3 +101,25 @@ async def test_qcow2_fast_path_only_where_the_cluster_is_mapped(ring: Ring,
                           str(img_path)], capture_output=True, text=True, check=True)
     assert "Pattern verification failed" not in out.stdout
     assert subprocess.run(["qemu-img", "check", str(img_path)]).returncode == 0
+
+
+async def test_fast_path_unless_per_request_logging_was_asked_for(ring: Ring) -> None:
+    """An application that embeds devices without configuring aioublk's logs
+    (structlog's defaults let debug through) keeps the task-free path and a
+    quiet stdout; ``-v`` (debug) turns on a log line per request instead."""
+    import structlog
+
+    from aioublk import logs
+    from aioublk.queue import CopyMode, IoPath
+    from aioublk.targets.null import NullTarget
+
+    structlog.reset_defaults()
+    try:
+        assert not logs.per_request()
+        assert IoPath(NullTarget(), ring, -1, CopyMode.COPY).fast
+        logs.configure(verbose=True)
+        path = IoPath(NullTarget(), ring, -1, CopyMode.COPY)
+        assert path.debug and not path.fast
+    finally:
+        logs.configure()
+    assert not logs.per_request()

@@ -89,8 +89,10 @@ def in_process(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str
     ("kill", ["--no-batch", "-r", "1", "-i", "1"]),
     ("sigterm", ["-b", "-r", "1", "-i", "1"]),
     ("quiesce", ["--no-batch", "-r", "1"]),
+    # each queue's tags spread over 4 workers: some see no abort at all
+    ("quiesce", ["--no-batch", "--nthreads", "4", "--per_io_tasks", "-r", "1"]),
 ], ids=["kill-batch-reissue", "kill-per_io-reissue", "sigterm-batch-reissue",
-        "quiesce-per_io"])
+        "quiesce-per_io", "quiesce-per_io_tasks"])
 def test_recover_under_fio(how: str, args: list[str], tmp_path: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
     """The server goes away under random reads (killed, SIGTERM, or the
@@ -150,12 +152,15 @@ def test_without_reissue_held_requests_fail_and_batch_quiesce(
     assert failed <= 2 * 32, job["total_err"]
     assert job["first_error"] in (0, 5), job["first_error"]  # none, or EIO
 
+    # under load: the kernel leaves the fetch it is dispatching on armed
+    fio = start_fio(dev_id, tmp_path, 6, "--continue_on_error=io")
     code, _out, err = in_process("quiesce", "-n", str(dev_id), capsys=capsys)
     assert code == 0 and "uses batch I/O" in err, err  # the warning, one line
     assert reap(second.pid) == 0, kernel.tail(tmp_path / "second.log")
     wait_state(dev_id, "QUIESCED")
     third = start_server(["-n", str(dev_id), *add_args], tmp_path / "third.log",
                          cmd="recover")
+    fio_result(fio, errors_ok=True)
     kernel.run("dd", f"if=/dev/ublkb{dev_id}", "of=/dev/null", "bs=4k", "count=16",
                "iflag=direct")
     delete(dev_id)
@@ -210,7 +215,9 @@ def test_recover_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_server_dying_while_arming_leaves_a_deletable_device(tmp_path: Path) -> None:
     """kublk's fault_inject test: a recovery whose server is SIGKILLed after
     arming some but not all tags; the device can still be deleted."""
-    dev = start_server(["-t", "fault_inject", "-q", "1", "-r", "1"], tmp_path / "first.log")
+    # per-I/O: tags are armed one FETCH_REQ each (batch arms a queue in one command)
+    dev = start_server(["-t", "fault_inject", "-q", "1", "-r", "1", "--no-batch"],
+                       tmp_path / "first.log")
     os.kill(dev.pid, signal.SIGKILL)
     assert reap(dev.pid) == -signal.SIGKILL
     wait_state(dev.dev_id, "QUIESCED")
@@ -219,8 +226,8 @@ def test_server_dying_while_arming_leaves_a_deletable_device(tmp_path: Path) -> 
         code = 1
         try:
             code = cli_mod.main(["recover", "-n", str(dev.dev_id), "-t", "fault_inject",
-                                 "-q", "1", "-r", "1", "--die_during_fetch", "1",
-                                 "--foreground"])
+                                 "-q", "1", "-r", "1", "--no-batch",
+                                 "--die_during_fetch", "1", "--foreground"])
         finally:
             os._exit(code)
     assert reap(pid) == -signal.SIGKILL
