@@ -281,14 +281,14 @@ class BatchDriver(Driver):
             self.w.log.warning("FETCH_IO_CMDS failed", q=qs.qm.q_id, res=res)
             if not self.failed:
                 self.failed = res
-        else:
-            # Stop or quiesce. The kernel leaves the fetch it is dispatching
-            # on armed (ublk_batch_cancel_queue), so do not wait for every
-            # fetch to end: drain, commit, and let the ring's exit take it.
+        elif not self.stopping:
+            # Stop or quiesce: every worker of the device ends. The kernel
+            # may leave the fetch it is dispatching on armed for a moment
+            # (ublk_batch_cancel_queue): it ends once that dispatch is done,
+            # and if it does not, the worker ends after a grace period.
             self.stopping = True
             self.w.device_ending()
-            self.w.finished()
-            return
+            self.loop.call_later(2.0, self.w.finished)
         if self.live == 0:
             self.w.finished()
 

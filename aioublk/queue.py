@@ -455,9 +455,10 @@ class Worker:
                 self.log.error("target drain failed", error=str(e))
         finally:
             # Stopping, the requests are drained: what is left are ublk
-            # commands (re-armed fetches), which io_uring's cancel cannot
-            # reach and the ring's exit will: do not wait for them.
-            ring.close(timeout=0 if driver.stopping else 5.0)
+            # commands (re-armed fetches after a quiesce), which io_uring's
+            # cancel cannot reach and the ring's exit will: a short wait reaps
+            # those the kernel is still completing.
+            ring.close(timeout=1.0 if driver.stopping else 5.0)
             driver.close()
             self.driver = None
             del driver, path
