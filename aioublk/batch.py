@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from aioublk import uapi
 from aioublk._uring import ffi, lib
-from aioublk.queue import CopyMode, Driver, IoPath, QueueMem
+from aioublk.queue import CopyMode, Driver, IoPath, QueueMem, QueueStats
 from aioublk.ring import Ring, buffer_address
 
 if TYPE_CHECKING:
@@ -159,6 +159,7 @@ class _QueueState:
     local: int                   # position among the worker's queues: buffer group id
     builder: BatchBuilder
     tags_mem: bytearray          # the provided buffers the fetches fill with tags
+    stats: QueueStats            # this worker's counters of this queue
     tags_addr: int = 0           # its address, for handing buffers back
     buf_ring: Any = None         # the C buffer ring of group ``local``
     dones: list[Any] = field(default_factory=list)  # per tag: answer it (fast path)
@@ -185,7 +186,7 @@ class BatchDriver(Driver):
         self.buf_entries = cfg.fetch_buf_entries or 8
         self.queues = [
             _QueueState(qm, i, BatchBuilder(qm.q_id, self.depth, flags),
-                        bytearray(self.buf_entries * self.buf_bytes))
+                        bytearray(self.buf_entries * self.buf_bytes), self.stats[qm.q_id])
             for i, (qm, _tags) in enumerate(worker.spec.work)]
         for qs in self.queues:
             qs.dones = [partial(self._answer, qs, tag) for tag in range(self.depth)]
@@ -266,7 +267,7 @@ class BatchDriver(Driver):
             spawn = self.spawn
             start = self.start
             qm, dones = qs.qm, qs.dones
-            self.stats[qm.q_id].started += len(tags)
+            qs.stats.started += len(tags)
             for tag in tags:
                 if not start(qm, tag, dones[tag]):
                     spawn(serve(qs, tag))
@@ -304,7 +305,7 @@ class BatchDriver(Driver):
 
     def _answer(self, qs: _QueueState, tag: int, res: int) -> None:
         self.answered()
-        self.stats[qs.qm.q_id].count(res)
+        qs.stats.count(res)
         self._add(qs, tag, res)
         self.ring.request_flush()
 

@@ -249,10 +249,19 @@ def _need_id(args: argparse.Namespace) -> int:
     return int(args.dev_id)
 
 
-async def cmd_stop(args: argparse.Namespace) -> int:
+async def _on_device(args: argparse.Namespace,
+                     fn: Callable[[Control, int], Awaitable[None]]) -> int:
+    """A command on the device ``-n ID``: exit status 0 unless ``fn`` raises."""
     dev_id = _need_id(args)
 
     async def run(ctrl: Control) -> int:
+        await fn(ctrl, dev_id)
+        return 0
+    return await _with_control(run)
+
+
+async def cmd_stop(args: argparse.Namespace) -> int:
+    async def run(ctrl: Control, dev_id: int) -> None:
         await ctrl.get_info(dev_id)  # "does not exist" in one line
         if args.safe:
             res = await ctrl.try_stop_dev(dev_id)
@@ -263,14 +272,11 @@ async def cmd_stop(args: argparse.Namespace) -> int:
             res = await ctrl.stop_dev(dev_id)
         if res < 0:
             raise UblkError(f"cannot stop device {dev_id}: {os.strerror(-res)}")
-        return 0
-    return await _with_control(run)
+    return await _on_device(args, run)
 
 
 async def cmd_quiesce(args: argparse.Namespace) -> int:
-    dev_id = _need_id(args)
-
-    async def run(ctrl: Control) -> int:
+    async def run(ctrl: Control, dev_id: int) -> None:
         info = await ctrl.get_info(dev_id)
         if info.flags & uapi.Feature.QUIESCE and info.flags & uapi.Feature.BATCH_IO:
             sys.stderr.write(f"aioublk: warning: device {dev_id} uses batch I/O: until it is "
@@ -282,14 +288,11 @@ async def cmd_quiesce(args: argparse.Namespace) -> int:
                             "recovery (-r 1), or this kernel lacks UBLK_F_QUIESCE (6.15+)")
         if res < 0:
             raise UblkError(f"cannot quiesce device {dev_id}: {os.strerror(-res)}")
-        return 0
-    return await _with_control(run)
+    return await _on_device(args, run)
 
 
 async def cmd_update_size(args: argparse.Namespace) -> int:
-    dev_id = _need_id(args)
-
-    async def run(ctrl: Control) -> int:
+    async def run(ctrl: Control, dev_id: int) -> None:
         params = await ctrl.get_params(dev_id)
         block = 1 << params.logical_bs_shift
         if not 0 < args.size < 1 << 63 or args.size % block:
@@ -298,8 +301,7 @@ async def cmd_update_size(args: argparse.Namespace) -> int:
         res = await ctrl.update_size(dev_id, args.size >> 9)
         if res < 0:
             raise UblkError(f"cannot resize device {dev_id}: {os.strerror(-res)}")
-        return 0
-    return await _with_control(run)
+    return await _on_device(args, run)
 
 
 # --------------------------------------------------------------------- add --

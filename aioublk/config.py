@@ -200,7 +200,8 @@ def _logging(raw: Any) -> LogSettings:
         raise _Invalid(f"{at}.stats_interval", f"{_show(interval)} is {_kind(interval)}: use "
                        "a number of seconds (0 = no stats)")
     if not math.isfinite(interval) or interval < 0:
-        raise _Invalid(f"{at}.stats_interval", f"{interval} is negative: use 0 (no stats) or "
+        what = "negative" if interval < 0 else "not a finite number"
+        raise _Invalid(f"{at}.stats_interval", f"{interval} is {what}: use 0 (no stats) or "
                        "a number of seconds")
     return LogSettings(level=_choice(raw.get("level", "warning"), f"{at}.level", LEVELS),
                        format=_choice(raw.get("format", "console"), f"{at}.format", FORMATS),

@@ -277,10 +277,9 @@ class QueueStats:
     """What one worker has answered on one queue (read by the control thread
     for ``list --stats`` and serve's stats log; plain ints under the GIL)."""
 
-    __slots__ = ("q_id", "started", "ios", "bytes", "errors")
+    __slots__ = ("started", "ios", "bytes", "errors")
 
-    def __init__(self, q_id: int) -> None:
-        self.q_id = q_id
+    def __init__(self) -> None:
         self.started = 0  # requests received; started - ios are in flight
         self.ios = 0
         self.bytes = 0
@@ -300,7 +299,7 @@ class Driver:
 
     def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
         self.w = worker
-        self.stats = {qm.q_id: QueueStats(qm.q_id) for qm, _tags in worker.spec.work}
+        self.stats = {qm.q_id: QueueStats() for qm, _tags in worker.spec.work}
         self.ring = ring
         self.path = path
         self.char_fd = worker.char_fd
@@ -465,7 +464,6 @@ class Worker:
 
     def finished(self) -> None:
         """Stop serving (on this worker's loop): drain, then close the ring."""
-        self._finish = True
         if self._stop is not None and not self._stop.done():
             self._stop.set_result(None)
 
