@@ -4,14 +4,24 @@ A server writes each device's per-queue counters (``Device.stats``) to
 ``/run/aioublk/ID.json`` once a second, with its pid so that a file left by
 a dead server is never shown as current; ``list --stats`` prints them under
 kublk's lines. With ``stats_interval`` (serve) the rates are also logged.
+
+Servers run as root, so the directory is a place where a planted symlink
+would make root write a file of someone else's choosing. It is used only if
+it is a real directory, ours, and writable by nobody else (made 0755 whatever
+the umask); everything in it is reached through the directory's descriptor,
+a file is written under a temporary name opened with ``O_EXCL|O_NOFOLLOW``
+and renamed into place (a rename replaces a symlink, never follows it), and
+is read with ``O_NOFOLLOW``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,21 +36,89 @@ log = structlog.get_logger("aioublk.stats")
 RUN_DIR = Path(os.environ.get("AIOUBLK_RUN_DIR", "/run/aioublk"))
 
 
-def stats_path(dev_id: int) -> Path:
-    return RUN_DIR / f"{dev_id}.json"
+DIR_MODE = 0o755
+FILE_MODE = 0o644
 
 
-def _write(dev_id: int, rows: list[dict[str, int]]) -> None:
-    path = stats_path(dev_id)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time(), "queues": rows}))
-    tmp.replace(path)  # readers never see half a file
+class RunDirError(OSError):
+    """``RUN_DIR`` is not safe to write in, in one line saying what to do."""
+
+
+def _name(dev_id: int) -> str:
+    return f"{dev_id}.json"
+
+
+def open_run_dir(*, create: bool) -> int:
+    """A descriptor of ``RUN_DIR``, made 0755 if it is missing (and
+    ``create``); raises RunDirError if it is a symlink, not a directory, not
+    ours, or writable by others."""
+    d = RUN_DIR
+    if create:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            pass
+    if os.path.islink(d):
+        raise RunDirError(f"{d} is a symlink: remove it (rm {d})")
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise RunDirError(f"{d} is not a directory: remove it (rm {d})") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise RunDirError(f"{d} is owned by uid {st.st_uid}, not by us "
+                              f"(uid {os.geteuid()}): remove it (rm -r {d})")
+        if st.st_mode & 0o022:
+            raise RunDirError(f"{d} is writable by others (mode "
+                              f"{stat.S_IMODE(st.st_mode):o}): chmod go-w {d}")
+        if create and stat.S_IMODE(st.st_mode) != DIR_MODE:
+            os.fchmod(fd, DIR_MODE)  # made under a restrictive umask
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write(dfd: int, dev_id: int, rows: list[dict[str, int]]) -> None:
+    data = json.dumps({"pid": os.getpid(), "time": time.time(), "queues": rows}).encode()
+    tmp = f".{dev_id}.{os.getpid()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, FILE_MODE, dir_fd=dfd)
+    except FileExistsError:  # left by a dead server that had our pid
+        os.unlink(tmp, dir_fd=dfd)
+        fd = os.open(tmp, flags, FILE_MODE, dir_fd=dfd)
+    try:
+        try:
+            os.fchmod(fd, FILE_MODE)  # whatever the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        # readers never see half a file
+        os.rename(tmp, _name(dev_id), src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
 
 
 def read(dev_id: int, pid: int) -> list[dict[str, int]] | None:
     """The queues' counters published by server ``pid``, or None."""
     try:
-        data: dict[str, Any] = json.loads(stats_path(dev_id).read_text())
+        dfd = open_run_dir(create=False)
+        try:
+            fd = os.open(_name(dev_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "rb") as f:
+            data: dict[str, Any] = json.loads(f.read())
     except (OSError, ValueError):
         return None
     if data.get("pid") != pid:
@@ -60,7 +138,7 @@ async def publish(devices: Callable[[], list[Device]], log_every: float = 0,
     """Until cancelled: publish every second; log rates every ``log_every``
     seconds (0: never). Removes the files when cancelled."""
     try:
-        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        dfd = open_run_dir(create=True)
     except OSError as e:
         log.warning("cannot publish stats", dir=str(RUN_DIR), error=str(e))
         return
@@ -76,13 +154,13 @@ async def publish(devices: Callable[[], list[Device]], log_every: float = 0,
             for gone in published - {d.id for d in current if d.info is not None}:
                 published.discard(gone)  # released: its counters are history
                 with contextlib.suppress(OSError):
-                    stats_path(gone).unlink()
+                    os.unlink(_name(gone), dir_fd=dfd)
             for dev in current:
                 if dev.info is None:
                     continue
                 rows = dev.stats()
                 try:
-                    _write(dev.id, rows)
+                    _write(dfd, dev.id, rows)
                     published.add(dev.id)
                 except OSError as e:
                     log.warning("cannot publish stats", dev=dev.id, error=str(e))
@@ -95,7 +173,8 @@ async def publish(devices: Callable[[], list[Device]], log_every: float = 0,
     finally:
         for dev_id in published:
             with contextlib.suppress(OSError):
-                stats_path(dev_id).unlink()
+                os.unlink(_name(dev_id), dir_fd=dfd)
+        os.close(dfd)
 
 
 def _log_rates(dev_id: int, rows: list[dict[str, int]],
