@@ -408,27 +408,19 @@ def cmd_add(args: argparse.Namespace) -> int:
             print("\n".join(await dump(dev._ctrl, dev.id)), flush=True)  # type: ignore[arg-type]
         return _run(run_device(target, cfg, announce, recover))
 
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: detach, then the grandchild serves
-        os.close(rfd)
-        os.setsid()
-        if os.fork() != 0:
-            os._exit(0)
-        _detach_stdio()
-        code = 1
+    def serve(wfd: int) -> int:
+        async def report(dev: Device) -> None:
+            os.write(wfd, f"OK {dev.id}\n".encode())
+            os.close(wfd)
         try:
-            async def report(dev: Device) -> None:
-                os.write(wfd, f"OK {dev.id}\n".encode())
-                os.close(wfd)
-            code = _run(run_device(target, cfg, report, recover))
+            return _run(run_device(target, cfg, report, recover))
         except (UblkError, BackingError, Qcow2Error, OSError) as e:
             _report_error(wfd, str(e))
         except BaseException as e:  # noqa: BLE001 - the parent must hear about it
             _report_error(wfd, f"server failed: {e!r}")
-        os._exit(code)
+        return 1
 
-    os.close(wfd)
+    rfd, pid = _daemonize(serve)
     target.close()
     os.waitpid(pid, 0)
     with os.fdopen(rfd, "rb") as r:
@@ -439,6 +431,31 @@ def cmd_add(args: argparse.Namespace) -> int:
         return lines
     raise UblkError(line.removeprefix("ERR ") if line else
                     "the server exited before the device became live")
+
+
+def _daemonize(serve: Callable[[int], int]) -> tuple[int, int]:
+    """Run ``serve(wfd)`` in a daemon, detached as kublk's is (a new session,
+    a second fork, stdio on /dev/null), in ``/`` with umask 022 so that it
+    holds no directory busy and creates nothing with the caller's umask.
+    Returns the read end of ``wfd`` and the pid of the first child (exits
+    at once: wait for it)."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid != 0:
+        os.close(wfd)
+        return rfd, pid
+    code = 1
+    try:  # child: detach, then the grandchild serves
+        os.close(rfd)
+        os.setsid()
+        if os.fork() != 0:
+            os._exit(0)
+        os.umask(0o022)
+        os.chdir("/")
+        _detach_stdio()
+        code = serve(wfd)
+    finally:
+        os._exit(code)
 
 
 async def _with_control_lines(dev_id: int) -> int:

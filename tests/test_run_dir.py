@@ -9,6 +9,8 @@ import contextlib
 import json
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,3 +141,25 @@ def test_read_does_not_follow_a_symlink(run_dir: Path, tmp_path: Path) -> None:
     run_dir.mkdir(parents=True, mode=0o755)
     (run_dir / "0.json").symlink_to(fake)
     assert stats.read(0, 1234) is None
+
+
+DAEMON = """
+import os, sys
+from aioublk import cli
+os.umask(0o077)
+os.chdir(sys.argv[1])
+def serve(wfd: int) -> int:
+    os.write(wfd, f"{os.getcwd()} {os.umask(0):o} {os.getsid(0) == os.getpid()}\\n".encode())
+    return 0
+rfd, pid = cli._daemonize(serve)
+os.waitpid(pid, 0)
+with os.fdopen(rfd, "rb") as r:
+    print(r.readline().decode().strip())
+"""
+
+
+def test_daemon_runs_in_root_with_umask_022(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-c", DAEMON, str(tmp_path)], capture_output=True,
+                       text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["/", "22", "False"], p.stdout
