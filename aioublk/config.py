@@ -5,8 +5,10 @@ Every problem is one line, ``FILE: PATH: what is wrong: what to do``, where
 PATH is the dotted key path with 0-based list indices
 (``devices[1].options.file``). Loading is pure: it reads the file, looks at
 backing files' existence and imports custom target classes, and touches no
-device. Relative backing-file paths are relative to the config file's
-directory (a daemon's working directory is rarely the user's).
+device. As root, a file that others can change is refused before it is read
+(it names code serve runs as root). Relative backing-file paths are relative
+to the config file's directory (a daemon's working directory is rarely the
+user's).
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ def load(path: str) -> ServeConfig:
     """Read and check the whole file; raises ConfigError (one line)."""
     try:
         with open(path, "rb") as f:
+            _trusted(path, os.fstat(f.fileno()))
             data = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
@@ -172,6 +175,19 @@ def load(path: str) -> ServeConfig:
         return parse(data, path, base=os.path.dirname(os.path.abspath(path)))
     except _Invalid as e:
         raise ConfigError(f"{path}: {_one_line(str(e))}") from None
+
+
+def _trusted(path: str, st: os.stat_result) -> None:
+    """As root, a config others can change is refused: it names code that
+    serve imports and runs as root (a custom target) and the files it opens."""
+    if os.geteuid() != 0:
+        return
+    why = "and serve runs as root, importing the code it names"
+    if st.st_mode & 0o022:
+        raise ConfigError(f"{path}: writable by others (mode {st.st_mode & 0o7777:o}) {why}: "
+                          f"chmod go-w {path}")
+    if st.st_uid != 0:
+        raise ConfigError(f"{path}: owned by uid {st.st_uid} {why}: chown root {path}")
 
 
 def parse(data: dict[str, Any], path: str, *, base: str) -> ServeConfig:

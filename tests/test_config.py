@@ -4,6 +4,7 @@ before anything touches /dev/ublk-control."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tomllib
@@ -363,3 +364,56 @@ def test_bad_config_is_reported_before_the_driver(cfg: Path,
     err = capsys.readouterr().err
     assert err == "aioublk: config.toml: devices[0].depth: 0 is out of range: use 1..4096\n"
     assert "ublk-control" not in err
+
+
+# ------------------------------------------------------------ permissions --
+# A config names the code serve runs as root (a custom target is imported from
+# it) and the files it opens: as root, a file others can change is refused.
+
+@pytest.fixture
+def as_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o664, 0o646, 0o620, 0o602])
+def test_config_writable_by_others_is_refused_as_root(
+        cfg: Path, mode: int, as_root: None, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg.write_text(NULL)
+    cfg.chmod(mode)
+    with pytest.raises(ConfigError) as e:
+        load("config.toml")
+    assert str(e.value) == (f"config.toml: writable by others (mode {mode:o}) and serve runs "
+                            "as root, importing the code it names: chmod go-w config.toml")
+    assert serve.main("config.toml") == 1
+    assert capsys.readouterr().err == f"aioublk: {e.value}\n"
+
+
+def test_config_owned_by_another_user_is_refused_as_root(cfg: Path, as_root: None) -> None:
+    cfg.write_text(NULL)
+    cfg.chmod(0o644)
+    if os.getuid() == 0:
+        os.chown(cfg, 12345, -1)
+    uid = os.stat(cfg).st_uid
+    with pytest.raises(ConfigError) as e:
+        load("config.toml")
+    assert str(e.value) == (f"config.toml: owned by uid {uid} and serve runs as root, "
+                            "importing the code it names: chown root config.toml")
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o600, 0o444])
+def test_config_only_root_can_change_is_accepted_as_root(cfg: Path, mode: int,
+                                                         as_root: None) -> None:
+    cfg.write_text(NULL)
+    cfg.chmod(mode)
+    if os.getuid() != 0:
+        pytest.skip("needs root to own a file as root")
+    assert len(load("config.toml").devices) == 1
+
+
+def test_config_writable_by_others_is_accepted_when_not_root(
+        cfg: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user serving their own config as themselves gains nothing from it."""
+    monkeypatch.setattr("os.geteuid", lambda: 12345)
+    cfg.write_text(NULL)
+    cfg.chmod(0o666)
+    assert len(load("config.toml").devices) == 1
