@@ -26,6 +26,10 @@ How it works, and the pytest facts it leans on:
   guest's own report for that phase (outcome, longrepr, captured output,
   duration), so the host summary counts guest tests like any other test. A
   phase the guest never reported fails, saying why.
+- A guest test that skips (`pytest.skip`, a `skipif` mark, a skipping
+  fixture, `importorskip`) fails instead, wherever it runs: a wrapper of
+  `pytest_runtest_makereport` turns the skipped report into a failed one (a
+  skip in setup shows as an error). Expected failures (`xfail`) stay so.
 """
 
 from __future__ import annotations
@@ -308,6 +312,25 @@ def pytest_runtest_makereport(
     if isinstance(item, GuestProxy):
         return item.run.report(item.nodeid, call.when)
     return None
+
+
+@pytest.hookimpl(wrapper=True, specname="pytest_runtest_makereport")
+def pytest_runtest_makereport_guest_skip_fails(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Iterator[None]:
+    """A `guest` test that skips fails (an expected failure stays one)."""
+    report: pytest.TestReport | None = yield
+    guest_test = isinstance(item, GuestProxy) or item.get_closest_marker("guest") is not None
+    if report is not None and guest_test and report.skipped and not hasattr(report, "wasxfail"):
+        where = reason = str(report.longrepr)
+        if isinstance(report.longrepr, tuple):
+            path, line, reason = report.longrepr
+            where = f"{path}:{line}"
+            reason = reason.removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = (f"{where}: a guest test must not skip (a skipped kernel test hides "
+                           f"a broken harness or a missing tool): {reason}")
+    return report  # type: ignore[return-value]
 
 
 def pytest_terminal_summary(
