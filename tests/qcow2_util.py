@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shlex
 import subprocess
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import pytest
 
 K = 1024
 M = 1024 * K
@@ -46,6 +49,16 @@ class Spec:
 
 
 # -- running QEMU's tools -------------------------------------------------------
+
+
+def missing_tool(what: str) -> NoReturn:
+    """A tool (or a feature of one) the test needs is missing: a skip on a
+    developer's machine, a failure under CI (``CI=true``), whose machines
+    are set up to have everything."""
+    if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+        pytest.fail(f"{what}: CI must have it (see scripts/setup)", pytrace=False)
+    pytest.skip(what)
+
 
 
 def run(*cmd: object, ok: Iterable[int] = (0,), timeout: float = 300,

@@ -41,6 +41,7 @@ import pytest
 
 from aioublk.qcow2 import Qcow2Error, Qcow2Image
 from aioublk.ring import Ring
+from tests.qcow2_util import missing_tool
 
 OPEN_TIMEOUT = 10.0
 IO_TIMEOUT = 10.0
@@ -316,7 +317,7 @@ def as_is(template: str) -> Builder:
     def build(t: Templates, tmp: Path) -> Path:
         src = getattr(t, template)
         if src is None:
-            pytest.skip(f"qemu-img could not make the {template} template")
+            missing_tool(f"qemu-img could not make the {template} template")
         return clone(src, tmp)
     return build
 
@@ -505,6 +506,8 @@ async def test_templates_are_sane(ring: Ring, tpl: Templates, tmp_path: Path) ->
         await asyncio.wait_for(img.read(0, buf), IO_TIMEOUT)
         assert bytes(buf) == expect, name
         await asyncio.wait_for(img.close(), IO_TIMEOUT)
+    if tpl.zstd is None:
+        missing_tool("qemu-img cannot make zstd images")
 
 
 @pytest.mark.parametrize("bit,word", [(DIRTY, "dirty"), (CORRUPT, "corrupt")],
@@ -1043,7 +1046,7 @@ def compressed_image(tpl: Templates, tmp_path: Path, kind: str) -> tuple[Path, i
     """A copy of a compressed template: (path, L2 entry offset, entry)."""
     src = getattr(tpl, kind)
     if src is None:
-        pytest.skip(f"qemu-img cannot make {kind} images")
+        missing_tool(f"qemu-img cannot make {kind} images")
     p = clone(src, tmp_path)
     lay = Layout.of(p)
     entry = peek(p, lay.l2, "Q")
@@ -1051,6 +1054,19 @@ def compressed_image(tpl: Templates, tmp_path: Path, kind: str) -> tuple[Path, i
     off, sectors = compressed_fields(entry)
     assert sectors >= 8, "template compressed data too small for the test"
     return p, lay.l2, entry
+
+
+def test_missing_zstd_fails_under_ci(tpl: Templates, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A qemu-img without zstd skips the zstd cases on a developer's machine,
+    but CI (CI=true) must have it: there the same gap fails."""
+    no_zstd = Templates(**{**tpl.__dict__, "zstd": None})
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="zstd"):
+        compressed_image(no_zstd, tmp_path, "zstd")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="zstd"):
+        compressed_image(no_zstd, tmp_path, "zstd")
 
 
 def garbage(kind: str, n: int) -> bytes:
