@@ -50,7 +50,7 @@ def umask(mask: int) -> Iterator[None]:
         os.umask(old)
 
 
-def publish_once(dev_id: int = 0) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def publish_once(dev_id: int = 0) -> tuple[list[Any], dict[str, Any] | None]:
     """Run the publisher for one round; return its log lines and what
     ``list --stats`` would have read while it ran."""
     seen: dict[str, Any] | None = None
