@@ -240,3 +240,73 @@ def test_foreground_serves_until_sigterm_then_deletes(tmp_path: Path) -> None:
     finally:
         proc.kill()
     assert kernel.listing() == []
+
+
+# ------------------------------------------------------------ cache flags --
+# What each target tells the kernel about its cache (ublk_param_basic.attrs ->
+# sysfs queue/write_cache and queue/fua), against what the target does. A
+# target with volatile state (qcow2's cached metadata) or a volatile backing
+# (a file's page cache, a disk's write cache) must say "write back", so that
+# the kernel sends it FLUSH (each implements flush: tests/test_fua_durable.py);
+# FUA may be advertised only where a FUA write is durable when it completes
+# (qcow2: write, then flush; the others leave FUA to the kernel, which sends a
+# FLUSH after the write).
+
+CACHE_FLAGS = {
+    "null": ("write through", "0"),   # keeps nothing
+    "loop": ("write back", "0"),
+    "stripe": ("write back", "0"),
+    "qcow2": ("write back", "1"),
+}
+
+
+def _flushes(dev_id: int) -> int:
+    """Flush requests the device completed (/sys/block/X/stat, field 16)."""
+    return int(Path(f"/sys/block/ublkb{dev_id}/stat").read_text().split()[15])
+
+
+@pytest.mark.parametrize("target", list(CACHE_FLAGS))
+def test_advertised_cache_flags_match_the_target(target: str, tmp_path: Path) -> None:
+    if target == "qcow2":
+        img = tmp_path / "img.qcow2"
+        run("qemu-img", "create", "-q", "-f", "qcow2", str(img), "64M")
+        args = ["-t", "qcow2", str(img)]
+    else:
+        args = target_args(target, tmp_path, size=64 * MiB)
+    dev = add(*args, "-q", "1")
+    try:
+        queue = Path(f"/sys/block/ublkb{dev.dev_id}/queue")
+        got = (queue.joinpath("write_cache").read_text().strip(),
+               queue.joinpath("fua").read_text().strip())
+        assert got == CACHE_FLAGS[target], f"{target}: write_cache, fua = {got}"
+        # a write-back device is sent FLUSH (and it succeeds); a write-through one never is
+        before = _flushes(dev.dev_id)
+        fd = os.open(f"/dev/ublkb{dev.dev_id}", os.O_WRONLY | os.O_DSYNC)
+        try:
+            os.pwrite(fd, b"\x5c" * 4096, 0)   # O_DSYNC: FUA where offered, else + FLUSH
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        sent = _flushes(dev.dev_id) - before
+        assert (sent > 0) == (got[0] == "write back"), f"{target}: {sent} flushes for {got}"
+    finally:
+        delete(dev.dev_id)
+
+
+def test_daemon_runs_in_root_with_umask_022(tmp_path: Path) -> None:
+    """``add``'s daemon holds no directory of the caller's busy and creates
+    files with umask 022 whatever the caller's."""
+    old = os.umask(0o077)
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        dev = add("-t", "null", "-q", "1")
+    finally:
+        os.chdir(cwd)
+        os.umask(old)
+    try:
+        assert os.readlink(f"/proc/{dev.pid}/cwd") == "/"
+        status = Path(f"/proc/{dev.pid}/status").read_text()
+        assert "Umask:\t0022" in status, status
+    finally:
+        delete(dev.dev_id)
