@@ -1,20 +1,26 @@
 """The guest harness's rule (host, no kernel): a `guest` test that skips
 fails, because a skipped kernel test hides a broken harness or driver.
 
-Each case runs pytest on a tiny test file in a subprocess, with our plugin
-and `/dev/ublk-control` made to look present (so the tests run here, as they
-do inside the guest)."""
+Each case runs pytest on a tiny test file in a subprocess, with our plugin:
+with `/dev/ublk-control` made to look present (the tests run in place, as
+they do inside the guest), and through the host's guest proxies with a fake
+"guest" that runs the same pytest on the host."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
+import pytest
+
 CONFTEST = """
 from pathlib import Path
 from xml.etree import ElementTree
+
+import pytest
 from aioublk.testing import pytest_plugin
 pytest_plugin.UBLK_CONTROL = Path("/")  # "the driver is here": run guest tests in place
 """
@@ -67,9 +73,34 @@ def test_host_skip_stays_a_skip():
 '''
 
 
-def run_pytest(tmp_path: Path) -> tuple[dict[str, str], str]:
+FAKE_GUEST = """
+import os
+import subprocess
+from pathlib import Path
+from aioublk.testing import guest, pytest_plugin
+
+if os.environ.get("FAKE_GUEST_INSIDE"):
+    pytest_plugin.UBLK_CONTROL = Path("/")  # "the driver is here": run guest tests in place
+else:
+    pytest_plugin.UBLK_CONTROL = Path("/nonexistent/ublk-control")
+
+    class Kernel:
+        release = "fake"
+
+    def run_in_guest(argv, rwdirs, *, env, on_output, cwd, **kw):
+        p = subprocess.run(argv, env={**os.environ, **env, "FAKE_GUEST_INSIDE": "1"},
+                           cwd=cwd, capture_output=True, stdin=subprocess.DEVNULL)
+        on_output(p.stdout + p.stderr)
+        return p.returncode
+
+    guest.ensure_kernel = lambda: Kernel()
+    guest.run_in_guest = run_in_guest
+"""
+
+
+def run_pytest(tmp_path: Path, conftest: str = CONFTEST) -> tuple[dict[str, str], str]:
     """Outcome of each test (node name -> passed/failed/error/skipped/xfailed)."""
-    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "conftest.py").write_text(conftest)
     (tmp_path / "test_tiny.py").write_text(TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     report = tmp_path / "report.xml"
@@ -77,7 +108,8 @@ def run_pytest(tmp_path: Path) -> tuple[dict[str, str], str]:
         [sys.executable, "-m", "pytest", "-p", "aioublk.testing.pytest_plugin",
          "-p", "no:cacheprovider", "--strict-markers", "-rA", f"--junitxml={report}",
          str(tmp_path / "test_tiny.py")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        env={**os.environ, "AIOUBLK_CACHE": str(tmp_path / "cache")})
     assert p.returncode in (0, 1), p.stdout + p.stderr
     outcomes = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
@@ -89,8 +121,9 @@ def run_pytest(tmp_path: Path) -> tuple[dict[str, str], str]:
     return outcomes, p.stdout
 
 
-def test_a_guest_test_that_skips_fails(tmp_path: Path) -> None:
-    out, stdout = run_pytest(tmp_path)
+@pytest.mark.parametrize("where", ["in_place", "through_the_proxies"])
+def test_a_guest_test_that_skips_fails(tmp_path: Path, where: str) -> None:
+    out, stdout = run_pytest(tmp_path, CONFTEST if where == "in_place" else FAKE_GUEST)
     assert out == {
         "test_skip_in_call": "failure",
         "test_skipif_marker": "error",
