@@ -109,27 +109,38 @@ class Qcow2Image:
 
     @classmethod
     def open(cls, path: str, *, read_only: bool = False, cache_bytes: int | None = None,
-             direct: bool = True, _chain: tuple[str, ...] = ()) -> Qcow2Image:
-        real = os.path.realpath(path)
-        if real in _chain:
-            raise Qcow2Error(f"backing chain loops back to {path}")
-        if len(_chain) >= MAX_CHAIN:
-            raise Qcow2Error(f"backing chain deeper than {MAX_CHAIN} images at {path}")
-        f = HostFile(path, read_only=read_only, direct=direct)
+             direct: bool = True) -> Qcow2Image:
+        return cls._open(path, read_only, cache_bytes, direct, ())
+
+    @staticmethod
+    def _one_line(msg: str) -> str:
+        """A message in one line whatever the image says (a backing file name
+        may hold a newline or terminal escapes)."""
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
+
+    @classmethod
+    def _open(cls, path: str, read_only: bool, cache_bytes: int | None, direct: bool,
+              chain: tuple[tuple[int, int], ...]) -> Qcow2Image:
+        """``chain`` holds the (st_dev, st_ino) of the images above: a loop is
+        the same inode whatever its names (symlinks, hard links, other
+        spellings)."""
         try:
-            return cls(f, read_only, cache_bytes, direct, _chain + (real,))
+            if len(chain) >= MAX_CHAIN:
+                raise Qcow2Error(f"backing chain deeper than {MAX_CHAIN} images at {path}")
+            f = HostFile(path, read_only=read_only, direct=direct)
+            try:
+                st = os.fstat(f.fd)
+                if (st.st_dev, st.st_ino) in chain:
+                    raise Qcow2Error(f"backing chain loops back to {path}")
+                return cls(f, read_only, cache_bytes, direct, chain + ((st.st_dev, st.st_ino),))
+            except BaseException:
+                f.close()
+                raise
         except Qcow2Error as e:
-            f.close()
-            msg = str(e) if path in str(e) else f"{path}: {e}"
-            # one line whatever the image says (a backing file name may hold a newline)
-            raise Qcow2Error("".join(c if c.isprintable() else repr(c)[1:-1]
-                                     for c in msg)) from None
-        except BaseException:
-            f.close()
-            raise
+            raise Qcow2Error(cls._one_line(str(e) if path in str(e) else f"{path}: {e}")) from None
 
     def __init__(self, f: HostFile, read_only: bool, cache_bytes: int | None, direct: bool,
-                 chain: tuple[str, ...]) -> None:
+                 chain: tuple[tuple[int, int], ...]) -> None:
         self.file = f
         self.path = f.path
         self.read_only = read_only
@@ -176,23 +187,12 @@ class Qcow2Image:
         if len(self.meta) < 1 + _nclusters(h.l1_table_offset, h.l1_size * 8, cs) + \
                 h.refcount_table_clusters:
             raise Qcow2Error("qcow2 header, L1 table and refcount table overlap each other")
-        for e in self.reftable:
-            if e & fmt.REFT_OFFSET_MASK:
-                self._add_meta(e & fmt.REFT_OFFSET_MASK, cs, REFBLOCK)
-        l2s = [e & OFFSET_MASK for e in self.l1 if e & OFFSET_MASK]
+        self._far = 0  # table entries pointing past the end of the file (see _add_targets)
+        self._add_targets(self.reftable, fmt.REFT_OFFSET_MASK, REFBLOCK, set())
+        l2_seen: set[int] = set()
+        self._add_targets(self.l1, OFFSET_MASK, L2, l2_seen)
         if h.nb_snapshots:
-            raw = f.pread(h.snapshots_offset, 1 << 24)
-            snaps, nbytes = fmt.parse_snapshots(raw, h.nb_snapshots)
-            self._add_meta(h.snapshots_offset, nbytes, SNAPSHOT)
-            for s in snaps:
-                if s.l1_size * 8 > fmt.MAX_L1_BYTES or s.l1_table_offset % cs:
-                    raise Qcow2Error(f"qcow2 snapshot '{s.name}' has an invalid L1 table")
-                self._add_meta(s.l1_table_offset, s.l1_size * 8, SNAPSHOT)
-                l2s += [e & OFFSET_MASK for e in
-                        fmt.load_table(f.pread(s.l1_table_offset, s.l1_size * 8))
-                        if e & OFFSET_MASK]
-        for off in l2s:
-            self._add_meta(off, cs, L2)
+            self._add_snapshots(h, l2_seen)
         self.used_end = f.size  # below this the file may hold old bytes
         # L2 cache, sized by how much of the disk it maps
         want = len(self.l1) * cs
@@ -220,7 +220,8 @@ class Qcow2Image:
             f.pwrite_sector(bytes(self.head), 0)
             h.autoclear = 0
 
-    def _open_backing(self, h: fmt.Header, direct: bool, chain: tuple[str, ...]) -> Backing:
+    def _open_backing(self, h: fmt.Header, direct: bool,
+                      chain: tuple[tuple[int, int], ...]) -> Backing:
         name = h.backing_file or ""
         if name.startswith(("json:", "nbd:", "http:", "https:")):
             raise Qcow2Error(f"backing file '{name}' is a protocol, not a file: not supported")
@@ -232,10 +233,70 @@ class Qcow2Image:
             with open(path, "rb") as probe:
                 kind = "qcow2" if probe.read(4) == fmt.MAGIC else "raw"
         if kind == "qcow2":
-            return Qcow2Image.open(path, read_only=True, direct=direct, _chain=chain)
+            return Qcow2Image._open(path, True, None, direct, chain)
         if kind == "raw":
             return RawBacking(path, direct)
         raise Qcow2Error(f"backing file {path} has format '{kind}': only qcow2 and raw")
+
+    # What an open may cost. Each table is read once and each distinct offset in
+    # it handled once; offsets inside the file are at most its clusters, and
+    # only MAX_FAR_TARGETS may point past its end (a read-write image records
+    # them, so that data never lands where a table claims to be). The
+    # snapshots' L1 tables are read as the union of their ranges, clipped to
+    # the file: 200 snapshots naming one 32 MiB table cost one table, and 200
+    # overlapping tables cost the bytes they cover.
+    _SCAN_CHUNK = 1 << 16  # table entries per step
+    MAX_FAR_TARGETS = 1 << 16
+
+    def _add_targets(self, table: array[int], mask: int, kind: int, seen: set[int]) -> None:
+        """Record the clusters ``table``'s entries point to (L2 tables or refcount
+        blocks) as metadata of ``kind``, each offset once (``seen``)."""
+        end = self.file.size
+        cs = self.cluster_size
+        for i in range(0, len(table), self._SCAN_CHUNK):
+            if self.read_only:  # nothing is ever allocated past the end
+                offs = {o for e in table[i:i + self._SCAN_CHUNK] if (o := e & mask) < end}
+            else:
+                offs = {e & mask for e in table[i:i + self._SCAN_CHUNK]}
+            offs -= seen
+            seen |= offs
+            offs.discard(0)
+            for off in offs:
+                if off >= end:
+                    self._far += 1
+                    if self._far > self.MAX_FAR_TARGETS:
+                        raise Qcow2Error(
+                            f"more than {self.MAX_FAR_TARGETS} table entries point past the "
+                            f"end of the file: repair it with `qemu-img check -r all "
+                            f"{self.path}`, or open it read-only")
+                self._add_meta(off, cs, kind)
+
+    def _add_snapshots(self, h: fmt.Header, l2_seen: set[int]) -> None:
+        """The snapshot table and the snapshots' L1 tables as metadata; for a
+        read-write image also the L2 tables they point to (never written, but
+        never to be overwritten either)."""
+        f, cs = self.file, self.cluster_size
+        raw = f.pread(h.snapshots_offset, 1 << 24)
+        snaps, nbytes = fmt.parse_snapshots(raw, h.nb_snapshots)
+        self._add_meta(h.snapshots_offset, nbytes, SNAPSHOT)
+        spans = []
+        for s in snaps:
+            if s.l1_size * 8 > fmt.MAX_L1_BYTES or s.l1_table_offset % cs:
+                raise Qcow2Error(f"qcow2 snapshot '{s.name}' has an invalid L1 table")
+            if s.l1_size:
+                spans.append((s.l1_table_offset, s.l1_table_offset + s.l1_size * 8))
+        step = self._SCAN_CHUNK * 8
+        for start, end in fmt.merge_spans(spans):
+            end = min(end, f.size)  # past the end of the file there is no table to keep
+            if start >= end:
+                continue
+            self._add_meta(start, end - start, SNAPSHOT)
+            if self.read_only:
+                continue
+            for pos in range(start, end, step):
+                part = f.pread(pos, min(step, end - pos))
+                self._add_targets(fmt.load_table(part[:len(part) & ~7]), OFFSET_MASK, L2,
+                                  l2_seen)
 
     def _add_meta(self, offset: int, length: int, kind: int) -> None:
         """Record metadata clusters; where two kinds claim one cluster the
