@@ -40,11 +40,13 @@ import errno
 import os
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import structlog
 
 from aioublk.qcow2 import format as fmt
+from aioublk.qcow2.backing_policy import BackingPolicy
 from aioublk.qcow2.compress import decompress
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO, Qcow2Error
 from aioublk.qcow2.hostfile import HostFile, RawBacking, aligned
@@ -109,8 +111,18 @@ class Qcow2Image:
 
     @classmethod
     def open(cls, path: str, *, read_only: bool = False, cache_bytes: int | None = None,
-             direct: bool = True) -> Qcow2Image:
-        return cls._open(path, read_only, cache_bytes, direct, ())
+             direct: bool = True, allow_backing: Iterable[str] = (),
+             backing_format: str | None = None) -> Qcow2Image:
+        """Open the image at ``path`` and its backing chain. Backing files are
+        used only where the user allows (``backing_policy``): in the image's
+        own directory, or under a path of ``allow_backing`` (a directory, or
+        a file such as a block device); ``backing_format`` ("qcow2" or "raw")
+        is the format of backing files whose image records none."""
+        try:
+            policy = BackingPolicy.for_image(path, allow_backing, backing_format)
+        except Qcow2Error as e:
+            raise Qcow2Error(cls._one_line(f"{path}: {e}")) from None
+        return cls._open(path, path, read_only, cache_bytes, direct, policy, ())
 
     @staticmethod
     def _one_line(msg: str) -> str:
@@ -119,30 +131,37 @@ class Qcow2Image:
         return "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
 
     @classmethod
-    def _open(cls, path: str, read_only: bool, cache_bytes: int | None, direct: bool,
-              chain: tuple[tuple[int, int], ...]) -> Qcow2Image:
-        """``chain`` holds the (st_dev, st_ino) of the images above: a loop is
-        the same inode whatever its names (symlinks, hard links, other
-        spellings)."""
+    def _open(cls, path: str, real: str, read_only: bool, cache_bytes: int | None,
+              direct: bool, policy: BackingPolicy, chain: tuple[tuple[int, int], ...],
+              ) -> Qcow2Image:
+        """Open ``path`` by ``real``: the same for the image the user named; for
+        a backing file (``chain`` not empty) the real path its policy checked,
+        not followed if it became a symlink since. ``chain`` holds the
+        (st_dev, st_ino) of the images above: a loop is the same inode
+        whatever its names (symlinks, hard links, other spellings)."""
         try:
             if len(chain) >= MAX_CHAIN:
                 raise Qcow2Error(f"backing chain deeper than {MAX_CHAIN} images at {path}")
-            f = HostFile(path, read_only=read_only, direct=direct)
+            f = HostFile(real, read_only=read_only, direct=direct, follow=not chain)
             try:
                 st = os.fstat(f.fd)
+                if chain:
+                    policy.check_kind(path, real, st.st_mode)
                 if (st.st_dev, st.st_ino) in chain:
                     raise Qcow2Error(f"backing chain loops back to {path}")
-                return cls(f, read_only, cache_bytes, direct, chain + ((st.st_dev, st.st_ino),))
+                return cls(f, path, read_only, cache_bytes, direct, policy,
+                           chain + ((st.st_dev, st.st_ino),))
             except BaseException:
                 f.close()
                 raise
         except Qcow2Error as e:
             raise Qcow2Error(cls._one_line(str(e) if path in str(e) else f"{path}: {e}")) from None
 
-    def __init__(self, f: HostFile, read_only: bool, cache_bytes: int | None, direct: bool,
-                 chain: tuple[tuple[int, int], ...]) -> None:
+    def __init__(self, f: HostFile, path: str, read_only: bool, cache_bytes: int | None,
+                 direct: bool, policy: BackingPolicy, chain: tuple[tuple[int, int], ...],
+                 ) -> None:
         self.file = f
-        self.path = f.path
+        self.path = path
         self.read_only = read_only
         first = f.pread(0, 1 << 21)
         h = self.h = fmt.parse_header(first, f.size)
@@ -213,30 +232,35 @@ class Qcow2Image:
         # backing chain
         self.backing: Backing = None
         if h.backing_file:
-            self.backing = self._open_backing(h, direct, chain)
+            self.backing = self._open_backing(h, direct, policy, chain)
         if not read_only and self.v3 and h.autoclear:
             # we keep none of the autoclear extensions up to date (e.g. bitmaps)
             self.head[fmt.OFF_AUTOCLEAR:fmt.OFF_AUTOCLEAR + 8] = bytes(8)
             f.pwrite_sector(bytes(self.head), 0)
             h.autoclear = 0
 
-    def _open_backing(self, h: fmt.Header, direct: bool,
+    def _open_backing(self, h: fmt.Header, direct: bool, policy: BackingPolicy,
                       chain: tuple[tuple[int, int], ...]) -> Backing:
+        """The backing file, where and in the format the policy allows."""
         name = h.backing_file or ""
-        if name.startswith(("json:", "nbd:", "http:", "https:")):
-            raise Qcow2Error(f"backing file '{name}' is a protocol, not a file: not supported")
-        path = name if os.path.isabs(name) else os.path.join(os.path.dirname(self.path), name)
-        if not os.path.exists(path):
-            raise Qcow2Error(f"backing file {path} of {self.path} does not exist")
-        kind = h.backing_format
-        if kind is None:
-            with open(path, "rb") as probe:
-                kind = "qcow2" if probe.read(4) == fmt.MAGIC else "raw"
-        if kind == "qcow2":
-            return Qcow2Image._open(path, True, None, direct, chain)
-        if kind == "raw":
-            return RawBacking(path, direct)
-        raise Qcow2Error(f"backing file {path} has format '{kind}': only qcow2 and raw")
+        real = policy.resolve(self.path, name)
+        try:
+            mode = os.lstat(real).st_mode
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise Qcow2Error(f"backing file {name} of {self.path} does not exist") from None
+            raise Qcow2Error(f"cannot open backing file {name}: {e.strerror}") from None
+        policy.check_kind(name, real, mode)
+        if policy.format(self.path, name, h.backing_format) == "qcow2":
+            return Qcow2Image._open(policy.candidate(self.path, name), real, True, None,
+                                    direct, policy, chain)
+        raw = RawBacking(real, direct, follow=False)
+        try:
+            policy.check_kind(name, real, os.fstat(raw.file.fd).st_mode)
+        except Qcow2Error:
+            raw.release()
+            raise
+        return raw
 
     # What an open may cost. Each table is read once and each distinct offset in
     # it handled once; offsets inside the file are at most its clusters, and
