@@ -95,6 +95,13 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="loop/qcow2: serve the file read-only")
     add.add_argument("--l2-cache", dest="l2_cache", type=int, default=None,
                      help="qcow2: L2 cache bytes (default: map the whole disk, up to 32 MiB)")
+    add.add_argument("--allow-backing", dest="allow_backing", action="append", default=[],
+                     metavar="PATH", help="qcow2: backing files may also be under this "
+                     "directory, or be this file or block device (repeatable; by default "
+                     "only files in the image's own directory)")
+    add.add_argument("--backing-format", dest="backing_format", choices=("raw", "qcow2"),
+                     help="qcow2: the format of backing files whose image records none "
+                     "(never guessed)")
     add.add_argument("--delay_us", type=int, default=0,
                      help="fault_inject: hold each request this many microseconds")
     add.add_argument("--die_during_fetch", type=_flag01, default=False,
@@ -325,7 +332,8 @@ def make_target(args: argparse.Namespace) -> Target:
         "loop": {"file": files[0] if files else "", "buffered": args.buffered},
         "stripe": {"files": files, "chunk_size": args.chunk_size},
         "qcow2": {"image": files[0] if files else "", "l2_cache": args.l2_cache,
-                  "buffered": args.buffered},
+                  "buffered": args.buffered, "allow_backing": args.allow_backing,
+                  "backing_format": args.backing_format},
     }[name]
     return build_target(name, options, read_only=args.read_only)
 

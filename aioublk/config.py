@@ -44,7 +44,7 @@ TARGET_OPTIONS = {
     "fault_inject": ("size", "delay_us"),
     "loop": ("file", "buffered"),
     "stripe": ("files", "chunk_size"),
-    "qcow2": ("image", "l2_cache", "buffered"),
+    "qcow2": ("image", "l2_cache", "buffered", "allow_backing", "backing_format"),
 }
 DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fallback",
                "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
@@ -154,7 +154,9 @@ def build_target(kind: str, options: dict[str, Any], *, read_only: bool = False)
         from aioublk.targets.qcow2 import Qcow2Target
 
         return Qcow2Target(o["image"], read_only=read_only, cache_bytes=o.get("l2_cache"),
-                           direct=not o.get("buffered", False))
+                           direct=not o.get("buffered", False),
+                           allow_backing=o.get("allow_backing", ()),
+                           backing_format=o.get("backing_format"))
     if ":" in kind:
         return _custom_class(kind)(**o)
     raise UblkError(f"unknown target type '{kind}': use one of {', '.join(BUILTIN_TARGETS)} "
@@ -323,6 +325,11 @@ def _options(kind: str, raw: Any, at: str, base: str) -> dict[str, Any]:
         out["buffered"] = _bool(raw["buffered"], key("buffered"))
     if "l2_cache" in raw:
         out["l2_cache"] = _size(raw["l2_cache"], key("l2_cache"), 1)
+    if "allow_backing" in raw:
+        out["allow_backing"] = _paths(raw["allow_backing"], key("allow_backing"), base)
+    if "backing_format" in raw:
+        out["backing_format"] = _choice(raw["backing_format"], key("backing_format"),
+                                        ("raw", "qcow2"))
     for name in ("file", "image"):
         if name in TARGET_OPTIONS[kind]:
             if name not in raw:
@@ -358,6 +365,13 @@ def _custom_options(kind: str, raw: dict[str, Any], at: str) -> dict[str, Any]:
     except TypeError as e:
         raise _Invalid(at, f"{e}: match {kind}'s keyword arguments") from None
     return dict(raw)
+
+
+def _paths(v: Any, at: str, base: str) -> list[str]:
+    """A list of existing paths (qcow2's allow_backing: directories or files)."""
+    if not isinstance(v, list):
+        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use a list of paths")
+    return [_existing(p, f"{at}[{i}]", base) for i, p in enumerate(v)]
 
 
 def _stripe_files(v: Any, at: str, base: str) -> list[str]:

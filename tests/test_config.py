@@ -14,6 +14,7 @@ import pytest
 
 from aioublk import serve
 from aioublk.config import ConfigError, build_target, load, parse_size
+from aioublk.qcow2 import Qcow2Error
 from aioublk.queue import CopyMode
 from aioublk.targets import LoopTarget, NullTarget, StripeTarget
 
@@ -162,6 +163,29 @@ def test_qcow2_target_is_built(cfg: Path) -> None:
         t.close()
 
 
+def test_qcow2_backing_options(cfg: Path) -> None:
+    """allow_backing (paths relative to the config file, resolved) and
+    backing_format reach the image: its backing file outside the image's
+    directory is refused without them and used with them."""
+    (cfg.parent / "base").mkdir()
+    (cfg.parent / "images").mkdir()
+    base = cfg.parent / "base" / "base.raw"
+    base.write_bytes(bytes(MiB))
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", "../base/base.raw",
+                    "-F", "raw", "images/vm.qcow2", "1M"], check=True, cwd=cfg.parent)
+    device = '[[devices]]\ntarget = "qcow2"\nread_only = true\n'
+    cfg.write_text(device + 'options = { image = "images/vm.qcow2" }\n')
+    with pytest.raises(Qcow2Error, match="allow it with --allow-backing .*base.raw "
+                                         r"\(allow_backing in a serve config\)"):
+        load("config.toml").devices[0].build_target()
+    cfg.write_text(device + 'options = { image = "images/vm.qcow2", allow_backing = ["base"], '
+                   'backing_format = "raw" }\n')
+    (d,) = load("config.toml").devices
+    assert d.options["allow_backing"] == [str(cfg.parent / "base")]
+    assert d.options["backing_format"] == "raw"
+    d.build_target().close()
+
+
 def test_custom_target(cfg: Path) -> None:
     cfg.write_text('[[devices]]\ntarget = "aioublk.targets.null:NullTarget"\n'
                    'options = { size = 1048576 }\n')
@@ -281,6 +305,16 @@ MISTAKES = [
      "config.toml: devices[0].options.chunk_size: 1048576 is out of range: use 4096..524288"),
     ('[[devices]]\ntarget = "qcow2"\noptions = { image = "a.img", l2_cache = false }\n',
      "config.toml: devices[0].options.l2_cache: false is a boolean"),
+    ('[[devices]]\ntarget = "qcow2"\noptions = { image = "a.img", allow_backing = "b.img" }\n',
+     'config.toml: devices[0].options.allow_backing: "b.img" is a string: use a list of paths'),
+    ('[[devices]]\ntarget = "qcow2"\noptions = { image = "a.img", allow_backing = ["nope"] }\n',
+     "config.toml: devices[0].options.allow_backing[0]: TMP/nope does not exist"),
+    ('[[devices]]\ntarget = "qcow2"\noptions = { image = "a.img", backing_format = "vmdk" }\n',
+     'config.toml: devices[0].options.backing_format: "vmdk" is not a valid choice: use '
+     '"raw" or "qcow2"'),
+    ('[[devices]]\ntarget = "qcow2"\noptions = { image = "a.img", allow_backings = [] }\n',
+     'config.toml: devices[0].options.allow_backings: unknown key (did you mean '
+     '"allow_backing"?)'),
     # required options, files
     ("[[devices]]\nqueues = 1\n", "config.toml: devices[0].target: missing: set it to one of "
      'null, loop, stripe, qcow2, fault_inject or "pkg.module:Class"'),

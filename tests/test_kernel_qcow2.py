@@ -246,12 +246,14 @@ def test_fio_verify(image: str, path: str, tmp_path: Path,
     The bytes around them must still be the backing file's."""
     size, span = FIO_SIZE, FIO_SPAN
     around = bytes(span)
+    allow: list[str] = []
     if image == "empty":
         img = create(tmp_path / "disk.qcow2", size)
     else:
         base, around = request.getfixturevalue("zstd_base")
         img = create(tmp_path / "top.qcow2", backing=base)
-    dev = add("-t", "qcow2", str(img), path, "-q", "2")
+        allow = ["--allow-backing", str(base)]  # the shared base is in another directory
+    dev = add("-t", "qcow2", str(img), path, "-q", "2", *allow)
     assert dev.queues == 2 and dev.sectors * 512 == size
     blk = f"/dev/ublkb{dev.dev_id}"
     off, per_job = 8 * MiB + 20 * KiB, 16 * MiB
@@ -632,3 +634,38 @@ def test_kill9_mid_write_leaks_at_worst(tmp_path: Path) -> None:
         os.waitpid(dev.pid, 0)
     rc, _, text = check_image(img)
     assert rc in (0, 3), f"qemu-img check after serving run {r.n}'s image again: {rc}\n{text}"
+
+
+# -------------------------------------------------------- untrusted images --
+
+def test_untrusted_image_cannot_choose_a_host_file(tmp_path: Path) -> None:
+    """`add -t qcow2 evil.qcow2`, an image whose raw backing file is a secret
+    host file outside its directory: refused in one line, non-zero exit, no
+    device left behind. With --allow-backing for the secret's directory (the
+    user's decision) the same image serves the file's bytes."""
+    images, etc = tmp_path / "images", tmp_path / "etc"
+    images.mkdir()
+    etc.mkdir()
+    secret = etc / "shadow"
+    secret.write_bytes(data(31, 64 * KiB))
+    evil = images / "evil.qcow2"
+    qemu_img("create", "-q", "-f", "qcow2", "-u", "-b", str(secret), "-F", "raw", str(evil),
+             "1M")
+    p = kernel.cli("add", "-t", "qcow2", str(evil), "-q", "1", check=False)
+    if p.returncode == 0:
+        (dev,) = kernel.parse_list(p.stdout)
+        leaked = read_device(f"/dev/ublkb{dev.dev_id}", 0, 64 * KiB) == secret.read_bytes()
+        delete(dev.dev_id)
+        pytest.fail(f"evil.qcow2 was served as /dev/ublkb{dev.dev_id}"
+                    + (", which reads the secret file" if leaked else ""))
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert str(secret) in lines[0] and f"--allow-backing {secret} " in lines[0], lines[0]
+    assert kernel.listing() == [], "a refused add left a device"
+
+    dev = add("-t", "qcow2", str(evil), "-q", "1", "--allow-backing", str(etc))
+    try:
+        got = read_device(f"/dev/ublkb{dev.dev_id}", 0, 64 * KiB)
+    finally:
+        delete(dev.dev_id)
+    assert_bytes(got, secret.read_bytes(), "the allowed backing file through the device")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 MAGIC = b"QFI\xfb"
@@ -238,6 +239,19 @@ def pack_u64(v: int) -> bytes:
 
 
 # --- tables of big-endian u64 (L1, L2, refcount table)
+
+def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint ``[start, end)`` ranges covering ``spans`` (tables that
+    share or overlap their bytes are read once)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
 
 def load_table(data: bytes | memoryview) -> array[int]:
     t = array("Q", bytes(data))

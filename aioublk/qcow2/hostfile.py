@@ -25,15 +25,16 @@ def aligned(n: int) -> memoryview:
 class HostFile:
     __slots__ = ("path", "fd", "direct", "size")
 
-    def __init__(self, path: str, *, read_only: bool, direct: bool) -> None:
+    def __init__(self, path: str, *, read_only: bool, direct: bool,
+                 follow: bool = True) -> None:
+        """Open ``path`` (a regular file or a block device). ``follow=False``
+        refuses a symlink as the last component (a backing file, opened by the
+        real path its policy checked). The open never blocks (O_NONBLOCK: a
+        FIFO would wait for a writer) and the type is checked on the opened
+        descriptor, so a name swapped after a check is caught too."""
         self.path = path
-        mode = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC
-        try:
-            st = os.stat(path)
-        except OSError as e:
-            raise Qcow2Error(f"cannot open {path}: {e.strerror}") from None
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
-            raise Qcow2Error(f"{path} is neither a regular file nor a block device")
+        mode = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC | os.O_NONBLOCK \
+            | os.O_NOCTTY | (0 if follow else os.O_NOFOLLOW)
         self.fd = -1
         self.direct = False
         if direct:
@@ -48,6 +49,11 @@ class HostFile:
                 self.fd = os.open(path, mode)
             except OSError as e:
                 raise Qcow2Error(f"cannot open {path}: {e.strerror}") from None
+        st = os.fstat(self.fd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+            self.close()
+            raise Qcow2Error(f"{path} is neither a regular file nor a block device")
+        os.set_blocking(self.fd, True)
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
 
     # --- synchronous, for open
@@ -151,8 +157,8 @@ class HostFile:
 class RawBacking:
     """A raw backing file: its bytes, zeros past its end."""
 
-    def __init__(self, path: str, direct: bool) -> None:
-        self.file = HostFile(path, read_only=True, direct=direct)
+    def __init__(self, path: str, direct: bool, follow: bool = True) -> None:
+        self.file = HostFile(path, read_only=True, direct=direct, follow=follow)
         self.size = self.file.size
 
     async def read(self, offset: int, buf: memoryview) -> None:

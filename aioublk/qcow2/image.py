@@ -40,11 +40,13 @@ import errno
 import os
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import structlog
 
 from aioublk.qcow2 import format as fmt
+from aioublk.qcow2.backing_policy import BackingPolicy
 from aioublk.qcow2.compress import decompress
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO, Qcow2Error
 from aioublk.qcow2.hostfile import HostFile, RawBacking, aligned
@@ -109,29 +111,57 @@ class Qcow2Image:
 
     @classmethod
     def open(cls, path: str, *, read_only: bool = False, cache_bytes: int | None = None,
-             direct: bool = True, _chain: tuple[str, ...] = ()) -> Qcow2Image:
-        real = os.path.realpath(path)
-        if real in _chain:
-            raise Qcow2Error(f"backing chain loops back to {path}")
-        if len(_chain) >= MAX_CHAIN:
-            raise Qcow2Error(f"backing chain deeper than {MAX_CHAIN} images at {path}")
-        f = HostFile(path, read_only=read_only, direct=direct)
+             direct: bool = True, allow_backing: Iterable[str] = (),
+             backing_format: str | None = None) -> Qcow2Image:
+        """Open the image at ``path`` and its backing chain. Backing files are
+        used only where the user allows (``backing_policy``): in the image's
+        own directory, or under a path of ``allow_backing`` (a directory, or
+        a file such as a block device); ``backing_format`` ("qcow2" or "raw")
+        is the format of backing files whose image records none."""
         try:
-            return cls(f, read_only, cache_bytes, direct, _chain + (real,))
+            policy = BackingPolicy.for_image(path, allow_backing, backing_format)
         except Qcow2Error as e:
-            f.close()
-            msg = str(e) if path in str(e) else f"{path}: {e}"
-            # one line whatever the image says (a backing file name may hold a newline)
-            raise Qcow2Error("".join(c if c.isprintable() else repr(c)[1:-1]
-                                     for c in msg)) from None
-        except BaseException:
-            f.close()
-            raise
+            raise Qcow2Error(cls._one_line(f"{path}: {e}")) from None
+        return cls._open(path, path, read_only, cache_bytes, direct, policy, ())
 
-    def __init__(self, f: HostFile, read_only: bool, cache_bytes: int | None, direct: bool,
-                 chain: tuple[str, ...]) -> None:
+    @staticmethod
+    def _one_line(msg: str) -> str:
+        """A message in one line whatever the image says (a backing file name
+        may hold a newline or terminal escapes)."""
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
+
+    @classmethod
+    def _open(cls, path: str, real: str, read_only: bool, cache_bytes: int | None,
+              direct: bool, policy: BackingPolicy, chain: tuple[tuple[int, int], ...],
+              ) -> Qcow2Image:
+        """Open ``path`` by ``real``: the same for the image the user named; for
+        a backing file (``chain`` not empty) the real path its policy checked,
+        not followed if it became a symlink since. ``chain`` holds the
+        (st_dev, st_ino) of the images above: a loop is the same inode
+        whatever its names (symlinks, hard links, other spellings)."""
+        try:
+            if len(chain) >= MAX_CHAIN:
+                raise Qcow2Error(f"backing chain deeper than {MAX_CHAIN} images at {path}")
+            f = HostFile(real, read_only=read_only, direct=direct, follow=not chain)
+            try:
+                st = os.fstat(f.fd)
+                if chain:
+                    policy.check_kind(path, real, st.st_mode)
+                if (st.st_dev, st.st_ino) in chain:
+                    raise Qcow2Error(f"backing chain loops back to {path}")
+                return cls(f, path, read_only, cache_bytes, direct, policy,
+                           chain + ((st.st_dev, st.st_ino),))
+            except BaseException:
+                f.close()
+                raise
+        except Qcow2Error as e:
+            raise Qcow2Error(cls._one_line(str(e) if path in str(e) else f"{path}: {e}")) from None
+
+    def __init__(self, f: HostFile, path: str, read_only: bool, cache_bytes: int | None,
+                 direct: bool, policy: BackingPolicy, chain: tuple[tuple[int, int], ...],
+                 ) -> None:
         self.file = f
-        self.path = f.path
+        self.path = path
         self.read_only = read_only
         first = f.pread(0, 1 << 21)
         h = self.h = fmt.parse_header(first, f.size)
@@ -176,23 +206,12 @@ class Qcow2Image:
         if len(self.meta) < 1 + _nclusters(h.l1_table_offset, h.l1_size * 8, cs) + \
                 h.refcount_table_clusters:
             raise Qcow2Error("qcow2 header, L1 table and refcount table overlap each other")
-        for e in self.reftable:
-            if e & fmt.REFT_OFFSET_MASK:
-                self._add_meta(e & fmt.REFT_OFFSET_MASK, cs, REFBLOCK)
-        l2s = [e & OFFSET_MASK for e in self.l1 if e & OFFSET_MASK]
+        self._far = 0  # table entries pointing past the end of the file (see _add_targets)
+        self._add_targets(self.reftable, fmt.REFT_OFFSET_MASK, REFBLOCK, set())
+        l2_seen: set[int] = set()
+        self._add_targets(self.l1, OFFSET_MASK, L2, l2_seen)
         if h.nb_snapshots:
-            raw = f.pread(h.snapshots_offset, 1 << 24)
-            snaps, nbytes = fmt.parse_snapshots(raw, h.nb_snapshots)
-            self._add_meta(h.snapshots_offset, nbytes, SNAPSHOT)
-            for s in snaps:
-                if s.l1_size * 8 > fmt.MAX_L1_BYTES or s.l1_table_offset % cs:
-                    raise Qcow2Error(f"qcow2 snapshot '{s.name}' has an invalid L1 table")
-                self._add_meta(s.l1_table_offset, s.l1_size * 8, SNAPSHOT)
-                l2s += [e & OFFSET_MASK for e in
-                        fmt.load_table(f.pread(s.l1_table_offset, s.l1_size * 8))
-                        if e & OFFSET_MASK]
-        for off in l2s:
-            self._add_meta(off, cs, L2)
+            self._add_snapshots(h, l2_seen)
         self.used_end = f.size  # below this the file may hold old bytes
         # L2 cache, sized by how much of the disk it maps
         want = len(self.l1) * cs
@@ -213,29 +232,95 @@ class Qcow2Image:
         # backing chain
         self.backing: Backing = None
         if h.backing_file:
-            self.backing = self._open_backing(h, direct, chain)
+            self.backing = self._open_backing(h, direct, policy, chain)
         if not read_only and self.v3 and h.autoclear:
             # we keep none of the autoclear extensions up to date (e.g. bitmaps)
             self.head[fmt.OFF_AUTOCLEAR:fmt.OFF_AUTOCLEAR + 8] = bytes(8)
             f.pwrite_sector(bytes(self.head), 0)
             h.autoclear = 0
 
-    def _open_backing(self, h: fmt.Header, direct: bool, chain: tuple[str, ...]) -> Backing:
+    def _open_backing(self, h: fmt.Header, direct: bool, policy: BackingPolicy,
+                      chain: tuple[tuple[int, int], ...]) -> Backing:
+        """The backing file, where and in the format the policy allows."""
         name = h.backing_file or ""
-        if name.startswith(("json:", "nbd:", "http:", "https:")):
-            raise Qcow2Error(f"backing file '{name}' is a protocol, not a file: not supported")
-        path = name if os.path.isabs(name) else os.path.join(os.path.dirname(self.path), name)
-        if not os.path.exists(path):
-            raise Qcow2Error(f"backing file {path} of {self.path} does not exist")
-        kind = h.backing_format
-        if kind is None:
-            with open(path, "rb") as probe:
-                kind = "qcow2" if probe.read(4) == fmt.MAGIC else "raw"
-        if kind == "qcow2":
-            return Qcow2Image.open(path, read_only=True, direct=direct, _chain=chain)
-        if kind == "raw":
-            return RawBacking(path, direct)
-        raise Qcow2Error(f"backing file {path} has format '{kind}': only qcow2 and raw")
+        real = policy.resolve(self.path, name)
+        try:
+            mode = os.lstat(real).st_mode
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise Qcow2Error(f"backing file {name} of {self.path} does not exist") from None
+            raise Qcow2Error(f"cannot open backing file {name}: {e.strerror}") from None
+        policy.check_kind(name, real, mode)
+        if policy.format(self.path, name, h.backing_format) == "qcow2":
+            return Qcow2Image._open(policy.candidate(self.path, name), real, True, None,
+                                    direct, policy, chain)
+        raw = RawBacking(real, direct, follow=False)
+        try:
+            policy.check_kind(name, real, os.fstat(raw.file.fd).st_mode)
+        except Qcow2Error:
+            raw.release()
+            raise
+        return raw
+
+    # What an open may cost. Each table is read once and each distinct offset in
+    # it handled once; offsets inside the file are at most its clusters, and
+    # only MAX_FAR_TARGETS may point past its end (a read-write image records
+    # them, so that data never lands where a table claims to be). The
+    # snapshots' L1 tables are read as the union of their ranges, clipped to
+    # the file: 200 snapshots naming one 32 MiB table cost one table, and 200
+    # overlapping tables cost the bytes they cover.
+    _SCAN_CHUNK = 1 << 16  # table entries per step
+    MAX_FAR_TARGETS = 1 << 16
+
+    def _add_targets(self, table: array[int], mask: int, kind: int, seen: set[int]) -> None:
+        """Record the clusters ``table``'s entries point to (L2 tables or refcount
+        blocks) as metadata of ``kind``, each offset once (``seen``)."""
+        end = self.file.size
+        cs = self.cluster_size
+        for i in range(0, len(table), self._SCAN_CHUNK):
+            if self.read_only:  # nothing is ever allocated past the end
+                offs = {o for e in table[i:i + self._SCAN_CHUNK] if (o := e & mask) < end}
+            else:
+                offs = {e & mask for e in table[i:i + self._SCAN_CHUNK]}
+            offs -= seen
+            seen |= offs
+            offs.discard(0)
+            for off in offs:
+                if off >= end:
+                    self._far += 1
+                    if self._far > self.MAX_FAR_TARGETS:
+                        raise Qcow2Error(
+                            f"more than {self.MAX_FAR_TARGETS} table entries point past the "
+                            f"end of the file: repair it with `qemu-img check -r all "
+                            f"{self.path}`, or open it read-only")
+                self._add_meta(off, cs, kind)
+
+    def _add_snapshots(self, h: fmt.Header, l2_seen: set[int]) -> None:
+        """The snapshot table and the snapshots' L1 tables as metadata; for a
+        read-write image also the L2 tables they point to (never written, but
+        never to be overwritten either)."""
+        f, cs = self.file, self.cluster_size
+        raw = f.pread(h.snapshots_offset, 1 << 24)
+        snaps, nbytes = fmt.parse_snapshots(raw, h.nb_snapshots)
+        self._add_meta(h.snapshots_offset, nbytes, SNAPSHOT)
+        spans = []
+        for s in snaps:
+            if s.l1_size * 8 > fmt.MAX_L1_BYTES or s.l1_table_offset % cs:
+                raise Qcow2Error(f"qcow2 snapshot '{s.name}' has an invalid L1 table")
+            if s.l1_size:
+                spans.append((s.l1_table_offset, s.l1_table_offset + s.l1_size * 8))
+        step = self._SCAN_CHUNK * 8
+        for start, end in fmt.merge_spans(spans):
+            end = min(end, f.size)  # past the end of the file there is no table to keep
+            if start >= end:
+                continue
+            self._add_meta(start, end - start, SNAPSHOT)
+            if self.read_only:
+                continue
+            for pos in range(start, end, step):
+                part = f.pread(pos, min(step, end - pos))
+                self._add_targets(fmt.load_table(part[:len(part) & ~7]), OFFSET_MASK, L2,
+                                  l2_seen)
 
     def _add_meta(self, offset: int, length: int, kind: int) -> None:
         """Record metadata clusters; where two kinds claim one cluster the

@@ -5,6 +5,8 @@ and locks belong to that loop (see ``aioublk.qcow2.image``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from aioublk.qcow2 import Qcow2Image
 from aioublk.target import Done, Geometry, Target
 
@@ -14,9 +16,11 @@ class Qcow2Target(Target):
     one_loop = True
 
     def __init__(self, path: str, *, read_only: bool = False,
-                 cache_bytes: int | None = None, direct: bool = True) -> None:
+                 cache_bytes: int | None = None, direct: bool = True,
+                 allow_backing: Sequence[str] = (), backing_format: str | None = None) -> None:
         self.image = Qcow2Image.open(path, read_only=read_only, cache_bytes=cache_bytes,
-                                     direct=direct)
+                                     direct=direct, allow_backing=allow_backing,
+                                     backing_format=backing_format)
         cs = self.image.cluster_size
         self.geometry = Geometry(
             size=self.image.size & ~511, volatile_cache=True, fua=True, read_only=read_only,

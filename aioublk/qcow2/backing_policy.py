@@ -1,0 +1,137 @@
+"""Which backing files an image may use: the user decides, never the image.
+
+A qcow2 header names its backing file, and every cluster the image does not
+hold reads from that file. A server running as root that follows the name
+lets an image from elsewhere (a download, a guest, another user) serve
+``/etc/shadow`` or ``/dev/sda`` through ``/dev/ublkbN`` as a "raw backing
+file", and a FIFO named there hangs the open. QEMU's answer for untrusted
+images is to take the chain from the user (``-F``, ``backing.*`` options,
+libvirt's labels) rather than from the file; here the same rules are the
+default, with an option to widen them:
+
+- **where**: a backing file is used only if its real path (every symlink
+  followed) is a file in the directory of the image the user named, or lies
+  under a path the user allowed (``--allow-backing PATH``, ``allow_backing``
+  in a serve config: a directory allows everything under it, a file allows
+  that file). How the header spells the name does not matter: an absolute
+  name or ``..`` that lands in the image's own directory is as good as a
+  plain one, and a plain name that is a symlink out of it is refused. A name
+  is relative to the directory of the image that holds it, as QEMU reads it.
+  The same places hold for the whole chain.
+- **what**: a regular file, or a block device whose own path the user
+  allowed. Never a FIFO, socket, character device or directory: none of them
+  is a disk, and opening some of them blocks or has side effects.
+- **format**: the image's backing-format header extension, else the user's
+  ``--backing-format``, never a probe of the file's first bytes: a raw file
+  a guest wrote a qcow2 header into would otherwise become an image naming
+  backing files of its own.
+
+A place is checked before the file's existence or type, so a refusal tells
+nothing about host files outside the allowed places.
+
+The decisions are plain functions of names, real paths and ``st_mode``; the
+image resolves the name (``resolve``), then opens the real path with
+``O_NOFOLLOW|O_NONBLOCK`` and checks the type again with ``fstat`` on the
+descriptor before it reads a byte (``hostfile.HostFile``).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from aioublk.qcow2.format import Qcow2Error
+
+ALLOW = "--allow-backing"
+FORMAT = "--backing-format"
+FORMATS = ("qcow2", "raw")
+PROTOCOLS = ("json:", "nbd:", "http:", "https:", "ftp:", "ftps:", "ssh:", "iscsi:", "gluster:",
+             "rbd:", "nfs:", "vvfat:", "null-co:", "null-aio:", "blkdebug:")
+
+
+def _allow_hint(path: str) -> str:
+    return f"{ALLOW} {path} (allow_backing in a serve config)"
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class BackingPolicy:
+    """Where the backing files of one chain may be, and their format where
+    an image records none. ``home`` and ``allowed`` are real paths."""
+
+    home: str                       # the directory of the image the user named
+    allowed: tuple[str, ...] = ()   # directories (everything under) and files
+    fmt: str | None = None          # for images without a backing-format extension
+
+    @classmethod
+    def for_image(cls, image: str, allow: Iterable[str] = (),
+                  fmt: str | None = None) -> BackingPolicy:
+        """The policy for the chain under ``image`` (resolves the paths)."""
+        if fmt is not None and fmt not in FORMATS:
+            raise Qcow2Error(f"backing format '{fmt}' is not supported: use qcow2 or raw")
+        allow = tuple(allow)
+        for p in allow:
+            if not os.path.exists(p):
+                raise Qcow2Error(f"{ALLOW} {p}: no such file or directory")
+        return cls(home=os.path.realpath(os.path.dirname(os.path.abspath(image))),
+                   allowed=tuple(os.path.realpath(p) for p in allow), fmt=fmt)
+
+    # -- the name -> a path (no I/O but realpath in resolve)
+    @staticmethod
+    def candidate(image: str, name: str) -> str:
+        """The path a header's backing name designates, as QEMU reads it."""
+        if name.startswith(PROTOCOLS):
+            raise Qcow2Error(f"backing file '{name}' is a protocol, not a file: not supported")
+        if "\0" in name:
+            raise Qcow2Error(f"backing file '{name}' of {image} does not exist (the name holds "
+                             "a NUL byte)")
+        return name if os.path.isabs(name) else os.path.join(os.path.dirname(image), name)
+
+    def resolve(self, image: str, name: str) -> str:
+        """The real path of ``name`` (backing file of ``image``) if it lies in
+        an allowed place; Qcow2Error otherwise."""
+        real = os.path.realpath(self.candidate(image, name))
+        self.check_place(name, real)
+        return real
+
+    def check_place(self, name: str, real: str) -> None:
+        if os.path.dirname(real) == self.home or any(_within(real, a) for a in self.allowed):
+            return
+        shown = name if name == real else f"{name} ({real})"
+        raise Qcow2Error(f"backing file {shown} is outside the image's directory {self.home}: "
+                         f"if you trust the image, allow it with "
+                         f"{_allow_hint(real)}")
+
+    # -- what the path is (st_mode from lstat of the real path, then fstat)
+    def check_kind(self, name: str, real: str, mode: int) -> None:
+        if stat.S_ISREG(mode):
+            return
+        shown = name if name == real else f"{name} ({real})"
+        if stat.S_ISBLK(mode):
+            if real in self.allowed:
+                return
+            raise Qcow2Error(f"backing file {shown} is a block device: use it only if you "
+                             f"trust the image, with {_allow_hint(real)}")
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a character device" if stat.S_ISCHR(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise Qcow2Error(f"backing file {shown} is {kind}: a backing file must be a regular "
+                         f"file (or a block device allowed with {ALLOW})")
+
+    # -- the format
+    def format(self, image: str, name: str, recorded: str | None) -> str:
+        """The backing file's format: the image's extension, else the user's."""
+        fmt = recorded if recorded is not None else self.fmt
+        if fmt is None:
+            raise Qcow2Error(f"backing file {name} of {image} has no recorded format and "
+                             f"formats are never guessed: give it with {FORMAT} raw|qcow2 "
+                             "(backing_format in a serve config), or record it with "
+                             f"`qemu-img rebase -u -F FMT -b {name} {image}`")
+        if fmt not in FORMATS:
+            raise Qcow2Error(f"backing file {name} has format '{fmt}': only qcow2 and raw")
+        return fmt
