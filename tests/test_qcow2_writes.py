@@ -691,3 +691,52 @@ async def test_read_only_image_refuses_changes(tmp_path: Path, ring: Ring) -> No
         await img.read(0, buf)
         assert buf == b"\x11" * (4 * K)
     assert read_file(path) == before, "a read-only image file changed"
+
+
+# -- metadata write-through ---------------------------------------------------------------
+
+
+async def test_metadata_write_through_shares_write_backs(tmp_path: Path, ring: Ring) -> None:
+    """``metadata_write_through``: each allocating write returns with its L2 and
+    refcount changes in the file (another reader sees a consistent image with
+    the data, before any flush), and concurrent requests share write-backs."""
+    from aioublk.qcow2 import Qcow2Image
+
+    path = create(tmp_path / "img.qcow2", 16 * M)
+    mirror = bytearray(16 * M)
+    img = Qcow2Image.open(str(path), metadata_write_through=True)
+    assert img.metadata_write_through
+    passes = 0
+    real = img._writeback_locked
+
+    async def counted() -> None:
+        nonlocal passes
+        passes += 1
+        await real()
+    img._writeback_locked = counted  # type: ignore[method-assign]
+    try:
+        rng = random.Random(71)
+        await img.write(3 * 64 * K + 512, b"\x11" * 4 * K)
+        mirror[3 * 64 * K + 512:3 * 64 * K + 512 + 4 * K] = b"\x11" * 4 * K
+        assert passes == 1
+        qemu_img("check", "-U", path)  # exit 0: clean, while still open
+        compare_identical(path, _raw(tmp_path, mirror), force_share=True)
+        ops = [(s * 256 * K, rng.randbytes(rng.randrange(1, 64) * SECTOR))
+               for s in rng.sample(range(64), 32)]
+        await asyncio.gather(*(img.write(off, data) for off, data in ops))
+        for off, data in ops:
+            mirror[off:off + len(data)] = data
+        assert passes < 1 + len(ops) // 2, f"{passes - 1} write-backs for {len(ops)} writes"
+        qemu_img("check", "-U", path)  # exit 0: clean, while still open
+        compare_identical(path, _raw(tmp_path, mirror), force_share=True)
+        before = passes
+        await img.write(3 * 64 * K + 512, b"\x22" * 4 * K)  # in place: no metadata
+        assert passes == before
+    finally:
+        await img.close()
+
+
+def _raw(tmp_path: Path, data: bytes | bytearray) -> Path:
+    out = tmp_path / "expected.raw"
+    out.write_bytes(data)
+    return out
