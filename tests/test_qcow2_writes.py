@@ -795,3 +795,46 @@ async def test_failed_sync_is_never_forgotten(tmp_path: Path, ring: Ring) -> Non
             await img.close()
     assert err.value.errno == errno.EIO, "close after a failed sync reported success"
     assert img.file.fd < 0, "close left the image file open"
+
+
+# -- a request waits for every leg ----------------------------------------------------------
+
+
+class _FailingRead(HostFile):
+    """The image file, every read failing at once with EIO."""
+
+    __slots__ = ()
+
+    async def read_into(self, buf: memoryview, offset: int) -> None:
+        raise OSError(errno.EIO, "injected read error")
+
+
+async def test_failed_leg_waits_for_its_siblings(tmp_path: Path, ring: Ring) -> None:
+    """A read split over the image file and the backing file: the leg from the
+    image fails at once, the backing leg is still filling the caller's buffer.
+    The read must not return (its buffer goes back to the kernel) before the
+    slow leg has finished."""
+    from aioublk.qcow2 import Qcow2Image
+
+    base = create(tmp_path / "base.qcow2", 4 * M)
+    path = create(tmp_path / "img.qcow2", 4 * M, backing=base)
+    qemu_io(path, f"write -P 0x11 0 {64 * K}")
+    img = Qcow2Image.open(str(path))
+    try:
+        buf = bytearray(128 * K)
+        await img.read(0, buf)  # loads the L2 table
+        img.file.__class__ = _FailingRead
+        finished = False
+
+        async def slow_backing(pos: int, view: memoryview) -> None:
+            nonlocal finished
+            await asyncio.sleep(0.2)
+            view[:] = b"\x22" * len(view)
+            finished = True
+        img._read_backing = slow_backing  # type: ignore[method-assign]
+        with pytest.raises(OSError):
+            await img.read(0, buf)
+        assert finished, "the read returned while its backing leg still wrote into the buffer"
+    finally:
+        img.file.__class__ = HostFile
+        await img.close()
