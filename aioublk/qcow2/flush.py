@@ -88,10 +88,8 @@ class WriteBack(Refcounts):
         self._meta_written = max(self._meta_written, seq)
         await self._apply_frees(cut)
 
-    def _plan(self, cut: wbplan.Cut, frees: bool = False) -> list[wbplan.Step]:
+    def _plan(self, cut: wbplan.Cut) -> list[wbplan.Step]:
         try:
-            if frees:
-                return wbplan.frees_plan(cut.refblocks, self.meta, self.cbits)
             return wbplan.plan(cut, self.meta, self.cbits)
         except wbplan.Overlap as e:
             self._mark_corrupt(str(e))
@@ -141,7 +139,7 @@ class WriteBack(Refcounts):
                     self.l2cache.pop(c << self.cbits, None)
         refs = self._refblock_cut()
         await self._run(self._plan(wbplan.Cut(
-            refblocks=[(self._refblock_offset(t), raw) for t, _b, _g, raw in refs]), frees=True))
+            refblocks=[(self._refblock_offset(t), raw) for t, _b, _g, raw in refs])))
         self._refblocks_clean(refs)
 
     async def close(self) -> None:

@@ -24,7 +24,8 @@ The order (QEMU's cache dependencies, see ``qcow2_cache_set_dependency``):
 A crash between any two barriers therefore leaves at worst leaked clusters.
 Frees go the other way (a cluster's count drops only after the L2/L1 change
 that dropped its last user is durable): the image applies them after a
-write-back, as a plan of refcount blocks and one barrier.
+write-back, as the plan of a cut that holds only refcount blocks (the
+blocks, then one barrier).
 
 Overlap checks (QEMU's ``qcow2_pre_write_overlap_check``): every write must
 land only on clusters the map says hold its own kind of table; anything else
@@ -89,15 +90,6 @@ def plan(cut: Cut, meta: Mapping[int, int], cluster_bits: int) -> list[Step]:
     if cut.l1:
         steps += [Write(L1, off, raw) for off, raw in cut.l1]
         steps.append(Barrier("the L1 table durable"))
-    check(steps, meta, cluster_bits)
-    return steps
-
-
-def frees_plan(refblocks: list[tuple[int, bytes]], meta: Mapping[int, int],
-               cluster_bits: int) -> list[Step]:
-    """Refcount blocks after frees, then the barrier that makes them durable."""
-    steps: list[Step] = [Write(REFBLOCK, off, raw) for off, raw in refblocks]
-    steps.append(Barrier("freed refcounts durable"))
     check(steps, meta, cluster_bits)
     return steps
 
