@@ -42,7 +42,7 @@ from aioublk.qcow2.hostfile import HostFile
 from aioublk.ring import Ring
 from tests.qcow2_util import SECTOR, K, M, create, qemu_img, qemu_io, to_raw
 
-VARIANTS = 8  # crash images per cut point besides "nothing after" and "everything after"
+VARIANTS = 14  # crash images per cut point besides "nothing after" and "everything after"
 
 
 # -- the recording layer ------------------------------------------------------------------
@@ -301,7 +301,7 @@ def spread(rng: random.Random, size: int, slot: int, n: int, kinds: tuple[str, .
 
 
 async def allocation(s: Session, rng: random.Random) -> None:
-    for round_ in range(6):
+    for round_ in range(8):
         await s.batch(spread(rng, s.img.size, 32 * K, 12), rng)
         await s.batch(spread(rng, s.img.size, 32 * K, 6, ("write", "zero", "zero-unmap")), rng)
         if round_ % 2:
@@ -328,7 +328,7 @@ async def many_clusters(s: Session, rng: random.Random) -> None:
 async def discard_reuse(s: Session, rng: random.Random) -> None:
     await s.batch([("write", off, 64 * K) for off in range(0, s.img.size // 2, 64 * K)], rng)
     await s.flush()
-    for _round in range(2):
+    for _round in range(3):
         await s.batch(spread(rng, s.img.size // 2, 128 * K, 8, ("discard", "zero-unmap")), rng)
         await s.batch(spread(rng, s.img.size, 64 * K, 8), rng)  # reuses the freed clusters
         await s.flush()
