@@ -1,0 +1,194 @@
+"""What every part of a qcow2 image shares: its state (set up by
+``Qcow2Image.__init__`` in ``aioublk.qcow2.image``), the locks and counters
+that order its coroutines, and the guards that mark an image corrupt rather
+than write where it must not. The image is assembled from layers, each a
+module: base, refcounts, flush (write-back), l2cache, reads, writes, image;
+a layer calls only those below it."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from array import array
+from collections import OrderedDict
+from typing import Any, NoReturn
+
+import structlog
+
+from aioublk.qcow2 import format as fmt
+from aioublk.qcow2.hostfile import HostFile, aligned
+
+log = structlog.get_logger("aioublk.qcow2")
+
+DEFAULT_CACHE_BYTES = 32 << 20  # L2 cache bound, as QEMU's default maximum
+OFFLOAD_BYTES = 64 << 10  # clusters this big are decompressed on a worker thread
+MAX_CHAIN = 64
+_ZEROS = bytes(1 << 20)
+
+Backing = Any  # Qcow2Image | RawBacking
+
+
+class L2Table:
+    __slots__ = ("offset", "entries", "dirty", "gen")
+
+    def __init__(self, offset: int, entries: array[int], dirty: bool = False) -> None:
+        self.offset = offset
+        self.entries = entries
+        self.dirty = dirty
+        self.gen = 0
+
+    def touch(self) -> None:
+        self.dirty = True
+        self.gen += 1
+
+
+def _eio(what: str) -> OSError:
+    return OSError(errno.EIO, what)
+
+
+def _nclusters(offset: int, length: int, cs: int) -> int:
+    return 0 if length <= 0 else (offset + length - 1) // cs - offset // cs + 1
+
+
+def _zero_buf(n: int) -> Any:
+    """``n`` zero bytes (a slice of a shared buffer when it is long enough)."""
+    return _ZEROS[:n] if n <= len(_ZEROS) else aligned(n)
+
+
+async def _every(legs: list[Any]) -> None:
+    """Await every leg of a request, also when one fails (the others write into
+    the caller's buffer, which is the kernel's again once the request is
+    answered), then raise the first error."""
+    for r in await asyncio.gather(*legs, return_exceptions=True):
+        if isinstance(r, BaseException):
+            raise r
+
+
+def _fill_zero(view: memoryview) -> None:
+    n = len(view)
+    pos = 0
+    while pos < n:
+        k = min(n - pos, len(_ZEROS))
+        view[pos:pos + k] = _ZEROS[:k]
+        pos += k
+
+
+class ImageBase:
+    """The state of an open image (see ``Qcow2Image``)."""
+
+    file: HostFile
+    path: str
+    read_only: bool
+    h: fmt.Header
+    head: bytearray  # sector 0, updated in place
+    cluster_size: int
+    cbits: int
+    cmask: int
+    l2_bits: int
+    l2_mask: int
+    size: int
+    v3: bool
+    corrupt: bool
+    l1: array[int]
+    l1_dirty: set[int]
+    reftable: array[int]
+    reftable_offset: int
+    reftable_clusters: int
+    reftable_dirty: bool
+    reftable_moved: bool
+    refblocks: dict[int, fmt.RefBlock]
+    rbe: int  # refcount entries per block
+    meta: dict[int, int]  # host cluster -> metadata kind (aioublk.qcow2.writeback)
+    used_end: int  # below this the file may hold old bytes
+    l2_capacity: int
+    l2cache: OrderedDict[int, L2Table]
+    _loading: dict[int, asyncio.Future[L2Table]]
+    _busy: dict[int, asyncio.Future[None]]  # virtual clusters being changed
+    _l2_busy: dict[int, asyncio.Future[None]]  # L1 indexes whose table is being made
+    _alloc_lock: asyncio.Lock | None
+    _wb_lock: asyncio.Lock | None
+    _reserving: set[int]
+    _free_hint: int
+    _frees: list[tuple[int, int]]  # (generation, host cluster)
+    gen: int
+    _io: dict[int, int]  # generation -> data I/O in flight
+    _zcache: OrderedDict[int, bytes]  # decompressed clusters
+    backing: Backing
+
+    #: every request that changed metadata returns only once the change is in
+    #: the image file (see ``_write_through``); an attribute, or ``open``'s keyword
+    metadata_write_through = False
+    _meta_seq = 0  # metadata changes made in memory (counted, see _changed)
+    _meta_written = 0  # ... of which the image file holds the first this many
+    _rt_gen = 0  # bumped on each change of the refcount table (or its place)
+    _sync_error: OSError | None = None  # the first sync that failed: every later one fails
+
+    @property
+    def alloc_lock(self) -> asyncio.Lock:
+        if self._alloc_lock is None:
+            self._alloc_lock = asyncio.Lock()
+        return self._alloc_lock
+
+    @property
+    def wb_lock(self) -> asyncio.Lock:
+        if self._wb_lock is None:
+            self._wb_lock = asyncio.Lock()
+        return self._wb_lock
+
+    def _io_begin(self) -> int:
+        g = self.gen
+        self._io[g] = self._io.get(g, 0) + 1
+        return g
+
+    def _io_end(self, g: int) -> None:
+        n = self._io[g] - 1
+        if n:
+            self._io[g] = n
+        else:
+            del self._io[g]
+
+    async def _data_write(self, bufs: list[Any], host: int) -> None:
+        g = self._io_begin()
+        try:
+            await self.file.writev(bufs, host)
+        finally:
+            self._io_end(g)
+
+
+    # ------------------------------------------------------------------ guards
+    def _writable(self) -> None:
+        if self.read_only:
+            raise OSError(errno.EROFS, f"{self.path} is open read-only")
+        if self.corrupt:
+            raise _eio(f"{self.path} was marked corrupt: repair it with "
+                       f"`qemu-img check -r all {self.path}`")
+
+    def _overlap(self, host: int, length: int) -> None:
+        first = host >> self.cbits
+        last = (host + length - 1) >> self.cbits
+        for c in range(first, last + 1):
+            if c in self.meta:
+                self._mark_corrupt(f"a data write to {host:#x} would overwrite metadata")
+
+    def _mark_corrupt(self, why: str) -> NoReturn:
+        self.corrupt = True
+        log.error("qcow2 image marked corrupt", image=self.path, reason=why)
+        if self.v3 and not self.read_only:
+            inc = int.from_bytes(self.head[fmt.OFF_INCOMPAT:fmt.OFF_INCOMPAT + 8], "big")
+            self.head[fmt.OFF_INCOMPAT:fmt.OFF_INCOMPAT + 8] = fmt.pack_u64(
+                inc | fmt.INCOMPAT_CORRUPT)
+            try:
+                self.file.pwrite_sector(bytes(self.head), 0)
+            except OSError:
+                pass
+        raise _eio(f"{self.path}: {why}; image marked corrupt, run "
+                   f"`qemu-img check -r all {self.path}`")
+
+
+    def _check_host(self, host: int, vc: int) -> None:
+        if host & self.cmask:
+            self._mark_corrupt(f"the L2 entry of cluster {vc} is not cluster aligned "
+                               f"({host:#x})")
+        if host >= self.used_end:
+            self._mark_corrupt(f"the L2 entry of cluster {vc} points past the end of the "
+                               f"file ({host:#x})")

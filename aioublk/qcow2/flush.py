@@ -1,0 +1,160 @@
+"""The write-back: run ``aioublk.qcow2.writeback``'s plan for a cut of every
+dirty table, mark clean what a successful sync made durable, then apply the
+frees that waited for it."""
+
+from __future__ import annotations
+
+from aioublk.qcow2 import format as fmt
+from aioublk.qcow2 import writeback as wbplan
+from aioublk.qcow2.base import _eio, log
+from aioublk.qcow2.refcounts import Refcounts
+
+
+class WriteBack(Refcounts):
+    """Flush and write-back: the cut, the plan run, the frees."""
+
+    async def flush(self) -> None:
+        """Everything written so far, data and metadata, durable."""
+        if self.read_only:
+            return
+        await self.writeback()
+
+    def _dirty(self) -> bool:
+        return bool(self.l1_dirty or self.reftable_dirty or any(
+            b.dirty for b in self.refblocks.values()) or any(
+            t.dirty for t in self.l2cache.values()))
+
+    async def writeback(self) -> None:
+        """Write every dirty table in dependency order (see the module
+        docstring), then apply frees whose dropping is durable."""
+        async with self.wb_lock:
+            await self._writeback_locked()
+
+    async def _sync(self) -> None:
+        """fdatasync the image file. Linux reports a lost page-cache write-back
+        once, to one fsync: after that, later syncs succeed although the data
+        is gone. So the first failure sticks (as QEMU's file-posix does): every
+        later sync of this image fails, and dirty state is only ever cleared
+        after a sync that succeeded."""
+        if self._sync_error is not None:
+            raise _eio(f"{self.path}: an earlier sync of the image failed "
+                       f"({self._sync_error.strerror}): writes may be lost, check the image")
+        try:
+            await self.file.sync()
+        except OSError as e:
+            self._sync_error = e
+            log.error("qcow2 image sync failed: every later flush fails", image=self.path,
+                      error=str(e))
+            raise _eio(f"{self.path}: sync failed ({e.strerror}): writes may be lost, "
+                       "check the image") from None
+
+    async def _writeback_locked(self) -> None:
+        seq = self._meta_seq
+        if not self._dirty() and not self._frees:
+            await self._sync()
+            self._meta_written = max(self._meta_written, seq)
+            return
+        if self._sync_error is not None:
+            await self._sync()  # fails: nothing is written after a lost write-back
+        # the cut: a consistent picture of every dirty table, taken without
+        # awaiting; nothing is marked clean before the sync after its write
+        cut = self.gen
+        self.gen += 1
+        l2s = [(t, t.gen) for t in self.l2cache.values() if t.dirty]
+        l1 = {i: self.l1[i] for i in self.l1_dirty}
+        refs = self._refblock_cut()
+        rt_gen = self._rt_gen
+        if self.reftable_moved:
+            self.head[fmt.OFF_REFTABLE:fmt.OFF_REFTABLE + 12] = fmt.pack_reftable_fields(
+                self.reftable_offset, self.reftable_clusters)
+        steps = self._plan(wbplan.Cut(
+            refblocks=[(self._refblock_offset(t), raw) for t, _b, _g, raw in refs],
+            reftable=(self.reftable_offset, fmt.dump_table(self.reftable))
+            if self.reftable_dirty else None,
+            header=bytes(self.head) if self.reftable_moved else None,
+            l2=[(t.offset, fmt.dump_table(t.entries)) for t, _g in l2s],
+            l1=self._l1_sectors(l1)))
+        await self._run(steps)
+        # all durable: clean what the cut held, unless it changed since
+        self._refblocks_clean(refs)
+        if rt_gen == self._rt_gen:
+            self.reftable_dirty = self.reftable_moved = False
+        for t, g in l2s:
+            if t.gen == g:
+                t.dirty = False
+        for i, v in l1.items():
+            if self.l1[i] == v:
+                self.l1_dirty.discard(i)
+        self._meta_written = max(self._meta_written, seq)
+        await self._apply_frees(cut)
+
+    def _plan(self, cut: wbplan.Cut) -> list[wbplan.Step]:
+        try:
+            return wbplan.plan(cut, self.meta, self.cbits)
+        except wbplan.Overlap as e:
+            self._mark_corrupt(str(e))
+
+    async def _run(self, steps: list[wbplan.Step]) -> None:
+        for s in steps:
+            if type(s) is wbplan.Write:
+                await self.file.write(s.data, s.offset)
+            else:
+                await self._sync()
+
+    def _refblock_offset(self, t: int) -> int:
+        return self.reftable[t] & fmt.REFT_OFFSET_MASK
+
+    def _refblock_cut(self) -> list[tuple[int, fmt.RefBlock, int, bytes]]:
+        return [(t, b, b.gen, b.dump()) for t, b in self.refblocks.items() if b.dirty]
+
+    @staticmethod
+    def _refblocks_clean(refs: list[tuple[int, fmt.RefBlock, int, bytes]]) -> None:
+        """After the sync that made them durable: clean unless changed since."""
+        for _t, b, g, _raw in refs:
+            if b.gen == g:
+                b.dirty = False
+
+    def _l1_sectors(self, l1: dict[int, int]) -> list[tuple[int, bytes]]:
+        """The 512-byte sectors of the L1 table holding the changed entries."""
+        if not l1:
+            return []
+        raw = fmt.dump_table(self.l1)
+        base = self.h.l1_table_offset
+        return [(base + s * 512, raw[s * 512:(s + 1) * 512].ljust(512, b"\0"))
+                for s in sorted({i // 64 for i in l1})]
+
+    async def _apply_frees(self, cut: int) -> None:
+        """Drop the references whose last user's change is durable (``cut``) and
+        that no I/O begun before it may still use."""
+        oldest_io = min(self._io) if self._io else self.gen
+        ready = [c for g, c in self._frees if g <= cut and g < oldest_io]
+        if not ready:
+            return
+        self._frees = [(g, c) for g, c in self._frees if not (g <= cut and g < oldest_io)]
+        async with self.alloc_lock:
+            for c in ready:
+                if await self._add_ref(c, -1) == 0:
+                    self.meta.pop(c, None)
+                    self._free_hint = min(self._free_hint, c)
+                    self.l2cache.pop(c << self.cbits, None)
+        refs = self._refblock_cut()
+        await self._run(self._plan(wbplan.Cut(
+            refblocks=[(self._refblock_offset(t), raw) for t, _b, _g, raw in refs])))
+        self._refblocks_clean(refs)
+
+    async def close(self) -> None:
+        """Flush (if writable) and close the image and its backing chain."""
+        try:
+            if not self.read_only and self.file.fd >= 0 and not self.corrupt:
+                await self.writeback()
+                if self._frees:
+                    await self.writeback()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Close the files of the image and its backing chain, without writing."""
+        self.file.close()
+        if self.backing is not None:
+            self.backing.release()
+

@@ -1,0 +1,154 @@
+"""Reads: a request is split into runs (allocated clusters that follow on
+disk, zeros, the backing file, compressed clusters), read at once; the
+one-cluster case is served without a coroutine (``start_read``)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from typing import Any
+
+from aioublk.qcow2 import format as fmt
+from aioublk.qcow2.base import OFFLOAD_BYTES, _eio, _every, _fill_zero
+from aioublk.qcow2.compress import decompress
+from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
+from aioublk.qcow2.hostfile import aligned
+from aioublk.qcow2.l2cache import L2Cache
+from aioublk.ring import Handler, current_ring
+from aioublk.target import Done, rw_handler
+
+
+class Reads(L2Cache):
+    """The read path."""
+
+    async def read(self, offset: int, buf: Any) -> None:
+        """Fill ``buf`` with the disk's bytes at ``offset``."""
+        view = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
+        end = offset + len(view)
+        if end > self.size:
+            raise OSError(errno.EINVAL, f"read past the end of {self.path}")
+        # counted as in flight from the lookup on: no cluster it looked up is
+        # freed (and reused) before it is done
+        g = self._io_begin()
+        try:
+            host = self._mapped(offset, len(view), False)  # the common case
+            if host >= 0:
+                await self.file.read_into(view, host)
+                return
+            await self._read(view, offset, end)
+        finally:
+            self._io_end(g)
+
+    def _mapped(self, offset: int, n: int, write: bool) -> int:
+        """The host offset of [offset, offset+n) when it lies in one cached,
+        allocated cluster (written in place, for a write), else -1."""
+        vc = offset >> self.cbits
+        if (offset + n - 1) >> self.cbits != vc or offset + n > self.size:
+            return -1
+        e = self._lookup(vc)
+        if not e or e & (COMPRESSED | ZERO) or not e & OFFSET_MASK:
+            return -1
+        host = e & OFFSET_MASK
+        if host & self.cmask or host >= self.used_end:
+            return -1  # the coroutine path reports it
+        if write and (not e & COPIED or self.read_only or self.corrupt or vc in self._busy
+                      or host >> self.cbits in self.meta or self._meta_written < self._meta_seq
+                      and self.metadata_write_through):
+            return -1
+        return host + (offset & self.cmask)
+
+    def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
+        """The task-free read (see ``Target.start_read``): one mapped cluster."""
+        host = self._mapped(offset, len(buf), False)
+        if host < 0:
+            return False
+        current_ring().start_read(self.file.fd, buf, host, self._tracked(
+            rw_handler(len(buf), done, lambda: self.read(offset, buf))))
+        return True
+
+    def _tracked(self, handler: Handler) -> Handler:
+        """Count the I/O in flight until its CQE (frees wait for it)."""
+        g = self._io_begin()
+
+        def on_cqe(res: int, flags: int) -> None:
+            self._io_end(g)
+            handler(res, flags)
+        return on_cqe
+
+    async def _read(self, view: memoryview, offset: int, end: int) -> None:
+        cbits, cmask, cs = self.cbits, self.cmask, self.cluster_size
+        pending = []
+        pos = offset
+        while pos < end:
+            vc = pos >> cbits
+            e = self._lookup(vc)
+            if e is None:
+                e = await self._entry(vc)
+            stop = min(end, (vc + 1) << cbits)
+            sub = view[pos - offset:stop - offset]
+            if e & COMPRESSED:
+                pending.append(self._read_compressed(e, pos & cmask, sub))
+            elif e & ZERO:
+                _fill_zero(sub)
+            elif e & OFFSET_MASK:
+                host = e & OFFSET_MASK
+                self._check_host(host, vc)
+                # extend over clusters that follow on disk too
+                nxt = host + cs
+                while stop < end:
+                    e2 = self._lookup(stop >> cbits)
+                    if e2 is None or e2 & (COMPRESSED | ZERO) or (e2 & OFFSET_MASK) != nxt:
+                        break
+                    stop = min(end, stop + cs)
+                    nxt += cs
+                sub = view[pos - offset:stop - offset]
+                pending.append(self.file.read_into(sub, host + (pos & cmask)))
+            elif self.backing is not None:
+                while stop < end and self._lookup(stop >> cbits) == 0:
+                    stop = min(end, stop + cs)
+                sub = view[pos - offset:stop - offset]
+                pending.append(self._read_backing(pos, sub))
+            else:
+                _fill_zero(sub)
+            pos = stop
+        if len(pending) == 1:
+            await pending[0]
+        elif pending:
+            await _every(pending)
+
+    async def _read_backing(self, pos: int, view: memoryview) -> None:
+        b = self.backing
+        have = max(0, min(len(view), b.size - pos))
+        if have:
+            await b.read(pos, view[:have] if have < len(view) else view)
+        if have < len(view):
+            _fill_zero(view[have:])
+
+    async def _cluster_bytes(self, e: int) -> bytes:
+        """A compressed cluster, decompressed (a few are cached for sequential reads)."""
+        got = self._zcache.get(e)
+        if got is not None:
+            return got
+        span = fmt.compressed_span(e, self.cbits)
+        if span.offset + span.length > max(self.used_end, self.file.size) + 512:
+            raise _eio(f"{self.path}: compressed cluster at {span.offset:#x} lies past the "
+                       "end of the file")
+        raw = aligned(span.length)
+        await self.file.read_into(raw, span.offset)
+        try:
+            if self.cluster_size >= OFFLOAD_BYTES:  # inflating takes long: off the loop
+                data = await asyncio.get_running_loop().run_in_executor(
+                    None, decompress, self.h.compression_type, raw, self.cluster_size)
+            else:
+                data = decompress(self.h.compression_type, raw, self.cluster_size)
+        except ValueError as err:
+            raise _eio(f"{self.path}: compressed cluster at {span.offset:#x}: {err}") from None
+        self._zcache[e] = data
+        if len(self._zcache) > 8:
+            self._zcache.popitem(last=False)
+        return data
+
+    async def _read_compressed(self, e: int, at: int, view: memoryview) -> None:
+        data = await self._cluster_bytes(e)
+        view[:] = data[at:at + len(view)]
+

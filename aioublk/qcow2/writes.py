@@ -1,0 +1,263 @@
+"""Writes: in place where the image alone owns the cluster, else into fresh
+clusters (copy-on-write of what the request leaves out), then the L2 entries
+switch over; write_zeroes and discard change L2 entries of whole clusters
+and write zeros into the parts of others."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from typing import Any
+
+from aioublk.qcow2.base import _ZEROS, L2Table, _zero_buf
+from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
+from aioublk.qcow2.hostfile import aligned
+from aioublk.qcow2.reads import Reads
+from aioublk.ring import current_ring
+from aioublk.target import Done, rw_handler
+
+
+class Writes(Reads):
+    """The write, write_zeroes and discard paths."""
+
+    def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
+        """The task-free write: in place, into one cluster the image owns alone."""
+        host = self._mapped(offset, len(buf), True)
+        if host < 0:
+            return False
+        current_ring().start_write(self.file.fd, buf, host, self._tracked(
+            rw_handler(len(buf), done, lambda: self.write(offset, buf))))
+        return True
+
+
+    async def write(self, offset: int, data: Any) -> None:
+        """Store ``data`` at ``offset``."""
+        if self.read_only or self.corrupt:
+            self._writable()
+        view = data if type(data) is memoryview and data.format == "B" else \
+            memoryview(data).cast("B")
+        end = offset + len(view)
+        if end > self.size:
+            raise OSError(errno.EINVAL, f"write past the end of {self.path}")
+        host = self._mapped(offset, len(view), True)  # in place: the common case
+        if host >= 0:
+            g = self._io_begin()
+            try:
+                await self.file.write(view, host)
+            finally:
+                self._io_end(g)
+            return
+        await self._per_table(offset, end, lambda s, e: self._write_chunk(s, e, offset, view))
+        await self._write_through()
+
+    async def _per_table(self, start: int, end: int, fn: Any) -> None:
+        """Run ``fn(s, e)`` for each piece of [start, end) that one L2 table maps."""
+        span = 1 << (self.cbits + self.l2_bits)
+        pos = start
+        while pos < end:
+            stop = min(end, (pos // span + 1) * span)
+            await fn(pos, stop)
+            pos = stop
+
+    async def _lock(self, vcs: range) -> None:
+        loop = asyncio.get_running_loop()
+        for vc in vcs:
+            while (f := self._busy.get(vc)) is not None:
+                await asyncio.shield(f)
+            self._busy[vc] = loop.create_future()
+
+    def _unlock(self, vcs: range) -> None:
+        for vc in vcs:
+            f = self._busy.pop(vc, None)
+            if f is not None:
+                f.set_result(None)
+
+    async def _write_chunk(self, s: int, e: int, base: int, view: memoryview) -> None:
+        cbits, cs = self.cbits, self.cluster_size
+        vcs = range(s >> cbits, ((e - 1) >> cbits) + 1)
+        await self._lock(vcs)
+        try:
+            olds = [await self._entry(vc) for vc in vcs]
+            i = 0
+            while i < len(vcs):
+                e0 = olds[i]
+                j = i + 1
+                if e0 & (COPIED | COMPRESSED | ZERO) == COPIED and e0 & OFFSET_MASK:
+                    host = e0 & OFFSET_MASK
+                    self._check_host(host, vcs[i])
+                    while j < len(vcs) and olds[j] & (COPIED | COMPRESSED | ZERO) == COPIED \
+                            and olds[j] & OFFSET_MASK == host + (j - i) * cs:
+                        j += 1
+                    ws = max(s, vcs[i] << cbits)
+                    we = min(e, vcs[j - 1] + 1 << cbits)
+                    h0 = host + (ws - (vcs[i] << cbits))
+                    self._overlap(h0, we - ws)
+                    await self._data_write([view[ws - base:we - base]], h0)
+                else:
+                    while j < len(vcs) and not (olds[j] & (COPIED | COMPRESSED | ZERO) == COPIED
+                                                and olds[j] & OFFSET_MASK):
+                        j += 1
+                    await self._alloc_write(vcs[i:j], olds[i:j], s, e, base, view)
+                i = j
+        finally:
+            self._unlock(vcs)
+
+    async def _alloc_write(self, vcs: range, olds: list[int], s: int, e: int, base: int,
+                           view: memoryview) -> None:
+        """Write into fresh clusters (filling what the request leaves out from the
+        old contents), then point the L2 entries at them."""
+        cbits, cs = self.cbits, self.cluster_size
+        l1i = vcs[0] >> self.l2_bits
+        await self._table_for_update(l1i)
+        c0, fresh = await self._alloc(len(vcs))
+        host0 = c0 << cbits
+        run_s, run_e = vcs[0] << cbits, (vcs[-1] + 1) << cbits
+        ws, we = max(s, run_s), min(e, run_e)
+        bufs: list[Any] = []
+        at = host0
+        try:
+            if ws > run_s:
+                head = await self._cow(vcs[0], olds[0], 0, ws - run_s)
+                if head is None and fresh:
+                    at = host0 + (ws - run_s)
+                else:
+                    bufs.append(head if head is not None else _zero_buf(ws - run_s))
+            bufs.append(view[ws - base:we - base])
+            if we < run_e:
+                tail = await self._cow(vcs[-1], olds[-1], we - (vcs[-1] << cbits), run_e - we)
+                if tail is not None or not fresh:
+                    bufs.append(tail if tail is not None else _zero_buf(run_e - we))
+            await self._data_write(bufs, at)
+        except BaseException:
+            for c in range(c0, c0 + len(vcs)):
+                self._defer_free(c)  # leaked otherwise; nothing points at them
+            raise
+        t = await self._table_for_update(l1i)
+        for k, vc in enumerate(vcs):
+            t.entries[vc & self.l2_mask] = (host0 + k * cs) | COPIED
+            self._release(olds[k])
+        self._changed(t)
+
+    async def _cow(self, vc: int, old: int, at: int, length: int) -> Any:
+        """The old contents of ``length`` bytes at ``at`` in cluster ``vc``, or
+        None when they are zeros."""
+        if old & COMPRESSED:
+            data = await self._cluster_bytes(old)
+            return memoryview(data)[at:at + length]
+        if old & ZERO:
+            return None
+        if old & OFFSET_MASK:
+            self._check_host(old & OFFSET_MASK, vc)
+            buf = aligned(length)
+            await self.file.read_into(buf, (old & OFFSET_MASK) + at)  # under the cluster lock
+            return buf
+        if self.backing is None or (vc << self.cbits) + at >= self.backing.size:
+            return None
+        buf = aligned(length)
+        await self._read_backing((vc << self.cbits) + at, buf)
+        return buf
+
+    async def write_zeroes(self, offset: int, length: int, unmap: bool = False) -> None:
+        """Zeros at [offset, offset+length): whole clusters by their L2 entries,
+        the rest by writing zeros."""
+        self._writable()
+        await self._zero_or_discard(offset, length, unmap=unmap, discard=False)
+        await self._write_through()
+
+    async def discard(self, offset: int, length: int) -> None:
+        """Unmap whole clusters (they read as zeros, or as the backing file's
+        bytes on a v2 image, where there is no zero flag). The parts of
+        clusters at either end are zeroed rather than left with old data
+        (QEMU leaves them): a discarded range never reads back stale bytes."""
+        self._writable()
+        await self._zero_or_discard(offset, length, unmap=True, discard=True)
+        await self._write_through()
+
+    async def _zero_or_discard(self, offset: int, length: int, *, unmap: bool,
+                               discard: bool) -> None:
+        end = offset + length
+        if end > self.size:
+            raise OSError(errno.EINVAL, f"range past the end of {self.path}")
+        cs = self.cluster_size
+        first = (offset + cs - 1) & ~self.cmask
+        last = end & ~self.cmask if end != self.size else -(-end // cs) * cs
+        if first >= last:  # no whole cluster, but maybe the end of one and the start of the next
+            cut = offset < first < end
+            await self._zero_part(offset, first if cut else end)
+            if cut:
+                await self._zero_part(first, end)
+            return
+        if offset < first:
+            await self._zero_part(offset, first)
+        if last < end:
+            await self._zero_part(last, end)
+        zero_flag = self.v3 and (self.backing is not None or not discard)
+        if not self.v3 and self.backing is not None and not discard:
+            await self._write_zero_bytes(first, min(last, end))  # v2 cannot hide the backing
+            return
+        await self._per_table(first, min(last, self.size),
+                              lambda s, e: self._zero_chunk(s, e, unmap, zero_flag))
+
+    async def _zero_part(self, s: int, e: int) -> None:
+        """Zeros inside one cluster: nothing to do if it reads as zeros already."""
+        vc = s >> self.cbits
+        old = await self._entry(vc)
+        if old & COMPRESSED == 0 and (old & ZERO or not old & OFFSET_MASK and (
+                self.backing is None or vc << self.cbits >= self.backing.size)):
+            return
+        await self._write_zero_bytes(s, e)
+
+    async def _write_zero_bytes(self, s: int, e: int) -> None:
+        pos = s
+        while pos < e:
+            n = min(e - pos, len(_ZEROS))
+            await self.write(pos, _ZEROS[:n])
+            pos += n
+
+    async def _zero_chunk(self, s: int, e: int, unmap: bool, zero_flag: bool) -> None:
+        vcs = range(s >> self.cbits, ((e - 1) >> self.cbits) + 1)
+        await self._lock(vcs)
+        try:
+            l1i = vcs[0] >> self.l2_bits
+            olds = [await self._entry(vc) for vc in vcs]
+            want = ZERO if zero_flag else 0
+            if all(self._same_zero(o, want) for o in olds):
+                return
+            t = await self._table_for_update(l1i)
+            for vc, old in zip(vcs, olds, strict=True):
+                if self._same_zero(old, want):
+                    continue
+                keep = not unmap and zero_flag and old & (COPIED | COMPRESSED) == COPIED \
+                    and old & OFFSET_MASK
+                if keep:
+                    t.entries[vc & self.l2_mask] = (old & OFFSET_MASK) | COPIED | ZERO
+                else:
+                    t.entries[vc & self.l2_mask] = want
+                    self._release(old)
+            self._changed(t)
+        finally:
+            self._unlock(vcs)
+
+    def _changed(self, t: L2Table) -> None:
+        """An L2 table changed (the refcounts it needs were changed before)."""
+        t.touch()
+        self._meta_seq += 1
+
+    async def _write_through(self) -> None:
+        """With ``metadata_write_through``: return once every metadata change
+        made so far (this request's, and any other's it may depend on: a
+        write in place into a cluster whose allocation is still in memory)
+        is in the image file. Requests waiting together share one write-back:
+        whoever gets the lock first writes a cut that holds all their changes."""
+        if not self.metadata_write_through:
+            return
+        want = self._meta_seq
+        while self._meta_written < want:
+            async with self.wb_lock:
+                if self._meta_written < want:
+                    await self._writeback_locked()
+
+    @staticmethod
+    def _same_zero(old: int, want: int) -> bool:
+        return old == want or (want == ZERO and old & (ZERO | COMPRESSED) == ZERO)
+
