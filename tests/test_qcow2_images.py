@@ -407,6 +407,21 @@ async def test_declined_or_read_right(make: Callable[[Path], Path], tmp_path: Pa
         await img.close()
 
 
+async def test_snapshot_table_at_the_end_of_the_file(tmp_path: Path, ring: Ring) -> None:
+    """QEMU writes the snapshot table last and does not pad its last entry to
+    8 bytes: an image straight after ``qemu-img snapshot -c`` opens (and its
+    file size need not be a multiple of 8)."""
+    path = create(tmp_path / "img.qcow2", 4 * M)
+    qemu_img("snapshot", "-c", "first", path)
+    qemu_img("snapshot", "-c", "x", path)
+    assert path.stat().st_size % 8, "the table's last entry should end unpadded"
+    want = read_file(to_raw(path, tmp_path / "expected.raw"))
+    async with opened(path) as img:
+        assert_same(await read_all(img), want, "image ending in its snapshot table")
+        await img.write(0, b"\x5a" * 512)
+    check_clean(path)
+
+
 async def test_dirty_lazy_refcounts_image(tmp_path: Path, ring: Ring) -> None:
     """lazy_refcounts=on and a crash (qemu-io ``abort``): the dirty bit is set
     and refcounts are stale. Read-only: read like QEMU does. Read-write: refuse

@@ -384,9 +384,9 @@ def parse_snapshots(data: bytes, count: int) -> tuple[list[Snapshot], int]:
             raise Qcow2Error(f"qcow2 snapshot table entry has {extra} bytes of extra data "
                              f"(at most {MAX_SNAPSHOT_EXTRA})")
         pos += _SNAP.size + extra + id_len
-        name = data[pos:pos + name_len].decode("utf-8", "replace")
-        pos = (pos + name_len + 7) & ~7
-        if pos > len(data):
+        if pos + name_len > len(data):
             raise Qcow2Error("qcow2 snapshot table is truncated")
+        name = data[pos:pos + name_len].decode("utf-8", "replace")
+        pos = (pos + name_len + 7) & ~7  # padding QEMU leaves out after the last entry
         snaps.append(Snapshot(l1_off, l1_size, name))
     return snaps, pos
