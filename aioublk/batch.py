@@ -215,16 +215,8 @@ class BatchDriver(Driver):
                     self._send(uapi.IoCmd.PREP_IO_CMDS, b, lambda res, _f: results.append(res))
                     expected += 1
         for qs in self.queues:
-            err = ffi.new("int *")
-            br = lib.aur_buf_ring_setup(self.ring.raw, self.buf_entries, qs.local, err)
-            if br == ffi.NULL:
-                self.failed = err[0]
+            if not self._provide(qs):
                 return
-            qs.buf_ring = br
-            qs.tags_addr = buffer_address(qs.tags_mem)
-            for bid in range(self.buf_entries):
-                self._give_back(qs, bid, bid)
-            lib.aur_buf_ring_advance(br, self.buf_entries)
             for _ in range(self.FETCHES):
                 self._fetch(qs)
         self.ring.submit_now()
@@ -232,6 +224,22 @@ class BatchDriver(Driver):
         if len(results) < expected:
             self.failed = -errno.ETIMEDOUT  # PREP completes inline unless something broke
         self.failed = self.failed or min([0, *results])
+
+    def _provide(self, qs: _QueueState) -> bool:
+        """Register the queue's provided-buffer group (the fetches' tag
+        buffers) and hand every buffer to it; False (``failed`` set) if the
+        ring refused."""
+        err = ffi.new("int *")
+        br = lib.aur_buf_ring_setup(self.ring.raw, self.buf_entries, qs.local, err)
+        if br == ffi.NULL:
+            self.failed = err[0]
+            return False
+        qs.buf_ring = br
+        qs.tags_addr = buffer_address(qs.tags_mem)
+        for bid in range(self.buf_entries):
+            self._give_back(qs, bid, bid)
+        lib.aur_buf_ring_advance(br, self.buf_entries)
+        return True
 
     def _send(self, op: int, b: Batch, handler: Callable[[int, int], None]) -> None:
         data = b.data
