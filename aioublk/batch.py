@@ -13,6 +13,10 @@ How a worker serves its queues with batch I/O:
   at the end of the loop turn (a ring flush hook), so one command commits
   everything the turn finished. A partial commit is resent from the element
   after the one the kernel refused.
+- Once the worker is stopping (an abort, or a detach on SIGTERM), tags a
+  fetch still delivers are not started: the kernel reissues or fails them
+  when /dev/ublkcN closes, and the target's final write-back (``drain``)
+  comes after the last request the worker answered.
 
 Facts from the kernel (drivers/block/ublk_drv.c, Linux 7.2):
 
@@ -271,14 +275,21 @@ class BatchDriver(Driver):
             tags = fetched_tags(memoryview(qs.tags_mem)[bid * self.buf_bytes:], max(res, 0))
             self._give_back(qs, bid)
             lib.aur_buf_ring_advance(qs.buf_ring, 1)
-            serve = self._serve
-            spawn = self.spawn
-            start = self.start
-            qm, dones = qs.qm, qs.dones
-            qs.stats.started += len(tags)
-            for tag in tags:
-                if not start(qm, tag, dones[tag]):
-                    spawn(serve(qs, tag))
+            if self.stopping:
+                # The worker is ending and the target may be writing back
+                # for the last time: these are left to the kernel, which
+                # reissues (-i 1) or fails them when /dev/ublkcN closes.
+                self.w.log.info("requests left to the kernel at stop", q=qs.qm.q_id,
+                                n=len(tags))
+            else:
+                serve = self._serve
+                spawn = self.spawn
+                start = self.start
+                qm, dones = qs.qm, qs.dones
+                qs.stats.started += len(tags)
+                for tag in tags:
+                    if not start(qm, tag, dones[tag]):
+                        spawn(serve(qs, tag))
         if flags & lib.IORING_CQE_F_MORE:
             return
         self.live -= 1

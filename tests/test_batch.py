@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
+from typing import Any
 
 import pytest
 
@@ -165,7 +167,7 @@ def test_resolve_refuses_with_one_line(kw: dict[str, object], features: int,
 
     if "copy" in kw:
         kw["copy"] = CopyMode(kw["copy"])
-    cfg = DeviceConfig(**kw)  # type: ignore[arg-type]
+    cfg = DeviceConfig(**kw)
     cfg.validate()
     with pytest.raises(UblkError, match=message) as e:
         cfg.resolve(features)
@@ -209,3 +211,105 @@ def test_fetch_header_is_u16_tags() -> None:
 
     q_id, flags, nr, eb = struct.unpack_from("=HHHB", fetch_header(2, 64))
     assert (q_id, flags, nr, eb) == (2, 0, 64, 2)
+
+
+# -- the driver's bookkeeping, on a real ring but without a device ------------
+
+class _Path:
+    """A copy path that records what the driver starts (fast path and coroutine)."""
+
+    arming = None
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    def start(self, qm: object, tag: int, done: object) -> bool:
+        self.started.append(tag)
+        return False  # on to the coroutine path
+
+    async def serve(self, qm: object, tag: int, index: int) -> int:
+        return 4096
+
+
+def _driver(ring: Any, path: _Path, batch: bool = True) -> Any:
+    """A driver serving queue 0 (depth 8) of no device: its commands go
+    nowhere, what it starts and commits is what the tests look at."""
+    from types import SimpleNamespace
+
+    import structlog
+
+    from aioublk.batch import BatchDriver
+    from aioublk.device import DeviceConfig
+    from aioublk.queue import CopyMode, PerIoDriver, WorkerSpec
+
+    qm = SimpleNamespace(q_id=0, addrs=[0x1000 * (t + 1) for t in range(8)])
+    worker = SimpleNamespace(
+        cfg=DeviceConfig(depth=8), mode=CopyMode.COPY, char_fd=-1,
+        spec=WorkerSpec(0, [(qm, list(range(8)))], set()),
+        log=structlog.get_logger("test"), device_ending=lambda: None, finished=lambda: None)
+    return (BatchDriver if batch else PerIoDriver)(worker, ring, path)
+
+
+def _deliver(driver: Any, tags: list[int]) -> None:
+    """A FETCH_IO_CMDS completion carrying ``tags`` in provided buffer 0."""
+    from aioublk._uring import lib
+
+    qs = driver.queues[0]
+    struct.pack_into(f"={len(tags)}H", qs.tags_mem, 0, *tags)
+    driver._on_fetch(qs, 2 * len(tags),
+                     lib.IORING_CQE_F_BUFFER | lib.IORING_CQE_F_MORE)
+
+
+@pytest.mark.asyncio
+async def test_tags_fetched_after_the_worker_began_stopping_are_not_started() -> None:
+    """Once the worker is stopping (SIGTERM hand-over, detach), a tag a fetch
+    still delivers is left to the kernel (reissued or failed when
+    /dev/ublkcN closes), never served: the target's final write-back would
+    otherwise run before a write it then acknowledges."""
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    try:
+        path = _Path()
+        driver = _driver(ring, path)
+        qs = driver.queues[0]
+        assert driver._provide(qs)
+        _deliver(driver, [1, 2])
+        assert path.started == [1, 2]
+        await asyncio.sleep(0)  # the two requests run and are answered
+        assert driver.inflight == 0 and len(qs.builder) == 2
+        qs.builder.take()
+
+        await driver.drain()  # the worker begins stopping
+        _deliver(driver, [3, 4])
+        await asyncio.sleep(0)
+        assert path.started == [1, 2], "a tag was started after the worker began stopping"
+        assert driver.inflight == 0 and len(qs.builder) == 0
+    finally:
+        ring.close()
+        driver.close()
+
+
+@pytest.mark.asyncio
+async def test_per_io_requests_arriving_after_the_worker_began_stopping_are_not_started(
+        ) -> None:
+    """The same on the per-I/O path (a detach after a failed QUIESCE_DEV):
+    a request the kernel hands a re-armed tag once the worker is stopping
+    is left to the kernel."""
+    from aioublk import uapi
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    try:
+        path = _Path()
+        driver = _driver(ring, path, batch=False)
+        driver._on_cqe(1, uapi.IO_RES_OK, 0)
+        await asyncio.sleep(0)
+        assert path.started == [1] and driver.inflight == 0
+        await driver.drain()
+        driver._on_cqe(2, uapi.IO_RES_OK, 0)
+        await asyncio.sleep(0)
+        assert path.started == [1], "a request was started after the worker began stopping"
+        assert driver.inflight == 0
+    finally:
+        ring.close()
