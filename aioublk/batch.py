@@ -29,8 +29,10 @@ Facts from the kernel (drivers/block/ublk_drv.c, Linux 7.2):
 - COMMIT walks the elements in order and stops at the first one it refuses
   (e.g. -EBUSY: the tag is not owned by the server). It returns the bytes it
   processed, or that element's error when it is the first. So the element at
-  the stop point is the bad one: it is dropped (and reported), and the ones
-  after it are sent again; sending it again would fail the same way forever.
+  the stop point is the bad one, and the ones after it are sent again.
+  Sending the bad one again as it was would fail the same way forever, yet
+  its request (if the tag is ours) waits for an answer: it is answered once
+  more, as failed with EIO; a refused failure is logged as lost.
 - FETCH_IO_CMDS completes with ``res`` bytes of u16 tags in the selected
   provided buffer.
 """
@@ -106,14 +108,15 @@ class Batch:
     def header(self) -> bytes:
         return batch_header(self.q_id, self.flags, self.nr_elem)
 
-    def after(self, res: int) -> tuple[Batch | None, int | None]:
+    def after(self, res: int) -> tuple[Batch | None, tuple[int, int] | None]:
         """Given the kernel's answer, the batch still to send (None when all
-        went through) and the tag it refused (None when none was)."""
+        went through) and the element it refused as (tag, result), or None."""
         size = elem_bytes(self.flags)
         done = res // size if res >= 0 else 0
         if done >= self.nr_elem:
             return None, None
-        refused = self.tags[done]
+        tag, _index, result = _HEADER.unpack_from(self.data, done * size)
+        refused = (tag, result)
         rest = self.tags[done + 1:]
         if not rest:
             return None, refused
@@ -336,9 +339,19 @@ class BatchDriver(Driver):
 
     def _on_commit(self, b: Batch, res: int, flags: int) -> None:
         rest, refused = b.after(res)
-        if refused is not None and res != -errno.ENODEV:
-            self.w.log.warning("COMMIT_IO_CMDS refused a tag", q=b.q_id, tag=refused,
-                               res=res if res < 0 else None)
+        if refused is not None and res != -errno.ENODEV:  # (ENODEV: the device is gone)
+            tag, result = refused
+            err = res if res < 0 else None
+            if result >= 0:
+                # the request still waits for an answer: fail it (once)
+                self.w.log.warning("COMMIT_IO_CMDS refused a tag: its request fails",
+                                   q=b.q_id, tag=tag, res=err)
+                qs = next(qs for qs in self.queues if qs.qm.q_id == b.q_id)
+                self._add(qs, tag, -errno.EIO)
+                self.ring.request_flush()
+            else:
+                self.w.log.error("COMMIT_IO_CMDS refused a tag's failure: its request is lost",
+                                 q=b.q_id, tag=tag, res=err, result=result)
         if rest is not None:
             self._send(uapi.IoCmd.COMMIT_IO_CMDS, rest, partial(self._on_commit, rest))
 
