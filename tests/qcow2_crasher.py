@@ -1,6 +1,11 @@
 """Run by tests/test_qcow2_crash.py as a child process: write a known pattern,
 flush, say so, then keep writing, zeroing and discarding at random (with the
-odd flush) until killed."""
+odd flush) until killed.
+
+``--write-through PATH SEED``: open the image with metadata write-through,
+run a fixed mix of allocating writes (whole and partial clusters),
+write_zeroes and discards, never flush, say DONE once all completed and
+wait to be killed."""
 
 from __future__ import annotations
 
@@ -48,6 +53,47 @@ async def main(path: str, seed: int, flushed_bytes: int) -> None:
     del ring
 
 
+def write_through_ops(size: int, seed: int) -> list[tuple[str, int, bytes]]:
+    """(kind, offset, data or zeros) in 512-byte units, disjoint: what the
+    killed child completed and the reopened image must hold."""
+    rnd = random.Random(seed)
+    ops: list[tuple[str, int, bytes]] = []
+    slots = rnd.sample(range(size // (256 * KiB)), 24)
+    for k, s in enumerate(slots):
+        n = rnd.randrange(1, 257) * 512
+        off = s * 256 * KiB + rnd.randrange(0, (256 * KiB - n) // 512 + 1) * 512
+        kind = "write" if k % 4 else ("zero" if k % 8 else "discard")
+        ops.append((kind, off, pattern(n, seed * 1000 + k) if kind == "write" else bytes(n)))
+    return ops
+
+
+async def write_through(path: str, seed: int) -> None:
+    ring = Ring(128, bind_thread=True)
+    img = Qcow2Image.open(path)
+    img.metadata_write_through = True
+    ops = write_through_ops(img.size, seed)
+
+    async def one(kind: str, off: int, data: bytes) -> None:
+        if kind == "write":
+            await img.write(off, data)
+        elif kind == "zero":
+            await img.write_zeroes(off, len(data), unmap=False)
+        else:
+            await img.discard(off, len(data))
+
+    # the first half one at a time, the rest all at once (sharing write-backs)
+    for op in ops[:len(ops) // 2]:
+        await one(*op)
+    await asyncio.gather(*(one(*op) for op in ops[len(ops) // 2:]))
+    sys.stdout.write("DONE\n")
+    sys.stdout.flush()
+    await asyncio.sleep(3600)
+    del ring
+
+
 if __name__ == "__main__":
     logs.configure()
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    if sys.argv[1] == "--write-through":
+        asyncio.run(write_through(sys.argv[2], int(sys.argv[3])))
+    else:
+        asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

@@ -32,6 +32,7 @@ What a discard reads back (the mirror's rule):
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import random
@@ -44,6 +45,7 @@ from typing import Any
 
 import pytest
 
+from aioublk.qcow2.hostfile import HostFile
 from aioublk.ring import Ring
 from tests.qcow2_util import (
     CHUNKS_B,
@@ -691,3 +693,105 @@ async def test_read_only_image_refuses_changes(tmp_path: Path, ring: Ring) -> No
         await img.read(0, buf)
         assert buf == b"\x11" * (4 * K)
     assert read_file(path) == before, "a read-only image file changed"
+
+
+# -- metadata write-through ---------------------------------------------------------------
+
+
+async def test_metadata_write_through_shares_write_backs(tmp_path: Path, ring: Ring) -> None:
+    """``metadata_write_through``: each allocating write returns with its L2 and
+    refcount changes in the file (another reader sees a consistent image with
+    the data, before any flush), and concurrent requests share write-backs."""
+    from aioublk.qcow2 import Qcow2Image
+
+    path = create(tmp_path / "img.qcow2", 16 * M)
+    mirror = bytearray(16 * M)
+    img = Qcow2Image.open(str(path), metadata_write_through=True)
+    assert img.metadata_write_through
+    passes = 0
+    real = img._writeback_locked
+
+    async def counted() -> None:
+        nonlocal passes
+        passes += 1
+        await real()
+    img._writeback_locked = counted  # type: ignore[method-assign]
+    try:
+        rng = random.Random(71)
+        await img.write(3 * 64 * K + 512, b"\x11" * 4 * K)
+        mirror[3 * 64 * K + 512:3 * 64 * K + 512 + 4 * K] = b"\x11" * 4 * K
+        assert passes == 1
+        qemu_img("check", "-U", path)  # exit 0: clean, while still open
+        compare_identical(path, _raw(tmp_path, mirror), force_share=True)
+        ops = [(s * 256 * K, rng.randbytes(rng.randrange(1, 64) * SECTOR))
+               for s in rng.sample(range(64), 32)]
+        await asyncio.gather(*(img.write(off, data) for off, data in ops))
+        for off, data in ops:
+            mirror[off:off + len(data)] = data
+        assert passes < 1 + len(ops) // 2, f"{passes - 1} write-backs for {len(ops)} writes"
+        qemu_img("check", "-U", path)  # exit 0: clean, while still open
+        compare_identical(path, _raw(tmp_path, mirror), force_share=True)
+        before = passes
+        await img.write(3 * 64 * K + 512, b"\x22" * 4 * K)  # in place: no metadata
+        assert passes == before
+    finally:
+        await img.close()
+
+
+def _raw(tmp_path: Path, data: bytes | bytearray) -> Path:
+    out = tmp_path / "expected.raw"
+    out.write_bytes(data)
+    return out
+
+
+# -- a failed sync is never forgotten ------------------------------------------------------
+
+
+class _FailingSync(HostFile):
+    """The image file, with its next ``fail`` syncs failing with EIO (as Linux
+    reports a lost page-cache write-back: once, then the error is gone)."""
+
+    __slots__ = ()
+    fail = 0
+    syncs = 0
+
+    async def sync(self) -> None:
+        type(self).syncs += 1
+        if type(self).fail:
+            type(self).fail -= 1
+            raise OSError(errno.EIO, "injected write-back error")
+        await super().sync()
+
+
+async def test_failed_sync_is_never_forgotten(tmp_path: Path, ring: Ring) -> None:
+    """A sync fails once. That flush fails; so does every later flush, write-back
+    and the close (QEMU's file-posix does the same: the kernel reports a lost
+    write-back once, so the data it held may be gone whatever later syncs say).
+    The tables the failed write-back held stay dirty."""
+    from aioublk.qcow2 import Qcow2Image
+
+    path = create(tmp_path / "img.qcow2", 16 * M)
+    img = Qcow2Image.open(str(path))
+    img.file.__class__ = _FailingSync
+    try:
+        await img.write(5 * M + 512, b"\x33" * 8 * K)
+        _FailingSync.fail = 1
+        with pytest.raises(OSError) as err:
+            await img.flush()
+        assert err.value.errno == errno.EIO
+        assert any(b.dirty for b in img.refblocks.values()), \
+            "refcount blocks marked clean before the sync that failed"
+        assert img._dirty()
+        syncs = _FailingSync.syncs
+        with pytest.raises(OSError) as err:
+            await img.flush()  # the kernel would report success now
+        assert err.value.errno == errno.EIO, "a second flush after a failed sync succeeded"
+        await img.write(9 * M, b"\x44" * 4 * K)  # data writes still go on (as in QEMU)
+        with pytest.raises(OSError):
+            await img.writeback()
+        assert _FailingSync.syncs == syncs, "a sync was retried after one failed"
+    finally:
+        with pytest.raises(OSError) as err:
+            await img.close()
+    assert err.value.errno == errno.EIO, "close after a failed sync reported success"
+    assert img.file.fd < 0, "close left the image file open"

@@ -107,9 +107,18 @@ class Qcow2Image:
     the tables it needs with plain preads); everything after runs on the
     calling loop's ring (``aioublk.ring.current_ring``)."""
 
+    #: every request that changed metadata returns only once the change is in
+    #: the image file (see ``_write_through``); an attribute, or ``open``'s keyword
+    metadata_write_through = False
+    _meta_seq = 0  # metadata changes made in memory (counted, see _changed)
+    _meta_written = 0  # ... of which the image file holds the first this many
+    _rt_gen = 0  # bumped on each change of the refcount table (or its place)
+    _sync_error: OSError | None = None  # the first sync that failed: every later one fails
+
     @classmethod
     def open(cls, path: str, *, read_only: bool = False, cache_bytes: int | None = None,
-             direct: bool = True, _chain: tuple[str, ...] = ()) -> Qcow2Image:
+             direct: bool = True, metadata_write_through: bool = False,
+             _chain: tuple[str, ...] = ()) -> Qcow2Image:
         real = os.path.realpath(path)
         if real in _chain:
             raise Qcow2Error(f"backing chain loops back to {path}")
@@ -117,7 +126,9 @@ class Qcow2Image:
             raise Qcow2Error(f"backing chain deeper than {MAX_CHAIN} images at {path}")
         f = HostFile(path, read_only=read_only, direct=direct)
         try:
-            return cls(f, read_only, cache_bytes, direct, _chain + (real,))
+            img = cls(f, read_only, cache_bytes, direct, _chain + (real,))
+            img.metadata_write_through = metadata_write_through
+            return img
         except Qcow2Error as e:
             f.close()
             msg = str(e) if path in str(e) else f"{path}: {e}"
@@ -370,6 +381,7 @@ class Qcow2Image:
                 self.l2cache[new.offset] = new
                 self.l1[l1i] = new.offset | COPIED
                 self.l1_dirty.add(l1i)
+                self._meta_seq += 1
                 if off:
                     self._defer_free(off >> self.cbits)
                 return new
@@ -419,6 +431,7 @@ class Qcow2Image:
         self.used_end = max(self.used_end, (c + 1) << self.cbits)
         self.reftable[t] = c << self.cbits
         self.reftable_dirty = True
+        self._rt_gen += 1
         b.dirty = True
         b.gen += 1
         return b
@@ -472,6 +485,7 @@ class Qcow2Image:
         self.reftable_clusters = clusters
         self.reftable_dirty = True
         self.reftable_moved = True
+        self._rt_gen += 1
         for c in range(old_off >> self.cbits, (old_off >> self.cbits) + old_clusters):
             self._defer_free(c)
         log.info("qcow2 refcount table grown", image=self.path, clusters=clusters)
@@ -576,7 +590,8 @@ class Qcow2Image:
         if host & self.cmask or host >= self.used_end:
             return -1  # the coroutine path reports it
         if write and (not e & COPIED or self.read_only or self.corrupt or vc in self._busy
-                      or host >> self.cbits in self.meta):
+                      or host >> self.cbits in self.meta or self._meta_written < self._meta_seq
+                      and self.metadata_write_through):
             return -1
         return host + (offset & self.cmask)
 
@@ -731,6 +746,7 @@ class Qcow2Image:
                 self._io_end(g)
             return
         await self._per_table(offset, end, lambda s, e: self._write_chunk(s, e, offset, view))
+        await self._write_through()
 
     async def _per_table(self, start: int, end: int, fn: Any) -> None:
         """Run ``fn(s, e)`` for each piece of [start, end) that one L2 table maps."""
@@ -818,7 +834,7 @@ class Qcow2Image:
         for k, vc in enumerate(vcs):
             t.entries[vc & self.l2_mask] = (host0 + k * cs) | COPIED
             self._release(olds[k])
-        t.touch()
+        self._changed(t)
 
     async def _cow(self, vc: int, old: int, at: int, length: int) -> Any:
         """The old contents of ``length`` bytes at ``at`` in cluster ``vc``, or
@@ -844,6 +860,7 @@ class Qcow2Image:
         the rest by writing zeros."""
         self._writable()
         await self._zero_or_discard(offset, length, unmap=unmap, discard=False)
+        await self._write_through()
 
     async def discard(self, offset: int, length: int) -> None:
         """Unmap whole clusters (they read as zeros, or as the backing file's
@@ -852,6 +869,7 @@ class Qcow2Image:
         (QEMU leaves them): a discarded range never reads back stale bytes."""
         self._writable()
         await self._zero_or_discard(offset, length, unmap=True, discard=True)
+        await self._write_through()
 
     async def _zero_or_discard(self, offset: int, length: int, *, unmap: bool,
                                discard: bool) -> None:
@@ -914,9 +932,28 @@ class Qcow2Image:
                 else:
                     t.entries[vc & self.l2_mask] = want
                     self._release(old)
-            t.touch()
+            self._changed(t)
         finally:
             self._unlock(vcs)
+
+    def _changed(self, t: L2Table) -> None:
+        """An L2 table changed (the refcounts it needs were changed before)."""
+        t.touch()
+        self._meta_seq += 1
+
+    async def _write_through(self) -> None:
+        """With ``metadata_write_through``: return once every metadata change
+        made so far (this request's, and any other's it may depend on: a
+        write in place into a cluster whose allocation is still in memory)
+        is in the image file. Requests waiting together share one write-back:
+        whoever gets the lock first writes a cut that holds all their changes."""
+        if not self.metadata_write_through:
+            return
+        want = self._meta_seq
+        while self._meta_written < want:
+            async with self.wb_lock:
+                if self._meta_written < want:
+                    await self._writeback_locked()
 
     @staticmethod
     def _same_zero(old: int, want: int) -> bool:
@@ -938,68 +975,97 @@ class Qcow2Image:
         """Write every dirty table in dependency order (see the module
         docstring), then apply frees whose dropping is durable."""
         async with self.wb_lock:
-            f = self.file
-            if not self._dirty() and not self._frees:
-                await f.sync()
-                return
-            # the cut: a consistent picture of every dirty table, taken without awaiting
-            cut = self.gen
-            self.gen += 1
-            l2s = [(t, t.gen, fmt.dump_table(t.entries)) for t in self.l2cache.values()
-                   if t.dirty]
-            l1 = sorted(self.l1_dirty)
-            l1_bytes = fmt.dump_table(self.l1) if l1 else b""
-            self.l1_dirty = set()
-            refs = self._refblock_cut()
-            rt = fmt.dump_table(self.reftable) if self.reftable_dirty else None
-            rt_off = self.reftable_offset
-            moved = (self.reftable_offset, self.reftable_clusters) if self.reftable_moved else None
+            await self._writeback_locked()
+
+    async def _sync(self) -> None:
+        """fdatasync the image file. Linux reports a lost page-cache write-back
+        once, to one fsync: after that, later syncs succeed although the data
+        is gone. So the first failure sticks (as QEMU's file-posix does): every
+        later sync of this image fails, and dirty state is only ever cleared
+        after a sync that succeeded."""
+        if self._sync_error is not None:
+            raise _eio(f"{self.path}: an earlier sync of the image failed "
+                       f"({self._sync_error.strerror}): writes may be lost, check the image")
+        try:
+            await self.file.sync()
+        except OSError as e:
+            self._sync_error = e
+            log.error("qcow2 image sync failed: every later flush fails", image=self.path,
+                      error=str(e))
+            raise _eio(f"{self.path}: sync failed ({e.strerror}): writes may be lost, "
+                       "check the image") from None
+
+    async def _writeback_locked(self) -> None:
+        f = self.file
+        seq = self._meta_seq
+        if not self._dirty() and not self._frees:
+            await self._sync()
+            self._meta_written = max(self._meta_written, seq)
+            return
+        if self._sync_error is not None:
+            await self._sync()  # fails: nothing written after a lost write-back
+        # the cut: a consistent picture of every dirty table, taken without
+        # awaiting; nothing is marked clean before the sync after its write
+        cut = self.gen
+        self.gen += 1
+        l2s = [(t, t.gen, fmt.dump_table(t.entries)) for t in self.l2cache.values()
+               if t.dirty]
+        l1 = {i: self.l1[i] for i in sorted(self.l1_dirty)}
+        l1_bytes = fmt.dump_table(self.l1) if l1 else b""
+        refs = self._refblock_cut()
+        rt_gen = self._rt_gen
+        rt = fmt.dump_table(self.reftable) if self.reftable_dirty else None
+        rt_off = self.reftable_offset
+        moved = (self.reftable_offset, self.reftable_clusters) if self.reftable_moved else None
+        for t, _g, _raw in l2s:  # refuse before writing anything
+            self._meta_write(L2, t.offset, self.cluster_size)
+        for ti, _b, _g, _raw in refs:
+            self._meta_write(REFBLOCK, self.reftable[ti] & fmt.REFT_OFFSET_MASK,
+                             self.cluster_size)
+        if rt is not None:
+            self._meta_write(REFTABLE, rt_off, len(rt))
+        if l1:
+            self._meta_write(L1, self.h.l1_table_offset, len(self.l1) * 8)
+        await self._write_refblocks(refs)
+        if rt is not None:
+            await self._sync()
+            await f.write(rt, rt_off)
+        if moved is not None:
+            await self._sync()
+            self.head[fmt.OFF_REFTABLE:fmt.OFF_REFTABLE + 12] = \
+                fmt.pack_reftable_fields(*moved)
+            await f.write(bytes(self.head), 0)
+        await self._sync()  # data and refcounts before the L2 entries that use them
+        self._refblocks_clean(refs)
+        if rt_gen == self._rt_gen:
             self.reftable_dirty = self.reftable_moved = False
-            try:
-                for t, _g, _raw in l2s:  # refuse before writing anything
-                    self._meta_write(L2, t.offset, self.cluster_size)
-                for ti, _b, _g, _raw in refs:
-                    self._meta_write(REFBLOCK, self.reftable[ti] & fmt.REFT_OFFSET_MASK,
-                                     self.cluster_size)
-                if rt is not None:
-                    self._meta_write(REFTABLE, rt_off, len(rt))
-                if l1:
-                    self._meta_write(L1, self.h.l1_table_offset, len(self.l1) * 8)
-                await self._write_refblocks(refs)
-                if rt is not None:
-                    await f.sync()
-                    await f.write(rt, rt_off)
-                if moved is not None:
-                    await f.sync()
-                    self.head[fmt.OFF_REFTABLE:fmt.OFF_REFTABLE + 12] = \
-                        fmt.pack_reftable_fields(*moved)
-                    await f.write(bytes(self.head), 0)
-                await f.sync()  # data and refcounts before the L2 entries that use them
-                if l2s:
-                    for t, _g, raw in l2s:
-                        await f.write(raw, t.offset)
-                    await f.sync()
-                if l1:
-                    await self._write_l1(l1, l1_bytes)
-                    await f.sync()
-            except BaseException:
-                self.l1_dirty.update(l1)
-                if rt is not None:
-                    self.reftable_dirty = True
-                if moved is not None:
-                    self.reftable_moved = True
-                raise
+        if l2s:
+            for t, _g, raw in l2s:
+                await f.write(raw, t.offset)
+            await self._sync()
             for t, g, _raw in l2s:
                 if t.gen == g:
                     t.dirty = False
-            await self._apply_frees(cut)
+        if l1:
+            await self._write_l1(list(l1), l1_bytes)
+            await self._sync()
+            for i, v in l1.items():
+                if self.l1[i] == v:  # not changed since the cut
+                    self.l1_dirty.discard(i)
+        self._meta_written = max(self._meta_written, seq)
+        await self._apply_frees(cut)
 
     def _refblock_cut(self) -> list[tuple[int, fmt.RefBlock, int, bytes]]:
         return [(t, b, b.gen, b.dump()) for t, b in self.refblocks.items() if b.dirty]
 
     async def _write_refblocks(self, refs: list[tuple[int, fmt.RefBlock, int, bytes]]) -> None:
-        for t, b, g, raw in refs:
+        for t, _b, _g, raw in refs:
             await self.file.write(raw, self.reftable[t] & fmt.REFT_OFFSET_MASK)
+
+    @staticmethod
+    def _refblocks_clean(refs: list[tuple[int, fmt.RefBlock, int, bytes]]) -> None:
+        """After the sync that made them durable: clean unless changed since."""
+        for _t, b, g, _raw in refs:
             if b.gen == g:
                 b.dirty = False
 
@@ -1022,8 +1088,10 @@ class Qcow2Image:
                     self.meta.pop(c, None)
                     self._free_hint = min(self._free_hint, c)
                     self.l2cache.pop(c << self.cbits, None)
-        await self._write_refblocks(self._refblock_cut())
-        await self.file.sync()
+        refs = self._refblock_cut()
+        await self._write_refblocks(refs)
+        await self._sync()
+        self._refblocks_clean(refs)
 
     async def close(self) -> None:
         """Flush (if writable) and close the image and its backing chain."""
