@@ -381,6 +381,7 @@ class Device:
                 if had != self.target.geometry.size:
                     self.log.warning("the target's size differs from the device's",
                                      device_bytes=had, target_bytes=self.target.geometry.size)
+            self.target.configure(info.flags)
             self._start_workers(info)
             loop = asyncio.get_running_loop()
             for w in self.workers:
