@@ -202,6 +202,35 @@ def test_recovery_keeps_acknowledged_writes(target: str, how: str, path: str,
         assert p.returncode in ((0, 3) if how == "kill" else (0,)), p.stdout + p.stderr
 
 
+def test_recover_refuses_another_size_or_file(tmp_path: Path) -> None:
+    """``recover`` with a backing file of another size, or another file of
+    the same size: one line, and the device still waits for its own file.
+    (A forked server: one that wrongly serves is killed, not waited for.)"""
+    first = kernel.make_file(tmp_path / "a.img", 32 << 20)
+    same_size = kernel.make_file(tmp_path / "b.img", 32 << 20)
+    smaller = kernel.make_file(tmp_path / "c.img", 16 << 20)
+    add_args = ["-t", "loop", "-q", "1", "-r", "1"]
+    dev = start_server([*add_args, str(first)], tmp_path / "first.log")
+    os.kill(dev.pid, signal.SIGKILL)
+    assert reap(dev.pid) == -signal.SIGKILL
+    wait_state(dev.dev_id, "QUIESCED")
+    for other, message in (
+            (smaller, f"device {dev.dev_id} has 33554432 bytes, the target 16777216"),
+            (same_size, f"device {dev.dev_id} was added with another target type or backing "
+                        f"file than loop {same_size}")):
+        log = tmp_path / f"{other.name}.log"
+        with pytest.raises(AssertionError, match="failed"):
+            start_server(["-n", str(dev.dev_id), *add_args, str(other)], log, cmd="recover")
+        lines = log.read_text().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("aioublk: ") and message in lines[0], lines
+        assert state(dev.dev_id) == "QUIESCED"
+    new = start_server(["-n", str(dev.dev_id), *add_args, str(first)], tmp_path / "second.log",
+                       cmd="recover")
+    assert new.state == "LIVE"
+    delete(dev.dev_id)
+    assert reap(new.pid) == 0
+
+
 def test_without_reissue_held_requests_fail_and_batch_quiesce(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Batch I/O with ``-r 1`` alone. kill -9 under fio: only the requests
