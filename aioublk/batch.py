@@ -13,6 +13,10 @@ How a worker serves its queues with batch I/O:
   at the end of the loop turn (a ring flush hook), so one command commits
   everything the turn finished. A partial commit is resent from the element
   after the one the kernel refused.
+- Once the worker is stopping (an abort, or a detach on SIGTERM), tags a
+  fetch still delivers are not started: the kernel reissues or fails them
+  when /dev/ublkcN closes, and the target's final write-back (``drain``)
+  comes after the last request the worker answered.
 
 Facts from the kernel (drivers/block/ublk_drv.c, Linux 7.2):
 
@@ -25,8 +29,10 @@ Facts from the kernel (drivers/block/ublk_drv.c, Linux 7.2):
 - COMMIT walks the elements in order and stops at the first one it refuses
   (e.g. -EBUSY: the tag is not owned by the server). It returns the bytes it
   processed, or that element's error when it is the first. So the element at
-  the stop point is the bad one: it is dropped (and reported), and the ones
-  after it are sent again; sending it again would fail the same way forever.
+  the stop point is the bad one, and the ones after it are sent again.
+  Sending the bad one again as it was would fail the same way forever, yet
+  its request (if the tag is ours) waits for an answer: it is answered once
+  more, as failed with EIO; a refused failure is logged as lost.
 - FETCH_IO_CMDS completes with ``res`` bytes of u16 tags in the selected
   provided buffer.
 """
@@ -102,14 +108,15 @@ class Batch:
     def header(self) -> bytes:
         return batch_header(self.q_id, self.flags, self.nr_elem)
 
-    def after(self, res: int) -> tuple[Batch | None, int | None]:
+    def after(self, res: int) -> tuple[Batch | None, tuple[int, int] | None]:
         """Given the kernel's answer, the batch still to send (None when all
-        went through) and the tag it refused (None when none was)."""
+        went through) and the element it refused as (tag, result), or None."""
         size = elem_bytes(self.flags)
         done = res // size if res >= 0 else 0
         if done >= self.nr_elem:
             return None, None
-        refused = self.tags[done]
+        tag, _index, result = _HEADER.unpack_from(self.data, done * size)
+        refused = (tag, result)
         rest = self.tags[done + 1:]
         if not rest:
             return None, refused
@@ -215,16 +222,8 @@ class BatchDriver(Driver):
                     self._send(uapi.IoCmd.PREP_IO_CMDS, b, lambda res, _f: results.append(res))
                     expected += 1
         for qs in self.queues:
-            err = ffi.new("int *")
-            br = lib.aur_buf_ring_setup(self.ring.raw, self.buf_entries, qs.local, err)
-            if br == ffi.NULL:
-                self.failed = err[0]
+            if not self._provide(qs):
                 return
-            qs.buf_ring = br
-            qs.tags_addr = buffer_address(qs.tags_mem)
-            for bid in range(self.buf_entries):
-                self._give_back(qs, bid, bid)
-            lib.aur_buf_ring_advance(br, self.buf_entries)
             for _ in range(self.FETCHES):
                 self._fetch(qs)
         self.ring.submit_now()
@@ -232,6 +231,22 @@ class BatchDriver(Driver):
         if len(results) < expected:
             self.failed = -errno.ETIMEDOUT  # PREP completes inline unless something broke
         self.failed = self.failed or min([0, *results])
+
+    def _provide(self, qs: _QueueState) -> bool:
+        """Register the queue's provided-buffer group (the fetches' tag
+        buffers) and hand every buffer to it; False (``failed`` set) if the
+        ring refused."""
+        err = ffi.new("int *")
+        br = lib.aur_buf_ring_setup(self.ring.raw, self.buf_entries, qs.local, err)
+        if br == ffi.NULL:
+            self.failed = err[0]
+            return False
+        qs.buf_ring = br
+        qs.tags_addr = buffer_address(qs.tags_mem)
+        for bid in range(self.buf_entries):
+            self._give_back(qs, bid, bid)
+        lib.aur_buf_ring_advance(br, self.buf_entries)
+        return True
 
     def _send(self, op: int, b: Batch, handler: Callable[[int, int], None]) -> None:
         data = b.data
@@ -263,14 +278,21 @@ class BatchDriver(Driver):
             tags = fetched_tags(memoryview(qs.tags_mem)[bid * self.buf_bytes:], max(res, 0))
             self._give_back(qs, bid)
             lib.aur_buf_ring_advance(qs.buf_ring, 1)
-            serve = self._serve
-            spawn = self.spawn
-            start = self.start
-            qm, dones = qs.qm, qs.dones
-            qs.stats.started += len(tags)
-            for tag in tags:
-                if not start(qm, tag, dones[tag]):
-                    spawn(serve(qs, tag))
+            if self.stopping:
+                # The worker is ending and the target may be writing back
+                # for the last time: these are left to the kernel, which
+                # reissues (-i 1) or fails them when /dev/ublkcN closes.
+                self.w.log.info("requests left to the kernel at stop", q=qs.qm.q_id,
+                                n=len(tags))
+            else:
+                serve = self._serve
+                spawn = self.spawn
+                start = self.start
+                qm, dones = qs.qm, qs.dones
+                qs.stats.started += len(tags)
+                for tag in tags:
+                    if not start(qm, tag, dones[tag]):
+                        spawn(serve(qs, tag))
         if flags & lib.IORING_CQE_F_MORE:
             return
         self.live -= 1
@@ -317,9 +339,19 @@ class BatchDriver(Driver):
 
     def _on_commit(self, b: Batch, res: int, flags: int) -> None:
         rest, refused = b.after(res)
-        if refused is not None and res != -errno.ENODEV:
-            self.w.log.warning("COMMIT_IO_CMDS refused a tag", q=b.q_id, tag=refused,
-                               res=res if res < 0 else None)
+        if refused is not None and res != -errno.ENODEV:  # (ENODEV: the device is gone)
+            tag, result = refused
+            err = res if res < 0 else None
+            if result >= 0:
+                # the request still waits for an answer: fail it (once)
+                self.w.log.warning("COMMIT_IO_CMDS refused a tag: its request fails",
+                                   q=b.q_id, tag=tag, res=err)
+                qs = next(qs for qs in self.queues if qs.qm.q_id == b.q_id)
+                self._add(qs, tag, -errno.EIO)
+                self.ring.request_flush()
+            else:
+                self.w.log.error("COMMIT_IO_CMDS refused a tag's failure: its request is lost",
+                                 q=b.q_id, tag=tag, res=err, result=result)
         if rest is not None:
             self._send(uapi.IoCmd.COMMIT_IO_CMDS, rest, partial(self._on_commit, rest))
 

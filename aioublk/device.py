@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -274,6 +275,30 @@ class DeviceConfig:
         return batch, flags
 
 
+def target_files(target: Target) -> list[str]:
+    """The files a target serves, as its ``describe`` names them."""
+    d = target.describe()
+    files = d.get("files") or ([d["file"]] if d.get("file") else [])
+    return [str(f) for f in files] if isinstance(files, list) else []
+
+
+def target_fingerprint(target: Target) -> int:
+    """64 bits naming the target's type and its files (device and inode, in
+    order), which ADD_DEV stores in the device's ``ublksrv_flags`` (the
+    kernel keeps that field for the server and never reads it), so that
+    ``recover`` can tell another file from the one the device was added
+    with. Bit 63 is always set: 0 is a device added without one."""
+    ids: list[object] = [target.name]
+    for path in target_files(target):
+        try:
+            st = os.stat(path)
+            ids.append((st.st_dev, st.st_ino))
+        except OSError:
+            ids.append(path)
+    digest = hashlib.blake2b(repr(ids).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | 1 << 63
+
+
 async def settled_info(ctrl: Control, dev_id: int, timeout: float = 5.0) -> uapi.DevInfo:
     """GET_DEV_INFO, after waiting out the moment between a server's exit
     and the kernel's release work, when the device still reads LIVE with
@@ -363,7 +388,8 @@ class Device:
                 want = uapi.DevInfo(
                     nr_hw_queues=cfg.queues, queue_depth=cfg.depth,
                     max_io_buf_bytes=cfg.max_io_size,
-                    dev_id=uapi.DEV_ID_ANY if cfg.dev_id < 0 else cfg.dev_id, flags=flags)
+                    dev_id=uapi.DEV_ID_ANY if cfg.dev_id < 0 else cfg.dev_id, flags=flags,
+                    ublksrv_flags=target_fingerprint(self.target))
                 self.info = await ctrl.add_dev(want)
         except BaseException:
             ctrl.close()
@@ -376,11 +402,7 @@ class Device:
             if not recover:
                 params = self.target.geometry.params(info.max_io_buf_bytes)
                 await ctrl.set_params(info.dev_id, params)
-            else:
-                had = (await ctrl.get_params(info.dev_id)).dev_sectors << 9
-                if had != self.target.geometry.size:
-                    self.log.warning("the target's size differs from the device's",
-                                     device_bytes=had, target_bytes=self.target.geometry.size)
+            self.target.configure(info.flags)
             self._start_workers(info)
             loop = asyncio.get_running_loop()
             for w in self.workers:
@@ -428,6 +450,17 @@ class Device:
             was = uapi.flag_list(info.flags & modes) or "the default copy mode"
             raise UblkError(f"device {dev_id} was added with {was}: recover it with the "
                             "options it was added with")
+        # the next server must serve the same data: same size, same files
+        had = (await ctrl.get_params(dev_id)).dev_sectors << 9
+        size = self.target.geometry.size
+        if had != size:
+            raise UblkError(f"device {dev_id} has {had} bytes, the target {size}: recover it "
+                            "with the file it was added with")
+        if info.ublksrv_flags >> 63 and info.ublksrv_flags != target_fingerprint(self.target):
+            files = " ".join(target_files(self.target)) or "(no file)"
+            raise UblkError(f"device {dev_id} was added with another target type or backing "
+                            f"file than {self.target.name} {files}: recover it with the ones "
+                            "it was added with")
         res = await ctrl.start_user_recovery(dev_id)
         if res == -errno.EBUSY:
             raise UblkError(f"device {dev_id} is still held by its previous server (pid "

@@ -305,7 +305,9 @@ class Driver:
         self.char_fd = worker.char_fd
         self.failed = 0  # the first error the kernel answered an arming command with
         self.inflight = 0  # requests started and not yet answered
-        self.stopping = False  # the kernel aborted a command: serve what is held, then end
+        #: ending (the kernel aborted a command, or a detach began): serve what
+        #: is held, start nothing new, then end
+        self.stopping = False
         self._drained: asyncio.Future[None] | None = None
         self.loop = asyncio.get_running_loop()
 
@@ -534,6 +536,15 @@ class PerIoDriver(Driver):
 
     def _on_cqe(self, slot: int, res: int, flags: int) -> None:
         if res == uapi.IO_RES_OK:
+            if self.stopping:
+                # as on the batch path: once the worker is ending, a new
+                # request is the kernel's to reissue or fail (the tag is
+                # not re-armed)
+                self.w.log.info("request left to the kernel at stop", slot=slot)
+                self.live -= 1
+                if self.live == 0:
+                    self.w.finished()
+                return
             qm, tag = self.slots[slot][:2]
             self.slot_stats[slot].started += 1
             if not self.start(qm, tag, self.dones[slot]):

@@ -14,7 +14,9 @@ io_uring facts this module relies on:
   a Ring lives and dies on one thread and one loop.
 - A buffer handed to the kernel must stay alive until its CQE arrives, even if
   the awaiting coroutine is cancelled: the Ring keeps a reference per in-flight
-  operation, and closing waits (bounded) for the kernel to let go.
+  operation, and closing waits (bounded) for the kernel to let go. What it
+  still holds after that wait may yet be written: those buffers are kept for
+  the life of the process (``_KEPT``), never freed for reuse.
 
 Submissions made during one loop turn are gathered and flushed with one
 ``io_uring_enter`` at the end of the turn (``call_soon``), and completions are
@@ -31,7 +33,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import structlog
+
 from aioublk._uring import ffi, lib
+
+log = structlog.get_logger("aioublk.ring")
 
 CQE = struct.Struct("=QiI")
 _REAP_BATCH = 256
@@ -41,6 +47,9 @@ _iter_cqes = CQE.iter_unpack
 Handler = Callable[[int, int], None]
 
 _local = threading.local()
+
+#: buffers of operations a closed ring left in the kernel (see the module doc)
+_KEPT: list[Any] = []
 
 
 def current_ring() -> Ring:
@@ -390,6 +399,10 @@ class Ring:
                 lib.aur_wait(self._r, 50)
                 lib.aur_wake(self._r)
                 self._reap()
+        if self._keep:
+            log.warning("ring closed with operations in the kernel: their buffers are kept",
+                        n=len(self._keep))
+            _KEPT.extend(self._keep.values())
         for h in self._handlers.values():
             if isinstance(h, asyncio.Future):
                 if not h.done():

@@ -175,6 +175,13 @@ class Target:
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
         raise OSError(errno.EOPNOTSUPP, "write_zeroes not supported")
 
+    def configure(self, device_flags: int) -> None:
+        """Called once before the first request (at start and at recovery)
+        with the device's ``UBLK_F_*`` flags. With ``USER_RECOVERY`` the
+        device outlives this server: a write acknowledged must be found by
+        the next server, so what the target keeps in memory for it has to
+        reach its files (the page cache is enough) before it completes."""
+
     def arming(self, q_id: int, tag: int) -> None:
         """Called on the queue's loop before each tag is armed (at start and
         at recovery): a hook for fault injection, nothing else."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import struct
+from typing import Any
 
 import pytest
 
@@ -67,7 +70,7 @@ def test_full_commit_leaves_nothing() -> None:
 def test_partial_commit_drops_the_refused_element_and_resends_the_rest(flags: int) -> None:
     size = elem_bytes(flags)
     rest, refused = _batch([1, 2, 3, 4, 5], flags).after(2 * size)
-    assert refused == 3
+    assert refused == (3, 103)  # (tag, the result it carried)
     assert rest is not None and rest.tags == [4, 5]
     # the remainder is exactly the original elements 4 and 5, byte for byte
     assert rest.data == _batch([4, 5], flags).data
@@ -76,12 +79,12 @@ def test_partial_commit_drops_the_refused_element_and_resends_the_rest(flags: in
 
 def test_error_on_the_first_element_drops_it() -> None:
     rest, refused = _batch([7, 8]).after(-16)  # -EBUSY
-    assert refused == 7
+    assert refused == (7, 107)
     assert rest is not None and rest.tags == [8]
 
 
 def test_refused_last_element_leaves_nothing_to_resend() -> None:
-    assert _batch([1, 2]).after(8) == (None, 2)
+    assert _batch([1, 2]).after(8) == (None, (2, 102))
 
 
 def test_resubmission_converges() -> None:
@@ -92,7 +95,7 @@ def test_resubmission_converges() -> None:
     while batch is not None:
         batch, bad = batch.after(next(answers, batch.nr_elem * 8))
         if bad is not None:
-            refused.append(bad)
+            refused.append(bad[0])
     assert refused == [3, 4, 5, 7]
 
 
@@ -165,7 +168,7 @@ def test_resolve_refuses_with_one_line(kw: dict[str, object], features: int,
 
     if "copy" in kw:
         kw["copy"] = CopyMode(kw["copy"])
-    cfg = DeviceConfig(**kw)  # type: ignore[arg-type]
+    cfg = DeviceConfig(**kw)
     cfg.validate()
     with pytest.raises(UblkError, match=message) as e:
         cfg.resolve(features)
@@ -209,3 +212,179 @@ def test_fetch_header_is_u16_tags() -> None:
 
     q_id, flags, nr, eb = struct.unpack_from("=HHHB", fetch_header(2, 64))
     assert (q_id, flags, nr, eb) == (2, 0, 64, 2)
+
+
+# -- the driver's bookkeeping, on a real ring but without a device ------------
+
+class _Path:
+    """A copy path that records what the driver starts (fast path and coroutine)."""
+
+    arming = None
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    def start(self, qm: object, tag: int, done: object) -> bool:
+        self.started.append(tag)
+        return False  # on to the coroutine path
+
+    async def serve(self, qm: object, tag: int, index: int) -> int:
+        return 4096
+
+
+def _driver(ring: Any, path: _Path, batch: bool = True) -> Any:
+    """A driver serving queue 0 (depth 8) of no device: its commands go
+    nowhere, what it starts and commits is what the tests look at."""
+    from types import SimpleNamespace
+
+    import structlog
+
+    from aioublk.batch import BatchDriver
+    from aioublk.device import DeviceConfig
+    from aioublk.queue import CopyMode, PerIoDriver, WorkerSpec
+
+    qm = SimpleNamespace(q_id=0, addrs=[0x1000 * (t + 1) for t in range(8)])
+    worker = SimpleNamespace(
+        cfg=DeviceConfig(depth=8), mode=CopyMode.COPY, char_fd=-1,
+        spec=WorkerSpec(0, [(qm, list(range(8)))], set()),
+        log=structlog.get_logger("test"), device_ending=lambda: None, finished=lambda: None)
+    return (BatchDriver if batch else PerIoDriver)(worker, ring, path)
+
+
+def _deliver(driver: Any, tags: list[int]) -> None:
+    """A FETCH_IO_CMDS completion carrying ``tags`` in provided buffer 0."""
+    from aioublk._uring import lib
+
+    qs = driver.queues[0]
+    struct.pack_into(f"={len(tags)}H", qs.tags_mem, 0, *tags)
+    driver._on_fetch(qs, 2 * len(tags),
+                     lib.IORING_CQE_F_BUFFER | lib.IORING_CQE_F_MORE)
+
+
+@pytest.mark.asyncio
+async def test_tags_fetched_after_the_worker_began_stopping_are_not_started() -> None:
+    """Once the worker is stopping (SIGTERM hand-over, detach), a tag a fetch
+    still delivers is left to the kernel (reissued or failed when
+    /dev/ublkcN closes), never served: the target's final write-back would
+    otherwise run before a write it then acknowledges."""
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    try:
+        path = _Path()
+        driver = _driver(ring, path)
+        qs = driver.queues[0]
+        assert driver._provide(qs)
+        _deliver(driver, [1, 2])
+        assert path.started == [1, 2]
+        await asyncio.sleep(0)  # the two requests run and are answered
+        assert driver.inflight == 0 and len(qs.builder) == 2
+        qs.builder.take()
+
+        await driver.drain()  # the worker begins stopping
+        _deliver(driver, [3, 4])
+        await asyncio.sleep(0)
+        assert path.started == [1, 2], "a tag was started after the worker began stopping"
+        assert driver.inflight == 0 and len(qs.builder) == 0
+    finally:
+        ring.close()
+        driver.close()
+
+
+@pytest.mark.asyncio
+async def test_per_io_requests_arriving_after_the_worker_began_stopping_are_not_started(
+        ) -> None:
+    """The same on the per-I/O path (a detach after a failed QUIESCE_DEV):
+    a request the kernel hands a re-armed tag once the worker is stopping
+    is left to the kernel."""
+    from aioublk import uapi
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    try:
+        path = _Path()
+        driver = _driver(ring, path, batch=False)
+        driver._on_cqe(1, uapi.IO_RES_OK, 0)
+        await asyncio.sleep(0)
+        assert path.started == [1] and driver.inflight == 0
+        await driver.drain()
+        driver._on_cqe(2, uapi.IO_RES_OK, 0)
+        await asyncio.sleep(0)
+        assert path.started == [1], "a request was started after the worker began stopping"
+        assert driver.inflight == 0
+    finally:
+        ring.close()
+
+
+def _elements(b: Batch) -> list[tuple[int, int]]:
+    size = elem_bytes(b.flags)
+    return [uapi.ELEM_HEADER.unpack_from(b.data, i * size)[::2] for i in range(b.nr_elem)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("after_one", [False, True], ids=["first", "second"])
+async def test_a_refused_commit_element_fails_its_request(after_one: bool) -> None:
+    """COMMIT_IO_CMDS stops at the first element it refuses: that request
+    would wait forever, so it is answered again as failed (EIO), once; a
+    refused failure is logged as lost. (The kernel answers with the error of
+    a refused first element, or else with the bytes it processed before.)"""
+    from structlog.testing import capture_logs
+
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    try:
+        driver = _driver(ring, _Path())
+        qs = driver.queues[0]
+        sent: list[list[tuple[int, int]]] = []
+
+        def kernel(op: int, b: Batch, handler: Any) -> None:
+            elements = _elements(b)
+            sent.append(elements)
+            # refuses tag 3 wherever it is, takes every other element
+            tags = [t for t, _r in elements]
+            if 3 not in tags:
+                handler(len(elements) * elem_bytes(b.flags), 0)
+            else:
+                at = tags.index(3)
+                handler(at * elem_bytes(b.flags) if at else -errno.EINVAL, 0)
+
+        driver._send = kernel
+        if after_one:
+            driver._answer(qs, 1, 512)
+        driver._answer(qs, 3, 4096)
+        driver._answer(qs, 5, 1024)
+        with capture_logs() as logs:
+            for _ in range(3):
+                await asyncio.sleep(0)
+        first = [(1, 512)] if after_one else []
+        assert sent == [[*first, (3, 4096), (5, 1024)], [(5, 1024)], [(3, -errno.EIO)]], sent
+        assert [e["event"] for e in logs] == [
+            "COMMIT_IO_CMDS refused a tag: its request fails",
+            "COMMIT_IO_CMDS refused a tag's failure: its request is lost"], logs
+    finally:
+        ring.close()
+        driver.close()
+
+
+@pytest.mark.asyncio
+async def test_a_commit_refused_because_the_device_is_gone_is_not_retried() -> None:
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    try:
+        driver = _driver(ring, _Path())
+        sent: list[list[tuple[int, int]]] = []
+
+        def kernel(op: int, b: Batch, handler: Any) -> None:
+            sent.append(_elements(b))
+            handler(-errno.ENODEV, 0)
+
+        driver._send = kernel
+        driver._answer(driver.queues[0], 3, 4096)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert sent == [[(3, 4096)]]  # (the rest of an aborted queue goes the same way)
+    finally:
+        ring.close()
+        driver.close()

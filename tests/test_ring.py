@@ -120,6 +120,41 @@ async def test_close_with_io_in_flight_settles_everything() -> None:
         os.close(wfd)
 
 
+async def test_close_keeps_the_buffers_of_operations_the_kernel_still_holds() -> None:
+    """Past its timeout, close gives up waiting for the kernel, which may
+    still write into the buffers of what it holds (an uncancellable ublk
+    command, a read stuck in a device): those buffers are kept for the
+    life of the process, with a log line, never freed for reuse."""
+    import gc
+    import weakref
+
+    from structlog.testing import capture_logs
+
+    class Buf(bytearray):  # (a bytearray cannot be weakly referenced)
+        pass
+
+    ring = Ring(16)
+    rfd, wfd = os.pipe()
+    try:
+        buf = Buf(8)
+        kept = weakref.ref(buf)
+        fut = ring._op(lib.IORING_OP_READ, rfd, keep=buf, addr=buffer_address(buf),
+                       length=8, offset=-1 & 0xFFFF_FFFF_FFFF_FFFF)
+        await asyncio.sleep(0.05)
+        with capture_logs() as logs:
+            ring.close(timeout=0)  # no time to see the cancel complete
+        assert fut.done()
+        del buf, fut
+        gc.collect()
+        assert kept() is not None, "a buffer the kernel may still write was freed"
+        assert [e["event"] for e in logs] == ["ring closed with operations in the kernel: "
+                                              "their buffers are kept"], logs
+        assert logs[0]["n"] == 1
+    finally:
+        os.close(rfd)
+        os.close(wfd)
+
+
 async def test_current_ring_is_per_thread(ring: Ring) -> None:
     assert current_ring() is ring
     seen: list[object] = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from aioublk import uapi
 from aioublk.qcow2 import Qcow2Image
 from aioublk.target import Done, Geometry, Target
 
@@ -27,6 +28,12 @@ class Qcow2Target(Target):
             discard=not read_only, discard_granularity=max(cs, 4096),
             write_zeroes=not read_only, io_opt=max(cs, 4096))
         self._closed = False
+
+    def configure(self, device_flags: int) -> None:
+        # the engine keeps L2 and refcount changes in memory until a FLUSH: a
+        # device that outlives us needs them in the file before a write completes
+        if device_flags & uapi.Feature.USER_RECOVERY:
+            self.image.metadata_write_through = True
 
     async def read(self, offset: int, buf: memoryview) -> None:
         await self.image.read(offset, buf)
@@ -66,4 +73,5 @@ class Qcow2Target(Target):
         h = self.image.h
         return {"target": self.name, "size": self.geometry.size, "file": self.image.path,
                 "cluster_size": self.image.cluster_size, "version": h.version,
-                "backing": h.backing_file}
+                "backing": h.backing_file,
+                "metadata_write_through": self.image.metadata_write_through}
