@@ -389,7 +389,7 @@ async def run_device(target: Target, cfg: DeviceConfig,
             await dev.quiesce()  # (falls back to detaching: never raises once started)
         else:
             await dev.stop()
-        return 0
+        return 0 if dev.write_back_error is None else 1  # (the worker logged it)
     finally:
         target.close()
 

@@ -507,6 +507,12 @@ class Device:
                 row["inflight"] += max(started - ios, 0)
         return [rows[q] for q in sorted(rows)]
 
+    @property
+    def write_back_error(self) -> Exception | None:
+        """Why the target's final write-back failed (data it acknowledged may
+        be lost), once the queues have ended; None if it did not."""
+        return next((w.drain_error for w in self.workers if w.drain_error is not None), None)
+
     async def wait(self) -> None:
         """Until every queue has ended (the device was stopped or deleted)."""
         loop = asyncio.get_running_loop()
@@ -586,3 +592,7 @@ class Device:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+        err = self.write_back_error
+        if err is not None and exc[0] is None:
+            raise UblkError(f"device {self.id}: the target's final write-back failed ({err}): "
+                            "data it acknowledged may be lost") from err

@@ -379,6 +379,7 @@ class Worker:
         self.batch = batch
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        self.drain_error: Exception | None = None  # the target's final write-back failed
         self.driver: Driver | None = None  # while serving (stats)
         self.thread = threading.Thread(target=self._run, name=f"ublk{cfg.dev_id}w{spec.index}",
                                        daemon=True)
@@ -452,8 +453,10 @@ class Worker:
             await driver.drain()
             try:
                 await self.target.drain()
-            except Exception as e:  # noqa: BLE001 - the device is going away anyway
-                self.log.error("target drain failed", error=str(e))
+            except Exception as e:  # noqa: BLE001 - reported through the device
+                self.drain_error = e
+                self.log.error("the target's final write-back failed: data it acknowledged "
+                               "may be lost", error=str(e))
         finally:
             # Stopping, the requests are drained: what is left are ublk
             # commands (re-armed fetches after a quiesce), which io_uring's

@@ -48,7 +48,8 @@ class _Served:
 
 def main(path: str, *, verbose: bool = False) -> int:
     """The CLI's ``serve``: exit status 0 after a clean stop, 1 on a bad config
-    or a device that could not start (one line on stderr either way)."""
+    or a device that could not start (one line on stderr either way), or when
+    a target's final write-back failed (logged)."""
     try:
         cfg = load(path)
     except ConfigError as e:
@@ -168,7 +169,8 @@ async def _run(served: list[_Served], stop: asyncio.Event, stats_interval: float
     ok = await asyncio.gather(*(_finish(s, quiesce=s.spec.on_stop == "quiesce")
                                 for s in live.values()))
     await asyncio.gather(*waits)
-    return 0 if all(ok) else 1
+    lost = [s for s in served if s.dev.write_back_error is not None]  # (workers logged it)
+    return 0 if all(ok) and not lost else 1
 
 
 async def _finish(s: _Served, *, quiesce: bool) -> bool:

@@ -10,6 +10,7 @@ this process and call ``aioublk.serve.main`` (the same code, without the
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import select
@@ -24,6 +25,7 @@ import pytest
 
 from aioublk import stats
 from aioublk.device import Control
+from aioublk.targets.null import NullTarget
 from tests import kernel
 from tests.kernel import DevListing, fio, listing, make_file, parse_list, run
 from tests.qcow2_util import check_clean
@@ -259,4 +261,27 @@ def test_quiesce_on_sigterm_then_reattach(tmp_path: Path) -> None:
         assert second.terminate() == 0, second.stderr()
     finally:
         second.close()
+    assert listing() == []
+
+
+class DrainFails(NullTarget):
+    """A target whose final write-back fails, as a cached target's does when
+    its storage has gone bad: the data it held is lost."""
+
+    async def drain(self) -> None:
+        raise OSError(errno.EIO, "the storage went away")
+
+
+def test_failed_final_write_back_reaches_the_exit_status(tmp_path: Path) -> None:
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'[[devices]]\ntarget = "{__name__}:DrainFails"\nid = 4\n')
+    srv = Server(cfg)
+    try:
+        srv.devices(1)
+        assert srv.terminate() == 1, srv.stderr()
+    finally:
+        srv.close()
+    err = srv.stderr()
+    assert "final write-back failed" in err and "the storage went away" in err, err
+    assert "dev=4" in err, err
     assert listing() == []
