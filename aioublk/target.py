@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +110,20 @@ Buffer = memoryview | FixedBuf
 Done = Callable[[int], None]
 
 log = structlog.get_logger("aioublk.target")
+
+
+async def gather_all(aws: Sequence[Awaitable[int]]) -> list[int]:
+    """Await every one of ``aws`` (backend I/O on one request's buffer), then
+    raise the first error if any failed. ``asyncio.gather`` raises as soon as
+    one fails while the others still run; a request answered then lets the
+    kernel reuse its buffer under a straggling read."""
+    if len(aws) == 1:
+        return [await aws[0]]
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]  # no exception left: all ints
 
 
 def rw_handler(n: int, done: Done,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.ring import Ring
+from aioublk.target import FixedBuf
 from aioublk.targets import BackingError, LoopTarget, StripeTarget
 from aioublk.targets.stripe import split
 
@@ -163,3 +165,46 @@ def test_device_refuses_flags_it_cannot_serve() -> None:
     DeviceConfig(flags=uapi.Feature.NO_AUTO_PART_SCAN).validate()
     with pytest.raises(UblkError, match="UBLK_F_USER_COPY"):
         DeviceConfig(flags=uapi.Feature.USER_COPY).validate()
+
+
+class _LegRing:
+    """A ring whose reads on one fd fail at once and on the others finish
+    later: what a dying disk next to a slow one looks like to a stripe."""
+
+    def __init__(self, bad_fd: int) -> None:
+        self.bad_fd = bad_fd
+        self.slow_done = False
+
+    async def _leg(self, fd: int, n: int) -> int:
+        if fd == self.bad_fd:
+            raise OSError(5, "leg failed")
+        await asyncio.sleep(0.2)
+        self.slow_done = True  # the kernel's buffer is written until here
+        return n
+
+    async def readv(self, fd: int, bufs: list[memoryview], off: int) -> int:
+        return await self._leg(fd, sum(len(b) for b in bufs))
+
+    async def read_fixed(self, fd: int, addr: int, n: int, off: int, index: int) -> int:
+        return await self._leg(fd, n)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fixed", [False, True], ids=["copy", "fixed"])
+async def test_stripe_failing_leg_waits_for_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixed: bool) -> None:
+    """A request whose first leg fails is answered only after every other leg
+    has stopped writing into the request's buffer (the kernel reuses it)."""
+    paths = [tmp_path / f"s{i}" for i in range(2)]
+    for p in paths:
+        p.write_bytes(bytes(256 * K))
+    t = StripeTarget([str(p) for p in paths], chunk_size=4096)
+    try:
+        fake = _LegRing(t.files[0].fd)
+        monkeypatch.setattr("aioublk.targets.stripe.current_ring", lambda: fake)
+        buf = FixedBuf(0, 0, 16 * K) if fixed else aligned(16 * K)
+        with pytest.raises(OSError, match="leg failed"):
+            await t.read(0, buf)
+        assert fake.slow_done, "answered while a leg was still reading into the buffer"
+    finally:
+        t.close()

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable
 
 from aioublk.ring import current_ring
-from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, rw_handler
+from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, gather_all, rw_handler
 from aioublk.targets.backing import Backing, BackingError
 
 MAX_FILES = 4
@@ -76,7 +76,7 @@ class StripeTarget(Target):
             bufs = [buf[s:s + n] for s, n in pieces]
             ops.append(ring.writev(fd, bufs, file_off) if write
                        else ring.readv(fd, bufs, file_off))
-        results = await asyncio.gather(*ops) if len(ops) > 1 else [await ops[0]]
+        results = await gather_all(ops)  # every leg done before the buffer is let go
         for (f, (_off, pieces)), n in zip(parts.items(), results, strict=True):
             want = sum(p[1] for p in pieces)
             if n != want:
@@ -95,7 +95,7 @@ class StripeTarget(Target):
         for s, n in pieces:
             ops.append(op(fd, buf.offset + s, n, pos, buf.index))
             pos += n
-        return sum(await asyncio.gather(*ops))  # short only if some piece was short
+        return sum(await gather_all(ops))  # short only if some piece was short
 
     def _one_file(self, offset: int, n: int) -> tuple[int, int] | None:
         """(fd, file offset) when [offset, offset+n) lies in one chunk."""
