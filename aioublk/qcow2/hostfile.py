@@ -10,6 +10,7 @@ import os
 import stat
 from typing import Any
 
+from aioublk import locking
 from aioublk.qcow2.format import Qcow2Error
 from aioublk.ring import buffer_address, current_ring
 
@@ -49,6 +50,11 @@ class HostFile:
             except OSError as e:
                 raise Qcow2Error(f"cannot open {path}: {e.strerror}") from None
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
+        try:  # before the first byte is read: QEMU's locks (read-only for backing files)
+            locking.lock(self.fd, path, write=not read_only)
+        except locking.InUse as e:
+            self.close()
+            raise Qcow2Error(str(e)) from None
 
     # --- synchronous, for open
     def pread(self, offset: int, length: int) -> bytes:

@@ -15,6 +15,7 @@ import stat
 import struct
 from dataclasses import dataclass
 
+from aioublk import locking
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, FixedBuf
 
@@ -62,6 +63,11 @@ class Backing:
                 fd = os.open(path, mode | os.O_CLOEXEC)
             except OSError as e:
                 raise BackingError(f"cannot open backing file {path}: {e.strerror}") from None
+        try:
+            locking.lock(fd, path, write=not read_only)
+        except locking.InUse as e:
+            os.close(fd)
+            raise BackingError(str(e)) from None
         is_block = stat.S_ISBLK(st.st_mode)
         if is_block:
             size = struct.unpack("Q", fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8))[0]
