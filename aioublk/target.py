@@ -120,10 +120,14 @@ async def gather_all(aws: Sequence[Awaitable[int]]) -> list[int]:
     if len(aws) == 1:
         return [await aws[0]]
     results = await asyncio.gather(*aws, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results  # type: ignore[return-value]  # no exception left: all ints
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is None:
+        return results  # type: ignore[return-value]  # no exception: all ints
+    try:
+        raise error
+    finally:  # no cycle error -> traceback -> this frame -> error: the frames of the
+        del error, results  # I/O hold cffi views of the request's buffer
+
 
 
 def rw_handler(n: int, done: Done,
