@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import mmap
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from aioublk.qcow2.hostfile import HostFile
 from aioublk.ring import Ring
 from aioublk.target import FixedBuf
 from aioublk.targets import BackingError, LoopTarget, StripeTarget
@@ -208,3 +210,82 @@ async def test_stripe_failing_leg_waits_for_the_others(
         assert fake.slow_done, "answered while a leg was still reading into the buffer"
     finally:
         t.close()
+
+
+def _direct_refuses_unaligned(path: Path) -> None:
+    """The file system under ``path`` must enforce O_DIRECT alignment (a real
+    refusal, no stub): a 512-byte read at offset 100 fails with EINVAL."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        os.preadv(fd, [aligned(512)], 100)
+    except OSError as e:
+        assert e.errno == errno.EINVAL, e
+    else:
+        pytest.fail(f"the file system of {path} takes unaligned O_DIRECT I/O: these tests "
+                    "need one that refuses it (ext4, xfs)")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_loop_falls_back_to_buffered_when_direct_io_is_refused(
+        ring: Ring, tmp_path: Path) -> None:
+    path = tmp_path / "disk"
+    path.write_bytes(bytes(1 << 20))
+    _direct_refuses_unaligned(path)
+    t = LoopTarget(str(path))
+    try:
+        assert t.backing.direct
+        data = aligned(os.urandom(512))
+        await t.write(100, data)  # refused by O_DIRECT: retried buffered, once
+        assert not t.backing.direct
+        assert t.geometry.logical_block_size == t.backing.align.offset  # what statx said
+        back = aligned(512)
+        await t.read(100, back)
+        assert back == data
+    finally:
+        t.close()
+    assert path.read_bytes()[100:612] == data
+
+
+@pytest.mark.asyncio
+async def test_stripe_falls_back_to_buffered_when_direct_io_is_refused(
+        ring: Ring, tmp_path: Path) -> None:
+    paths = [tmp_path / f"s{i}" for i in range(2)]
+    for p in paths:
+        p.write_bytes(bytes(256 * K))
+    _direct_refuses_unaligned(paths[0])
+    t = StripeTarget([str(p) for p in paths], chunk_size=4096)
+    try:
+        data = aligned(os.urandom(8192))
+        await t.write(100, data)
+        assert not any(b.direct for b in t.files)
+        back = aligned(8192)
+        await t.read(100, back)
+        assert back == data
+    finally:
+        t.close()
+
+
+@pytest.mark.asyncio
+async def test_qcow2_host_file_falls_back_to_buffered(ring: Ring, tmp_path: Path) -> None:
+    """HostFile: a misaligned buffer is bounced; a request O_DIRECT refuses
+    for its offset makes the file buffered; neither is retried the same way."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(64 * K))
+    _direct_refuses_unaligned(path)
+    f = HostFile(str(path), read_only=False, direct=True)
+    try:
+        assert f.direct
+        odd = memoryview(bytearray(513))[1:]  # misaligned memory, aligned offset
+        odd[:] = b"\x11" * 512
+        await asyncio.wait_for(f.write(odd, 4096), 5)
+        assert f.direct, "a bounce is enough here"
+        await asyncio.wait_for(f.write(aligned(b"\x22" * 512), 100), 5)
+        assert not f.direct
+        back = aligned(1024)
+        await f.read_into(back, 4096 - 512)
+        assert back == bytes(512) + b"\x11" * 512
+        assert f.pread(100, 512) == b"\x22" * 512
+    finally:
+        f.close()

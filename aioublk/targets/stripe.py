@@ -11,7 +11,7 @@ from collections.abc import Awaitable
 
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, gather_all, rw_handler
-from aioublk.targets.backing import Backing, BackingError
+from aioublk.targets.backing import Backing, BackingError, fit_geometry
 
 MAX_FILES = 4
 
@@ -61,10 +61,19 @@ class StripeTarget(Target):
         except BaseException:
             self.close()
             raise
-        self.geometry = Geometry(size=sizes[0] * len(self.files), volatile_cache=True,
-                                 dma_alignment=511)
+        self.geometry = fit_geometry(Geometry(size=sizes[0] * len(self.files),
+                                              volatile_cache=True), self.files)
 
     async def _rw(self, offset: int, buf: Buffer, write: bool) -> None:
+        try:
+            await self._rw_once(offset, buf, write)
+        except OSError as e:  # O_DIRECT refusing it? Then buffered, and once more
+            what = f"a {'write' if write else 'read'} of {len(buf)} bytes at {offset}"
+            if not [b for b in self.files if b.refused(e, what)]:
+                raise
+            await self._rw_once(offset, buf, write)
+
+    async def _rw_once(self, offset: int, buf: Buffer, write: bool) -> None:
         ring = current_ring()
         parts = split(offset, len(buf), self.chunk, len(self.files))
         ops: list[Awaitable[int]] = []
