@@ -114,6 +114,17 @@ def in_use(path: str) -> bool:
         os.close(fd)
 
 
+def wait_released(path: str, timeout: float = 10.0) -> bool:
+    """Wait until no process holds ``path``'s lock bytes (``in_use``);
+    whether that happened within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while in_use(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def conflict(fd: int, used: int, shared: int) -> bool:
     """Take the bytes for (used, shared) on ``fd``; whether another opener
     conflicts with them."""

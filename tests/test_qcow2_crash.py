@@ -37,9 +37,7 @@ def test_kill_during_random_writes(tmp_path: Path, opts: str) -> None:
         time.sleep(rnd.uniform(0.05, 0.6))
         child.kill()
         child.wait()
-        deadline = time.monotonic() + 10  # until the dead ring's last I/O is done
-        while locking.in_use(str(img)) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        locking.wait_released(str(img))  # the dead ring's last I/O is done
         check = subprocess.run(["qemu-img", "check", str(img)], capture_output=True, text=True)
         assert check.returncode in (0, 3), \
             f"run {run}: qemu-img check exit {check.returncode}:\n{check.stdout}{check.stderr}"
