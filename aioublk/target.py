@@ -130,16 +130,19 @@ async def gather_all(aws: Sequence[Awaitable[int]]) -> list[int]:
 
 
 
-def rw_handler(n: int, done: Done,
-               retry: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[int, int], None]:
+def rw_handler(n: int, done: Done, retry: Callable[[], Coroutine[Any, Any, None]],
+               refused: Callable[[], object] | None = None) -> Callable[[int, int], None]:
     """The CQE handler of a fast-path read/write of ``n`` bytes: a full result
     or an error goes straight to ``done``; anything else (a short transfer,
     O_DIRECT refusing an unaligned buffer) runs ``retry``, the coroutine path,
-    as a task."""
+    as a task. ``refused`` is called first on EINVAL (a target's chance to
+    stop using O_DIRECT, so the retry is not the same request again)."""
     def on_cqe(res: int, flags: int) -> None:
         if res == n or (res < 0 and res not in (-errno.EINVAL, -errno.EAGAIN)):
             done(res)
         else:
+            if res == -errno.EINVAL and refused is not None:
+                refused()
             asyncio.get_running_loop().create_task(_retried(retry, n, done))
     return on_cqe
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import mmap
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -289,3 +291,42 @@ async def test_qcow2_host_file_falls_back_to_buffered(ring: Ring, tmp_path: Path
         assert f.pread(100, 512) == b"\x22" * 512
     finally:
         f.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["loop", "stripe"])
+async def test_fast_path_refused_by_direct_io_is_retried_buffered_once(
+        ring: Ring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A fast-path request O_DIRECT refuses is submitted once more, buffered:
+    not again direct (the same way) before that."""
+    paths = [tmp_path / f"f{i}" for i in range(2)]
+    for p in paths:
+        p.write_bytes(bytes(256 * K))
+    _direct_refuses_unaligned(paths[0])
+    t = LoopTarget(str(paths[0])) if kind == "loop" else StripeTarget([str(p) for p in paths],
+                                                                       chunk_size=4096)
+    submitted: list[bool] = []  # O_DIRECT on the fd at each submission
+    real_rw, real_writev = ring.submit_rw, ring.writev
+
+    def direct(fd: int) -> bool:
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+    def rw(op: int, fd: int, *args: Any) -> None:
+        submitted.append(direct(fd))
+        real_rw(op, fd, *args)
+
+    async def writev(fd: int, bufs: list[memoryview], off: int) -> int:
+        submitted.append(direct(fd))
+        return await real_writev(fd, bufs, off)
+
+    monkeypatch.setattr(ring, "submit_rw", rw)
+    monkeypatch.setattr(ring, "writev", writev)
+    try:
+        result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        data = aligned(os.urandom(512))
+        assert t.start_write(100, data, result.set_result)
+        assert await asyncio.wait_for(result, 5) == 512
+        assert submitted == [True, False]
+    finally:
+        t.close()
+    assert paths[0].read_bytes()[100:612] == data

@@ -99,6 +99,10 @@ class Backing:
             self.direct = False
             directio.make_buffered(self.fd, self.path, why)
 
+    def einval(self, what: str) -> Callable[[], bool]:
+        """For ``rw_handler``: an EINVAL of the fast path makes the file buffered."""
+        return lambda: self.refused(OSError(errno.EINVAL, what), what)
+
     def refused(self, e: OSError, what: str) -> bool:
         """Whether a failed I/O may be O_DIRECT refusing it; if so the file is
         buffered from now on (a log line) and the caller retries, once."""

@@ -28,12 +28,14 @@ class LoopTarget(Target):
 
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
         current_ring().start_read(self.backing.fd, buf, offset,
-                                  rw_handler(len(buf), done, lambda: self.read(offset, buf)))
+                                  rw_handler(len(buf), done, lambda: self.read(offset, buf),
+                                             self.backing.einval("a read")))
         return True
 
     def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
         current_ring().start_write(self.backing.fd, buf, offset,
-                                   rw_handler(len(buf), done, lambda: self.write(offset, buf)))
+                                   rw_handler(len(buf), done, lambda: self.write(offset, buf),
+                                              self.backing.einval("a write")))
         return True
 
     async def flush(self) -> None:

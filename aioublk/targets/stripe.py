@@ -106,28 +106,32 @@ class StripeTarget(Target):
             pos += n
         return sum(await gather_all(ops))  # short only if some piece was short
 
-    def _one_file(self, offset: int, n: int) -> tuple[int, int] | None:
-        """(fd, file offset) when [offset, offset+n) lies in one chunk."""
+    def _one_file(self, offset: int, n: int) -> tuple[Backing, int] | None:
+        """(file, offset in it) when [offset, offset+n) lies in one chunk."""
         idx, within = divmod(offset, self.chunk)
         if within + n > self.chunk:
             return None
         nr = len(self.files)
-        return self.files[idx % nr].fd, (idx // nr) * self.chunk + within
+        return self.files[idx % nr], (idx // nr) * self.chunk + within
 
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
         where = self._one_file(offset, len(buf))
         if where is None:
             return False
-        current_ring().start_read(where[0], buf, where[1],
-                                  rw_handler(len(buf), done, lambda: self.read(offset, buf)))
+        f, file_off = where
+        current_ring().start_read(f.fd, buf, file_off,
+                                  rw_handler(len(buf), done, lambda: self.read(offset, buf),
+                                             f.einval("a read")))
         return True
 
     def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
         where = self._one_file(offset, len(buf))
         if where is None:
             return False
-        current_ring().start_write(where[0], buf, where[1],
-                                   rw_handler(len(buf), done, lambda: self.write(offset, buf)))
+        f, file_off = where
+        current_ring().start_write(f.fd, buf, file_off,
+                                   rw_handler(len(buf), done, lambda: self.write(offset, buf),
+                                              f.einval("a write")))
         return True
 
     async def read(self, offset: int, buf: Buffer) -> None:
