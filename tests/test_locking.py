@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -199,3 +200,22 @@ def test_config_force_share_key(tmp_path: Path) -> None:
     spec = load(str(cfg)).devices[0]
     with qemu_io(img), held(spec.build_target()):
         assert spec.force_share
+
+
+def test_qemu_nbd_server_refuses_aioublk(tmp_path: Path) -> None:
+    img = qcow2(tmp_path / "x.qcow2")
+    sock = tmp_path / "nbd.sock"
+    nbd = subprocess.Popen(["qemu-nbd", "-f", "qcow2", "-k", str(sock), img],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():  # qemu-nbd opens the image before it listens
+            assert nbd.poll() is None and time.monotonic() < deadline, nbd.stderr
+            time.sleep(0.05)
+        with pytest.raises(Qcow2Error, match=IN_USE):
+            Qcow2Target(img)
+    finally:
+        nbd.terminate()
+        nbd.wait(timeout=30)
+    with held(Qcow2Target(img)):
+        pass
