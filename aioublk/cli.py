@@ -93,6 +93,8 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="loop/stripe/qcow2: do not use O_DIRECT on the backing files")
     add.add_argument("--read-only", "--read_only", dest="read_only", action="store_true",
                      help="loop/qcow2: serve the file read-only")
+    add.add_argument("--force-share", "-U", dest="force_share", action="store_true",
+                     help="with --read-only: serve files QEMU or others may be writing")
     add.add_argument("--l2-cache", dest="l2_cache", type=int, default=None,
                      help="qcow2: L2 cache bytes (default: map the whole disk, up to 32 MiB)")
     add.add_argument("--allow-backing", dest="allow_backing", action="append", default=[],
@@ -335,7 +337,7 @@ def make_target(args: argparse.Namespace) -> Target:
                   "buffered": args.buffered, "allow_backing": args.allow_backing,
                   "backing_format": args.backing_format},
     }[name]
-    return build_target(name, options, read_only=args.read_only)
+    return build_target(name, options, read_only=args.read_only, force_share=args.force_share)
 
 
 def device_config(args: argparse.Namespace) -> DeviceConfig:

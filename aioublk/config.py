@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aioublk import uapi
+from aioublk import locking, uapi
 from aioublk.device import DeviceConfig, UblkError
 from aioublk.queue import CopyMode
 from aioublk.target import Target
@@ -48,7 +48,7 @@ TARGET_OPTIONS = {
 }
 DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fallback",
                "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
-               "physical_block_size", "read_only", "options")
+               "physical_block_size", "read_only", "force_share", "options")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+)\s*([KMGT]?)\s*", re.IGNORECASE)
 
@@ -82,6 +82,7 @@ class DeviceSpec:
     recovery: str = "none"
     on_stop: str = "delete"
     read_only: bool = False
+    force_share: bool = False      # read-only: let QEMU or others write meanwhile
     logical_block_size: int | None = None
     physical_block_size: int | None = None
 
@@ -93,7 +94,8 @@ class DeviceSpec:
 
     def build_target(self) -> Target:
         """The target, with this device's read-only flag and block sizes."""
-        target = build_target(self.target, self.options, read_only=self.read_only)
+        target = build_target(self.target, self.options, read_only=self.read_only,
+                              force_share=self.force_share)
         geo = target.geometry
         lbs = self.logical_block_size or geo.logical_block_size
         pbs = self.physical_block_size or geo.physical_block_size
@@ -128,10 +130,19 @@ def parse_size(value: int | str) -> int:
     return int(m[1]) * _UNITS[m[2].upper()]
 
 
-def build_target(kind: str, options: dict[str, Any], *, read_only: bool = False) -> Target:
+def build_target(kind: str, options: dict[str, Any], *, read_only: bool = False,
+                 force_share: bool = False) -> Target:
     """The target ``kind`` ("loop", ..., or "pkg.module:Class") made from
-    checked ``options`` (sizes in bytes). Raises the target's own errors
-    (BackingError, Qcow2Error, UblkError, OSError...)."""
+    checked ``options`` (sizes in bytes), its files locked as QEMU locks
+    them (``force_share``: read-only, sharing with writers). Raises the
+    target's own errors (BackingError, Qcow2Error, UblkError, OSError...)."""
+    if force_share and not read_only:
+        raise UblkError("force_share needs read_only: a writer never shares its files")
+    with locking.force_share(force_share):
+        return _build_target(kind, options, read_only)
+
+
+def _build_target(kind: str, options: dict[str, Any], read_only: bool) -> Target:
     o = options
     if kind == "null":
         from aioublk.targets import NullTarget
@@ -275,8 +286,13 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
         raise _Invalid(key("physical_block_size"), f"{pbs} is smaller than "
                        f"logical_block_size {lbs}: use {lbs} or more")
     options = _options(kind, raw.get("options", {}), key("options"), base)
+    read_only = _bool(raw.get("read_only", False), key("read_only"))
+    force_share = _bool(raw.get("force_share", False), key("force_share"))
+    if force_share and not read_only:
+        raise _Invalid(key("force_share"), "needs read_only = true (a writer never shares "
+                       "its files)")
     return DeviceSpec(at, kind, options, cfg, recovery=recovery, on_stop=on_stop,
-                      read_only=_bool(raw.get("read_only", False), key("read_only")),
+                      read_only=read_only, force_share=force_share,
                       logical_block_size=lbs, physical_block_size=pbs)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,16 +112,37 @@ Done = Callable[[int], None]
 log = structlog.get_logger("aioublk.target")
 
 
-def rw_handler(n: int, done: Done,
-               retry: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[int, int], None]:
+async def gather_all(aws: Sequence[Awaitable[int]]) -> list[int]:
+    """Await every one of ``aws`` (backend I/O on one request's buffer), then
+    raise the first error if any failed. ``asyncio.gather`` raises as soon as
+    one fails while the others still run; a request answered then lets the
+    kernel reuse its buffer under a straggling read."""
+    if len(aws) == 1:
+        return [await aws[0]]
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is None:
+        return results  # type: ignore[return-value]  # no exception: all ints
+    try:
+        raise error
+    finally:  # no cycle error -> traceback -> this frame -> error: the frames of the
+        del error, results  # I/O hold cffi views of the request's buffer
+
+
+
+def rw_handler(n: int, done: Done, retry: Callable[[], Coroutine[Any, Any, None]],
+               refused: Callable[[], object] | None = None) -> Callable[[int, int], None]:
     """The CQE handler of a fast-path read/write of ``n`` bytes: a full result
     or an error goes straight to ``done``; anything else (a short transfer,
     O_DIRECT refusing an unaligned buffer) runs ``retry``, the coroutine path,
-    as a task."""
+    as a task. ``refused`` is called first on EINVAL (a target's chance to
+    stop using O_DIRECT, so the retry is not the same request again)."""
     def on_cqe(res: int, flags: int) -> None:
         if res == n or (res < 0 and res not in (-errno.EINVAL, -errno.EAGAIN)):
             done(res)
         else:
+            if res == -errno.EINVAL and refused is not None:
+                refused()
             asyncio.get_running_loop().create_task(_retried(retry, n, done))
     return on_cqe
 

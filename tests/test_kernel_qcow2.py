@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from aioublk import locking
 from aioublk.device import UblkError
 from tests import kernel
 from tests.kernel import add, delete, run, start_server, tail
@@ -89,7 +90,9 @@ def compressible(seed: int, n: int) -> bytes:
 def check_image(img: Path) -> tuple[int, dict[str, Any], str]:
     """``qemu-img check``: exit status (0 clean, 1 check failed, 2 corrupt,
     3 leaks only), its JSON report (without the zero counts qemu leaves out),
-    and its text for messages."""
+    and its text for messages. Waits for a killed server's last I/O first
+    (its image lock goes with it)."""
+    locking.wait_released(str(img))
     p = qemu_img("check", "--output=json", str(img), check=False)
     try:
         report = json.loads(p.stdout)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import mmap
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from aioublk.qcow2.hostfile import HostFile
+from aioublk.ring import Ring
+from aioublk.targets.backing import Backing
 from aioublk.targets.stripe import split
 from tests import kernel
 from tests.kernel import add, cli, delete, fio, make_file, run
@@ -310,3 +316,102 @@ def test_daemon_runs_in_root_with_umask_022(tmp_path: Path) -> None:
         assert "Umask:\t0022" in status, status
     finally:
         delete(dev.dev_id)
+
+
+# ------------------------------------------------ 4K-sector backing devices --
+
+@contextmanager
+def sectors_4k(tmp_path: Path, size: int = 64 * MiB) -> Iterator[str]:
+    """A block device with 4096-byte logical sectors (a loop device over a file
+    in ``tmp_path``): O_DIRECT on it refuses anything not 4 KiB aligned."""
+    run("modprobe", "loop")
+    back = make_file(tmp_path / "sectors4k.img", size)
+    dev = run("losetup", "--sector-size", "4096", "-f", "--show", str(back)).strip()
+    try:
+        lbs = Path(f"/sys/block/{Path(dev).name}/queue/logical_block_size").read_text()
+        assert lbs == "4096\n", f"{dev} has {lbs.strip()}-byte sectors"
+        yield dev
+    finally:
+        run("losetup", "-d", dev)
+
+
+def _aligned(data: bytes | int) -> memoryview:
+    m = memoryview(mmap.mmap(-1, data if isinstance(data, int) else len(data)))
+    if not isinstance(data, int):
+        m[:] = data
+    return m
+
+
+def test_loop_over_a_4k_sector_device(tmp_path: Path) -> None:
+    """The ublk device advertises the 4 KiB logical blocks its backing needs
+    (a 512-byte request would be refused by O_DIRECT), and keeps data."""
+    with sectors_4k(tmp_path) as back:
+        dev = add("-t", "loop", "-q", "1", back)
+        try:
+            lbs = Path(f"/sys/block/ublkb{dev.dev_id}/queue/logical_block_size").read_text()
+            assert lbs == "4096\n"
+            assert dev.block_size == 4096
+            job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randwrite", "--bs=4k",
+                      "--iodepth=16", "--size=32M", "--verify=crc32c", "--verify_fatal=1",
+                      "--do_verify=1")
+            assert job["write"]["io_bytes"] == 32 * MiB  # type: ignore[index]
+        finally:
+            delete(dev.dev_id)
+
+
+@pytest.mark.asyncio
+async def test_loop_backing_refused_by_direct_io_goes_buffered(ring: Ring,
+                                                               tmp_path: Path) -> None:
+    """A request O_DIRECT refuses (512 bytes on 4 KiB sectors, as a config's
+    logical_block_size = 512 would send) is retried buffered, not failed."""
+    with sectors_4k(tmp_path) as back:
+        b = Backing.open(back)
+        try:
+            data = _aligned(os.urandom(512))
+            await asyncio.wait_for(b.write_full(data, 512), 30)
+            got = _aligned(512)
+            await b.read_full(got, 512)
+            assert got == data
+            assert not b.direct and b.align.offset == 4096
+        finally:
+            b.close()
+
+
+@pytest.mark.asyncio
+async def test_qcow2_host_file_on_4k_sectors_does_not_spin(ring: Ring, tmp_path: Path) -> None:
+    """HostFile used to retry an O_DIRECT EINVAL forever (holding the engine's
+    write-back lock); now it opens buffered where 512-byte I/O cannot be direct."""
+    with sectors_4k(tmp_path) as back:
+        f = HostFile(back, read_only=False, direct=True)
+        try:
+            data = _aligned(os.urandom(512))
+            await asyncio.wait_for(f.write(data, 512), 10)
+            got = _aligned(512)
+            await asyncio.wait_for(f.read_into(got, 512), 10)
+            assert got == data and not f.direct
+        finally:
+            f.close()
+
+
+def test_qcow2_on_a_4k_sector_file_system(tmp_path: Path) -> None:
+    """A qcow2 image on ext4 over 4 KiB sectors: served (buffered), data kept
+    with 4 KiB and 512-byte writes, the image clean for qemu-img check."""
+    with sectors_4k(tmp_path, 256 * MiB) as back:
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        run("mkfs.ext4", "-q", "-F", "-b", "4096", back)
+        run("mount", back, str(mnt))
+        try:
+            img = str(mnt / "x.qcow2")
+            run("qemu-img", "create", "-q", "-f", "qcow2", img, "64M")
+            dev = add("-t", "qcow2", "-q", "1", img)
+            try:
+                for bs, size in (("4k", "16M"), ("512", "2M")):
+                    fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randwrite", f"--bs={bs}",
+                        "--iodepth=8", f"--size={size}", "--verify=crc32c",
+                        "--verify_fatal=1", "--do_verify=1", timeout=60)
+            finally:
+                delete(dev.dev_id)
+            run("qemu-img", "check", img)
+        finally:
+            run("umount", str(mnt))

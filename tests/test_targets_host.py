@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import fcntl
 import mmap
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from aioublk.qcow2.hostfile import HostFile
 from aioublk.ring import Ring
+from aioublk.target import FixedBuf
 from aioublk.targets import BackingError, LoopTarget, StripeTarget
 from aioublk.targets.stripe import split
 
@@ -163,3 +169,164 @@ def test_device_refuses_flags_it_cannot_serve() -> None:
     DeviceConfig(flags=uapi.Feature.NO_AUTO_PART_SCAN).validate()
     with pytest.raises(UblkError, match="UBLK_F_USER_COPY"):
         DeviceConfig(flags=uapi.Feature.USER_COPY).validate()
+
+
+class _LegRing:
+    """A ring whose reads on one fd fail at once and on the others finish
+    later: what a dying disk next to a slow one looks like to a stripe."""
+
+    def __init__(self, bad_fd: int) -> None:
+        self.bad_fd = bad_fd
+        self.slow_done = False
+
+    async def _leg(self, fd: int, n: int) -> int:
+        if fd == self.bad_fd:
+            raise OSError(5, "leg failed")
+        await asyncio.sleep(0.2)
+        self.slow_done = True  # the kernel's buffer is written until here
+        return n
+
+    async def readv(self, fd: int, bufs: list[memoryview], off: int) -> int:
+        return await self._leg(fd, sum(len(b) for b in bufs))
+
+    async def read_fixed(self, fd: int, addr: int, n: int, off: int, index: int) -> int:
+        return await self._leg(fd, n)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fixed", [False, True], ids=["copy", "fixed"])
+async def test_stripe_failing_leg_waits_for_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixed: bool) -> None:
+    """A request whose first leg fails is answered only after every other leg
+    has stopped writing into the request's buffer (the kernel reuses it)."""
+    paths = [tmp_path / f"s{i}" for i in range(2)]
+    for p in paths:
+        p.write_bytes(bytes(256 * K))
+    t = StripeTarget([str(p) for p in paths], chunk_size=4096)
+    try:
+        fake = _LegRing(t.files[0].fd)
+        monkeypatch.setattr("aioublk.targets.stripe.current_ring", lambda: fake)
+        buf = FixedBuf(0, 0, 16 * K) if fixed else aligned(16 * K)
+        with pytest.raises(OSError, match="leg failed"):
+            await t.read(0, buf)
+        assert fake.slow_done, "answered while a leg was still reading into the buffer"
+    finally:
+        t.close()
+
+
+def _direct_refuses_unaligned(path: Path) -> None:
+    """The file system under ``path`` must enforce O_DIRECT alignment (a real
+    refusal, no stub): a 512-byte read at offset 100 fails with EINVAL."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        os.preadv(fd, [aligned(512)], 100)
+    except OSError as e:
+        assert e.errno == errno.EINVAL, e
+    else:
+        pytest.fail(f"the file system of {path} takes unaligned O_DIRECT I/O: these tests "
+                    "need one that refuses it (ext4, xfs)")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_loop_falls_back_to_buffered_when_direct_io_is_refused(
+        ring: Ring, tmp_path: Path) -> None:
+    path = tmp_path / "disk"
+    path.write_bytes(bytes(1 << 20))
+    _direct_refuses_unaligned(path)
+    t = LoopTarget(str(path))
+    try:
+        assert t.backing.direct
+        data = aligned(os.urandom(512))
+        await t.write(100, data)  # refused by O_DIRECT: retried buffered, once
+        assert not t.backing.direct
+        assert t.geometry.logical_block_size == t.backing.align.offset  # what statx said
+        back = aligned(512)
+        await t.read(100, back)
+        assert back == data
+    finally:
+        t.close()
+    assert path.read_bytes()[100:612] == data
+
+
+@pytest.mark.asyncio
+async def test_stripe_falls_back_to_buffered_when_direct_io_is_refused(
+        ring: Ring, tmp_path: Path) -> None:
+    paths = [tmp_path / f"s{i}" for i in range(2)]
+    for p in paths:
+        p.write_bytes(bytes(256 * K))
+    _direct_refuses_unaligned(paths[0])
+    t = StripeTarget([str(p) for p in paths], chunk_size=4096)
+    try:
+        data = aligned(os.urandom(8192))
+        await t.write(100, data)
+        assert not any(b.direct for b in t.files)
+        back = aligned(8192)
+        await t.read(100, back)
+        assert back == data
+    finally:
+        t.close()
+
+
+@pytest.mark.asyncio
+async def test_qcow2_host_file_falls_back_to_buffered(ring: Ring, tmp_path: Path) -> None:
+    """HostFile: a misaligned buffer is bounced; a request O_DIRECT refuses
+    for its offset makes the file buffered; neither is retried the same way."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(64 * K))
+    _direct_refuses_unaligned(path)
+    f = HostFile(str(path), read_only=False, direct=True)
+    try:
+        assert f.direct
+        odd = memoryview(bytearray(513))[1:]  # misaligned memory, aligned offset
+        odd[:] = b"\x11" * 512
+        await asyncio.wait_for(f.write(odd, 4096), 5)
+        assert f.direct, "a bounce is enough here"
+        await asyncio.wait_for(f.write(aligned(b"\x22" * 512), 100), 5)
+        assert not f.direct
+        back = aligned(1024)
+        await f.read_into(back, 4096 - 512)
+        assert back == bytes(512) + b"\x11" * 512
+        assert f.pread(100, 512) == b"\x22" * 512
+    finally:
+        f.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["loop", "stripe"])
+async def test_fast_path_refused_by_direct_io_is_retried_buffered_once(
+        ring: Ring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A fast-path request O_DIRECT refuses is submitted once more, buffered:
+    not again direct (the same way) before that."""
+    paths = [tmp_path / f"f{i}" for i in range(2)]
+    for p in paths:
+        p.write_bytes(bytes(256 * K))
+    _direct_refuses_unaligned(paths[0])
+    t = LoopTarget(str(paths[0])) if kind == "loop" else StripeTarget([str(p) for p in paths],
+                                                                       chunk_size=4096)
+    submitted: list[bool] = []  # O_DIRECT on the fd at each submission
+    real_rw, real_writev = ring.submit_rw, ring.writev
+
+    def direct(fd: int) -> bool:
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+    def rw(op: int, fd: int, *args: Any) -> None:
+        submitted.append(direct(fd))
+        real_rw(op, fd, *args)
+
+    async def writev(fd: int, bufs: list[memoryview], off: int) -> int:
+        submitted.append(direct(fd))
+        return await real_writev(fd, bufs, off)
+
+    monkeypatch.setattr(ring, "submit_rw", rw)
+    monkeypatch.setattr(ring, "writev", writev)
+    try:
+        result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        data = aligned(os.urandom(512))
+        assert t.start_write(100, data, result.set_result)
+        assert await asyncio.wait_for(result, 5) == 512
+        assert submitted == [True, False]
+    finally:
+        t.close()
+    assert paths[0].read_bytes()[100:612] == data

@@ -1,6 +1,11 @@
 """The image file under a qcow2 image (and a raw backing file): reads and
 writes through the current queue's ring, with O_DIRECT where the file
-system has it and bounce buffers where a caller's buffer is not aligned."""
+system has it and bounce buffers where a caller's buffer is not aligned.
+
+The engine reads and writes in 512-byte sectors, so direct I/O is kept only
+where the file takes 512-byte aligned I/O (``aioublk.directio``); otherwise,
+and whenever O_DIRECT refuses a request all the same, the file goes
+buffered (one log line) and the request is retried that way, once."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import os
 import stat
 from typing import Any
 
+from aioublk import directio, locking
 from aioublk.qcow2.format import Qcow2Error
 from aioublk.ring import buffer_address, current_ring
 
@@ -23,7 +29,7 @@ def aligned(n: int) -> memoryview:
 
 
 class HostFile:
-    __slots__ = ("path", "fd", "direct", "size")
+    __slots__ = ("path", "fd", "direct", "size")  # direct: the fd has O_DIRECT now
 
     def __init__(self, path: str, *, read_only: bool, direct: bool,
                  follow: bool = True) -> None:
@@ -55,6 +61,15 @@ class HostFile:
             raise Qcow2Error(f"{path} is neither a regular file nor a block device")
         os.set_blocking(self.fd, True)
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
+        if self.direct:
+            need = directio.alignment(self.fd)
+            if need is None or need.offset > SECTOR or need.memory > ALIGN:
+                self._buffered("the file system does not take 512-byte direct I/O")
+        try:  # before the first byte is read: QEMU's locks (read-only for backing files)
+            locking.lock(self.fd, path, write=not read_only)
+        except locking.InUse as e:
+            self.close()
+            raise Qcow2Error(str(e)) from None
 
     # --- synchronous, for open
     def pread(self, offset: int, length: int) -> bytes:
@@ -62,31 +77,64 @@ class HostFile:
         start = offset & ~(ALIGN - 1)
         end = (offset + length + ALIGN - 1) & ~(ALIGN - 1)
         buf = aligned(end - start)
-        n = os.preadv(self.fd, [buf], start)
+        try:
+            n = os.preadv(self.fd, [buf], start)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self.direct:
+                raise
+            self._buffered(f"a read of {end - start} bytes at {start}")
+            n = os.preadv(self.fd, [buf], start)
         return bytes(buf[offset - start:max(offset - start, min(n, offset + length - start))])
 
     def pwrite_sector(self, data: bytes, offset: int) -> None:
         """Write whole sectors synchronously and make them durable (header updates)."""
         buf = aligned(len(data))
         buf[:] = data
-        os.pwritev(self.fd, [buf], offset)
+        try:
+            os.pwritev(self.fd, [buf], offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self.direct:
+                raise
+            self._buffered(f"a write of {len(data)} bytes at {offset}")
+            os.pwritev(self.fd, [buf], offset)
         os.fdatasync(self.fd)
 
-    # --- asynchronous, on the current ring. With O_DIRECT an unaligned buffer
-    # fails with EINVAL; only then do we bounce (checking first costs every call)
+    def _buffered(self, why: str) -> None:
+        """Drop O_DIRECT from the file (once; the lock stays with the fd)."""
+        if self.direct:
+            self.direct = False
+            directio.make_buffered(self.fd, self.path, why)
+
+    @staticmethod
+    def _only_memory_misaligned(buf: Any, offset: int) -> bool:
+        """Whether a bounce buffer would make this request acceptable."""
+        return bool(buffer_address(buf) & (SECTOR - 1)) and not (offset | len(buf)) & (SECTOR - 1)
+
+    # --- asynchronous, on the current ring. O_DIRECT refuses a misaligned
+    # request with EINVAL; only then do we look why (checking first costs every
+    # call): a misaligned buffer is bounced, anything else makes the file
+    # buffered. ``direct`` is sampled before the I/O: another request may have
+    # made the file buffered meanwhile, and this one is retried all the same.
     async def read_into(self, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` from ``offset``; zeros past the end of the file."""
+        direct = self.direct
+        try:
+            await self._read(buf, offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not direct:
+                raise
+            if self.direct and (buffer_address(buf) | offset | len(buf)) & (ALIGN - 1):
+                await self._bounce_read(buf, offset)
+            else:
+                self._buffered(f"a read of {len(buf)} bytes at {offset}")
+                await self._read(buf, offset)
+
+    async def _read(self, buf: memoryview, offset: int) -> None:
         ring = current_ring()
         total = len(buf)
         done = 0
         while done < total:  # nearly always one read
-            try:
-                n = await ring.read(self.fd, buf[done:] if done else buf, offset + done)
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                await self._bounce_read(buf[done:], offset + done)
-                return
+            n = await ring.read(self.fd, buf[done:] if done else buf, offset + done)
             if n == 0:
                 buf[done:] = bytes(total - done)
                 return
@@ -96,29 +144,36 @@ class HostFile:
         start = offset & ~(ALIGN - 1)
         end = (offset + len(buf) + ALIGN - 1) & ~(ALIGN - 1)
         bounce = aligned(end - start)
-        await self.read_into(bounce, start)
+        await self.read_into(bounce, start)  # aligned: refused again means buffered
         buf[:] = bounce[offset - start:offset - start + len(buf)]
 
     async def write(self, buf: Any, offset: int) -> None:
+        view = memoryview(buf)
+        direct = self.direct
+        try:
+            await self._write(view, offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not direct:
+                raise
+            if self.direct and self._only_memory_misaligned(view, offset):
+                bounce = aligned(len(view))
+                bounce[:] = view
+                await self.write(bounce, offset)  # aligned: refused again means buffered
+            else:
+                self._buffered(f"a write of {len(view)} bytes at {offset}")
+                await self._write(view, offset)
+        if offset + len(view) > self.size:
+            self.size = offset + len(view)
+
+    async def _write(self, view: memoryview, offset: int) -> None:
         ring = current_ring()
         done = 0
-        total = len(buf)
-        view = memoryview(buf)
+        total = len(view)
         while done < total:
-            try:
-                n = await ring.write(self.fd, view[done:] if done else view, offset + done)
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct or (offset | total) & 511:
-                    raise
-                bounce = aligned(total - done)
-                bounce[:] = view[done:]
-                view, offset, total, done = bounce, offset + done, total - done, 0
-                continue
+            n = await ring.write(self.fd, view[done:] if done else view, offset + done)
             if n <= 0:
                 raise OSError(errno.EIO, f"short write to {self.path}")
             done += n
-        if offset + total > self.size:
-            self.size = offset + total
 
     async def writev(self, bufs: list[Any], offset: int) -> None:
         """Write the pieces back to back (one syscall when they are aligned)."""
@@ -134,7 +189,14 @@ class HostFile:
                 pos += len(b)
             await self.write(joined, offset)
             return
-        n = await current_ring().writev(self.fd, bufs, offset)
+        direct = self.direct
+        try:
+            n = await current_ring().writev(self.fd, bufs, offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not direct:
+                raise
+            self._buffered(f"a write of {total} bytes at {offset}")  # pieces were aligned
+            n = await current_ring().writev(self.fd, bufs, offset)
         if n != total:  # rare: finish piece by piece
             pos = 0
             for b in bufs:

@@ -1,8 +1,11 @@
 """Backing files for the loop and stripe targets.
 
 Opened with O_DIRECT where the file system allows it (so the page cache is not
-filled twice); tmpfs and friends refuse O_DIRECT and get buffered I/O. Block
-devices report their size through BLKGETSIZE64.
+filled twice); file systems that refuse O_DIRECT get buffered I/O. What direct
+I/O needs is read at open (``aioublk.directio``): the device advertises it as
+its logical block size, and a request O_DIRECT refuses all the same makes the
+file buffered and is retried once that way. Block devices report their size
+through BLKGETSIZE64.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import mmap
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 
+from aioublk import directio, locking
 from aioublk.ring import current_ring
-from aioublk.target import Buffer, FixedBuf
+from aioublk.target import Buffer, FixedBuf, Geometry
 
 BLKGETSIZE64 = 0x80081272
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -28,13 +33,30 @@ class BackingError(Exception):
     """A backing file that cannot be used, explained in one line."""
 
 
+def fit_geometry(geo: Geometry, files: list[Backing]) -> Geometry:
+    """``geo`` with a logical block size and memory alignment every one of
+    ``files`` can do directly (its size rounded down to that block size)."""
+    lbs = max(b.logical_block_size for b in files)
+    mem = max(b.align.memory if b.direct else 512 for b in files)
+    return replace(geo, size=geo.size & ~(lbs - 1), logical_block_size=lbs, io_min=lbs,
+                   physical_block_size=max(lbs, *(b.align.physical for b in files)),
+                   dma_alignment=max(mem, 512) - 1)
+
+
 @dataclass
 class Backing:
     path: str
     fd: int
     size: int
-    direct: bool
+    direct: bool  # the fd has O_DIRECT now
     is_block: bool
+    align: directio.Alignment = directio.Alignment()  # what direct I/O needs
+    opened_direct: bool = False  # an EINVAL may be O_DIRECT's refusal: retry buffered
+
+    @property
+    def logical_block_size(self) -> int:
+        """The smallest I/O the file takes as it is opened."""
+        return self.align.offset if self.direct else 512
 
     @classmethod
     def open(cls, path: str, *, direct: bool = True, read_only: bool = False) -> Backing:
@@ -48,29 +70,64 @@ class Backing:
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
             raise BackingError(f"backing file {path} is neither a regular file nor a "
                                "block device")
-        fd = -1
-        used_direct = False
-        if direct:
-            try:
-                fd = os.open(path, mode | os.O_CLOEXEC | os.O_DIRECT)
-                used_direct = True
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise BackingError(f"cannot open backing file {path}: {e.strerror}") from None
-        if fd < 0:
-            try:
-                fd = os.open(path, mode | os.O_CLOEXEC)
-            except OSError as e:
-                raise BackingError(f"cannot open backing file {path}: {e.strerror}") from None
+        try:
+            opened = directio.open_direct(path, mode | os.O_CLOEXEC) if direct else None
+            used_direct = opened is not None
+            fd = os.open(path, mode | os.O_CLOEXEC) if opened is None else opened
+        except OSError as e:
+            raise BackingError(f"cannot open backing file {path}: {e.strerror}") from None
+        try:
+            locking.lock(fd, path, write=not read_only)
+        except locking.InUse as e:
+            os.close(fd)
+            raise BackingError(str(e)) from None
         is_block = stat.S_ISBLK(st.st_mode)
         if is_block:
             size = struct.unpack("Q", fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8))[0]
         else:
             size = st.st_size
-        return cls(path, fd, size, used_direct, is_block)
+        align = directio.alignment(fd) or directio.Alignment()
+        b = cls(path, fd, size, used_direct, is_block, align, used_direct)
+        if used_direct and max(align.offset, align.memory) > mmap.PAGESIZE:
+            b.buffered(f"it needs {align.offset}-byte alignment, more than a ublk "
+                       "device's largest block size")
+        return b
+
+    def buffered(self, why: str) -> None:
+        """Drop O_DIRECT (once; the fd and its lock stay)."""
+        if self.direct:
+            self.direct = False
+            directio.make_buffered(self.fd, self.path, why)
+
+    def einval(self, what: str) -> Callable[[], bool]:
+        """For ``rw_handler``: an EINVAL of the fast path makes the file buffered."""
+        return lambda: self.refused(OSError(errno.EINVAL, what), what)
+
+    def refused(self, e: OSError, what: str) -> bool:
+        """Whether a failed I/O may be O_DIRECT refusing it; if so the file is
+        buffered from now on (a log line) and the caller retries, once."""
+        if e.errno != errno.EINVAL or not self.opened_direct:
+            return False
+        self.buffered(what)
+        return True
 
     async def read_full(self, buf: Buffer, offset: int) -> None:
         """Read all of ``buf``; zeros past end of file."""
+        await self._buffered_if_refused(self._read_full, buf, offset, "read")
+
+    async def write_full(self, buf: Buffer, offset: int) -> None:
+        await self._buffered_if_refused(self._write_full, buf, offset, "write")
+
+    async def _buffered_if_refused(self, io: Callable[[Buffer, int], Awaitable[None]],
+                                   buf: Buffer, offset: int, what: str) -> None:
+        try:
+            await io(buf, offset)
+        except OSError as e:
+            if not self.refused(e, f"a {what} of {len(buf)} bytes at {offset}"):
+                raise
+            await io(buf, offset)
+
+    async def _read_full(self, buf: Buffer, offset: int) -> None:
         ring = current_ring()
         done = 0
         total = len(buf)
@@ -88,7 +145,7 @@ class Backing:
                 raise OSError(errno.EIO, f"read past the end of {self.path}")
             buf[done:] = bytes(total - done)
 
-    async def write_full(self, buf: Buffer, offset: int) -> None:
+    async def _write_full(self, buf: Buffer, offset: int) -> None:
         ring = current_ring()
         done = 0
         total = len(buf)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, Geometry, Target, rw_handler
-from aioublk.targets.backing import Backing
+from aioublk.targets.backing import Backing, fit_geometry
 
 
 class LoopTarget(Target):
@@ -14,9 +14,9 @@ class LoopTarget(Target):
 
     def __init__(self, path: str, *, direct: bool = True, read_only: bool = False) -> None:
         self.backing = Backing.open(path, direct=direct, read_only=read_only)
-        size = self.backing.size & ~511
-        self.geometry = Geometry(size=size, volatile_cache=True, read_only=read_only,
-                                 discard=True, write_zeroes=True, dma_alignment=511)
+        self.geometry = fit_geometry(
+            Geometry(size=self.backing.size, volatile_cache=True, read_only=read_only,
+                     discard=True, write_zeroes=True), [self.backing])
 
     async def read(self, offset: int, buf: Buffer) -> None:
         await self.backing.read_full(buf, offset)
@@ -28,12 +28,14 @@ class LoopTarget(Target):
 
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
         current_ring().start_read(self.backing.fd, buf, offset,
-                                  rw_handler(len(buf), done, lambda: self.read(offset, buf)))
+                                  rw_handler(len(buf), done, lambda: self.read(offset, buf),
+                                             self.backing.einval("a read")))
         return True
 
     def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
         current_ring().start_write(self.backing.fd, buf, offset,
-                                   rw_handler(len(buf), done, lambda: self.write(offset, buf)))
+                                   rw_handler(len(buf), done, lambda: self.write(offset, buf),
+                                              self.backing.einval("a write")))
         return True
 
     async def flush(self) -> None:

@@ -10,8 +10,8 @@ import asyncio
 from collections.abc import Awaitable
 
 from aioublk.ring import current_ring
-from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, rw_handler
-from aioublk.targets.backing import Backing, BackingError
+from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, gather_all, rw_handler
+from aioublk.targets.backing import Backing, BackingError, fit_geometry
 
 MAX_FILES = 4
 
@@ -61,10 +61,19 @@ class StripeTarget(Target):
         except BaseException:
             self.close()
             raise
-        self.geometry = Geometry(size=sizes[0] * len(self.files), volatile_cache=True,
-                                 dma_alignment=511)
+        self.geometry = fit_geometry(Geometry(size=sizes[0] * len(self.files),
+                                              volatile_cache=True), self.files)
 
     async def _rw(self, offset: int, buf: Buffer, write: bool) -> None:
+        try:
+            await self._rw_once(offset, buf, write)
+        except OSError as e:  # O_DIRECT refusing it? Then buffered, and once more
+            what = f"a {'write' if write else 'read'} of {len(buf)} bytes at {offset}"
+            if not [b for b in self.files if b.refused(e, what)]:
+                raise
+            await self._rw_once(offset, buf, write)
+
+    async def _rw_once(self, offset: int, buf: Buffer, write: bool) -> None:
         ring = current_ring()
         parts = split(offset, len(buf), self.chunk, len(self.files))
         ops: list[Awaitable[int]] = []
@@ -76,7 +85,7 @@ class StripeTarget(Target):
             bufs = [buf[s:s + n] for s, n in pieces]
             ops.append(ring.writev(fd, bufs, file_off) if write
                        else ring.readv(fd, bufs, file_off))
-        results = await asyncio.gather(*ops) if len(ops) > 1 else [await ops[0]]
+        results = await gather_all(ops)  # every leg done before the buffer is let go
         for (f, (_off, pieces)), n in zip(parts.items(), results, strict=True):
             want = sum(p[1] for p in pieces)
             if n != want:
@@ -95,30 +104,34 @@ class StripeTarget(Target):
         for s, n in pieces:
             ops.append(op(fd, buf.offset + s, n, pos, buf.index))
             pos += n
-        return sum(await asyncio.gather(*ops))  # short only if some piece was short
+        return sum(await gather_all(ops))  # short only if some piece was short
 
-    def _one_file(self, offset: int, n: int) -> tuple[int, int] | None:
-        """(fd, file offset) when [offset, offset+n) lies in one chunk."""
+    def _one_file(self, offset: int, n: int) -> tuple[Backing, int] | None:
+        """(file, offset in it) when [offset, offset+n) lies in one chunk."""
         idx, within = divmod(offset, self.chunk)
         if within + n > self.chunk:
             return None
         nr = len(self.files)
-        return self.files[idx % nr].fd, (idx // nr) * self.chunk + within
+        return self.files[idx % nr], (idx // nr) * self.chunk + within
 
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
         where = self._one_file(offset, len(buf))
         if where is None:
             return False
-        current_ring().start_read(where[0], buf, where[1],
-                                  rw_handler(len(buf), done, lambda: self.read(offset, buf)))
+        f, file_off = where
+        current_ring().start_read(f.fd, buf, file_off,
+                                  rw_handler(len(buf), done, lambda: self.read(offset, buf),
+                                             f.einval("a read")))
         return True
 
     def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
         where = self._one_file(offset, len(buf))
         if where is None:
             return False
-        current_ring().start_write(where[0], buf, where[1],
-                                   rw_handler(len(buf), done, lambda: self.write(offset, buf)))
+        f, file_off = where
+        current_ring().start_write(f.fd, buf, file_off,
+                                   rw_handler(len(buf), done, lambda: self.write(offset, buf),
+                                              f.einval("a write")))
         return True
 
     async def read(self, offset: int, buf: Buffer) -> None:
