@@ -111,8 +111,7 @@ class Qcow2Image(Writes):
                 st = os.fstat(f.fd)
                 if chain:
                     policy.check_kind(path, real, st.st_mode)
-                if (st.st_dev, st.st_ino) in chain:
-                    raise Qcow2Error(f"backing chain loops back to {path}")
+                cls._check_loop(path, st, chain)
                 return cls(f, path, read_only, cache_bytes, direct, policy,
                            chain + ((st.st_dev, st.st_ino),))
             except BaseException:
@@ -120,6 +119,11 @@ class Qcow2Image(Writes):
                 raise
         except Qcow2Error as e:
             raise Qcow2Error(cls._one_line(str(e) if path in str(e) else f"{path}: {e}")) from None
+
+    @staticmethod
+    def _check_loop(path: str, st: os.stat_result, chain: tuple[tuple[int, int], ...]) -> None:
+        if (st.st_dev, st.st_ino) in chain:
+            raise Qcow2Error(f"backing chain loops back to {path}")
 
     def __init__(self, f: HostFile, path: str, read_only: bool, cache_bytes: int | None,
                  direct: bool, policy: BackingPolicy, chain: tuple[tuple[int, int], ...],
@@ -209,12 +213,14 @@ class Qcow2Image(Writes):
         name = h.backing_file or ""
         real = policy.resolve(self.path, name)
         try:
-            mode = os.lstat(real).st_mode
+            st = os.lstat(real)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR):
                 raise Qcow2Error(f"backing file {name} of {self.path} does not exist") from None
             raise Qcow2Error(f"cannot open backing file {name}: {e.strerror}") from None
-        policy.check_kind(name, real, mode)
+        policy.check_kind(name, real, st.st_mode)
+        # before opening it: the open takes the image lock, which we hold ourselves
+        self._check_loop(name, st, chain)
         if policy.format(self.path, name, h.backing_format) == "qcow2":
             return Qcow2Image._open(policy.candidate(self.path, name), real, True, None,
                                     direct, policy, chain)
