@@ -326,7 +326,8 @@ class BatchDriver(Driver):
         self._answer(qs, tag, res)
 
     def _answer(self, qs: _QueueState, tag: int, res: int) -> None:
-        self.answered()
+        if not self.settle(tag):
+            return
         qs.stats.count(res)
         self._add(qs, tag, res)
         self.ring.request_flush()

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from aioublk.device import DeviceConfig
 
 log = structlog.get_logger("aioublk.queue")
+#: how long a stopping worker waits for the requests it holds to finish
+DRAIN_SECONDS = 5.0
 
 _READ, _WRITE, _FLUSH, _DISCARD, _WRITE_ZEROES = (
     uapi.Op.READ, uapi.Op.WRITE, uapi.Op.FLUSH, uapi.Op.DISCARD, uapi.Op.WRITE_ZEROES)
@@ -308,6 +310,9 @@ class Driver:
         #: ending (the kernel aborted a command, or a detach began): serve what
         #: is held, start nothing new, then end
         self.stopping = False
+        #: drain has returned: the target's final write-back may have run, so
+        #: a request still finishing must not be acknowledged (see settle)
+        self.sealed = False
         self._drained: asyncio.Future[None] | None = None
         self.loop = asyncio.get_running_loop()
 
@@ -338,6 +343,18 @@ class Driver:
         if not self.inflight and self.stopping:
             self.idle()
 
+    def settle(self, tag: int) -> bool:
+        """A request is done: whether its answer may go to the kernel. Not once
+        drain has given up on it: acknowledging it after the target's final
+        write-back could lose its data, so the kernel fails or reissues it
+        when /dev/ublkcN closes."""
+        self.answered()
+        if self.sealed:
+            self.w.log.warning("request finished after the final write-back: left to the "
+                               "kernel", tag=tag)
+            return False
+        return True
+
     def idle(self) -> None:
         """Nothing is in flight any more, and the device is going away."""
         if self._drained is not None and not self._drained.done():
@@ -349,9 +366,10 @@ class Driver:
         if self.inflight:
             self._drained = self.loop.create_future()
             try:
-                await asyncio.wait_for(self._drained, 5)
+                await asyncio.wait_for(self._drained, DRAIN_SECONDS)
             except TimeoutError:
                 self.w.log.warning("requests still in flight at stop", n=self.inflight)
+        self.sealed = True
 
     def close(self) -> None:
         """Release what outlives the ring (called after the ring is closed)."""
@@ -585,8 +603,9 @@ class PerIoDriver(Driver):
         self._answer(slot, res)
 
     def _answer(self, slot: int, res: int) -> None:
-        self.answered()
         qm, tag, _index, io_addr, sqe_addr, handler = self.slots[slot]
+        if not self.settle(tag):
+            return
         self.slot_stats[slot].count(res)
         self.ring.prep_ublk_io(self.char_fd, uapi.IoCmd.COMMIT_AND_FETCH_REQ, qm.q_id, tag,
                                res, io_addr, handler, sqe_addr)

@@ -316,6 +316,68 @@ async def test_per_io_requests_arriving_after_the_worker_began_stopping_are_not_
         ring.close()
 
 
+class _SlowPath(_Path):
+    """Requests that finish only when the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def serve(self, qm: object, tag: int, index: int) -> int:
+        await self.release.wait()
+        return 4096
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "per-io"])
+async def test_a_request_that_outlives_the_drain_is_not_acknowledged(
+        batch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """drain gives up on a request after a while; the target's final
+    write-back (qcow2 metadata) runs next. A request that finishes after it
+    must not be acknowledged, its data may not be in that write-back: it is
+    left to the kernel (failed or reissued when /dev/ublkcN closes)."""
+    from aioublk import queue, uapi
+    from aioublk.ring import Ring
+
+    monkeypatch.setattr(queue, "DRAIN_SECONDS", 0.01)
+    ring = Ring(16)
+    try:
+        path = _SlowPath()
+        driver = _driver(ring, path, batch=batch)
+        sent: list[int] = []
+        if batch:
+            assert driver._provide(driver.queues[0])
+            driver._add = lambda qs, tag, res: sent.append(tag)
+            _deliver(driver, [1])
+        else:
+            driver.ring = _RecordingRing(ring, sent)
+            driver._on_cqe(1, uapi.IO_RES_OK, 0)
+        await asyncio.sleep(0)
+        assert path.started == [1] and driver.inflight == 1
+        await driver.drain()  # gives up on tag 1; the final write-back would run now
+        path.release.set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert driver.inflight == 0, "the request should have finished"
+        assert sent == [], "a request finished after the drain was acknowledged"
+    finally:
+        ring.close()
+        driver.close()
+
+
+class _RecordingRing:
+    """The per-I/O driver's ring, recording which tags it commits."""
+
+    def __init__(self, ring: Any, sent: list[int]) -> None:
+        self._ring, self._sent = ring, sent
+
+    def prep_ublk_io(self, fd: int, op: int, q_id: int, tag: int, *rest: Any) -> None:
+        self._sent.append(tag)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ring, name)
+
+
 def _elements(b: Batch) -> list[tuple[int, int]]:
     size = elem_bytes(b.flags)
     return [uapi.ELEM_HEADER.unpack_from(b.data, i * size)[::2] for i in range(b.nr_elem)]
