@@ -1,0 +1,77 @@
+"""Failures of the loop and stripe targets' backing files: a lost write-back
+keeps failing, the final one reaches the caller, and an unusable file is a
+one-line error (host only, no kernel needed)."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from aioublk.ring import Ring
+from aioublk.target import Target
+from aioublk.targets import LoopTarget, StripeTarget
+
+K = 1024
+M = 1 << 20
+
+
+def aligned(data: bytes) -> memoryview:
+    m = memoryview(mmap.mmap(-1, len(data)))
+    m[:] = data
+    return m
+
+
+def _fail_sync_once(ring: Ring, monkeypatch: pytest.MonkeyPatch, fd: int) -> list[int]:
+    """The ring's fdatasync of ``fd`` fails once with EIO, as Linux reports a
+    lost write-back (once); later ones go to the kernel and succeed."""
+    real: Callable[[int], Awaitable[None]] = ring.fdatasync
+    failed: list[int] = []
+
+    async def fdatasync(f: int) -> None:
+        if f == fd and not failed:
+            failed.append(f)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        await real(f)
+    monkeypatch.setattr(ring, "fdatasync", fdatasync)
+    return failed
+
+
+def _target(kind: str, tmp_path: Path) -> tuple[Target, int]:
+    """A loop or stripe target over fresh files, and the fd whose sync fails."""
+    paths = [tmp_path / f"f{i}" for i in range(1 if kind == "loop" else 2)]
+    for p in paths:
+        p.write_bytes(bytes(M))
+    if kind == "loop":
+        lt = LoopTarget(str(paths[0]))
+        return lt, lt.backing.fd
+    st = StripeTarget([str(p) for p in paths], chunk_size=4096)
+    return st, st.files[1].fd
+
+
+@pytest.mark.parametrize("kind", ["loop", "stripe"])
+@pytest.mark.asyncio
+async def test_a_failed_sync_fails_every_later_flush(ring: Ring, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     kind: str) -> None:
+    t, fd = _target(kind, tmp_path)
+    try:
+        failed = _fail_sync_once(ring, monkeypatch, fd)
+        await t.write(0, aligned(os.urandom(8 * K)))
+        with pytest.raises(OSError) as first:
+            await t.flush()
+        assert failed and first.value.errno == errno.EIO
+        # the kernel reported the error once: the next sync would succeed,
+        # and would acknowledge writes that never reached the disk
+        for _ in range(2):
+            with pytest.raises(OSError, match="an earlier sync .* failed") as later:
+                await t.flush()
+            assert later.value.errno == errno.EIO
+        with pytest.raises(OSError, match="earlier sync"):
+            await t.write(4 * K, aligned(os.urandom(8 * K)), fua=True)
+    finally:
+        t.close()
