@@ -7,10 +7,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from aioublk.ring import Ring
 from aioublk.target import Target
@@ -41,37 +42,68 @@ def _fail_sync_once(ring: Ring, monkeypatch: pytest.MonkeyPatch, fd: int) -> lis
     return failed
 
 
-def _target(kind: str, tmp_path: Path) -> tuple[Target, int]:
+@pytest.fixture(params=["loop", "stripe"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Target, int]]:
     """A loop or stripe target over fresh files, and the fd whose sync fails."""
-    paths = [tmp_path / f"f{i}" for i in range(1 if kind == "loop" else 2)]
+    paths = [tmp_path / f"f{i}" for i in range(1 if request.param == "loop" else 2)]
     for p in paths:
         p.write_bytes(bytes(M))
-    if kind == "loop":
-        lt = LoopTarget(str(paths[0]))
-        return lt, lt.backing.fd
-    st = StripeTarget([str(p) for p in paths], chunk_size=4096)
-    return st, st.files[1].fd
-
-
-@pytest.mark.parametrize("kind", ["loop", "stripe"])
-@pytest.mark.asyncio
-async def test_a_failed_sync_fails_every_later_flush(ring: Ring, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch,
-                                                     kind: str) -> None:
-    t, fd = _target(kind, tmp_path)
+    t: Target
+    if request.param == "loop":
+        t = LoopTarget(str(paths[0]))
+        fd = t.backing.fd
+    else:
+        t = StripeTarget([str(p) for p in paths], chunk_size=4096)
+        fd = t.files[1].fd
     try:
-        failed = _fail_sync_once(ring, monkeypatch, fd)
-        await t.write(0, aligned(os.urandom(8 * K)))
-        with pytest.raises(OSError) as first:
-            await t.flush()
-        assert failed and first.value.errno == errno.EIO
-        # the kernel reported the error once: the next sync would succeed,
-        # and would acknowledge writes that never reached the disk
-        for _ in range(2):
-            with pytest.raises(OSError, match="an earlier sync .* failed") as later:
-                await t.flush()
-            assert later.value.errno == errno.EIO
-        with pytest.raises(OSError, match="earlier sync"):
-            await t.write(4 * K, aligned(os.urandom(8 * K)), fua=True)
+        yield t, fd
     finally:
         t.close()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_sync_fails_every_later_flush(
+        ring: Ring, target: tuple[Target, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    t, fd = target
+    failed = _fail_sync_once(ring, monkeypatch, fd)
+    await t.write(0, aligned(os.urandom(8 * K)))
+    with pytest.raises(OSError) as first:
+        await t.flush()
+    assert failed and first.value.errno == errno.EIO
+    # the kernel reported the error once: the next sync would succeed,
+    # and would acknowledge writes that never reached the disk
+    for _ in range(2):
+        with pytest.raises(OSError, match="an earlier sync .* failed") as later:
+            await t.flush()
+        assert later.value.errno == errno.EIO
+    with pytest.raises(OSError, match="earlier sync"):
+        await t.write(4 * K, aligned(os.urandom(8 * K)), fua=True)
+
+
+@pytest.mark.asyncio
+async def test_drain_syncs_and_raises_when_the_sync_fails(
+        ring: Ring, target: tuple[Target, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    t, fd = target
+    await t.write(0, aligned(os.urandom(8 * K)))
+    await t.drain()  # the sync works: nothing to report
+    await t.drain()  # several workers drain one device: again is fine
+    failed = _fail_sync_once(ring, monkeypatch, fd)
+    await t.write(0, aligned(os.urandom(8 * K)))
+    with pytest.raises(OSError) as e:
+        await t.drain()
+    assert failed and e.value.errno == errno.EIO
+    with pytest.raises(OSError, match="earlier sync"):
+        await t.drain()  # the next worker's drain fails too
+
+
+def test_close_logs_a_failed_final_fsync(target: tuple[Target, int],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    t, _fd = target
+
+    def fsync(f: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr("aioublk.targets.backing.os.fsync", fsync)
+    with capture_logs() as logs:
+        t.close()  # does not raise
+    errors = [e for e in logs if e["log_level"] == "error"]
+    assert errors and all("Input/output error" in e["error"] for e in errors), logs

@@ -214,7 +214,8 @@ class Backing:
         if self.fd >= 0:
             try:
                 os.fsync(self.fd)
-            except OSError:
-                pass
+            except OSError as e:  # the queues' drain() reports it; close only tells
+                log.error("final sync of a backing file failed: writes may be lost",
+                          path=self.path, error=e.strerror)
             os.close(self.fd)
             self.fd = -1
