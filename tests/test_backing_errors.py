@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from aioublk import locking
 from aioublk.ring import Ring
 from aioublk.target import Target
-from aioublk.targets import LoopTarget, StripeTarget
+from aioublk.targets import BackingError, LoopTarget, StripeTarget
+from aioublk.targets.backing import Backing
 
 K = 1024
 M = 1 << 20
@@ -107,3 +109,20 @@ def test_close_logs_a_failed_final_fsync(target: tuple[Target, int],
         t.close()  # does not raise
     errors = [e for e in logs if e["log_level"] == "error"]
     assert errors and all("Input/output error" in e["error"] for e in errors), logs
+
+
+def test_open_failing_after_the_lock_is_one_line_and_closes_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What fails once the file is open and locked (its direct I/O alignment,
+    a block device's size) is a BackingError, and the fd and lock are gone."""
+    path = tmp_path / "disk"
+    path.write_bytes(bytes(M))
+
+    def alignment(fd: int) -> None:
+        raise OSError(errno.ENOTTY, os.strerror(errno.ENOTTY))
+    monkeypatch.setattr("aioublk.targets.backing.directio.alignment", alignment)
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(BackingError, match=f"^backing file {path}: .*Inappropriate ioctl"):
+        Backing.open(str(path))
+    assert set(os.listdir("/proc/self/fd")) <= fds
+    assert not locking.in_use(str(path))

@@ -84,10 +84,20 @@ class Backing:
         except OSError as e:
             raise BackingError(f"cannot open backing file {path}: {e.strerror}") from None
         try:
-            locking.lock(fd, path, write=not read_only)
-        except locking.InUse as e:
-            os.close(fd)
-            raise BackingError(str(e)) from None
+            return cls._opened(path, fd, st, used_direct, read_only)
+        except BaseException as e:
+            os.close(fd)  # and its lock
+            if isinstance(e, locking.InUse):
+                raise BackingError(str(e)) from None
+            if isinstance(e, OSError):
+                raise BackingError(f"backing file {path}: {e.strerror}") from None
+            raise
+
+    @classmethod
+    def _opened(cls, path: str, fd: int, st: os.stat_result, used_direct: bool,
+                read_only: bool) -> Backing:
+        """The Backing of ``fd``, just opened: locked, sized and aligned."""
+        locking.lock(fd, path, write=not read_only)
         is_block = stat.S_ISBLK(st.st_mode)
         if is_block:
             size = struct.unpack("Q", fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8))[0]
