@@ -126,3 +126,25 @@ def test_open_failing_after_the_lock_is_one_line_and_closes_the_file(
         Backing.open(str(path))
     assert set(os.listdir("/proc/self/fd")) <= fds
     assert not locking.in_use(str(path))
+
+
+def test_a_lock_failing_for_another_reason_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An errno the lock does not expect (not a conflict, not "no OFD locks
+    here") says which file and why, in one line, and stays an OSError."""
+    path = tmp_path / "disk"
+    path.write_bytes(bytes(M))
+
+    def conflict(fd: int, used: int, shared: int) -> bool:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(locking, "conflict", conflict)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as e:
+            locking.lock(fd, str(path), write=True)
+        assert e.value.errno == errno.EIO
+        assert str(e.value) == f"cannot lock {path}: Input/output error"
+    finally:
+        os.close(fd)
+    with pytest.raises(BackingError, match=f"^cannot lock {path}: Input/output error$"):
+        Backing.open(str(path))

@@ -87,7 +87,7 @@ class Backing:
             return cls._opened(path, fd, st, used_direct, read_only)
         except BaseException as e:
             os.close(fd)  # and its lock
-            if isinstance(e, locking.InUse):
+            if isinstance(e, (locking.InUse, locking.LockFailed)):
                 raise BackingError(str(e)) from None
             if isinstance(e, OSError):
                 raise BackingError(f"backing file {path}: {e.strerror}") from None
