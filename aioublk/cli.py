@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                    "stop": cmd_stop, "quiesce": cmd_quiesce,
                    "update_size": cmd_update_size}[args.cmd]
         return _run(handler(args))
-    except (UblkError, BackingError, Qcow2Error) as e:
+    except (UblkError, BackingError, Qcow2Error, OSError) as e:  # as serve() reports them
         sys.stderr.write(f"aioublk: {e}\n")
         return 1
     except KeyboardInterrupt:

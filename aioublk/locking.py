@@ -70,6 +70,18 @@ class InUse(Exception):
     """Another process (QEMU or aioublk) has the file open incompatibly."""
 
 
+class LockFailed(OSError):
+    """Taking the lock failed for another reason than a conflict: an OSError
+    (its errno kept) that reads as one line naming the file."""
+
+    def __init__(self, path: str, e: OSError) -> None:
+        super().__init__(e.errno, e.strerror)
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"cannot lock {self.path}: {self.strerror}"
+
+
 @contextlib.contextmanager
 def force_share(on: bool = True) -> Iterator[None]:
     """Files opened read-only inside this block take the force-share lock
@@ -144,7 +156,7 @@ def conflict(fd: int, used: int, shared: int) -> bool:
 def lock(fd: int, path: str, *, write: bool) -> None:
     """Lock ``fd`` (the file at ``path``) for this process's use: writing, or
     reading (sharing everything inside ``force_share()``). Raises InUse with
-    the one line for the user."""
+    the one line for the user (LockFailed if the lock fails otherwise)."""
     share_all = not write and _force_share.get()
     used, shared = permissions(write=write, share_all=share_all)
     deadline = time.monotonic() + GRACE
@@ -159,7 +171,7 @@ def lock(fd: int, path: str, *, write: bool) -> None:
                             error=e.strerror)
                 return
             else:
-                raise
+                raise LockFailed(path, e) from None
         if not busy:
             return
         if time.monotonic() >= deadline:

@@ -152,6 +152,27 @@ def test_cli_bad_input_is_one_line(args: list[str], message: str) -> None:
     assert "Traceback" not in p.stderr
 
 
+_FAILING_LOCK = """
+import errno, os, sys
+from aioublk import cli, locking
+def conflict(*args):
+    raise OSError(errno.EIO, os.strerror(errno.EIO))
+locking.conflict = conflict
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_cli_os_error_is_one_line(tmp_path: Path) -> None:
+    """An OSError that reaches the command line (here a qcow2 image whose
+    lock fails with EIO) is one line and exit 1, not a traceback."""
+    img = tmp_path / "a.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(img), "1M"], check=True)
+    p = subprocess.run([sys.executable, "-c", _FAILING_LOCK, "add", "-t", "qcow2", str(img)],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr == f"aioublk: cannot lock {img}: Input/output error\n"
+
+
 def test_cli_without_driver_says_what_to_do() -> None:
     if Path("/dev/ublk-control").exists():
         pytest.skip("this host has ublk_drv loaded")  # the guest tests cover it there

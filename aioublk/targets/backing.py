@@ -17,7 +17,9 @@ import os
 import stat
 import struct
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+import structlog
 
 from aioublk import directio, locking
 from aioublk.ring import current_ring
@@ -27,6 +29,8 @@ BLKGETSIZE64 = 0x80081272
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 FALLOC_FL_ZERO_RANGE = 0x10
+
+log = structlog.get_logger("aioublk.targets.backing")
 
 
 class BackingError(Exception):
@@ -52,6 +56,9 @@ class Backing:
     is_block: bool
     align: directio.Alignment = directio.Alignment()  # what direct I/O needs
     opened_direct: bool = False  # an EINVAL may be O_DIRECT's refusal: retry buffered
+    #: the first sync that failed: every later one fails (Linux reports a lost
+    #: write-back once, and the next sync would acknowledge writes it lost)
+    sync_error: OSError | None = field(default=None, compare=False)
 
     @property
     def logical_block_size(self) -> int:
@@ -77,10 +84,20 @@ class Backing:
         except OSError as e:
             raise BackingError(f"cannot open backing file {path}: {e.strerror}") from None
         try:
-            locking.lock(fd, path, write=not read_only)
-        except locking.InUse as e:
-            os.close(fd)
-            raise BackingError(str(e)) from None
+            return cls._opened(path, fd, st, used_direct, read_only)
+        except BaseException as e:
+            os.close(fd)  # and its lock
+            if isinstance(e, (locking.InUse, locking.LockFailed)):
+                raise BackingError(str(e)) from None
+            if isinstance(e, OSError):
+                raise BackingError(f"backing file {path}: {e.strerror}") from None
+            raise
+
+    @classmethod
+    def _opened(cls, path: str, fd: int, st: os.stat_result, used_direct: bool,
+                read_only: bool) -> Backing:
+        """The Backing of ``fd``, just opened: locked, sized and aligned."""
+        locking.lock(fd, path, write=not read_only)
         is_block = stat.S_ISBLK(st.st_mode)
         if is_block:
             size = struct.unpack("Q", fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8))[0]
@@ -160,7 +177,17 @@ class Backing:
             done += n
 
     async def sync(self) -> None:
-        await current_ring().fdatasync(self.fd)
+        if self.sync_error is not None:
+            raise OSError(errno.EIO, f"{self.path}: an earlier sync of the backing file "
+                          f"failed ({self.sync_error.strerror}): writes may be lost")
+        try:
+            await current_ring().fdatasync(self.fd)
+        except OSError as e:
+            self.sync_error = self.sync_error or e
+            log.error("backing file sync failed: every later flush fails", path=self.path,
+                      error=str(e))
+            raise OSError(errno.EIO, f"{self.path}: sync failed ({e.strerror}): writes may "
+                          "be lost") from None
 
     async def punch(self, offset: int, length: int) -> None:
         """Deallocate a range (reads back as zeros)."""
@@ -197,7 +224,8 @@ class Backing:
         if self.fd >= 0:
             try:
                 os.fsync(self.fd)
-            except OSError:
-                pass
+            except OSError as e:  # the queues' drain() reports it; close only tells
+                log.error("final sync of a backing file failed: writes may be lost",
+                          path=self.path, error=e.strerror)
             os.close(self.fd)
             self.fd = -1

@@ -47,6 +47,9 @@ class LoopTarget(Target):
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
         await self.backing.zero(offset, length, unmap)
 
+    async def drain(self) -> None:
+        await self.backing.sync()  # a failure reaches the exit status
+
     def close(self) -> None:
         self.backing.close()
 

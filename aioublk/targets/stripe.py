@@ -143,7 +143,15 @@ class StripeTarget(Target):
             await self.flush()
 
     async def flush(self) -> None:
-        await asyncio.gather(*(b.sync() for b in self.files))
+        # every file's sync ends before the first failure is raised: the
+        # ring may close right after a drain
+        done = await asyncio.gather(*(b.sync() for b in self.files), return_exceptions=True)
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def drain(self) -> None:
+        await self.flush()  # a failure reaches the exit status
 
     def close(self) -> None:
         for b in self.files:
