@@ -809,20 +809,29 @@ class _FailingRead(HostFile):
         raise OSError(errno.EIO, "injected read error")
 
 
+async def _split_read(tmp_path: Path) -> tuple[Any, bytearray]:
+    """An image whose first 128 KiB read is split: its first cluster from the
+    image file, the next from the backing file's (an allocated one); the L2
+    tables are loaded already."""
+    from aioublk.qcow2 import Qcow2Image
+
+    base = create(tmp_path / "base.qcow2", 4 * M)
+    qemu_io(base, f"write -P 0x22 0 {128 * K}")
+    path = create(tmp_path / "img.qcow2", 4 * M, backing=base)
+    qemu_io(path, f"write -P 0x11 0 {64 * K}")
+    img = Qcow2Image.open(str(path))
+    buf = bytearray(128 * K)
+    await img.read(0, buf)
+    return img, buf
+
+
 async def test_failed_leg_waits_for_its_siblings(tmp_path: Path, ring: Ring) -> None:
     """A read split over the image file and the backing file: the leg from the
     image fails at once, the backing leg is still filling the caller's buffer.
     The read must not return (its buffer goes back to the kernel) before the
     slow leg has finished."""
-    from aioublk.qcow2 import Qcow2Image
-
-    base = create(tmp_path / "base.qcow2", 4 * M)
-    path = create(tmp_path / "img.qcow2", 4 * M, backing=base)
-    qemu_io(path, f"write -P 0x11 0 {64 * K}")
-    img = Qcow2Image.open(str(path))
+    img, buf = await _split_read(tmp_path)
     try:
-        buf = bytearray(128 * K)
-        await img.read(0, buf)  # loads the L2 table
         img.file.__class__ = _FailingRead
         finished = False
 
@@ -837,4 +846,40 @@ async def test_failed_leg_waits_for_its_siblings(tmp_path: Path, ring: Ring) -> 
         assert finished, "the read returned while its backing leg still wrote into the buffer"
     finally:
         img.file.__class__ = HostFile
+        await img.close()
+
+
+async def test_read_failing_on_two_legs_leaves_no_cycle(tmp_path: Path, ring: Ring) -> None:
+    """A read split over the image file and the backing file, both legs
+    failing: the error raised must not sit in a reference cycle with the
+    frames that did the I/O (they hold views of the request's buffer; the
+    collector clearing those while cffi still exports them crashes)."""
+    import gc
+
+    img, buf = await _split_read(tmp_path)
+    try:
+        img.file.__class__ = _FailingRead
+        img.backing.file.__class__ = _FailingRead
+        gc.collect()
+        gc.disable()
+        try:
+            try:
+                await img.read(0, buf)
+            except OSError as e:
+                assert "injected" in str(e)
+            else:
+                pytest.fail("a read failing on both legs succeeded")
+            for _ in range(5):  # the loop lets go of the legs' tasks
+                await asyncio.sleep(0)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            cyclic = [o for o in gc.garbage if isinstance(o, OSError)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert not cyclic, "the read's error was left in a reference cycle"
+    finally:
+        img.file.__class__ = HostFile
+        img.backing.file.__class__ = HostFile
         await img.close()

@@ -55,15 +55,6 @@ def _zero_buf(n: int) -> Any:
     return _ZEROS[:n] if n <= len(_ZEROS) else aligned(n)
 
 
-async def _every(legs: list[Any]) -> None:
-    """Await every leg of a request, also when one fails (the others write into
-    the caller's buffer, which is the kernel's again once the request is
-    answered), then raise the first error."""
-    for r in await asyncio.gather(*legs, return_exceptions=True):
-        if isinstance(r, BaseException):
-            raise r
-
-
 def _fill_zero(view: memoryview) -> None:
     n = len(view)
     pos = 0
