@@ -1541,3 +1541,35 @@ async def test_l1_larger_than_needed_is_valid(ring: Ring, tpl: Templates, tmp_pa
     finally:
         await asyncio.wait_for(img.close(), IO_TIMEOUT)
     run("qemu-img", "check", "-q", p)
+
+
+@pytest.mark.asyncio
+async def test_allocation_skips_l2_table_past_eof(ring: Ring, tmp_path: Path) -> None:
+    """An L1 entry points at the first cluster past the end of the file, which
+    the open records as an L2 table: allocating writes elsewhere must never
+    put guest data there (an access through that entry would then take it
+    for a table). QEMU allocates that cluster (its refcount is 0), its
+    overlap check catches the write, marks the image corrupt and fails it;
+    we never allocate a cluster a table points to, so the writes succeed."""
+    p = tmp_path / "img.qcow2"
+    run("qemu-img", "create", "-q", "-f", "qcow2", p, "1G")  # two L1 entries
+    run("qemu-io", "-f", "qcow2", "-c", f"write -q -P {PATTERN:#x} 0 {CS}", p)
+    lay = Layout.of(p)
+    far = -(-lay.size // CS) * CS  # the first cluster past the end of the file
+    poke(p, lay.l1 + 8, "Q", COPIED | far)
+    img = open_ok(p)
+    try:
+        bufs = {i: bytes([GUEST - i]) * CS for i in range(1, 4)}
+        for i, data in bufs.items():
+            await asyncio.wait_for(img.write(i * CS, data), IO_TIMEOUT)
+        await asyncio.wait_for(img.flush(), IO_TIMEOUT)
+        for i, data in bufs.items():
+            buf = bytearray(CS)
+            await asyncio.wait_for(img.read(i * CS, buf), IO_TIMEOUT)
+            assert bytes(buf) == data, f"cluster {i} reads back wrong"
+    finally:
+        await aclose(img)
+    table = p.read_bytes()[far:far + CS]
+    for i in bufs:
+        assert bytes([GUEST - i]) * 512 not in table, \
+            f"guest cluster {i} was written over the L2 table the L1 table points to"
