@@ -1573,3 +1573,28 @@ async def test_allocation_skips_l2_table_past_eof(ring: Ring, tmp_path: Path) ->
     for i in bufs:
         assert bytes([GUEST - i]) * 512 not in table, \
             f"guest cluster {i} was written over the L2 table the L1 table points to"
+
+
+@pytest.mark.asyncio
+async def test_allocating_write_checks_overlap(ring: Ring, tpl: Templates, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defence in depth: should allocation ever hand out a metadata cluster
+    (here it is made to return the L1 table's), the allocating write refuses
+    it as the in-place one does: EIO, the image marked corrupt, the table
+    untouched."""
+    p = clone(tpl.v3, tmp_path)
+    lay = Layout.of(p)
+    before = p.read_bytes()
+    img = open_ok(p)
+
+    async def bad_alloc(n: int, meta: int | None = None) -> tuple[int, bool]:
+        return lay.l1 // CS, False
+    monkeypatch.setattr(img, "_alloc", bad_alloc)
+    try:
+        await expect_eio(img.write(CS, bytes([GUEST]) * CS), "write")
+        assert img.corrupt, "the image was not marked corrupt"
+    finally:
+        await aclose(img)
+    after = p.read_bytes()
+    assert_only_corrupt_bit_changed(before, after, lay.l1, lay.l1 + CS, "the L1 table")
+    assert_no_guest_data_in_metadata(p)

@@ -127,6 +127,7 @@ class Writes(Reads):
                 tail = await self._cow(vcs[-1], olds[-1], we - (vcs[-1] << cbits), run_e - we)
                 if tail is not None or not fresh:
                     bufs.append(tail if tail is not None else _zero_buf(run_e - we))
+            self._overlap(at, sum(len(b) for b in bufs))  # as in place: never over a table
             await self._data_write(bufs, at)
         except BaseException:
             for c in range(c0, c0 + len(vcs)):
