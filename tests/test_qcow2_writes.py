@@ -883,3 +883,75 @@ async def test_read_failing_on_two_legs_leaves_no_cycle(tmp_path: Path, ring: Ri
         img.file.__class__ = HostFile
         img.backing.file.__class__ = HostFile
         await img.close()
+
+
+# -- the corrupt mark names only a durable refcount table ---------------------------------
+
+
+class _FailingWrite(HostFile):
+    """The image file, its writes at ``at`` failing with EIO."""
+
+    __slots__ = ()
+    at = -1
+
+    async def write(self, buf: Any, offset: int) -> None:
+        if offset == type(self).at:
+            raise OSError(errno.EIO, "injected write error")
+        await super().write(buf, offset)
+
+
+async def test_corrupt_mark_names_the_durable_refcount_table(tmp_path: Path,
+                                                             ring: Ring) -> None:
+    """The refcount table moved, and the write-back that would have written it
+    there failed; then the image is marked corrupt. The header with the corrupt
+    bit must still name the old refcount table (on disk), not the new place
+    (never written)."""
+    from aioublk.qcow2 import Qcow2Image
+
+    path = create(tmp_path / "img.qcow2", 16 * M)
+    rt_before = struct.unpack_from(">QI", read_file(path), 48)
+    img = Qcow2Image.open(str(path))
+    try:
+        await img.write(0, b"\x33" * 64 * K)
+        await img.flush()
+        async with img.alloc_lock:
+            await img._grow_reftable(len(img.reftable))
+        assert img.reftable_offset != rt_before[0]
+        img.file.__class__ = _FailingWrite
+        _FailingWrite.at = img.reftable_offset
+        with pytest.raises(OSError):
+            await img.writeback()
+        with pytest.raises(OSError):
+            img._mark_corrupt("injected")
+    finally:
+        img.file.__class__ = HostFile
+        img.release()
+    head = read_file(path)
+    assert struct.unpack_from(">Q", head, 72)[0] & 2, "the corrupt bit was not written"
+    assert struct.unpack_from(">QI", head, 48) == rt_before, \
+        "the header names a refcount table that was never written"
+
+
+async def test_failed_sync_of_corrupt_mark_sticks(tmp_path: Path, ring: Ring,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sync after writing the corrupt mark fails: as any failed sync of the
+    image, it makes every later flush fail."""
+    from aioublk.qcow2 import Qcow2Image
+
+    path = create(tmp_path / "img.qcow2", 16 * M)
+    img = Qcow2Image.open(str(path))
+    try:
+        await img.write(0, b"\x33" * 64 * K)
+        await img.flush()
+
+        def failing(fd: int) -> None:
+            raise OSError(errno.EIO, "injected sync error")
+        monkeypatch.setattr(os, "fdatasync", failing)
+        with pytest.raises(OSError):
+            img._mark_corrupt("injected")
+        monkeypatch.undo()
+        with pytest.raises(OSError) as err:
+            await img.flush()
+        assert err.value.errno == errno.EIO, "a flush after a failed sync succeeded"
+    finally:
+        img.release()

@@ -86,8 +86,9 @@ class HostFile:
             n = os.preadv(self.fd, [buf], start)
         return bytes(buf[offset - start:max(offset - start, min(n, offset + length - start))])
 
-    def pwrite_sector(self, data: bytes, offset: int) -> None:
-        """Write whole sectors synchronously and make them durable (header updates)."""
+    def pwrite_sector(self, data: bytes, offset: int, *, sync: bool = True) -> None:
+        """Write whole sectors synchronously and (``sync``) make them durable
+        (header updates)."""
         buf = aligned(len(data))
         buf[:] = data
         try:
@@ -97,6 +98,11 @@ class HostFile:
                 raise
             self._buffered(f"a write of {len(data)} bytes at {offset}")
             os.pwritev(self.fd, [buf], offset)
+        if sync:
+            self.datasync()
+
+    def datasync(self) -> None:
+        """fdatasync, synchronously."""
         os.fdatasync(self.fd)
 
     def _buffered(self, why: str) -> None:
