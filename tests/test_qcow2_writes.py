@@ -955,3 +955,46 @@ async def test_failed_sync_of_corrupt_mark_sticks(tmp_path: Path, ring: Ring,
         assert err.value.errno == errno.EIO, "a flush after a failed sync succeeded"
     finally:
         img.release()
+
+
+# -- the task-free path, refused by O_DIRECT, retries buffered -----------------------------
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+async def test_fast_path_refused_by_direct_io_is_retried_buffered_once(
+        tmp_path: Path, ring: Ring, monkeypatch: pytest.MonkeyPatch, op: str) -> None:
+    """A task-free request O_DIRECT refuses (EINVAL: here 512 bytes at a
+    misaligned offset, on a file system that enforces alignment) is submitted
+    once more, buffered: not again direct before that (as loop and stripe)."""
+    import fcntl
+    import mmap
+
+    from aioublk.qcow2 import Qcow2Image
+
+    path = create(tmp_path / "img.qcow2", 4 * M)
+    qemu_io(path, f"write -P 0x11 0 {64 * K}")
+    img = Qcow2Image.open(str(path))
+    submitted: list[bool] = []  # O_DIRECT on the image file at each submission
+    try:
+        if not img.file.direct:
+            pytest.skip("no direct I/O on the file system of the test's files")
+        await img.read(0, bytearray(4 * K))  # loads the L2 table: the cluster is mapped
+        real_rw = ring.submit_rw
+
+        def rw(opcode: int, fd: int, *args: Any) -> None:
+            submitted.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+            real_rw(opcode, fd, *args)
+        monkeypatch.setattr(ring, "submit_rw", rw)
+        buf = memoryview(mmap.mmap(-1, 4096))[:512]
+        buf[:] = b"\x22" * 512
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        start = img.start_write if op == "write" else img.start_read
+        assert start(100, buf, done.set_result)
+        assert await asyncio.wait_for(done, 5) == 512
+        if submitted == [True]:
+            pytest.skip("the file system took a misaligned direct request")
+        assert submitted == [True, False]
+        want = b"\x22" if op == "write" else b"\x11"
+        assert bytes(buf) == want * 512
+    finally:
+        await img.close()

@@ -111,6 +111,11 @@ class HostFile:
             self.direct = False
             directio.make_buffered(self.fd, self.path, why)
 
+    def refused(self) -> None:
+        """For ``rw_handler``: O_DIRECT refused a task-free request (EINVAL); the
+        file goes buffered before the retry, which is then not the same again."""
+        self._buffered("a task-free request")
+
     @staticmethod
     def _only_memory_misaligned(buf: Any, offset: int) -> bool:
         """Whether a bounce buffer would make this request acceptable."""

@@ -64,7 +64,8 @@ class Reads(L2Cache):
         if host < 0:
             return False
         current_ring().start_read(self.file.fd, buf, host, self._tracked(
-            rw_handler(len(buf), done, lambda: self.read(offset, buf))))
+            rw_handler(len(buf), done, lambda: self.read(offset, buf),
+                       self.file.refused)))
         return True
 
     def _tracked(self, handler: Handler) -> Handler:

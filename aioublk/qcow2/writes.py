@@ -26,7 +26,8 @@ class Writes(Reads):
         if host < 0:
             return False
         current_ring().start_write(self.file.fd, buf, host, self._tracked(
-            rw_handler(len(buf), done, lambda: self.write(offset, buf))))
+            rw_handler(len(buf), done, lambda: self.write(offset, buf),
+                       self.file.refused)))
         return True
 
 
