@@ -28,7 +28,7 @@ import os
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -132,3 +132,18 @@ def make_buffered(fd: int, path: str, why: str) -> None:
     """Clear O_DIRECT on ``fd`` (the same descriptor: its locks stay)."""
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
     log.warning("direct I/O refused: buffered I/O from now on", path=path, reason=why)
+
+
+class DirectFile(Protocol):
+    """A host file: ``direct`` says whether its ``fd`` has O_DIRECT now."""
+
+    path: str
+    fd: int
+    direct: bool
+
+
+def drop_direct(f: DirectFile, why: str) -> None:
+    """Make ``f`` buffered: once, with one log line (the fd and its lock stay)."""
+    if f.direct:
+        f.direct = False
+        make_buffered(f.fd, f.path, why)

@@ -1541,3 +1541,60 @@ async def test_l1_larger_than_needed_is_valid(ring: Ring, tpl: Templates, tmp_pa
     finally:
         await asyncio.wait_for(img.close(), IO_TIMEOUT)
     run("qemu-img", "check", "-q", p)
+
+
+@pytest.mark.asyncio
+async def test_allocation_skips_l2_table_past_eof(ring: Ring, tmp_path: Path) -> None:
+    """An L1 entry points at the first cluster past the end of the file, which
+    the open records as an L2 table: allocating writes elsewhere must never
+    put guest data there (an access through that entry would then take it
+    for a table). QEMU allocates that cluster (its refcount is 0), its
+    overlap check catches the write, marks the image corrupt and fails it;
+    we never allocate a cluster a table points to, so the writes succeed."""
+    p = tmp_path / "img.qcow2"
+    run("qemu-img", "create", "-q", "-f", "qcow2", p, "1G")  # two L1 entries
+    run("qemu-io", "-f", "qcow2", "-c", f"write -q -P {PATTERN:#x} 0 {CS}", p)
+    lay = Layout.of(p)
+    far = -(-lay.size // CS) * CS  # the first cluster past the end of the file
+    poke(p, lay.l1 + 8, "Q", COPIED | far)
+    img = open_ok(p)
+    try:
+        bufs = {i: bytes([GUEST - i]) * CS for i in range(1, 4)}
+        for i, data in bufs.items():
+            await asyncio.wait_for(img.write(i * CS, data), IO_TIMEOUT)
+        await asyncio.wait_for(img.flush(), IO_TIMEOUT)
+        for i, data in bufs.items():
+            buf = bytearray(CS)
+            await asyncio.wait_for(img.read(i * CS, buf), IO_TIMEOUT)
+            assert bytes(buf) == data, f"cluster {i} reads back wrong"
+    finally:
+        await aclose(img)
+    table = p.read_bytes()[far:far + CS]
+    for i in bufs:
+        assert bytes([GUEST - i]) * 512 not in table, \
+            f"guest cluster {i} was written over the L2 table the L1 table points to"
+
+
+@pytest.mark.asyncio
+async def test_allocating_write_checks_overlap(ring: Ring, tpl: Templates, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defence in depth: should allocation ever hand out a metadata cluster
+    (here it is made to return the L1 table's), the allocating write refuses
+    it as the in-place one does: EIO, the image marked corrupt, the table
+    untouched."""
+    p = clone(tpl.v3, tmp_path)
+    lay = Layout.of(p)
+    before = p.read_bytes()
+    img = open_ok(p)
+
+    async def bad_alloc(n: int, meta: int | None = None) -> tuple[int, bool]:
+        return lay.l1 // CS, False
+    monkeypatch.setattr(img, "_alloc", bad_alloc)
+    try:
+        await expect_eio(img.write(CS, bytes([GUEST]) * CS), "write")
+        assert img.corrupt, "the image was not marked corrupt"
+    finally:
+        await aclose(img)
+    after = p.read_bytes()
+    assert_only_corrupt_bit_changed(before, after, lay.l1, lay.l1 + CS, "the L1 table")
+    assert_no_guest_data_in_metadata(p)

@@ -809,20 +809,29 @@ class _FailingRead(HostFile):
         raise OSError(errno.EIO, "injected read error")
 
 
+async def _split_read(tmp_path: Path) -> tuple[Any, bytearray]:
+    """An image whose first 128 KiB read is split: its first cluster from the
+    image file, the next from the backing file's (an allocated one); the L2
+    tables are loaded already."""
+    from aioublk.qcow2 import Qcow2Image
+
+    base = create(tmp_path / "base.qcow2", 4 * M)
+    qemu_io(base, f"write -P 0x22 0 {128 * K}")
+    path = create(tmp_path / "img.qcow2", 4 * M, backing=base)
+    qemu_io(path, f"write -P 0x11 0 {64 * K}")
+    img = Qcow2Image.open(str(path))
+    buf = bytearray(128 * K)
+    await img.read(0, buf)
+    return img, buf
+
+
 async def test_failed_leg_waits_for_its_siblings(tmp_path: Path, ring: Ring) -> None:
     """A read split over the image file and the backing file: the leg from the
     image fails at once, the backing leg is still filling the caller's buffer.
     The read must not return (its buffer goes back to the kernel) before the
     slow leg has finished."""
-    from aioublk.qcow2 import Qcow2Image
-
-    base = create(tmp_path / "base.qcow2", 4 * M)
-    path = create(tmp_path / "img.qcow2", 4 * M, backing=base)
-    qemu_io(path, f"write -P 0x11 0 {64 * K}")
-    img = Qcow2Image.open(str(path))
+    img, buf = await _split_read(tmp_path)
     try:
-        buf = bytearray(128 * K)
-        await img.read(0, buf)  # loads the L2 table
         img.file.__class__ = _FailingRead
         finished = False
 
@@ -837,4 +846,155 @@ async def test_failed_leg_waits_for_its_siblings(tmp_path: Path, ring: Ring) -> 
         assert finished, "the read returned while its backing leg still wrote into the buffer"
     finally:
         img.file.__class__ = HostFile
+        await img.close()
+
+
+async def test_read_failing_on_two_legs_leaves_no_cycle(tmp_path: Path, ring: Ring) -> None:
+    """A read split over the image file and the backing file, both legs
+    failing: the error raised must not sit in a reference cycle with the
+    frames that did the I/O (they hold views of the request's buffer; the
+    collector clearing those while cffi still exports them crashes)."""
+    import gc
+
+    img, buf = await _split_read(tmp_path)
+    try:
+        img.file.__class__ = _FailingRead
+        img.backing.file.__class__ = _FailingRead
+        gc.collect()
+        gc.disable()
+        try:
+            try:
+                await img.read(0, buf)
+            except OSError as e:
+                assert "injected" in str(e)
+            else:
+                pytest.fail("a read failing on both legs succeeded")
+            for _ in range(5):  # the loop lets go of the legs' tasks
+                await asyncio.sleep(0)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            cyclic = [o for o in gc.garbage if isinstance(o, OSError)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert not cyclic, "the read's error was left in a reference cycle"
+    finally:
+        img.file.__class__ = HostFile
+        img.backing.file.__class__ = HostFile
+        await img.close()
+
+
+# -- the corrupt mark names only a durable refcount table ---------------------------------
+
+
+class _FailingWrite(HostFile):
+    """The image file, its writes at ``at`` failing with EIO."""
+
+    __slots__ = ()
+    at = -1
+
+    async def write(self, buf: Any, offset: int) -> None:
+        if offset == type(self).at:
+            raise OSError(errno.EIO, "injected write error")
+        await super().write(buf, offset)
+
+
+async def test_corrupt_mark_names_the_durable_refcount_table(tmp_path: Path,
+                                                             ring: Ring) -> None:
+    """The refcount table moved, and the write-back that would have written it
+    there failed; then the image is marked corrupt. The header with the corrupt
+    bit must still name the old refcount table (on disk), not the new place
+    (never written)."""
+    from aioublk.qcow2 import Qcow2Image
+
+    path = create(tmp_path / "img.qcow2", 16 * M)
+    rt_before = struct.unpack_from(">QI", read_file(path), 48)
+    img = Qcow2Image.open(str(path))
+    try:
+        await img.write(0, b"\x33" * 64 * K)
+        await img.flush()
+        async with img.alloc_lock:
+            await img._grow_reftable(len(img.reftable))
+        assert img.reftable_offset != rt_before[0]
+        img.file.__class__ = _FailingWrite
+        _FailingWrite.at = img.reftable_offset
+        with pytest.raises(OSError):
+            await img.writeback()
+        with pytest.raises(OSError):
+            img._mark_corrupt("injected")
+    finally:
+        img.file.__class__ = HostFile
+        img.release()
+    head = read_file(path)
+    assert struct.unpack_from(">Q", head, 72)[0] & 2, "the corrupt bit was not written"
+    assert struct.unpack_from(">QI", head, 48) == rt_before, \
+        "the header names a refcount table that was never written"
+
+
+async def test_failed_sync_of_corrupt_mark_sticks(tmp_path: Path, ring: Ring,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sync after writing the corrupt mark fails: as any failed sync of the
+    image, it makes every later flush fail."""
+    from aioublk.qcow2 import Qcow2Image
+
+    path = create(tmp_path / "img.qcow2", 16 * M)
+    img = Qcow2Image.open(str(path))
+    try:
+        await img.write(0, b"\x33" * 64 * K)
+        await img.flush()
+
+        def failing(fd: int) -> None:
+            raise OSError(errno.EIO, "injected sync error")
+        monkeypatch.setattr(os, "fdatasync", failing)
+        with pytest.raises(OSError):
+            img._mark_corrupt("injected")
+        monkeypatch.undo()
+        with pytest.raises(OSError) as err:
+            await img.flush()
+        assert err.value.errno == errno.EIO, "a flush after a failed sync succeeded"
+    finally:
+        img.release()
+
+
+# -- the task-free path, refused by O_DIRECT, retries buffered -----------------------------
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+async def test_fast_path_refused_by_direct_io_is_retried_buffered_once(
+        tmp_path: Path, ring: Ring, monkeypatch: pytest.MonkeyPatch, op: str) -> None:
+    """A task-free request O_DIRECT refuses (EINVAL: here 512 bytes at a
+    misaligned offset, on a file system that enforces alignment) is submitted
+    once more, buffered: not again direct before that (as loop and stripe)."""
+    import fcntl
+    import mmap
+
+    from aioublk.qcow2 import Qcow2Image
+
+    path = create(tmp_path / "img.qcow2", 4 * M)
+    qemu_io(path, f"write -P 0x11 0 {64 * K}")
+    img = Qcow2Image.open(str(path))
+    submitted: list[bool] = []  # O_DIRECT on the image file at each submission
+    try:
+        if not img.file.direct:
+            pytest.skip("no direct I/O on the file system of the test's files")
+        await img.read(0, bytearray(4 * K))  # loads the L2 table: the cluster is mapped
+        real_rw = ring.submit_rw
+
+        def rw(opcode: int, fd: int, *args: Any) -> None:
+            submitted.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+            real_rw(opcode, fd, *args)
+        monkeypatch.setattr(ring, "submit_rw", rw)
+        buf = memoryview(mmap.mmap(-1, 4096))[:512]
+        buf[:] = b"\x22" * 512
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        start = img.start_write if op == "write" else img.start_read
+        assert start(100, buf, done.set_result)
+        assert await asyncio.wait_for(done, 5) == 512
+        if submitted == [True]:
+            pytest.skip("the file system took a misaligned direct request")
+        assert submitted == [True, False]
+        want = b"\x22" if op == "write" else b"\x11"
+        assert bytes(buf) == want * 512
+    finally:
         await img.close()

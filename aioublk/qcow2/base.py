@@ -55,15 +55,6 @@ def _zero_buf(n: int) -> Any:
     return _ZEROS[:n] if n <= len(_ZEROS) else aligned(n)
 
 
-async def _every(legs: list[Any]) -> None:
-    """Await every leg of a request, also when one fails (the others write into
-    the caller's buffer, which is the kernel's again once the request is
-    answered), then raise the first error."""
-    for r in await asyncio.gather(*legs, return_exceptions=True):
-        if isinstance(r, BaseException):
-            raise r
-
-
 def _fill_zero(view: memoryview) -> None:
     n = len(view)
     pos = 0
@@ -174,15 +165,39 @@ class ImageBase:
         self.corrupt = True
         log.error("qcow2 image marked corrupt", image=self.path, reason=why)
         if self.v3 and not self.read_only:
-            inc = int.from_bytes(self.head[fmt.OFF_INCOMPAT:fmt.OFF_INCOMPAT + 8], "big")
-            self.head[fmt.OFF_INCOMPAT:fmt.OFF_INCOMPAT + 8] = fmt.pack_u64(
-                inc | fmt.INCOMPAT_CORRUPT)
+            # the last durable header: a refcount table a write-back is moving
+            # is named only once it is on disk (``_writeback_locked``)
+            head = self._corrupt_bit(self.head)
             try:
-                self.file.pwrite_sector(bytes(self.head), 0)
+                self.file.pwrite_sector(head, 0, sync=False)
             except OSError:
-                pass
+                pass  # best effort: the image is refused in memory all the same
+            else:
+                try:
+                    self.file.datasync()
+                except OSError as e:
+                    self._sync_failed(e)
+                else:
+                    self.head[:] = head
         raise _eio(f"{self.path}: {why}; image marked corrupt, run "
                    f"`qemu-img check -r all {self.path}`")
+
+    def _corrupt_bit(self, head: bytes | bytearray) -> bytes:
+        """Header bytes ``head`` with the corrupt bit set if the image is corrupt."""
+        if not self.corrupt:
+            return bytes(head)
+        out = bytearray(head)
+        inc = int.from_bytes(out[fmt.OFF_INCOMPAT:fmt.OFF_INCOMPAT + 8], "big")
+        out[fmt.OFF_INCOMPAT:fmt.OFF_INCOMPAT + 8] = fmt.pack_u64(inc | fmt.INCOMPAT_CORRUPT)
+        return bytes(out)
+
+    def _sync_failed(self, e: OSError) -> None:
+        """A sync of the image failed: Linux reports a lost page-cache write-back
+        once, so the first failure sticks (every later sync fails, see ``_sync``)."""
+        if self._sync_error is None:
+            self._sync_error = e
+            log.error("qcow2 image sync failed: every later flush fails", image=self.path,
+                      error=str(e))
 
 
     def _check_host(self, host: int, vc: int) -> None:

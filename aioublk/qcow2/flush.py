@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2 import writeback as wbplan
-from aioublk.qcow2.base import _eio, log
+from aioublk.qcow2.base import _eio
 from aioublk.qcow2.refcounts import Refcounts
 
 
@@ -42,9 +42,7 @@ class WriteBack(Refcounts):
         try:
             await self.file.sync()
         except OSError as e:
-            self._sync_error = e
-            log.error("qcow2 image sync failed: every later flush fails", image=self.path,
-                      error=str(e))
+            self._sync_failed(e)
             raise _eio(f"{self.path}: sync failed ({e.strerror}): writes may be lost, "
                        "check the image") from None
 
@@ -64,18 +62,22 @@ class WriteBack(Refcounts):
         l1 = {i: self.l1[i] for i in self.l1_dirty}
         refs = self._refblock_cut()
         rt_gen = self._rt_gen
+        rt_fields = fmt.pack_reftable_fields(self.reftable_offset, self.reftable_clusters)
+        header = None  # self.head stays the durable header until this one is on disk
         if self.reftable_moved:
-            self.head[fmt.OFF_REFTABLE:fmt.OFF_REFTABLE + 12] = fmt.pack_reftable_fields(
-                self.reftable_offset, self.reftable_clusters)
+            header = bytearray(self.head)
+            header[fmt.OFF_REFTABLE:fmt.OFF_REFTABLE + 12] = rt_fields
         steps = self._plan(wbplan.Cut(
             refblocks=[(self._refblock_offset(t), raw) for t, _b, _g, raw in refs],
             reftable=(self.reftable_offset, fmt.dump_table(self.reftable))
             if self.reftable_dirty else None,
-            header=bytes(self.head) if self.reftable_moved else None,
+            header=bytes(header) if header is not None else None,
             l2=[(t.offset, fmt.dump_table(t.entries)) for t, _g in l2s],
             l1=self._l1_sectors(l1)))
         await self._run(steps)
         # all durable: clean what the cut held, unless it changed since
+        if header is not None:
+            self.head[fmt.OFF_REFTABLE:fmt.OFF_REFTABLE + 12] = rt_fields
         self._refblocks_clean(refs)
         if rt_gen == self._rt_gen:
             self.reftable_dirty = self.reftable_moved = False
@@ -96,8 +98,9 @@ class WriteBack(Refcounts):
 
     async def _run(self, steps: list[wbplan.Step]) -> None:
         for s in steps:
-            if type(s) is wbplan.Write:
-                await self.file.write(s.data, s.offset)
+            if type(s) is wbplan.Write:  # a mark made since the cut stays in the header
+                data = self._corrupt_bit(s.data) if s.kind == wbplan.HEADER else s.data
+                await self.file.write(data, s.offset)
             else:
                 await self._sync()
 

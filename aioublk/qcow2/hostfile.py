@@ -42,19 +42,12 @@ class HostFile:
         mode = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC | os.O_NONBLOCK \
             | os.O_NOCTTY | (0 if follow else os.O_NOFOLLOW)
         self.fd = -1
-        self.direct = False
-        if direct:
-            try:
-                self.fd = os.open(path, mode | os.O_DIRECT)
-                self.direct = True
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise Qcow2Error(f"cannot open {path}: {e.strerror}") from None
-        if self.fd < 0:
-            try:
-                self.fd = os.open(path, mode)
-            except OSError as e:
-                raise Qcow2Error(f"cannot open {path}: {e.strerror}") from None
+        try:
+            fd = directio.open_direct(path, mode) if direct else None
+            self.direct = fd is not None
+            self.fd = fd if fd is not None else os.open(path, mode)
+        except OSError as e:
+            raise Qcow2Error(f"cannot open {path}: {e.strerror}") from None
         st = os.fstat(self.fd)
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
             self.close()
@@ -86,8 +79,9 @@ class HostFile:
             n = os.preadv(self.fd, [buf], start)
         return bytes(buf[offset - start:max(offset - start, min(n, offset + length - start))])
 
-    def pwrite_sector(self, data: bytes, offset: int) -> None:
-        """Write whole sectors synchronously and make them durable (header updates)."""
+    def pwrite_sector(self, data: bytes, offset: int, *, sync: bool = True) -> None:
+        """Write whole sectors synchronously and (``sync``) make them durable
+        (header updates)."""
         buf = aligned(len(data))
         buf[:] = data
         try:
@@ -97,13 +91,20 @@ class HostFile:
                 raise
             self._buffered(f"a write of {len(data)} bytes at {offset}")
             os.pwritev(self.fd, [buf], offset)
+        if sync:
+            self.datasync()
+
+    def datasync(self) -> None:
+        """fdatasync, synchronously."""
         os.fdatasync(self.fd)
 
     def _buffered(self, why: str) -> None:
-        """Drop O_DIRECT from the file (once; the lock stays with the fd)."""
-        if self.direct:
-            self.direct = False
-            directio.make_buffered(self.fd, self.path, why)
+        directio.drop_direct(self, why)
+
+    def refused(self) -> None:
+        """For ``rw_handler``: O_DIRECT refused a task-free request (EINVAL); the
+        file goes buffered before the retry, which is then not the same again."""
+        self._buffered("a task-free request")
 
     @staticmethod
     def _only_memory_misaligned(buf: Any, offset: int) -> bool:

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from collections.abc import Awaitable
 from typing import Any
 
 from aioublk.qcow2 import format as fmt
-from aioublk.qcow2.base import OFFLOAD_BYTES, _eio, _every, _fill_zero
+from aioublk.qcow2.base import OFFLOAD_BYTES, _eio, _fill_zero
 from aioublk.qcow2.compress import decompress
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
 from aioublk.qcow2.hostfile import aligned
 from aioublk.qcow2.l2cache import L2Cache
 from aioublk.ring import Handler, current_ring
-from aioublk.target import Done, rw_handler
+from aioublk.target import Done, gather_all, rw_handler
 
 
 class Reads(L2Cache):
@@ -63,7 +64,8 @@ class Reads(L2Cache):
         if host < 0:
             return False
         current_ring().start_read(self.file.fd, buf, host, self._tracked(
-            rw_handler(len(buf), done, lambda: self.read(offset, buf))))
+            rw_handler(len(buf), done, lambda: self.read(offset, buf),
+                       self.file.refused)))
         return True
 
     def _tracked(self, handler: Handler) -> Handler:
@@ -77,7 +79,7 @@ class Reads(L2Cache):
 
     async def _read(self, view: memoryview, offset: int, end: int) -> None:
         cbits, cmask, cs = self.cbits, self.cmask, self.cluster_size
-        pending = []
+        pending: list[Awaitable[Any]] = []  # legs returning None: gather_all takes them
         pos = offset
         while pos < end:
             vc = pos >> cbits
@@ -111,10 +113,8 @@ class Reads(L2Cache):
             else:
                 _fill_zero(sub)
             pos = stop
-        if len(pending) == 1:
-            await pending[0]
-        elif pending:
-            await _every(pending)
+        if pending:  # every leg done (they fill the caller's buffer) before an error
+            await gather_all(pending)
 
     async def _read_backing(self, pos: int, view: memoryview) -> None:
         b = self.backing

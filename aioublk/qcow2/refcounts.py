@@ -42,14 +42,13 @@ class Refcounts(ImageBase):
         # a missing block means every cluster it covers is free: put the block
         # inside its own range so that it describes itself
         base = t * self.rbe
-        c = next((c for c in range(base, base + self.rbe)
-                  if c not in self._reserving and c not in self.meta), None)
+        c = next((c for c in range(base, base + self.rbe) if not self._taken(c)), None)
         b = fmt.RefBlock(self.h.refcount_bits, bytes(self.cluster_size))
         self.refblocks[t] = b
         if c is not None:
             b[c - base] = 1
         else:
-            c = max(self._end_cluster(), base + self.rbe)
+            c = self._clear_past_end(max(self._end_cluster(), base + self.rbe), 1)
             self._reserving.add(c)
             try:
                 await self._add_ref(c, 1)
@@ -66,6 +65,21 @@ class Refcounts(ImageBase):
 
     def _end_cluster(self) -> int:
         return (self.used_end + self.cmask) >> self.cbits
+
+    def _taken(self, c: int) -> bool:
+        """Whether host cluster ``c`` is metadata (also one a table points to
+        past the end of the file) or is being claimed."""
+        return c in self.meta or c in self._reserving
+
+    def _clear_past_end(self, start: int, n: int) -> int:
+        """The first cluster from ``start`` on (past the end of the file) that
+        begins ``n`` clusters none of which is taken."""
+        c = start
+        while c < start + n:
+            if self._taken(c):
+                start = c + 1
+            c += 1
+        return start
 
     async def _add_ref(self, c: int, delta: int) -> int:
         """Change a refcount; returns the new value. A decrement never creates
@@ -90,6 +104,10 @@ class Refcounts(ImageBase):
         entries = max(need + 1, len(self.reftable) * 2)
         while True:  # big enough to cover itself and the blocks that count it
             clusters = -(-entries // per)
+            free = self._clear_past_end(start, clusters)  # not over a table past the end
+            if free != start:
+                start = free
+                continue
             needed = (start + clusters + 8) // self.rbe + 1
             if entries >= needed:
                 break
@@ -128,10 +146,11 @@ class Refcounts(ImageBase):
             hole = -1  # the first free cluster passed over (a run too short for n)
             end_cluster = self._end_cluster()
             while c - start < n:
-                if c >= end_cluster:
-                    break  # everything past the end is free
-                if c in self.meta or c in self._reserving:
+                if self._taken(c):  # also past the end: a table may point there
                     start = c = c + 1
+                    continue
+                if c >= end_cluster:
+                    c += 1  # past the end, no refcount: free
                     continue
                 b = await self._refblock(c // rbe, create=False)
                 if b is None or b[c % rbe] == 0:

@@ -26,7 +26,8 @@ class Writes(Reads):
         if host < 0:
             return False
         current_ring().start_write(self.file.fd, buf, host, self._tracked(
-            rw_handler(len(buf), done, lambda: self.write(offset, buf))))
+            rw_handler(len(buf), done, lambda: self.write(offset, buf),
+                       self.file.refused)))
         return True
 
 
@@ -127,6 +128,7 @@ class Writes(Reads):
                 tail = await self._cow(vcs[-1], olds[-1], we - (vcs[-1] << cbits), run_e - we)
                 if tail is not None or not fresh:
                     bufs.append(tail if tail is not None else _zero_buf(run_e - we))
+            self._overlap(at, sum(len(b) for b in bufs))  # as in place: never over a table
             await self._data_write(bufs, at)
         except BaseException:
             for c in range(c0, c0 + len(vcs)):
