@@ -148,3 +148,26 @@ def test_a_lock_failing_for_another_reason_is_one_line(
         os.close(fd)
     with pytest.raises(BackingError, match=f"^cannot lock {path}: Input/output error$"):
         Backing.open(str(path))
+
+
+@pytest.mark.parametrize("where", ["alignment", "lock"])
+def test_qcow2_host_file_failing_after_open_is_one_line_and_closes_the_file(
+        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a qcow2 image's file: one line, no fd or lock left."""
+    from aioublk.qcow2 import Qcow2Error
+    from aioublk.qcow2.hostfile import HostFile
+
+    path = tmp_path / "img"
+    path.write_bytes(bytes(M))
+
+    def fail(*args: object) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    if where == "alignment":
+        monkeypatch.setattr("aioublk.qcow2.hostfile.directio.alignment", fail)
+    else:
+        monkeypatch.setattr(locking, "conflict", fail)
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(Qcow2Error, match=f"{path}: .*Input/output error$"):
+        HostFile(str(path), read_only=False, direct=True)
+    assert set(os.listdir("/proc/self/fd")) <= fds
+    assert not locking.in_use(str(path))

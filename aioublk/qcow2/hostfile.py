@@ -48,9 +48,19 @@ class HostFile:
             self.fd = fd if fd is not None else os.open(path, mode)
         except OSError as e:
             raise Qcow2Error(f"cannot open {path}: {e.strerror}") from None
+        try:
+            self._opened(path, read_only)
+        except BaseException as e:
+            self.close()  # with its lock, if it got one
+            if isinstance(e, locking.InUse | locking.LockFailed):
+                raise Qcow2Error(str(e)) from None
+            if isinstance(e, OSError):
+                raise Qcow2Error(f"cannot open {path}: {e.strerror or e}") from None
+            raise
+
+    def _opened(self, path: str, read_only: bool) -> None:
         st = os.fstat(self.fd)
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
-            self.close()
             raise Qcow2Error(f"{path} is neither a regular file nor a block device")
         os.set_blocking(self.fd, True)
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
@@ -58,11 +68,8 @@ class HostFile:
             need = directio.alignment(self.fd)
             if need is None or need.offset > SECTOR or need.memory > ALIGN:
                 self._buffered("the file system does not take 512-byte direct I/O")
-        try:  # before the first byte is read: QEMU's locks (read-only for backing files)
-            locking.lock(self.fd, path, write=not read_only)
-        except locking.InUse as e:
-            self.close()
-            raise Qcow2Error(str(e)) from None
+        # before the first byte is read: QEMU's locks (read-only for backing files)
+        locking.lock(self.fd, path, write=not read_only)
 
     # --- synchronous, for open
     def pread(self, offset: int, length: int) -> bytes:
