@@ -112,9 +112,7 @@ class Backing:
 
     def buffered(self, why: str) -> None:
         """Drop O_DIRECT (once; the fd and its lock stay)."""
-        if self.direct:
-            self.direct = False
-            directio.make_buffered(self.fd, self.path, why)
+        directio.drop_direct(self, why)
 
     def einval(self, what: str) -> Callable[[], bool]:
         """For ``rw_handler``: an EINVAL of the fast path makes the file buffered."""
