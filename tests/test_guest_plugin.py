@@ -134,3 +134,45 @@ def test_a_guest_test_that_skips_fails(tmp_path: Path, where: str) -> None:
         "test_host_skip_stays_a_skip": "skipped",
     }, stdout
     assert "a guest test must not skip" in stdout and "no zstd" in stdout, stdout
+
+
+TMP_TESTS = '''
+import os
+from pathlib import Path
+
+import pytest
+
+seen = {}
+
+
+@pytest.mark.guest
+def test_a_guest_test_writes(tmp_path):
+    (tmp_path / "backing.img").write_bytes(bytes(4096))
+    seen["guest"] = tmp_path
+
+
+def test_a_host_test_writes(tmp_path):
+    (tmp_path / "x").write_bytes(b"x")
+    seen["host"] = tmp_path
+
+
+@pytest.mark.guest
+def test_only_the_guest_tests_tmp_path_is_gone():
+    assert not seen["guest"].exists()
+    assert seen["host"].exists()
+'''
+
+
+def test_in_the_guest_a_guest_tests_tmp_path_goes_when_it_ends(tmp_path: Path) -> None:
+    """The guest's /tmp lives in its RAM and pytest keeps every tmp_path
+    until the session ends: a whole run's backing files would fill it (a
+    late test then fails with ENOSPC), so each guest test's goes at once."""
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_tmp.py").write_text(TMP_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "aioublk.testing.pytest_plugin",
+         "-p", "no:cacheprovider", "--strict-markers", "-q", str(tmp_path / "test_tmp.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        env={**os.environ, "AIOUBLK_IN_GUEST": "1", "AIOUBLK_CACHE": str(tmp_path / "cache")})
+    assert p.returncode == 0 and "3 passed" in p.stdout, p.stdout + p.stderr

@@ -38,6 +38,7 @@ import codecs
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -71,7 +72,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--guest-timeout",
         type=float,
         default=float(os.environ.get("AIOUBLK_GUEST_TIMEOUT", guest.DEFAULT_TIMEOUT)),
-        help="seconds for the whole guest run (env AIOUBLK_GUEST_TIMEOUT, default 1500)",
+        help="seconds for the whole guest run (env AIOUBLK_GUEST_TIMEOUT, default 2400)",
     )
 
 
@@ -297,6 +298,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[n] = GuestProxy.from_parent(
                 item.parent, name=item.name, nodeid=item.nodeid, original=item, run=run
             )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """Inside the guest, a guest test's ``tmp_path`` goes once its fixtures
+    are torn down: the guest's /tmp lives in its RAM, and pytest keeps every
+    tmp_path until the session ends, so a whole run's backing files would
+    fill it and a late test fail with ENOSPC."""
+    try:
+        return (yield)
+    finally:
+        tmp = getattr(item, "funcargs", {}).get("tmp_path")
+        if os.environ.get("AIOUBLK_IN_GUEST") == "1" and isinstance(tmp, Path) \
+                and item.get_closest_marker("guest") is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)
