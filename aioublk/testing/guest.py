@@ -59,7 +59,7 @@ from aioublk.testing.sid import (
     scratch_dir,
 )
 
-DEFAULT_TIMEOUT = 25 * 60.0
+DEFAULT_TIMEOUT = 40 * 60.0
 # Host variables worth seeing in the guest; the guest does not inherit the host env.
 FORWARDED_ENV = ("PYTHONPATH", "PYTHONWARNINGS", "CI", "LANG", "LC_ALL", "TERM", "COLUMNS")
 STATUS_TIMEOUT = 124  # like timeout(1)
