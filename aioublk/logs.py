@@ -18,6 +18,17 @@ def per_request() -> bool:
     return _per_request
 
 
+class _Stderr:
+    """``sys.stderr`` as it is when a line is written, not when logs were
+    configured: an application (or pytest's capture) may swap and close it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(*, verbose: bool = False, json: bool = False, level: str | None = None) -> None:
     """``level`` ("warning", "info", "debug") overrides ``verbose``."""
     global _per_request
@@ -39,6 +50,6 @@ def configure(*, verbose: bool = False, json: bool = False, level: str | None = 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )

@@ -123,3 +123,27 @@ async def test_fast_path_unless_per_request_logging_was_asked_for(ring: Ring) ->
     finally:
         logs.configure()
     assert not logs.per_request()
+
+
+async def test_logs_follow_sys_stderr_as_it_is_when_a_line_is_written() -> None:
+    """configure() must not keep the sys.stderr of its moment: an application
+    (or pytest's capture) may replace and close it, and a later warning then
+    raised ValueError (I/O operation on closed file) inside a request."""
+    import io
+    import sys
+
+    import structlog
+
+    from aioublk import logs
+
+    old, first = sys.stderr, io.StringIO()
+    try:
+        sys.stderr = first
+        logs.configure()
+        first.close()
+        sys.stderr = second = io.StringIO()
+        structlog.get_logger("t").warning("after the swap")
+        assert "after the swap" in second.getvalue()
+    finally:
+        sys.stderr = old
+        structlog.reset_defaults()
