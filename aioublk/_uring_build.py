@@ -12,7 +12,14 @@ defined here when missing.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import cffi
+
+#: C sources compiled into the same extension, each with a header whose
+#: declarations are both its C interface and its cdef (plain declarations only)
+PARTS = ("_extents", "_dataplane")
+_HERE = Path(__file__).parent
 
 CDEF = """
 struct aur { ...; };
@@ -388,9 +395,24 @@ void aur_buf_ring_advance(void *br, unsigned count)
 }
 """
 
+
+
+def _parts() -> tuple[str, str]:
+    """(cdef, source) of the C parts that exist in this tree."""
+    cdef, source = "", ""
+    for name in PARTS:
+        h, c = _HERE / f"{name}.h", _HERE / f"{name}.c"
+        if h.exists():
+            cdef += h.read_text()
+            source += f'#include "{name}.h"\n' + (c.read_text() if c.exists() else "")
+    return cdef, source
+
+
+_PART_CDEF, _PART_SOURCE = _parts()
 ffibuilder = cffi.FFI()
-ffibuilder.cdef(CDEF)
-ffibuilder.set_source("aioublk._uring", SOURCE, libraries=["uring"])
+ffibuilder.cdef(CDEF + _PART_CDEF)
+ffibuilder.set_source("aioublk._uring", SOURCE + _PART_SOURCE, libraries=["uring"],
+                      include_dirs=[str(_HERE)])
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
