@@ -1,0 +1,447 @@
+/*
+ * The extent table: where the C data plane looks up a request's data.
+ *
+ * Why one entry per granule (a qcow2 cluster, say) and not ranges: Python
+ * publishes what it has learnt cluster by cluster (one L2 entry at a time)
+ * and takes it back cluster by cluster (a COW, a discard, an L2 eviction).
+ * Ranges would have to be split and merged on every such change; granules
+ * never are. A request spanning several granules pays one lookup each, and
+ * adjacent granules that are also adjacent on the host are merged back into
+ * one piece, so the backend still sees one SQE for a contiguous run.
+ *
+ * Why a hash index over a slab, and not a sorted array or a tree: an image
+ * may have a million clusters mapped, and every lookup, insert and removal
+ * must stay O(1) however full the table is; a sorted array would move memory
+ * on every insert, a tree would chase pointers on every request. Entries
+ * live in one array (the slab) and are named by their index: the id a
+ * request holds stays valid when the slab grows, because growing moves the
+ * array but renumbers nothing. The slab and the bucket array grow by
+ * doubling, never past max_entries, so memory is bounded by the caller.
+ *
+ * Why entries outlive their removal: the rule the data plane relies on is
+ * that a mapping a request resolved stays valid until the request completes.
+ * Python removes an extent first and waits until aur_ext_busy says no
+ * request holds it (aioublk.extents.ExtentTable.unmap), then changes the
+ * cluster. A removed entry that requests still hold leaves the index at once
+ * (no new request can find it) but keeps its slot on a "removed but busy"
+ * list, where aur_ext_busy still counts it, until its last release frees
+ * the slot. That list is short: it holds only what in-flight requests hold.
+ * Its slots count against max_entries, which keeps the memory bound exact;
+ * an insert that finds the table full is merely not cached.
+ *
+ * Why one mutex: the callers are queue threads with the GIL released, and
+ * Python's inserts and invalidations, all short. Every operation is O(1)
+ * per granule under the lock except a range invalidation or busy query
+ * wider than the table, which scans the slab once instead of probing each
+ * granule of the range. A reader-writer lock would not help: acquire writes
+ * (it raises in-flight counts).
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EXT_NIL UINT32_MAX
+#define EXT_MIN_BITS 6
+#define EXT_MAX_BITS 31
+
+enum { EXT_FREE, EXT_LIVE, EXT_GONE };
+
+struct aur_ext_entry {
+    uint64_t gran;      /* device granule number */
+    uint64_t host_off;  /* host byte offset of the granule's first byte */
+    int32_t fd;
+    uint32_t inflight;  /* acquisitions not yet released */
+    uint32_t next;      /* LIVE: hash chain; GONE: removed list; FREE: free list */
+    uint32_t prev;      /* GONE: removed list */
+    uint8_t state;
+    uint8_t writable;
+};
+
+struct aur_ext {
+    pthread_mutex_t mu;
+    unsigned shift;
+    uint32_t max;       /* live + removed-but-busy never exceed this */
+    uint32_t cap;       /* slots allocated */
+    uint32_t hw;        /* slots [0, hw) have been handed out at least once */
+    uint32_t nfree;     /* slots on the free list */
+    uint32_t free_head;
+    uint32_t gone_head; /* removed but busy */
+    uint32_t live;
+    unsigned bits;      /* 1 << bits buckets */
+    uint32_t *buckets;
+    struct aur_ext_entry *e;
+};
+
+static uint32_t ext_bucket(const struct aur_ext *t, uint64_t g)
+{
+    return (uint32_t)((g * 0x9E3779B97F4A7C15ULL) >> (64 - t->bits));
+}
+
+static uint32_t *ext_new_buckets(unsigned bits)
+{
+    uint32_t *b = malloc(sizeof(*b) << bits);
+
+    if (b)
+        memset(b, 0xff, sizeof(*b) << bits);   /* every head EXT_NIL */
+    return b;
+}
+
+static uint32_t ext_find(const struct aur_ext *t, uint64_t g)
+{
+    uint32_t i = t->buckets[ext_bucket(t, g)];
+
+    while (i != EXT_NIL && t->e[i].gran != g)
+        i = t->e[i].next;
+    return i;
+}
+
+static void ext_link(struct aur_ext *t, uint32_t i)
+{
+    uint32_t *head = &t->buckets[ext_bucket(t, t->e[i].gran)];
+
+    t->e[i].next = *head;
+    *head = i;
+}
+
+static void ext_unlink(struct aur_ext *t, uint32_t i)
+{
+    uint32_t *link = &t->buckets[ext_bucket(t, t->e[i].gran)];
+
+    while (*link != i)
+        link = &t->e[*link].next;
+    *link = t->e[i].next;
+}
+
+static void ext_slot_free(struct aur_ext *t, uint32_t i)
+{
+    t->e[i].state = EXT_FREE;
+    t->e[i].next = t->free_head;
+    t->free_head = i;
+    t->nfree++;
+}
+
+/* A slot; the caller has made room with ext_reserve. */
+static uint32_t ext_slot_alloc(struct aur_ext *t)
+{
+    uint32_t i = t->free_head;
+
+    if (i != EXT_NIL) {
+        t->free_head = t->e[i].next;
+        t->nfree--;
+        return i;
+    }
+    return t->hw++;
+}
+
+/* Room for `need` more slots (need <= max - used, checked by the caller). */
+static int ext_reserve(struct aur_ext *t, uint32_t need)
+{
+    uint64_t want = (uint64_t)t->hw + need - t->nfree, cap = t->cap;
+    struct aur_ext_entry *e;
+
+    if (need <= t->nfree || want <= t->cap)
+        return 0;
+    while (cap < want)
+        cap = cap ? cap * 2 : 64;
+    if (cap > t->max)
+        cap = t->max;
+    e = realloc(t->e, cap * sizeof(*e));
+    if (!e)
+        return -ENOMEM;
+    t->e = e;
+    t->cap = (uint32_t)cap;
+    return 0;
+}
+
+/* Grow the index to at least `live` buckets; on ENOMEM chains just get longer. */
+static void ext_rehash(struct aur_ext *t, uint64_t live)
+{
+    unsigned bits = t->bits, old = 1U << t->bits;
+    uint32_t *b, *ob = t->buckets, j, i, next;
+
+    while (bits < EXT_MAX_BITS && ((uint64_t)1 << bits) < live)
+        bits++;
+    if (bits == t->bits || !(b = ext_new_buckets(bits)))
+        return;
+    t->buckets = b;
+    t->bits = bits;
+    for (j = 0; j < old; j++)
+        for (i = ob[j]; i != EXT_NIL; i = next) {
+            next = t->e[i].next;
+            ext_link(t, i);
+        }
+    free(ob);
+}
+
+struct aur_ext *aur_ext_new(unsigned granule_shift, unsigned max_entries)
+{
+    struct aur_ext *t;
+
+    if (granule_shift > 62)
+        return NULL;
+    t = calloc(1, sizeof(*t));
+    if (!t)
+        return NULL;
+    t->buckets = ext_new_buckets(EXT_MIN_BITS);
+    if (!t->buckets || pthread_mutex_init(&t->mu, NULL)) {
+        free(t->buckets);
+        free(t);
+        return NULL;
+    }
+    t->shift = granule_shift;
+    t->max = max_entries < EXT_NIL ? max_entries : EXT_NIL - 1;
+    t->bits = EXT_MIN_BITS;
+    t->free_head = EXT_NIL;
+    t->gone_head = EXT_NIL;
+    return t;
+}
+
+void aur_ext_free(struct aur_ext *t)
+{
+    if (!t)
+        return;
+    pthread_mutex_destroy(&t->mu);
+    free(t->buckets);
+    free(t->e);
+    free(t);
+}
+
+static int ext_same(const struct aur_ext_entry *x, int fd, uint64_t host_off, int writable)
+{
+    return x->fd == fd && x->host_off == host_off && x->writable == !!writable;
+}
+
+int aur_ext_insert(struct aur_ext *t, uint64_t dev_off, uint64_t len, int fd,
+                   uint64_t host_off, int writable)
+{
+    uint64_t gmask = ((uint64_t)1 << t->shift) - 1, g0, n, k, need = 0;
+    uint32_t i;
+    int ret = 0;
+
+    if ((dev_off | len | host_off) & gmask || fd < 0 ||
+        len > UINT64_MAX - dev_off || len > UINT64_MAX - host_off)
+        return -EINVAL;
+    if (!len)
+        return 0;
+    g0 = dev_off >> t->shift;
+    n = len >> t->shift;
+    pthread_mutex_lock(&t->mu);
+    if (n > t->max) {   /* could never be mapped at once: no need to look */
+        ret = -ENOSPC;
+        goto out;
+    }
+    for (k = 0; k < n; k++) {
+        i = ext_find(t, g0 + k);
+        if (i == EXT_NIL)
+            need++;
+        else if (!ext_same(&t->e[i], fd, host_off + (k << t->shift), writable)) {
+            ret = -EEXIST;
+            goto out;
+        }
+    }
+    if (!need)
+        goto out;
+    if ((uint64_t)t->hw - t->nfree + need > t->max) {
+        ret = -ENOSPC;
+        goto out;
+    }
+    ret = ext_reserve(t, (uint32_t)need);
+    if (ret)
+        goto out;
+    ext_rehash(t, (uint64_t)t->live + need);
+    for (k = 0; k < n; k++) {
+        if (ext_find(t, g0 + k) != EXT_NIL)
+            continue;
+        i = ext_slot_alloc(t);
+        t->e[i] = (struct aur_ext_entry){
+            .gran = g0 + k, .host_off = host_off + (k << t->shift), .fd = fd,
+            .state = EXT_LIVE, .writable = !!writable,
+        };
+        ext_link(t, i);
+        t->live++;
+    }
+out:
+    pthread_mutex_unlock(&t->mu);
+    return ret;
+}
+
+/* Granules [*g0, *g1] overlapping [off, off + len), clamped to the offset space. */
+static int ext_span(const struct aur_ext *t, uint64_t off, uint64_t len,
+                    uint64_t *g0, uint64_t *g1)
+{
+    if (!len)
+        return 0;
+    *g0 = off >> t->shift;
+    *g1 = (len - 1 > UINT64_MAX - off ? UINT64_MAX : off + len - 1) >> t->shift;
+    return 1;
+}
+
+/*
+ * Visit every live entry in granules [g0, g1]: probe each granule, or scan the
+ * slab once when the range has more granules than the slab has slots. The
+ * visitor may remove the entry it is given.
+ */
+static void ext_each_live(struct aur_ext *t, uint64_t g0, uint64_t g1,
+                          void (*visit)(struct aur_ext *, uint32_t, void *), void *arg)
+{
+    uint64_t g;
+    uint32_t i;
+
+    if (g1 - g0 >= t->hw) {
+        for (i = 0; i < t->hw; i++)
+            if (t->e[i].state == EXT_LIVE && t->e[i].gran >= g0 && t->e[i].gran <= g1)
+                visit(t, i, arg);
+        return;
+    }
+    for (g = g0;; g++) {
+        i = ext_find(t, g);
+        if (i != EXT_NIL)
+            visit(t, i, arg);
+        if (g == g1)
+            break;
+    }
+}
+
+static void ext_remove(struct aur_ext *t, uint32_t i, void *arg)
+{
+    struct aur_ext_entry *x = &t->e[i];
+
+    ext_unlink(t, i);
+    t->live--;
+    ++*(unsigned *)arg;
+    if (!x->inflight) {
+        ext_slot_free(t, i);
+        return;
+    }
+    x->state = EXT_GONE;
+    x->prev = EXT_NIL;
+    x->next = t->gone_head;
+    if (x->next != EXT_NIL)
+        t->e[x->next].prev = i;
+    t->gone_head = i;
+}
+
+unsigned aur_ext_invalidate(struct aur_ext *t, uint64_t dev_off, uint64_t len)
+{
+    uint64_t g0, g1;
+    unsigned removed = 0;
+
+    if (!ext_span(t, dev_off, len, &g0, &g1))
+        return 0;
+    pthread_mutex_lock(&t->mu);
+    ext_each_live(t, g0, g1, ext_remove, &removed);
+    pthread_mutex_unlock(&t->mu);
+    return removed;
+}
+
+static void ext_add_inflight(struct aur_ext *t, uint32_t i, void *arg)
+{
+    *(uint64_t *)arg += t->e[i].inflight;
+}
+
+unsigned aur_ext_busy(struct aur_ext *t, uint64_t dev_off, uint64_t len)
+{
+    uint64_t g0, g1, busy = 0;
+    uint32_t i;
+
+    if (!ext_span(t, dev_off, len, &g0, &g1))
+        return 0;
+    pthread_mutex_lock(&t->mu);
+    ext_each_live(t, g0, g1, ext_add_inflight, &busy);
+    for (i = t->gone_head; i != EXT_NIL; i = t->e[i].next)
+        if (t->e[i].gran >= g0 && t->e[i].gran <= g1)
+            busy += t->e[i].inflight;
+    pthread_mutex_unlock(&t->mu);
+    return busy < UINT32_MAX ? (unsigned)busy : UINT32_MAX;
+}
+
+unsigned aur_ext_count(struct aur_ext *t)
+{
+    unsigned n;
+
+    pthread_mutex_lock(&t->mu);
+    n = t->live;
+    pthread_mutex_unlock(&t->mu);
+    return n;
+}
+
+int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write,
+                    struct aur_ext_piece *pieces, unsigned max_pieces,
+                    uint32_t *ids, unsigned max_ids)
+{
+    uint64_t gmask = ((uint64_t)1 << t->shift) - 1, last, g0, g1, n, k, pos, end, h;
+    struct aur_ext_piece *p = NULL;
+    struct aur_ext_entry *x;
+    uint32_t i, plen;
+    unsigned np = 0;
+
+    if (!len || len - 1 > UINT64_MAX - dev_off)
+        return 0;
+    last = dev_off + (len - 1);
+    g0 = dev_off >> t->shift;
+    g1 = last >> t->shift;
+    if (g1 - g0 >= max_ids)
+        return 0;
+    n = g1 - g0 + 1;
+    pos = dev_off;
+    pthread_mutex_lock(&t->mu);
+    for (k = 0; k < n; k++) {
+        i = ext_find(t, g0 + k);
+        if (i == EXT_NIL)
+            goto miss;
+        x = &t->e[i];
+        if (write && !x->writable)
+            goto miss;
+        end = (g0 + k) << t->shift | gmask;    /* last byte of this granule */
+        if (end > last)
+            end = last;
+        plen = (uint32_t)(end - pos + 1);
+        h = x->host_off + (pos & gmask);
+        if (p && p->fd == x->fd && p->host_off + p->len == h) {
+            p->len += plen;
+        } else {
+            if (np == max_pieces)
+                goto miss;
+            p = &pieces[np++];
+            p->fd = x->fd;
+            p->len = plen;
+            p->host_off = h;
+        }
+        ids[k] = i;
+        pos = end + 1;
+    }
+    for (k = 0; k < n; k++)
+        t->e[ids[k]].inflight++;
+    pthread_mutex_unlock(&t->mu);
+    return (int)np;
+miss:
+    pthread_mutex_unlock(&t->mu);
+    return 0;
+}
+
+void aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n)
+{
+    struct aur_ext_entry *x;
+    unsigned k;
+    uint32_t i;
+
+    pthread_mutex_lock(&t->mu);
+    for (k = 0; k < n; k++) {
+        i = ids[k];
+        if (i >= t->hw || !t->e[i].inflight)
+            continue;   /* not held: a caller's bug, not worth a crash here */
+        x = &t->e[i];
+        if (--x->inflight || x->state != EXT_GONE)
+            continue;
+        if (x->prev != EXT_NIL)
+            t->e[x->prev].next = x->next;
+        else
+            t->gone_head = x->next;
+        if (x->next != EXT_NIL)
+            t->e[x->next].prev = x->prev;
+        ext_slot_free(t, i);
+    }
+    pthread_mutex_unlock(&t->mu);
+}

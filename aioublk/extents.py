@@ -1,0 +1,181 @@
+"""The extent table: device range -> (fd, host offset), for the C data plane.
+
+A target that knows where some of its data lives publishes it here, granule
+by granule (a qcow2 cluster, say), and the data plane serves requests whose
+every granule is mapped without entering Python. Everything else (a granule
+not mapped, a write to a read-only one) goes to the target's coroutines.
+
+The invariant a target relies on: before it changes where a granule's data
+lives (COW, discard, a freed or shared cluster, an evicted L2 table) it calls
+:meth:`ExtentTable.unmap`, which removes the mapping and returns once no
+request that resolved it is still in flight. A request the data plane started
+therefore sees a mapping that stays valid until it completes.
+
+The table itself is C (``aioublk/_extents.c``, thread-safe, memory bounded by
+``max_entries``); this class is its owner and a thin typed face.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from typing import Any
+
+from aioublk._uring import ffi, lib
+
+__all__ = ["ExtentConflict", "ExtentTable", "Handle", "Piece"]
+
+#: (fd, host offset, length) of one run of a request's data
+Piece = tuple[int, int, int]
+
+_U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+
+
+class ExtentConflict(ValueError):
+    """An insert met a granule already mapped elsewhere; nothing was changed."""
+
+
+class Handle:
+    """Entries a request holds (from :meth:`ExtentTable.acquire`) until released."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids: Any, n: int) -> None:
+        self._ids = ids
+        self._n = n
+
+
+def _check(name: str, value: int, limit: int = _U64) -> None:
+    if not 0 <= value <= limit:
+        raise ValueError(f"{name} {value} out of range")
+
+
+class ExtentTable:
+    """device range -> (fd, host offset) for the C data plane.
+
+    Mappings are per *granule* (a power of two >= 512 bytes): inserted over
+    granule-aligned ranges, removed by any range (every granule it touches),
+    and looked up for any byte range. A granule is writable or read-only: a
+    read-only one serves reads only, which is how a shared qcow2 cluster stays
+    out of the data plane's writes.
+
+    At most ``max_entries`` granules are held at once, counting removed ones
+    that requests still hold; an insert past that returns False (the table is
+    a cache: the caller serves the request itself).
+    """
+
+    def __init__(self, granule: int, max_entries: int = 1 << 20) -> None:
+        if granule < 512 or granule & (granule - 1):
+            raise ValueError(f"granule {granule} is not a power of two >= 512")
+        _check("max_entries", max_entries, _U32 - 1)
+        t = lib.aur_ext_new(granule.bit_length() - 1, max_entries)
+        if t == ffi.NULL:
+            raise MemoryError("extent table")
+        self._t: Any = ffi.gc(t, lib.aur_ext_free)
+        self.granule = granule
+        self.max_entries = max_entries
+
+    @property
+    def cdata(self) -> Any:
+        """The ``struct aur_ext *`` the data plane reads: valid until close(), and
+        only while this object lives (its collection frees the table)."""
+        if self._t is None:
+            raise RuntimeError("extent table is closed")
+        return self._t
+
+    def insert(self, dev_off: int, length: int, fd: int, host_off: int, *,
+               writable: bool) -> bool:
+        """Map the granules of [dev_off, dev_off + length) to fd at host_off.
+
+        All three must be multiples of the granule. Granules already mapped
+        the same way are fine. Returns False, and maps nothing, when the table
+        has no room; raises :class:`ExtentConflict`, and maps nothing, when a
+        granule is mapped differently (unmap it first).
+        """
+        _check("dev_off", dev_off)
+        _check("length", length)
+        _check("host_off", host_off)
+        ret = lib.aur_ext_insert(self.cdata, dev_off, length, fd, host_off, writable)
+        if ret == 0:
+            return True
+        if ret == -errno.ENOSPC:
+            return False
+        if ret == -errno.EEXIST:
+            raise ExtentConflict(f"[{dev_off}, +{length}) is mapped elsewhere")
+        if ret == -errno.EINVAL:
+            raise ValueError(f"[{dev_off}, +{length}) -> fd {fd} at {host_off}: "
+                             f"not aligned to {self.granule} or out of range")
+        raise OSError(-ret, f"extent insert: {errno.errorcode.get(-ret, ret)}")
+
+    def invalidate(self, dev_off: int, length: int) -> int:
+        """Unmap every granule [dev_off, dev_off + length) touches; returns how
+        many were mapped. Requests already holding them keep them: see unmap()."""
+        _check("dev_off", dev_off)
+        _check("length", length)
+        return int(lib.aur_ext_invalidate(self.cdata, dev_off, length))
+
+    def busy(self, dev_off: int, length: int) -> int:
+        """Acquisitions in flight on granules the range touches, removed or not."""
+        _check("dev_off", dev_off)
+        _check("length", length)
+        return int(lib.aur_ext_busy(self.cdata, dev_off, length))
+
+    async def unmap(self, dev_off: int, length: int) -> None:
+        """Unmap the range and wait until no request holds any of it: after
+        this the caller may change where that data lives."""
+        self.invalidate(dev_off, length)
+        delay, spins = 0.0, 0
+        while self.busy(dev_off, length):
+            if spins < 4:
+                spins += 1      # a request finishing this loop turn is the usual case
+            else:
+                delay = min(0.001, delay * 2 or 0.00005)
+            await asyncio.sleep(delay)
+
+    def acquire(self, dev_off: int, length: int, *,
+                write: bool) -> tuple[list[Piece], Handle] | None:
+        """Resolve and hold [dev_off, dev_off + length) as the data plane does.
+
+        Returns the pieces in device order and a handle to pass to release(),
+        or None when some granule is unmapped (or read-only, for a write).
+        """
+        _check("dev_off", dev_off)
+        if not 0 < length <= _U32:
+            raise ValueError(f"length {length} out of range")
+        g = self.granule.bit_length() - 1
+        n = ((dev_off + length - 1) >> g) - (dev_off >> g) + 1
+        pieces = ffi.new("struct aur_ext_piece[]", n)
+        ids = ffi.new("uint32_t[]", n)
+        got = lib.aur_ext_acquire(self.cdata, dev_off, length, write, pieces, n, ids, n)
+        if not got:
+            return None
+        return [(p.fd, p.host_off, p.len) for p in pieces[0:got]], Handle(ids, n)
+
+    def release(self, handle: Handle) -> None:
+        """Let go of what acquire() held; a handle is released once."""
+        if handle._n < 0:
+            raise RuntimeError("extent handle released twice")
+        lib.aur_ext_release(self.cdata, handle._ids, handle._n)
+        handle._n = -1
+
+    def lookup(self, dev_off: int, length: int, *, write: bool) -> list[Piece] | None:
+        """The pieces a request for the range would use, or None (tests, debugging)."""
+        held = self.acquire(dev_off, length, write=write)
+        if held is None:
+            return None
+        self.release(held[1])
+        return held[0]
+
+    def __len__(self) -> int:
+        """Granules mapped now (not counting removed ones still held)."""
+        return int(lib.aur_ext_count(self.cdata))
+
+    def close(self) -> None:
+        """Free the table; refused while any request holds an entry."""
+        if self._t is None:
+            return
+        if lib.aur_ext_busy(self._t, 0, _U64):
+            raise RuntimeError("extent table closed while requests hold entries")
+        ffi.release(self._t)
+        self._t = None

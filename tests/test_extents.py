@@ -1,0 +1,424 @@
+"""The C extent table (aioublk/_extents.c) through its Python owner."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from aioublk.extents import ExtentConflict, ExtentTable, Handle, Piece
+
+G = 64 * 1024        # granule of most tests (a default qcow2 cluster)
+MB = 1 << 20
+
+
+@pytest.fixture
+def t() -> ExtentTable:
+    return ExtentTable(G, max_entries=1024)
+
+
+def test_insert_and_lookup(t: ExtentTable) -> None:
+    assert t.lookup(0, 4096, write=False) is None
+    assert t.insert(2 * G, 2 * G, 7, 10 * MB, writable=True)
+    assert len(t) == 2
+    assert t.lookup(2 * G, 4096, write=False) == [(7, 10 * MB, 4096)]
+    assert t.lookup(3 * G + 512, 1024, write=True) == [(7, 10 * MB + G + 512, 1024)]
+    assert t.lookup(2 * G, 2 * G, write=True) == [(7, 10 * MB, 2 * G)]
+    # one byte either side is unmapped
+    assert t.lookup(2 * G - 1, 2, write=False) is None
+    assert t.lookup(4 * G - 1, 2, write=False) is None
+    assert t.lookup(G, 4096, write=False) is None
+
+
+def test_unaligned_inside_one_granule(t: ExtentTable) -> None:
+    t.insert(5 * G, G, 3, 7 * G, writable=False)
+    assert t.lookup(5 * G + 1, 1, write=False) == [(3, 7 * G + 1, 1)]
+    assert t.lookup(6 * G - 1, 1, write=False) == [(3, 8 * G - 1, 1)]
+    assert t.lookup(5 * G + 100, G - 100, write=False) == [(3, 7 * G + 100, G - 100)]
+    assert t.lookup(5 * G + 100, G - 99, write=False) is None
+
+
+def test_reinsert_identical_is_idempotent(t: ExtentTable) -> None:
+    assert t.insert(0, 2 * G, 4, 0, writable=True)
+    assert t.insert(0, 2 * G, 4, 0, writable=True)
+    assert t.insert(G, G, 4, G, writable=True)
+    # overlapping an identical mapping and extending it
+    assert t.insert(G, 2 * G, 4, G, writable=True)
+    assert len(t) == 3
+    assert t.lookup(0, 3 * G, write=True) == [(4, 0, 3 * G)]
+
+
+@pytest.mark.parametrize("fd, host, writable", [(5, 3 * G, True), (4, 4 * G, True),
+                                                (4, 3 * G, False)])
+def test_conflicting_insert_changes_nothing(t: ExtentTable, fd: int, host: int,
+                                            writable: bool) -> None:
+    t.insert(G, G, 4, G, writable=True)
+    # granules 0 and 2 are free, granule 1 is mapped to (4, G, writable)
+    with pytest.raises(ExtentConflict):
+        t.insert(0, 3 * G, fd, host - G, writable=writable)
+    assert len(t) == 1
+    assert t.lookup(0, G, write=False) is None
+    assert t.lookup(2 * G, G, write=False) is None
+    assert t.lookup(G, G, write=True) == [(4, G, G)]
+
+
+def test_misaligned_insert(t: ExtentTable) -> None:
+    for args in [(512, G, 0), (0, G + 512, 0), (0, G, 512), (0, G, -G)]:
+        with pytest.raises(ValueError) as e:
+            t.insert(args[0], args[1], 3, args[2], writable=True)
+        assert not isinstance(e.value, ExtentConflict)
+    with pytest.raises(ValueError):
+        t.insert(0, G, -1, 0, writable=True)
+    with pytest.raises(ValueError):      # host range past 2**64
+        t.insert(0, 2 * G, 3, (1 << 64) - G, writable=True)
+    assert len(t) == 0
+    with pytest.raises(ValueError):
+        ExtentTable(1000)
+    with pytest.raises(ValueError):
+        ExtentTable(256)
+
+
+def test_full_table_is_all_or_nothing() -> None:
+    t = ExtentTable(4096, max_entries=4)
+    assert t.insert(0, 3 * 4096, 3, 0, writable=True)
+    assert not t.insert(8192, 3 * 4096, 3, 8192, writable=True)   # needs 2 more
+    assert len(t) == 3
+    assert t.lookup(12288, 1, write=False) is None
+    assert t.insert(8192, 2 * 4096, 3, 8192, writable=True)        # needs 1
+    assert len(t) == 4
+    assert t.insert(0, 4 * 4096, 3, 0, writable=True)              # needs none
+    assert not t.insert(1 << 30, 4096, 3, 0, writable=True)
+    assert not t.insert(0, 100 * 4096, 3, 0, writable=True)
+    # a removed entry a request holds keeps its slot until released
+    held = t.acquire(0, 1, write=False)
+    assert held is not None
+    assert t.invalidate(0, 4096) == 1
+    assert len(t) == 3
+    assert not t.insert(1 << 30, 4096, 3, 0, writable=True)
+    t.release(held[1])
+    assert t.insert(1 << 30, 4096, 3, 0, writable=True)
+    assert len(t) == 4
+
+
+def test_invalidate_partial_overlaps(t: ExtentTable) -> None:
+    t.insert(0, 8 * G, 3, 0, writable=True)
+    assert t.invalidate(G + 100, 10) == 1                 # inside granule 1
+    assert t.lookup(G, 1, write=False) is None
+    assert t.invalidate(G, 1) == 0                        # already gone
+    assert t.invalidate(3 * G - G // 2, G) == 2           # halves of 2 and 3
+    assert t.invalidate(5 * G - 1, 2) == 2                # last byte of 4, first of 5
+    assert t.invalidate(0, 0) == 0
+    assert len(t) == 3
+    assert [t.lookup(g * G, 1, write=False) is not None for g in range(8)] == [
+        True, False, False, False, False, False, True, True]
+    # wider than the table: the slab is scanned instead of every granule probed
+    assert t.invalidate(7 * G, (1 << 64) - 1 - 7 * G) == 1
+    assert t.invalidate(0, (1 << 64) - 1) == 2
+    assert len(t) == 0
+
+
+def test_pieces_merge_when_host_contiguous(t: ExtentTable) -> None:
+    t.insert(0, G, 3, 10 * G, writable=True)
+    t.insert(G, G, 3, 11 * G, writable=True)        # contiguous on host, same fd
+    t.insert(2 * G, G, 3, 20 * G, writable=True)    # jump on host
+    t.insert(3 * G, G, 4, 21 * G, writable=True)    # contiguous, other fd
+    t.insert(4 * G, G, 4, 22 * G, writable=True)
+    assert t.lookup(100, 2 * G - 200, write=True) == [(3, 10 * G + 100, 2 * G - 200)]
+    assert t.lookup(G + 5, G, write=True) == [(3, 11 * G + 5, G - 5), (3, 20 * G, 5)]
+    assert t.lookup(G + 5, 2 * G, write=True) == [
+        (3, 11 * G + 5, G - 5), (3, 20 * G, G), (4, 21 * G, 5)]
+    assert t.lookup(G // 2, 5 * G - G, write=False) == [
+        (3, 10 * G + G // 2, 2 * G - G // 2), (3, 20 * G, G), (4, 21 * G, G + G // 2)]
+    # descending host offsets never merge
+    t.insert(5 * G, G, 4, 30 * G, writable=True)
+    t.insert(6 * G, G, 4, 29 * G, writable=True)
+    assert t.lookup(5 * G, 2 * G, write=False) == [(4, 30 * G, G), (4, 29 * G, G)]
+
+
+def test_read_only_serves_reads_only(t: ExtentTable) -> None:
+    t.insert(0, G, 3, 0, writable=True)
+    t.insert(G, G, 3, G, writable=False)
+    assert t.lookup(G, 512, write=False) == [(3, G, 512)]
+    assert t.lookup(G, 512, write=True) is None
+    assert t.lookup(0, 2 * G, write=False) == [(3, 0, 2 * G)]
+    assert t.lookup(0, 2 * G, write=True) is None
+    assert t.lookup(0, G, write=True) == [(3, 0, G)]
+    assert t.busy(0, 2 * G) == 0          # a refused acquire holds nothing
+
+
+def test_busy_until_release_then_slot_reused(t: ExtentTable) -> None:
+    t.insert(0, 2 * G, 3, 0, writable=True)
+    held = t.acquire(G - 1, 2, write=True)
+    assert held is not None
+    pieces, handle = held
+    assert pieces == [(3, G - 1, 2)]
+    assert t.busy(0, 2 * G) == 2 and t.busy(0, G) == 1 and t.busy(G, 1) == 1
+    assert t.invalidate(0, G) == 1
+    assert t.busy(0, 1) == 1 and t.busy(0, 2 * G) == 2
+    # the granule may be mapped anew while the old entry drains
+    assert t.insert(0, G, 5, 9 * G, writable=True)
+    assert t.lookup(0, 1, write=False) == [(5, 9 * G, 1)]
+    assert t.busy(0, 1) == 1
+    t.release(handle)
+    assert t.busy(0, 2 * G) == 0
+    with pytest.raises(RuntimeError):
+        t.release(handle)
+    # the freed slot serves a new entry; the old handle's ids mean nothing now
+    t.invalidate(0, 2 * G)
+    t.insert(4 * G, 2 * G, 6, 0, writable=True)
+    second = t.acquire(4 * G, 2 * G, write=False)
+    assert second is not None and second[0] == [(6, 0, 2 * G)]
+    assert t.busy(0, 2 * G) == 0 and t.busy(4 * G, G) == 1
+    t.invalidate(4 * G, G)
+    assert t.busy(4 * G, 2 * G) == 2
+    t.release(second[1])
+    assert t.busy(0, 1 << 40) == 0
+    assert len(t) == 1
+
+
+def test_close(t: ExtentTable) -> None:
+    t.insert(0, G, 3, 0, writable=True)
+    held = t.acquire(0, 1, write=False)
+    assert held is not None
+    t.invalidate(0, G)
+    with pytest.raises(RuntimeError):
+        t.close()
+    t.release(held[1])
+    t.close()
+    t.close()
+    with pytest.raises(RuntimeError):
+        t.cdata  # noqa: B018
+
+
+@pytest.mark.asyncio
+async def test_unmap_waits_for_release(t: ExtentTable) -> None:
+    t.insert(0, 4 * G, 3, 0, writable=True)
+    held = t.acquire(G, G, write=True)
+    other = t.acquire(3 * G, 1, write=False)
+    assert held is not None and other is not None
+    loop = asyncio.get_running_loop()
+    released = loop.create_future()
+
+    def release() -> None:
+        t.release(held[1])
+        released.set_result(None)
+
+    loop.call_later(0.02, release)
+    await t.unmap(0, 2 * G)
+    assert released.done()
+    assert len(t) == 2 and t.busy(0, 2 * G) == 0
+    await asyncio.wait_for(t.unmap(2 * G, G), 1)        # nothing held there
+    assert len(t) == 1 and t.busy(3 * G, G) == 1
+    t.release(other[1])
+
+
+def test_large_table() -> None:
+    """Granules inserted one by one in random order: the index grows and rehashes
+    under a table that must find every one afterwards."""
+    n = 50_000
+    t = ExtentTable(4096, max_entries=n)
+    order = list(range(n))
+    random.Random(1).shuffle(order)
+    for g in order:
+        assert t.insert(g * 4096, 4096, 3, (n - g) * 4096, writable=True)
+    assert len(t) == n
+    assert not t.insert(n * 4096, 4096, 3, 0, writable=True)
+    for g in range(0, n, 997):
+        assert t.lookup(g * 4096 + 7, 9, write=True) == [(3, (n - g) * 4096 + 7, 9)]
+    assert t.invalidate(4096, (n - 2) * 4096) == n - 2
+    assert len(t) == 2
+    assert t.lookup((n - 1) * 4096, 1, write=False) == [(3, 4096, 1)]
+
+
+@dataclass
+class _Entry:
+    fd: int
+    host: int
+    writable: bool
+    inflight: int = 0
+
+
+class _Model:
+    """The table as a dict of granules, entries removed while held kept aside."""
+
+    def __init__(self, granule: int, max_entries: int) -> None:
+        self.granule, self.max = granule, max_entries
+        self.live: dict[int, _Entry] = {}
+        self.gone: list[_Entry] = []
+        self.gone_at: list[int] = []
+
+    def span(self, off: int, length: int) -> range:
+        return range(off // self.granule, (off + length - 1) // self.granule + 1)
+
+    def insert(self, g0: int, n: int, fd: int, host: int, writable: bool) -> str:
+        need = 0
+        for k in range(n):
+            e = self.live.get(g0 + k)
+            if e is None:
+                need += 1
+            elif (e.fd, e.host, e.writable) != (fd, host + k * self.granule, writable):
+                return "conflict"
+        if len(self.live) + len(self.gone) + need > self.max:
+            return "full"
+        for k in range(n):
+            self.live.setdefault(g0 + k, _Entry(fd, host + k * self.granule, writable))
+        return "ok"
+
+    def invalidate(self, off: int, length: int) -> int:
+        removed = 0
+        for g in self.span(off, length) if length else ():
+            e = self.live.pop(g, None)
+            if e is not None:
+                removed += 1
+                if e.inflight:
+                    self.gone.append(e)
+                    self.gone_at.append(g)
+        return removed
+
+    def busy(self, off: int, length: int) -> int:
+        span = self.span(off, length)
+        return (sum(self.live[g].inflight for g in span if g in self.live)
+                + sum(e.inflight for e, g in zip(self.gone, self.gone_at, strict=True)
+                      if g in span))
+
+    def acquire(self, off: int, length: int, write: bool) -> list[Piece] | None:
+        entries = [self.live.get(g) for g in self.span(off, length)]
+        if any(e is None or (write and not e.writable) for e in entries):
+            return None
+        pieces: list[Piece] = []
+        pos, end = off, off + length
+        for g, e in zip(self.span(off, length), entries, strict=True):
+            assert e is not None
+            stop = min(end, (g + 1) * self.granule)
+            host = e.host + pos - g * self.granule
+            if pieces and pieces[-1][0] == e.fd and pieces[-1][1] + pieces[-1][2] == host:
+                pieces[-1] = (e.fd, pieces[-1][1], pieces[-1][2] + stop - pos)
+            else:
+                pieces.append((e.fd, host, stop - pos))
+            e.inflight += 1
+            pos = stop
+        return pieces
+
+    def release(self, entries: list[_Entry]) -> None:
+        for e in entries:
+            e.inflight -= 1
+        keep = [i for i, e in enumerate(self.gone) if e.inflight]
+        self.gone = [self.gone[i] for i in keep]
+        self.gone_at = [self.gone_at[i] for i in keep]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_against_model(seed: int) -> None:
+    rng = random.Random(seed)
+    gran = 4096
+    t, m = ExtentTable(gran, max_entries=48), _Model(gran, 48)
+    held: list[tuple[Handle, list[_Entry]]] = []
+    space = 64 * gran                   # device offsets beyond stay unmapped
+
+    def rand_range() -> tuple[int, int]:
+        off = rng.randrange(space)
+        return off, rng.randint(1, 5 * gran)
+
+    for step in range(6000):
+        op = rng.random()
+        if op < 0.3:
+            g0, n = rng.randrange(64), rng.randint(1, 4)
+            # few fds and host bases so that neighbours often merge or coincide
+            fd, host = rng.choice((3, 4)), rng.choice((g0, g0 + 1, 2 * g0, 100)) * gran
+            writable = rng.random() < 0.8
+            want = m.insert(g0, n, fd, host, writable)
+            if want == "conflict":
+                with pytest.raises(ExtentConflict):
+                    t.insert(g0 * gran, n * gran, fd, host, writable=writable)
+            else:
+                assert t.insert(g0 * gran, n * gran, fd, host,
+                                writable=writable) == (want == "ok"), step
+        elif op < 0.45:
+            off, length = rand_range()
+            length = rng.choice((length, length // 8, 0))
+            assert t.invalidate(off, length) == m.invalidate(off, length), step
+        elif op < 0.8:
+            off, length = rand_range()
+            write = rng.random() < 0.5
+            found = [m.live.get(g) for g in m.span(off, length)]
+            want_pieces = m.acquire(off, length, write)
+            got = t.acquire(off, length, write=write)
+            if want_pieces is None:
+                assert got is None, step
+            else:
+                assert got is not None and got[0] == want_pieces, step
+                assert sum(p[2] for p in got[0]) == length
+                held.append((got[1], [e for e in found if e is not None]))
+        elif op < 0.95 and held:
+            handle, entries = held.pop(rng.randrange(len(held)))
+            t.release(handle)
+            m.release(entries)
+        else:
+            off, length = rand_range()
+            assert t.busy(off, length) == m.busy(off, length), step
+        assert len(t) == len(m.live), step
+    for handle, entries in held:
+        t.release(handle)
+        m.release(entries)
+    assert t.busy(0, 1 << 63) == 0 and not m.gone
+    assert len(t) == len(m.live)
+
+
+def test_threads_stress() -> None:
+    """Three threads acquire and release while a fourth maps and unmaps: every
+    piece seen must be one some mapping of that granule gave, and nothing may
+    stay held at the end."""
+    gran, n, versions = 4096, 32, 3
+    big = 1 << 40                       # host = version * big + device offset
+    t = ExtentTable(gran, max_entries=n)
+    stop = threading.Event()
+    errors: list[str] = []
+    counts = [0, 0, 0]
+
+    def reader(k: int) -> None:
+        rng = random.Random(k)
+        while not stop.is_set():
+            off = rng.randrange(n * gran)
+            length = rng.randint(1, 3 * gran)
+            held = t.acquire(off, length, write=bool(k % 2))
+            if held is None:
+                continue
+            pos = off
+            for fd, host, plen in held[0]:
+                if fd != 10 + (host - pos) // big or (host - pos) % big:
+                    errors.append(f"{off}+{length}: {held[0]}")
+                pos += plen
+            if pos != off + length:
+                errors.append(f"{off}+{length}: {held[0]} short")
+            counts[k] += 1
+            t.release(held[1])
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(3)]
+    for th in threads:
+        th.start()
+    rng = random.Random(7)
+    live: dict[int, int] = {}           # granule -> version
+    try:
+        for _ in range(20_000):
+            g0, cnt = rng.randrange(n), rng.randint(1, 4)
+            if rng.random() < 0.5:
+                t.invalidate(g0 * gran, cnt * gran)
+                for g in range(g0, g0 + cnt):
+                    live.pop(g, None)
+            else:
+                v = rng.randrange(versions)
+                if all(live.get(g, v) == v for g in range(g0, g0 + cnt)) and \
+                        t.insert(g0 * gran, cnt * gran, 10 + v, v * big + g0 * gran,
+                                 writable=True):
+                    live.update((g, v) for g in range(g0, g0 + cnt))
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    assert not errors, errors[:5]
+    assert len(t) == len(live)
+    assert t.busy(0, n * gran) == 0
+    assert all(counts), counts
