@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -235,11 +236,28 @@ def _fmt(v: float | None, spec: str = ",.0f") -> str:
     return "—" if v is None else format(v, spec)
 
 
+def _notes(data: dict[str, object], quick: str) -> list[str]:
+    """A report's paragraphs on the loop file, a --quick run (`quick`: what it ran), an early
+    stop."""
+    lines = []
+    backing = data.get("backing")
+    if isinstance(backing, dict):
+        o_direct = "accepted" if backing["o_direct"] else "refused"
+        lines += ["", f"The loop target's backing file is 1 GiB at `{backing['path']}` "
+                      f"({backing['fs']}, O_DIRECT {o_direct}), preallocated, shared by both "
+                      "servers."]
+    if data.get("quick"):
+        lines += ["", f"**Smoke run (`--quick`)**: {quick}; not a measurement."]
+    if not data.get("complete"):
+        lines += ["", "**Incomplete**: the guest run stopped early; rows below are what it "
+                      "finished."]
+    return lines
+
+
 def report(data: dict[str, object], command: str) -> str:
     runs, scaling = data["runs"], data["scaling"]
     assert isinstance(runs, list) and isinstance(scaling, list)
     rounds = data["rounds"]
-    backing = data.get("backing")
     setup = ("One guest run: QEMU TCG software emulation (no KVM), 4 GiB RAM" if data["guest"]
              else "One run on the host")
     lines = [
@@ -252,17 +270,7 @@ def report(data: dict[str, object], command: str) -> str:
         "otherwise. Under emulation the absolute IOPS mean little: **the aioublk/kublk "
         "ratios are the result**.",
     ]
-    if isinstance(backing, dict):
-        o_direct = "accepted" if backing["o_direct"] else "refused"
-        lines += ["", f"The loop target's backing file is 1 GiB at `{backing['path']}` "
-                      f"({backing['fs']}, O_DIRECT {o_direct}), preallocated, shared by both "
-                      "servers."]
-    if data.get("quick"):
-        lines += ["", "**Smoke run (`--quick`)**: null target, two modes, one workload, "
-                      "one round; not a measurement."]
-    if not data.get("complete"):
-        lines += ["", "**Incomplete**: the guest run stopped early; rows below are what it "
-                      "finished."]
+    lines += _notes(data, "null target, two modes, one workload, one round")
     lines += ["", "| target | mode | workload | kublk IOPS | aioublk IOPS | aioublk / kublk |",
               "| --- | --- | --- | ---: | ---: | ---: |"]
     for row in rows(data):
@@ -280,19 +288,24 @@ def report(data: dict[str, object], command: str) -> str:
             a = _median(scaling, "aioublk", queues=queues)
             ratio = a / k if a is not None and k else None
             lines.append(f"| {queues} | {_fmt(k)} | {_fmt(a)} | {_fmt(ratio, '.2f')} |")
-    errors: dict[tuple[object, ...], str] = {}
+    errors: dict[str, str] = {}
     for x in [*runs, *scaling]:
         if x["error"]:
             where = (x["server"], x.get("target", "null"), x.get("mode", f"-q {x.get('queues')}"))
-            errors.setdefault(where, str(x["error"]))
+            errors.setdefault(" ".join(map(str, where)), str(x["error"]))
+    return "\n".join(lines + _footer(errors, "server/target/mode", "modes.png", command))
+
+
+def _footer(errors: dict[str, str], each: str, chart: str, command: str) -> list[str]:
+    """A report's last lines: the first error of each `each` verbatim, chart, command."""
+    lines = []
     if errors:
         lines += ["", "## Errors", "", "— in a table means the server produced no number; "
-                  "the first error of each server/target/mode, verbatim:", ""]
-        lines += [f"- {s} {t} {m}: `{e}`" for (s, t, m), e in errors.items()]
-    lines += ["", f"Chart: `modes.png`. Reproduce: `{command}` from the repository root "
-                  "(boots the guest when the host has no ublk_drv; builds kublk from Debian "
-                  "sid's linux-source).", ""]
-    return "\n".join(lines)
+                  f"the first error of each {each}, verbatim:", ""]
+        lines += [f"- {where}: `{e}`" for where, e in errors.items()]
+    return lines + ["", f"Chart: `{chart}`. Reproduce: `{command}` from the repository root "
+                        "(boots the guest when the host has no ublk_drv; builds kublk from "
+                        "Debian sid's linux-source).", ""]
 
 
 def plot(data: dict[str, object], path: Path) -> None:
@@ -340,6 +353,42 @@ def _guest_timeout(runtime: int, rounds: int, quick: bool) -> float:
     return 600 + rounds * (devices * 120 + fio_runs * (runtime + RAMP + 30))
 
 
+def run_guest(module: str, args: list[str], timeout: float,
+              cpus: int = 2) -> tuple[int, dict[str, object] | None]:
+    """Run ``python -m MODULE ARGS --inner KUBLK OUT`` in the guest (here when this host has
+    ublk_drv), building kublk first: (exit status, the JSON it left in OUT or None)."""
+    from aioublk.testing.guest import run_in_guest
+    from aioublk.testing.kublk import ensure_kublk
+
+    kublk = str(ensure_kublk())
+    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
+        out = Path(rw) / "result.json"
+        argv = [sys.executable, "-m", module, *args, "--inner", kublk, str(out)]
+        if Path("/dev/ublk-control").exists():
+            code = subprocess.run(argv).returncode
+        else:
+            code = run_in_guest(argv, [rw], memory="4G", cpus=cpus, timeout=timeout,
+                                cwd=Path(__file__).resolve().parents[1])
+        if not out.exists():
+            print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
+            return code, None
+        return code, json.loads(out.read_text())
+
+
+def publish(name: str, data: dict[str, object], text: str,
+            plot_to: Callable[[dict[str, object], Path], None], code: int) -> int:
+    """Write results/NAME.json, .md (`text`, also printed) and .png; main's exit status."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (RESULTS / f"{name}.md").write_text(text)
+    print(text)
+    plot_to(data, RESULTS / f"{name}.png")
+    if code != 0:
+        print(f"benchmark incomplete (exit {code})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
@@ -354,38 +403,14 @@ def main() -> int:
     if ns.inner:
         inner(ns.inner[0], runtime, rounds, ns.quick, Path(ns.inner[1]))
         return 0
-    from aioublk.testing.guest import run_in_guest
-    from aioublk.testing.kublk import ensure_kublk
-
-    kublk = str(ensure_kublk())
-    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
-        out = Path(rw) / "result.json"
-        argv = [sys.executable, "-m", "bench.modes", "--runtime", str(runtime),
-                "--rounds", str(rounds), *(["--quick"] if ns.quick else []),
-                "--inner", kublk, str(out)]
-        if Path("/dev/ublk-control").exists():
-            code = subprocess.run(argv).returncode
-        else:
-            code = run_in_guest(argv, [rw], memory="4G", cpus=2,
-                                timeout=_guest_timeout(runtime, rounds, ns.quick),
-                                cwd=Path(__file__).resolve().parents[1])
-        if not out.exists():
-            print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
-            return 1
-        data = json.loads(out.read_text())
+    argv = ["--runtime", str(runtime), "--rounds", str(rounds), *(["--quick"] if ns.quick else [])]
+    code, data = run_guest("bench.modes", argv, _guest_timeout(runtime, rounds, ns.quick))
+    if data is None:
+        return 1
     command = ".venv/bin/python -m bench.modes" + (" --quick" if ns.quick else "")
     if ns.runtime or ns.rounds:
         command += f" --runtime {runtime} --rounds {rounds}"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "modes.json").write_text(json.dumps(data, indent=1) + "\n")
-    text = report(data, command)
-    (RESULTS / "modes.md").write_text(text)
-    print(text)
-    plot(data, RESULTS / "modes.png")
-    if code != 0:
-        print(f"benchmark incomplete (exit {code})", file=sys.stderr)
-        return 1
-    return 0
+    return publish("modes", data, report(data, command), plot, code)
 
 
 if __name__ == "__main__":
