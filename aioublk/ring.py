@@ -36,6 +36,7 @@ from typing import Any
 import structlog
 
 from aioublk._uring import ffi, lib
+from aioublk.dataplane import DataPlane, EventHandler
 
 log = structlog.get_logger("aioublk.ring")
 
@@ -103,6 +104,8 @@ class Ring:
         self._cqe_view = memoryview(self._cqes)
         self._closed = False
         self._flush_hooks: list[Callable[[], None]] = []
+        self._dp: Any = None  # the data plane's C side, once there is one
+        self._dp_event: EventHandler | None = None
         self.loop.add_reader(self._efd, self._on_wake)
         if bind_thread:
             _local.ring = self
@@ -340,30 +343,72 @@ class Ring:
         lib.aur_wake(self._r)
         self._reap()
 
+    def reap_now(self) -> None:
+        """Deliver every completion the ring holds, now (setup and tests)."""
+        self._reap()
+
     def _reap(self) -> None:
-        handlers = self._handlers
-        keep = self._keep
-        more = lib.IORING_CQE_F_MORE
+        if self._dp is not None:
+            n = lib.aur_dp_reap(self._dp, self._cqe_buf, len(self._cqes) // 16)
+            if n:
+                self._dispatch(n)
+            return
         while True:
             n = lib.aur_reap(self._r, self._cqe_buf, _REAP_BATCH)
             if not n:
                 return
-            for ud, res, flags in _iter_cqes(self._cqe_view[: 16 * n]):
-                if flags & more:
-                    h = handlers.get(ud)
-                else:
-                    h = handlers.pop(ud, None)
-                    if keep:
-                        keep.pop(ud, None)
-                if h is None:
-                    continue
-                if isinstance(h, asyncio.Future):
-                    if not h.done():
-                        h.set_result(res)
-                else:
-                    h(res, flags)
+            self._dispatch(n)
             if n < _REAP_BATCH:
                 return
+
+    def _dispatch(self, n: int) -> None:
+        handlers = self._handlers
+        keep = self._keep
+        more = lib.IORING_CQE_F_MORE
+        dp_event = self._dp_event
+        for ud, res, flags in _iter_cqes(self._cqe_view[: 16 * n]):
+            if ud >> 63:
+                if dp_event is not None:
+                    dp_event(ud, res, flags)
+                continue
+            if flags & more:
+                h = handlers.get(ud)
+            else:
+                h = handlers.pop(ud, None)
+                if keep:
+                    keep.pop(ud, None)
+            if h is None:
+                continue
+            if isinstance(h, asyncio.Future):
+                if not h.done():
+                    h.set_result(res)
+            else:
+                h(res, flags)
+
+    # -- the data plane -----------------------------------------------------
+
+    def data_plane(self, setup: dict[str, int], nr_queues: int,
+                   on_event: EventHandler) -> DataPlane:
+        """This ring's C data plane (one per ring, freed by ``close``): from
+        now on every reap goes through it, and the records it hands to
+        Python (user_data with bit 63 set) go to ``on_event``."""
+        if self._dp is not None:
+            raise RuntimeError("the ring has a data plane already")
+        err = ffi.new("int *")
+        c = lib.aur_dp_new(self._r, ffi.new("struct aur_dp_setup *", setup), err)
+        if c == ffi.NULL:
+            raise OSError(-err[0], f"data plane setup failed: {os.strerror(-err[0])}")
+        self._dp = c
+        self._dp_event = on_event
+        size = 16 * max(_REAP_BATCH, 4 * lib.aur_dp_room(c))
+        if size > len(self._cqes):
+            self._cqes = bytearray(size)
+            self._cqe_buf = ffi.from_buffer(self._cqes)
+            self._cqe_view = memoryview(self._cqes)
+        return DataPlane(c, ffi.new("struct aur_dp_counts[]", max(nr_queues, 1)))
+
+    def _dp_busy(self) -> bool:
+        return self._dp is not None and lib.aur_dp_inflight(self._dp) > 0
 
     @property
     def in_flight(self) -> int:
@@ -390,12 +435,12 @@ class Ring:
             return
         self._closed = True
         self.loop.remove_reader(self._efd)
-        if self._handlers:
+        if self._handlers or self._dp_busy():
             lib.aur_prep(self._r, lib.IORING_OP_ASYNC_CANCEL, -1, 0, 0, 0,
                          lib.IORING_ASYNC_CANCEL_ANY, 0, 0, 0)
             lib.aur_submit(self._r)
             deadline = self.loop.time() + timeout
-            while self._handlers and self.loop.time() < deadline:
+            while (self._handlers or self._dp_busy()) and self.loop.time() < deadline:
                 lib.aur_wait(self._r, 50)
                 lib.aur_wake(self._r)
                 self._reap()
@@ -415,6 +460,12 @@ class Ring:
         self._handlers.clear()
         self._keep.clear()
         lib.aur_exit(self._r)
+        if self._dp is not None:
+            if lib.aur_dp_inflight(self._dp):  # its buffers belong to the queue's memory
+                log.warning("ring closed with data-plane requests in the kernel",
+                            n=lib.aur_dp_inflight(self._dp))
+            lib.aur_dp_free(self._dp)
+            self._dp = None
         if getattr(_local, "ring", None) is self:
             _local.ring = None
 

@@ -1,0 +1,716 @@
+/*
+ * The data plane: one per worker, beside its ring.
+ *
+ * Why it exists: a request whose data has a known place (the target's map)
+ * needs no decision, so it should cost no Python. Python pays per request a
+ * task, closures, cffi views, dict lookups and a loop turn, all under one
+ * GIL; C pays a descriptor read and an SQE. So C owns the hot loop: one call
+ * (aur_dp_reap, the GIL released) reaps the ring, serves every request the
+ * map resolves from fetch to commit, and copies out only what Python must
+ * see: its own CQEs, requests the map does not take, failures.
+ *
+ * What C serves: READ and WRITE without FUA, in copy mode (data in the tag's
+ * buffer) and with automatic buffer registration (fixed-buffer I/O on the
+ * slot the kernel registered). Everything else (flush, discard, zeroes, FUA,
+ * the -z and -u modes, a map miss, a stopping worker) goes to Python as it
+ * arrived. A backend result that is not the full piece (short, EINVAL from
+ * O_DIRECT, EAGAIN, an error) sends the whole request to Python once every
+ * piece of it has completed: C never answers anything but full success, and
+ * a buffer is never handed back while a piece may still write it.
+ *
+ * user_data: Python's operations count up from 1 and never reach bit 63;
+ * ours set it and carry a kind, the queue's local index, the tag and 16
+ * bits more (a piece's length in sectors, a commit slot). The same layout
+ * marks the records handed to Python (AUR_DP_EV_*).
+ *
+ * Counters (struct aur_dp_counts) live in memory Python owns, so the control
+ * thread may read them while the worker closes.
+ */
+
+#define DP_BIT (1ULL << 63)
+#define DP_UD(kind, local, tag, aux) \
+    (DP_BIT | ((uint64_t)(kind) << 56) | ((uint64_t)(local) << 40) | \
+     ((uint64_t)(tag) << 16) | (uint64_t)(aux))
+#define DP_KIND(ud) ((unsigned)((ud) >> 56) & 0x7f)
+#define DP_LOCAL(ud) ((unsigned)((ud) >> 40) & 0xffff)
+#define DP_TAG(ud) ((uint16_t)((ud) >> 16))
+#define DP_AUX(ud) ((unsigned)(ud) & 0xffff)
+
+/* kinds of our own operations (EV_IO and EV_FETCH are also kinds) */
+#define DP_K_RW 2
+#define DP_K_COMMIT 4
+
+#define DP_MAX_PIECES 64
+
+#define UBLK_OP_READ 0
+#define UBLK_OP_WRITE 1
+#define UBLK_F_FUA (1U << 13)
+#define UBLK_F_NEED_REG_BUF (1U << 17)
+#define UBLK_BATCH_F_HAS_BUF_ADDR (1U << 1)
+#define UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK (1U << 2)
+
+struct dp_desc {
+    uint32_t op_flags;
+    uint32_t nr_sectors;
+    uint64_t start_sector;
+    uint64_t addr;
+};
+
+struct dp_tag {
+    uint8_t served;      /* C holds this request */
+    uint16_t pending;    /* backend pieces not completed yet */
+    uint16_t nr_ids;     /* extents held */
+    uint16_t buf_index;  /* buffer-table slot (zero-copy modes) */
+    int32_t bad;         /* first piece that was not a full success */
+    uint32_t len;
+    uint32_t *ids;       /* DP_MAX_PIECES extent ids */
+};
+
+struct dp_commit {
+    unsigned nr;         /* elements */
+    char elems[];
+};
+
+struct dp_queue {
+    uint16_t q_id;
+    const struct dp_desc *descs;
+    char *bufs;
+    struct aur_dp_counts *counts;
+    struct dp_tag *tags;
+    /* batch */
+    struct io_uring_buf_ring *br;
+    char *tags_mem;
+    char *elems;            /* answered, for the next COMMIT_IO_CMDS */
+    unsigned nr_elems;
+    struct dp_commit **commits;  /* COMMIT_IO_CMDS in flight, by slot */
+    uint16_t *free_slots;
+    unsigned nr_free;
+};
+
+struct aur_dp {
+    struct aur *r;
+    struct aur_dp_setup s;
+    unsigned elem_bytes, batch_flags, room;
+    int map;
+    int fds[DP_MAX_PIECES];
+    unsigned nr_fds;
+    uint64_t base, chunk;
+    struct aur_ext *ext;
+    unsigned ext_shift;
+    int stopping, sealed;
+    unsigned inflight;
+    struct dp_queue q[];
+};
+
+static struct dp_tag *dp_tag(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    return &dp->q[local].tags[tag];
+}
+
+void aur_dp_free(struct aur_dp *dp)
+{
+    unsigned i, j;
+
+    if (!dp)
+        return;
+    for (i = 0; i < dp->s.nr_queues; i++) {
+        struct dp_queue *q = &dp->q[i];
+
+        if (q->tags) {
+            for (j = 0; j < dp->s.depth; j++)
+                free(q->tags[j].ids);
+            free(q->tags);
+        }
+        if (q->commits) {
+            for (j = 0; j < dp->s.depth; j++)
+                free(q->commits[j]);
+            free(q->commits);
+        }
+        free(q->free_slots);
+        free(q->elems);
+        free(q->br);        /* unregistered by the ring's exit */
+        free(q->tags_mem);
+    }
+    free(dp);
+}
+
+struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
+{
+    struct aur_dp *dp = calloc(1, sizeof(*dp) + s->nr_queues * sizeof(struct dp_queue));
+    unsigned i, j;
+
+    *err = -ENOMEM;
+    if (!dp)
+        return NULL;
+    dp->r = r;
+    dp->s = *s;
+    dp->elem_bytes = 8 + (s->mode == AUR_DP_COPY ? 8 : 0);
+    dp->batch_flags = (s->mode == AUR_DP_COPY ? UBLK_BATCH_F_HAS_BUF_ADDR : 0) |
+        (s->mode == AUR_DP_AUTO_ZC && s->auto_zc_fallback ?
+         UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK : 0);
+    /* the most records one CQE can produce: a fetch's tags, and itself */
+    dp->room = (s->batch ? s->fetch_buf_bytes / 2 : 0) + 2;
+    for (i = 0; i < s->nr_queues; i++) {
+        struct dp_queue *q = &dp->q[i];
+
+        q->tags = calloc(s->depth, sizeof(*q->tags));
+        if (!q->tags)
+            goto fail;
+        for (j = 0; j < s->depth; j++) {
+            q->tags[j].ids = malloc(DP_MAX_PIECES * sizeof(uint32_t));
+            if (!q->tags[j].ids)
+                goto fail;
+        }
+        if (!s->batch)
+            continue;
+        q->elems = malloc((size_t)s->depth * dp->elem_bytes);
+        q->commits = calloc(s->depth, sizeof(*q->commits));
+        q->free_slots = malloc(s->depth * sizeof(uint16_t));
+        if (!q->elems || !q->commits || !q->free_slots)
+            goto fail;
+        for (j = 0; j < s->depth; j++)
+            q->free_slots[j] = (uint16_t)(s->depth - 1 - j);
+        q->nr_free = s->depth;
+    }
+    *err = 0;
+    return dp;
+fail:
+    aur_dp_free(dp);
+    return NULL;
+}
+
+void aur_dp_queue(struct aur_dp *dp, unsigned local, uint16_t q_id, const void *descs,
+                  void *bufs, struct aur_dp_counts *counts)
+{
+    dp->q[local].q_id = q_id;
+    dp->q[local].descs = descs;
+    dp->q[local].bufs = bufs;
+    dp->q[local].counts = counts;
+}
+
+void aur_dp_buf_index(struct aur_dp *dp, unsigned local, uint16_t tag, uint16_t index)
+{
+    dp_tag(dp, local, tag)->buf_index = index;
+}
+
+unsigned aur_dp_room(struct aur_dp *dp) { return dp->room; }
+unsigned aur_dp_inflight(struct aur_dp *dp) { return dp->inflight; }
+void aur_dp_set_stopping(struct aur_dp *dp, int stopping) { dp->stopping = stopping; }
+void aur_dp_set_sealed(struct aur_dp *dp, int sealed) { dp->sealed = sealed; }
+
+int aur_dp_map_null(struct aur_dp *dp)
+{
+    dp->map = AUR_MAP_NULL;
+    return 0;
+}
+
+int aur_dp_map_linear(struct aur_dp *dp, int fd, uint64_t base)
+{
+    dp->fds[0] = fd;
+    dp->nr_fds = 1;
+    dp->base = base;
+    dp->map = AUR_MAP_LINEAR;
+    return 0;
+}
+
+int aur_dp_map_striped(struct aur_dp *dp, const int *fds, unsigned n, uint64_t chunk)
+{
+    if (!n || n > DP_MAX_PIECES || !chunk || (chunk & (chunk - 1)) || chunk % 512)
+        return -EINVAL;
+    memcpy(dp->fds, fds, n * sizeof(int));
+    dp->nr_fds = n;
+    dp->chunk = chunk;
+    dp->map = AUR_MAP_STRIPED;
+    return 0;
+}
+
+int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_shift)
+{
+    dp->ext = t;
+    dp->ext_shift = granule_shift;
+    dp->map = AUR_MAP_EXTENTS;
+    return 0;
+}
+
+/* -- commands to the kernel ------------------------------------------------ */
+
+static uint64_t dp_io_addr(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    struct dp_queue *q = &dp->q[local];
+
+    return q->bufs ? (uint64_t)(uintptr_t)(q->bufs + (size_t)tag * dp->s.max_io) : 0;
+}
+
+static int dp_io_cmd(struct aur_dp *dp, unsigned local, uint16_t tag, uint32_t op, int32_t res)
+{
+    uint64_t sqe_addr = 0;
+
+    if (dp->s.mode == AUR_DP_AUTO_ZC)
+        sqe_addr = dp_tag(dp, local, tag)->buf_index |
+            (dp->s.auto_zc_fallback ? (1U << 16) : 0);
+    return aur_prep_ublk_io(dp->r, dp->s.char_fd, op, dp->q[local].q_id, tag, res,
+                            dp_io_addr(dp, local, tag), sqe_addr, 0,
+                            DP_UD(AUR_DP_EV_IO, local, tag, 0));
+}
+
+int aur_dp_fetch_req(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    return dp_io_cmd(dp, local, tag, dp->s.op_fetch_req, 0);
+}
+
+struct dp_batch_cmd {
+    uint16_t q_id;
+    uint16_t flags;
+    uint16_t nr_elem;
+    uint8_t elem_bytes;
+    uint8_t reserved;
+    uint64_t reserved2;
+};
+
+int aur_dp_fetch_io_cmds(struct aur_dp *dp, unsigned local)
+{
+    struct dp_batch_cmd cmd = { dp->q[local].q_id, 0,
+                                (uint16_t)(dp->s.fetch_buf_bytes / 2), 2, 0, 0 };
+
+    return aur_prep_cmd(dp->r, dp->s.char_fd, dp->s.op_fetch_io_cmds, &cmd, sizeof(cmd),
+                        0, 0, IORING_URING_CMD_MULTISHOT, (uint16_t)local,
+                        IOSQE_BUFFER_SELECT, DP_UD(AUR_DP_EV_FETCH, local, 0, 0));
+}
+
+static void dp_give_back(struct aur_dp *dp, struct dp_queue *q, unsigned bid, int offset)
+{
+    io_uring_buf_ring_add(q->br, q->tags_mem + (size_t)bid * dp->s.fetch_buf_bytes,
+                          dp->s.fetch_buf_bytes, (unsigned short)bid,
+                          io_uring_buf_ring_mask(dp->s.fetch_buf_entries), offset);
+}
+
+int aur_dp_provide(struct aur_dp *dp, unsigned local)
+{
+    struct dp_queue *q = &dp->q[local];
+    unsigned i;
+    int err;
+
+    if (posix_memalign((void **)&q->tags_mem, 4096,
+                       (size_t)dp->s.fetch_buf_entries * dp->s.fetch_buf_bytes))
+        return -ENOMEM;
+    q->br = aur_buf_ring_setup(dp->r, dp->s.fetch_buf_entries, (int)local, &err);
+    if (!q->br)
+        return err;
+    for (i = 0; i < dp->s.fetch_buf_entries; i++)
+        dp_give_back(dp, q, i, (int)i);
+    io_uring_buf_ring_advance(q->br, dp->s.fetch_buf_entries);
+    return 0;
+}
+
+static int dp_send_commit(struct aur_dp *dp, unsigned local, struct dp_commit *c,
+                          uint16_t slot)
+{
+    struct dp_queue *q = &dp->q[local];
+    struct dp_batch_cmd cmd = { q->q_id, (uint16_t)dp->batch_flags, (uint16_t)c->nr,
+                                (uint8_t)dp->elem_bytes, 0, 0 };
+
+    q->commits[slot] = c;
+    return aur_prep_cmd(dp->r, dp->s.char_fd, dp->s.op_commit_io_cmds, &cmd, sizeof(cmd),
+                        (uint64_t)(uintptr_t)c->elems, c->nr * dp->elem_bytes, 0, 0, 0,
+                        DP_UD(DP_K_COMMIT, local, slot, 0));
+}
+
+static int dp_flush_queue(struct aur_dp *dp, unsigned local)
+{
+    struct dp_queue *q = &dp->q[local];
+    struct dp_commit *c;
+    size_t bytes = (size_t)q->nr_elems * dp->elem_bytes;
+
+    if (!q->nr_elems)
+        return 0;
+    if (!q->nr_free)
+        return -EBUSY;  /* cannot happen: each commit in flight holds a tag */
+    c = malloc(sizeof(*c) + bytes);
+    if (!c)
+        return -ENOMEM;
+    c->nr = q->nr_elems;
+    memcpy(c->elems, q->elems, bytes);
+    q->nr_elems = 0;
+    return dp_send_commit(dp, local, c, q->free_slots[--q->nr_free]);
+}
+
+int aur_dp_flush(struct aur_dp *dp)
+{
+    unsigned i;
+    int ret, first = 0;
+
+    if (!dp->s.batch)
+        return 0;
+    for (i = 0; i < dp->s.nr_queues; i++) {
+        ret = dp_flush_queue(dp, i);
+        if (ret < 0 && !first)
+            first = ret;
+    }
+    return first;
+}
+
+static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
+{
+    struct dp_queue *q = &dp->q[local];
+    char *e = q->elems + (size_t)q->nr_elems * dp->elem_bytes;
+    uint16_t index = dp->s.mode == AUR_DP_AUTO_ZC ? dp_tag(dp, local, tag)->buf_index : 0;
+    uint64_t addr;
+
+    memcpy(e, &tag, 2);
+    memcpy(e + 2, &index, 2);
+    memcpy(e + 4, &res, 4);
+    if (dp->batch_flags & UBLK_BATCH_F_HAS_BUF_ADDR) {
+        addr = dp_io_addr(dp, local, tag);
+        memcpy(e + 8, &addr, 8);
+    }
+    q->nr_elems++;
+}
+
+/* An answer for the kernel: counted, then committed. */
+static int dp_commit(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
+{
+    struct aur_dp_counts *c = dp->q[local].counts;
+
+    c->ios++;
+    if (res > 0)
+        c->bytes += (uint64_t)res;
+    else if (res < 0)
+        c->errors++;
+    if (dp->s.batch) {
+        dp_add_elem(dp, local, tag, res);
+        return 0;
+    }
+    return dp_io_cmd(dp, local, tag, dp->s.op_commit_and_fetch, res);
+}
+
+int aur_dp_answer(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
+{
+    return dp_commit(dp, local, tag, res);
+}
+
+unsigned aur_dp_pending(struct aur_dp *dp, unsigned local, void *out, unsigned max)
+{
+    struct dp_queue *q = &dp->q[local];
+    unsigned bytes = q->nr_elems * dp->elem_bytes;
+
+    if (!dp->s.batch)
+        return 0;
+    if (bytes > max)
+        bytes = max;
+    memcpy(out, q->elems, bytes);
+    return bytes;
+}
+
+/* -- serving ---------------------------------------------------------------- */
+
+struct dp_out {
+    char *buf;
+    unsigned n;
+};
+
+static void dp_emit(struct dp_out *o, uint64_t ud, int32_t res, uint32_t flags)
+{
+    char *p = o->buf + 16 * o->n++;
+
+    memcpy(p, &ud, 8);
+    memcpy(p + 8, &res, 4);
+    memcpy(p + 12, &flags, 4);
+}
+
+static void dp_idle_check(struct aur_dp *dp, struct dp_out *o)
+{
+    if (!dp->inflight && dp->stopping)
+        dp_emit(o, DP_UD(AUR_DP_EV_IDLE, 0, 0, 0), 0, 0);
+}
+
+/* C's request is done with a full result. */
+static void dp_complete(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag,
+                        int32_t res)
+{
+    dp->inflight--;
+    dp_tag(dp, local, tag)->served = 0;
+    if (dp->sealed)
+        dp_emit(o, DP_UD(AUR_DP_EV_LOST, local, tag, 0), res, 0);
+    else
+        dp_commit(dp, local, tag, res);
+    dp_idle_check(dp, o);
+}
+
+struct dp_piece { int fd; uint32_t len; uint64_t host_off; uint32_t buf_off; };
+
+/* The pieces of [off, off+len) under the map; 0: not C's to serve. */
+static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, uint32_t len,
+                           int write, struct dp_piece *p)
+{
+    struct aur_ext_piece ep[DP_MAX_PIECES];
+    uint32_t pos = 0;
+    unsigned n = 0, i;
+    int got;
+
+    switch (dp->map) {
+    case AUR_MAP_LINEAR:
+        p[0] = (struct dp_piece){ dp->fds[0], len, dp->base + off, 0 };
+        return 1;
+    case AUR_MAP_STRIPED:
+        while (pos < len) {
+            uint64_t dev = off + pos, idx = dev / dp->chunk, within = dev % dp->chunk;
+            uint32_t l = (uint32_t)(dp->chunk - within);
+
+            if (l > len - pos)
+                l = len - pos;
+            if (n == DP_MAX_PIECES)
+                return 0;
+            p[n++] = (struct dp_piece){ dp->fds[idx % dp->nr_fds], l,
+                                        (idx / dp->nr_fds) * dp->chunk + within, pos };
+            pos += l;
+        }
+        return n;
+    case AUR_MAP_EXTENTS:
+        got = aur_ext_acquire(dp->ext, off, len, write, ep, DP_MAX_PIECES, t->ids,
+                              DP_MAX_PIECES);
+        if (got <= 0)
+            return 0;
+        t->nr_ids = (uint16_t)(((off + len - 1) >> dp->ext_shift) - (off >> dp->ext_shift) + 1);
+        for (i = 0; i < (unsigned)got; i++) {
+            p[i] = (struct dp_piece){ ep[i].fd, ep[i].len, ep[i].host_off, pos };
+            pos += ep[i].len;
+        }
+        return (unsigned)got;
+    }
+    return 0;
+}
+
+static void dp_release(struct aur_dp *dp, struct dp_tag *t)
+{
+    if (t->nr_ids) {
+        aur_ext_release(dp->ext, t->ids, t->nr_ids);
+        t->nr_ids = 0;
+    }
+}
+
+/* A fetched request: 1 if C serves it, 0 if it is Python's. */
+static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
+{
+    struct dp_queue *q = &dp->q[local];
+    const struct dp_desc *d = &q->descs[tag];
+    struct dp_tag *t = &q->tags[tag];
+    struct dp_piece p[DP_MAX_PIECES];
+    unsigned op = d->op_flags & 0xff, n, i;
+    uint64_t off = d->start_sector << 9;
+    uint32_t len = d->nr_sectors << 9;
+    int write = op == UBLK_OP_WRITE;
+
+    if (dp->map == AUR_MAP_NONE || dp->stopping || dp->s.mode == AUR_DP_OTHER)
+        return 0;
+    if (op > UBLK_OP_WRITE || !len || (write && (d->op_flags & UBLK_F_FUA)))
+        return 0;
+    if (dp->s.mode == AUR_DP_AUTO_ZC && (d->op_flags & UBLK_F_NEED_REG_BUF))
+        return 0;
+    t->bad = 0;
+    t->len = len;
+    t->nr_ids = 0;
+    t->pending = 0;
+    if (dp->map == AUR_MAP_NULL) {
+        dp->inflight++;
+        t->served = 1;
+        dp_complete(dp, o, local, tag, (int32_t)len);
+        return 1;
+    }
+    n = dp_resolve(dp, t, off, len, write, p);
+    if (!n)
+        return 0;
+    dp->inflight++;
+    t->served = 1;
+    for (i = 0; i < n; i++) {
+        uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
+        int ret;
+
+        if (dp->s.mode == AUR_DP_AUTO_ZC)
+            ret = aur_prep(dp->r, write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED,
+                           p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0, t->buf_index,
+                           0, ud);
+        else
+            ret = aur_prep(dp->r, write ? IORING_OP_WRITE : IORING_OP_READ, p[i].fd,
+                           (uint64_t)(uintptr_t)(q->bufs + (size_t)tag * dp->s.max_io +
+                                                 p[i].buf_off),
+                           p[i].len, p[i].host_off, 0, 0, 0, ud);
+        if (ret < 0) {
+            t->bad = ret;
+            break;
+        }
+        t->pending++;
+    }
+    if (!t->pending) {  /* nothing queued: Python serves it from the start */
+        dp_release(dp, t);
+        dp->inflight--;
+        t->served = 0;
+        return 0;
+    }
+    return 1;
+}
+
+static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t res)
+{
+    unsigned local = DP_LOCAL(ud);
+    uint16_t tag = DP_TAG(ud);
+    struct dp_tag *t = dp_tag(dp, local, tag);
+
+    if (res != (int32_t)(DP_AUX(ud) << 9) && !t->bad)
+        t->bad = res < 0 ? res : -EIO;
+    if (--t->pending)
+        return;
+    dp_release(dp, t);
+    if (!t->bad) {
+        dp_complete(dp, o, local, tag, (int32_t)t->len);
+        return;
+    }
+    /* Python serves it from the start, on the coroutine path */
+    dp->inflight--;
+    t->served = 0;
+    dp_emit(o, DP_UD(AUR_DP_EV_RETRY, local, tag, 0), t->bad, 0);
+    dp_idle_check(dp, o);
+}
+
+static void dp_fetched(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
+{
+    if (!dp->stopping)  /* (a stopping worker leaves it to the kernel) */
+        dp->q[local].counts->started++;
+    if (!dp_serve(dp, o, local, tag))
+        dp_emit(o, DP_UD(AUR_DP_EV_TAG, local, tag, 0), 0, 0);
+}
+
+static void dp_fetch_done(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe)
+{
+    unsigned local = DP_LOCAL(cqe->user_data), i, n;
+    struct dp_queue *q = &dp->q[local];
+
+    if (cqe->flags & IORING_CQE_F_BUFFER) {
+        unsigned bid = cqe->flags >> 16;
+        uint16_t tags[4096];
+
+        n = cqe->res > 0 ? (unsigned)cqe->res / 2 : 0;
+        if (n > 4096)
+            n = 4096;
+        memcpy(tags, q->tags_mem + (size_t)bid * dp->s.fetch_buf_bytes, n * 2);
+        dp_give_back(dp, q, bid, 0);
+        io_uring_buf_ring_advance(q->br, 1);
+        for (i = 0; i < n; i++)
+            dp_fetched(dp, o, local, tags[i]);
+    }
+    if (!(cqe->flags & IORING_CQE_F_MORE))
+        dp_emit(o, cqe->user_data, cqe->res, cqe->flags & ~IORING_CQE_F_BUFFER);
+}
+
+static void dp_commit_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t res)
+{
+    unsigned local = DP_LOCAL(ud), done;
+    uint16_t slot = DP_TAG(ud), tag;
+    struct dp_queue *q = &dp->q[local];
+    struct dp_commit *c = q->commits[slot];
+    int32_t result;
+    char *e;
+
+    done = res >= 0 ? (unsigned)res / dp->elem_bytes : 0;
+    if (done < c->nr && res != -ENODEV) {  /* (ENODEV: the device is gone) */
+        e = c->elems + (size_t)done * dp->elem_bytes;
+        memcpy(&tag, e, 2);
+        memcpy(&result, e + 4, 4);
+        /* the refused element: a request still waiting is failed, once */
+        dp_emit(o, DP_UD(AUR_DP_EV_COMMIT, local, tag, result >= 0 ? 0 : 1),
+                res < 0 ? res : 0, (uint32_t)result);
+        if (result >= 0) {
+            q->counts->ios--;  /* counted again as the failure */
+            if (result > 0)
+                q->counts->bytes -= (uint64_t)result;
+            dp_commit(dp, local, tag, -EIO);
+        }
+        done++;
+    } else if (done < c->nr) {
+        done = c->nr;
+    }
+    if (done < c->nr) {  /* the rest goes again, from the same slot */
+        memmove(c->elems, c->elems + (size_t)done * dp->elem_bytes,
+                (size_t)(c->nr - done) * dp->elem_bytes);
+        c->nr -= done;
+        dp_send_commit(dp, local, c, slot);
+        return;
+    }
+    free(c);
+    q->commits[slot] = NULL;
+    q->free_slots[q->nr_free++] = slot;
+}
+
+static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe)
+{
+    uint64_t ud = cqe->user_data;
+
+    if (!(ud & DP_BIT)) {
+        dp_emit(o, ud, cqe->res, cqe->flags);
+        return;
+    }
+    switch (DP_KIND(ud)) {
+    case DP_K_RW:
+        dp_rw_done(dp, o, ud, cqe->res);
+        return;
+    case AUR_DP_EV_IO:
+        if (cqe->res == 0 && !dp->stopping) {
+            dp->q[DP_LOCAL(ud)].counts->started++;
+            if (dp_serve(dp, o, DP_LOCAL(ud), DP_TAG(ud)))
+                return;
+        }
+        dp_emit(o, ud, cqe->res, cqe->flags);
+        return;
+    case AUR_DP_EV_FETCH:
+        dp_fetch_done(dp, o, cqe);
+        return;
+    case DP_K_COMMIT:
+        dp_commit_done(dp, o, ud, cqe->res);
+        return;
+    }
+    dp_emit(o, ud, cqe->res, cqe->flags);
+}
+
+/*
+ * Rounds of reap, serve, submit while C alone has work; back to Python as
+ * soon as it has some (or after a few rounds, so its loop keeps turning).
+ * Whatever stays in the CQ signals the eventfd again: no completion waits
+ * for a wake-up that already happened.
+ */
+unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
+{
+    struct io_uring *ring = &dp->r->ring;
+    struct dp_out o = { out, 0 };
+    struct io_uring_cqe *cqe;
+    unsigned head, seen, rounds;
+    int full = 0;
+
+    for (rounds = 0; rounds < 8 && !full; rounds++) {
+        seen = 0;
+        io_uring_for_each_cqe(ring, head, cqe) {
+            if (max - o.n < dp->room) {
+                full = 1;
+                break;
+            }
+            dp_cqe(dp, &o, cqe);
+            seen++;
+        }
+        io_uring_cq_advance(ring, seen);
+        if (!full && io_uring_cq_has_overflow(ring)) {
+            io_uring_get_events(ring);
+            continue;
+        }
+        aur_dp_flush(dp);
+        if (io_uring_sq_ready(ring))
+            io_uring_submit(ring);
+        if (!seen || o.n)
+            break;
+    }
+    if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring)) {
+        uint64_t one = 1;
+
+        if (write(dp->r->efd, &one, sizeof(one)) < 0) {
+            /* the count is full: a wake-up is pending anyway */
+        }
+    }
+    return o.n;
+}

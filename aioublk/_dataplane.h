@@ -1,0 +1,74 @@
+/* The per-worker data plane (see _dataplane.c). Plain declarations only:
+   this text is also the cffi cdef. */
+
+/* what a record handed to Python is (bits 56..62 of its user_data) */
+#define AUR_DP_EV_IO 1        /* a per-I/O command's CQE, as the kernel sent it */
+#define AUR_DP_EV_FETCH 3     /* a batch fetch's CQE: its tags came as EV_TAG */
+#define AUR_DP_EV_TAG 6       /* a fetched request the map did not take */
+#define AUR_DP_EV_RETRY 7     /* a request C started and Python must serve (res: why) */
+#define AUR_DP_EV_COMMIT 8    /* COMMIT_IO_CMDS refused an element (tag, res) */
+#define AUR_DP_EV_LOST 9      /* a request finished after the seal: not answered */
+#define AUR_DP_EV_IDLE 10     /* stopping, and C holds no request any more */
+
+/* maps */
+#define AUR_MAP_NONE 0
+#define AUR_MAP_NULL 1
+#define AUR_MAP_LINEAR 2
+#define AUR_MAP_STRIPED 3
+#define AUR_MAP_EXTENTS 4
+
+/* copy modes C serves in */
+#define AUR_DP_COPY 0
+#define AUR_DP_AUTO_ZC 1
+#define AUR_DP_OTHER 2
+
+struct aur_dp;
+
+struct aur_dp_setup {
+    int char_fd;
+    int batch;
+    int mode;               /* AUR_DP_* */
+    int auto_zc_fallback;
+    unsigned nr_queues;     /* the worker's queues, in its order ("local") */
+    unsigned depth;
+    uint32_t max_io;
+    uint32_t op_fetch_req, op_commit_and_fetch, op_fetch_io_cmds, op_commit_io_cmds;
+    unsigned fetch_buf_bytes, fetch_buf_entries;
+};
+
+struct aur_dp_counts { uint64_t started, ios, bytes, errors; };
+
+struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err);
+void aur_dp_free(struct aur_dp *dp);
+/* queue `local`: its q_id, descriptor area and (copy mode) tag buffers */
+void aur_dp_queue(struct aur_dp *dp, unsigned local, uint16_t q_id, const void *descs,
+                  void *bufs, struct aur_dp_counts *counts);
+/* the buffer-table slot of (local, tag) in the zero-copy modes */
+void aur_dp_buf_index(struct aur_dp *dp, unsigned local, uint16_t tag, uint16_t index);
+
+int aur_dp_map_null(struct aur_dp *dp);
+int aur_dp_map_linear(struct aur_dp *dp, int fd, uint64_t base);
+int aur_dp_map_striped(struct aur_dp *dp, const int *fds, unsigned n, uint64_t chunk);
+int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_shift);
+
+void aur_dp_set_stopping(struct aur_dp *dp, int stopping);
+void aur_dp_set_sealed(struct aur_dp *dp, int sealed);
+unsigned aur_dp_inflight(struct aur_dp *dp);
+
+/* per-I/O: arm (local, tag) with FETCH_REQ */
+int aur_dp_fetch_req(struct aur_dp *dp, unsigned local, uint16_t tag);
+/* batch: provide the fetch buffers of queue `local` and arm one multishot fetch */
+int aur_dp_provide(struct aur_dp *dp, unsigned local);
+int aur_dp_fetch_io_cmds(struct aur_dp *dp, unsigned local);
+/* Python's answer to a request: COMMIT_AND_FETCH_REQ, or an element of the
+   queue's next COMMIT_IO_CMDS */
+int aur_dp_answer(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res);
+/* queue the COMMIT_IO_CMDS of what was answered since the last one */
+int aur_dp_flush(struct aur_dp *dp);
+/* the elements queue `local` has for its next commit (bytes copied; tests) */
+unsigned aur_dp_pending(struct aur_dp *dp, unsigned local, void *out, unsigned max);
+/* Reap the ring: serve what the map covers, copy the rest (16-byte CQEs)
+   into out, at most max (at least aur_dp_room); returns how many. CQEs
+   left in the ring signal the eventfd again. */
+unsigned aur_dp_room(struct aur_dp *dp);
+unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max);

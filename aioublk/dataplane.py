@@ -1,0 +1,128 @@
+"""The data plane: where a target says its data lives, so that C can serve
+those requests without entering Python.
+
+A target that knows where a request's bytes are returns a **map** from
+``Target.map()``:
+
+- ``Null()``: reads leave the buffer as it is, writes vanish (the null target).
+- ``Linear(fd, base)``: device offset ``o`` is ``fd`` at ``base + o`` (loop).
+- ``Striped(fds, chunk)``: chunk ``c`` is in ``fds[c % n]`` at chunk ``c // n``
+  (RAID-0, the stripe target).
+- ``Extents(table)``: an ``ExtentTable`` the target fills and invalidates as
+  it learns and changes its mapping (qcow2; any target whose layout is a
+  table). A request the table does not wholly cover is a miss.
+
+Each queue worker serves, in C and with the GIL released, every READ and
+non-FUA WRITE its map resolves, from the fetch to the commit. What the map
+does not cover comes to the target's coroutines as before: flush, discard,
+write-zeroes, FUA writes, misses, and any request whose backend I/O was not
+a full success (a short transfer, O_DIRECT's EINVAL, an error), which the
+coroutine path serves again from the start. So a map is an accelerator,
+never the contract: a target must still serve everything through
+``read``/``write``.
+
+C serves the default copy mode and ``--auto_zc``; the ``-z`` and ``-u``
+modes, and ``-v`` (which logs every request), keep every request in Python.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aioublk._uring import ffi, lib
+
+if TYPE_CHECKING:
+    from aioublk.extents import ExtentTable
+
+
+@dataclass(frozen=True, slots=True)
+class Null:
+    """Every read and write succeeds at once, touching nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """The device is ``fd`` from byte ``base`` on."""
+
+    fd: int
+    base: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Striped:
+    """RAID-0 over ``fds`` in chunks of ``chunk`` bytes (a power of two)."""
+
+    fds: Sequence[int]
+    chunk: int
+
+
+@dataclass(frozen=True, slots=True)
+class Extents:
+    """Device ranges the target published in ``table``."""
+
+    table: ExtentTable
+
+
+Map = Null | Linear | Striped | Extents
+
+#: the kinds of record the data plane hands to Python (bits 56..62 of user_data)
+EV_IO, EV_FETCH, EV_TAG, EV_RETRY, EV_COMMIT, EV_LOST, EV_IDLE = (
+    lib.AUR_DP_EV_IO, lib.AUR_DP_EV_FETCH, lib.AUR_DP_EV_TAG, lib.AUR_DP_EV_RETRY,
+    lib.AUR_DP_EV_COMMIT, lib.AUR_DP_EV_LOST, lib.AUR_DP_EV_IDLE)
+
+
+def decode(ud: int) -> tuple[int, int, int, int]:
+    """(kind, queue's local index, tag, aux) of a data-plane user_data."""
+    return (ud >> 56) & 0x7F, (ud >> 40) & 0xFFFF, (ud >> 16) & 0xFFFF, ud & 0xFFFF
+
+
+class DataPlane:
+    """A worker's C data plane: made by ``Ring.data_plane``, freed with the ring."""
+
+    def __init__(self, cdata: Any, counts: Any) -> None:
+        self.c = cdata
+        #: per local queue, the counters C keeps (Python owns the memory)
+        self.counts = counts
+        self.map: Map | None = None
+
+    def set_map(self, m: Map | None) -> None:
+        """Serve ``m`` in C from now on (None: every request goes to Python)."""
+        if m is None:
+            return
+        if isinstance(m, Null):
+            ret = lib.aur_dp_map_null(self.c)
+        elif isinstance(m, Linear):
+            ret = lib.aur_dp_map_linear(self.c, m.fd, m.base)
+        elif isinstance(m, Striped):
+            fds = ffi.new("int[]", list(m.fds))
+            ret = lib.aur_dp_map_striped(self.c, fds, len(m.fds), m.chunk)
+        elif isinstance(m, Extents):
+            ret = lib.aur_dp_map_extents(self.c, m.table.cdata,
+                                         m.table.granule.bit_length() - 1)
+        else:
+            raise TypeError(f"not a data-plane map: {m!r}")
+        if ret < 0:
+            raise OSError(-ret, f"the data plane refused {m!r}: {os.strerror(-ret)}")
+        self.map = m
+
+    @property
+    def inflight(self) -> int:
+        """Requests C holds."""
+        return int(lib.aur_dp_inflight(self.c))
+
+    def set_stopping(self, stopping: bool) -> None:
+        lib.aur_dp_set_stopping(self.c, int(stopping))
+
+    def set_sealed(self) -> None:
+        lib.aur_dp_set_sealed(self.c, 1)
+
+    def check(self, ret: int, what: str) -> None:
+        if ret < 0:
+            raise OSError(-ret, f"{what}: {os.strerror(-ret)}")
+
+
+#: A handler for the records the data plane hands to Python: (user_data, res, flags).
+EventHandler = Callable[[int, int, int], None]
