@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import errno
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aioublk import uapi
-from aioublk._uring import ffi, lib
-from aioublk.queue import CopyMode, Driver, IoPath, QueueMem, QueueStats
+from aioublk._uring import lib
+from aioublk.dataplane import EV_COMMIT, EV_FETCH, EV_TAG
+from aioublk.queue import CopyMode, Driver, IoPath
 from aioublk.ring import Ring, buffer_address
 
 if TYPE_CHECKING:
@@ -158,29 +158,15 @@ class BatchBuilder:
         return out
 
 
-@dataclass
-class _QueueState:
-    """A worker's view of one queue it serves."""
-
-    qm: QueueMem
-    local: int                   # position among the worker's queues: buffer group id
-    builder: BatchBuilder
-    tags_mem: bytearray          # the provided buffers the fetches fill with tags
-    stats: QueueStats            # this worker's counters of this queue
-    tags_addr: int = 0           # its address, for handing buffers back
-    buf_ring: Any = None         # the C buffer ring of group ``local``
-    dones: list[Any] = field(default_factory=list)  # per tag: answer it (fast path)
-
-
 class BatchDriver(Driver):
-    """Serves a worker's queues with ``UBLK_F_BATCH_IO`` (see the module doc)."""
+    """Serves a worker's queues with ``UBLK_F_BATCH_IO`` (see the module doc;
+    fetches, their buffers and commits are the data plane's, in C)."""
 
     FETCHES = 2
 
     def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
-        super().__init__(worker, ring, path)
+        super().__init__(worker, ring, path, batch=True)
         cfg = worker.cfg
-        self.depth = cfg.depth
         self.mode = worker.mode
         flags = 0
         if self.mode is CopyMode.COPY:
@@ -188,120 +174,91 @@ class BatchDriver(Driver):
         if self.mode is CopyMode.AUTO_ZC and cfg.auto_zc_fallback:
             flags |= F_AUTO_BUF_REG_FALLBACK
         self.flags = flags
-        self.auto_zc = self.mode is CopyMode.AUTO_ZC
-        self.buf_bytes = cfg.fetch_buf_bytes or 2 * min(self.depth, MAX_TAGS_PER_FETCH)
-        self.buf_entries = cfg.fetch_buf_entries or 8
-        self.queues = [
-            _QueueState(qm, i, BatchBuilder(qm.q_id, self.depth, flags),
-                        bytearray(self.buf_entries * self.buf_bytes), self.stats[qm.q_id])
-            for i, (qm, _tags) in enumerate(worker.spec.work)]
-        for qs in self.queues:
-            qs.dones = [partial(self._answer, qs, tag) for tag in range(self.depth)]
+        self.queues = [qm for qm, _tags in worker.spec.work]
+        for local in range(len(self.queues)):
+            for tag in range(self.depth):
+                lib.aur_dp_buf_index(self.dp.c, local, tag, self._index(local, tag))
+        self.dones = [[partial(self._answer, local, tag) for tag in range(self.depth)]
+                      for local in range(len(self.queues))]
         self.live = 0
         ring.add_flush_hook(self._commit)
 
     # -- setup ----------------------------------------------------------------
 
-    def _index(self, qs: _QueueState, tag: int) -> int:
-        return qs.local * self.depth + tag
-
-    def _add(self, qs: _QueueState, tag: int, result: int) -> None:
-        qs.builder.add(tag, result, buf_addr=qs.qm.addrs[tag],
-                       buf_index=self._index(qs, tag) if self.auto_zc else 0)
+    def _index(self, local: int, tag: int) -> int:
+        return local * self.depth + tag
 
     def arm(self) -> None:
         results: list[int] = []
         expected = 0
-        for qs in self.queues:
-            if qs.qm.q_id in self.w.spec.prep:
-                for tag in range(self.depth):
-                    if self.path.arming is not None:
-                        self.path.arming(qs.qm.q_id, tag)
-                    self._add(qs, tag, 0)
-                for b in qs.builder.take():
-                    self._send(uapi.IoCmd.PREP_IO_CMDS, b, lambda res, _f: results.append(res))
-                    expected += 1
-        for qs in self.queues:
-            if not self._provide(qs):
+        for local, qm in enumerate(self.queues):
+            if qm.q_id not in self.w.spec.prep:
+                continue
+            builder = BatchBuilder(qm.q_id, self.depth, self.flags)
+            for tag in range(self.depth):
+                if self.path.arming is not None:
+                    self.path.arming(qm.q_id, tag)
+                index = self._index(local, tag) if self.mode is CopyMode.AUTO_ZC else 0
+                builder.add(tag, 0, buf_addr=qm.addrs[tag], buf_index=index)
+            for b in builder.take():
+                data = b.data
+                self.ring.prep_cmd(self.char_fd, uapi.IoCmd.PREP_IO_CMDS, b.header(),
+                                   addr=buffer_address(data), length=len(data),
+                                   handler=lambda res, _f: results.append(res), keep=data)
+                expected += 1
+        for local in range(len(self.queues)):
+            ret = lib.aur_dp_provide(self.dp.c, local)
+            if ret < 0:
+                self.failed = ret
                 return
             for _ in range(self.FETCHES):
-                self._fetch(qs)
+                self._fetch(local)
         self.ring.submit_now()
-        self.ring._reap()
+        self.ring.reap_now()
         if len(results) < expected:
             self.failed = -errno.ETIMEDOUT  # PREP completes inline unless something broke
         self.failed = self.failed or min([0, *results])
 
-    def _provide(self, qs: _QueueState) -> bool:
-        """Register the queue's provided-buffer group (the fetches' tag
-        buffers) and hand every buffer to it; False (``failed`` set) if the
-        ring refused."""
-        err = ffi.new("int *")
-        br = lib.aur_buf_ring_setup(self.ring.raw, self.buf_entries, qs.local, err)
-        if br == ffi.NULL:
-            self.failed = err[0]
-            return False
-        qs.buf_ring = br
-        qs.tags_addr = buffer_address(qs.tags_mem)
-        for bid in range(self.buf_entries):
-            self._give_back(qs, bid, bid)
-        lib.aur_buf_ring_advance(br, self.buf_entries)
-        return True
-
-    def _send(self, op: int, b: Batch, handler: Callable[[int, int], None]) -> None:
-        data = b.data
-        self.ring.prep_cmd(self.char_fd, op, b.header(), addr=buffer_address(data),
-                           length=len(data), handler=handler, keep=data)
-
-    # -- fetch ----------------------------------------------------------------
-
-    def _fetch(self, qs: _QueueState) -> None:
-        self.ring.prep_cmd(
-            self.char_fd, uapi.IoCmd.FETCH_IO_CMDS,
-            fetch_header(qs.qm.q_id, self.buf_bytes // 2),
-            cmd_flags=lib.IORING_URING_CMD_MULTISHOT, buf_index=qs.local,
-            sqe_flags=lib.IOSQE_BUFFER_SELECT, handler=partial(self._on_fetch, qs))
+    def _fetch(self, local: int) -> None:
+        self.dp.check(lib.aur_dp_fetch_io_cmds(self.dp.c, local), "cannot queue FETCH_IO_CMDS")
         self.live += 1
 
-    def _give_back(self, qs: _QueueState, bid: int, offset: int = 0) -> None:
-        """Put provided buffer ``bid`` back (at ``offset`` past the ring's tail;
-        the caller advances the tail)."""
-        size = self.buf_bytes
-        lib.aur_buf_ring_add(qs.buf_ring, qs.tags_addr + bid * size, size, bid,
-                             self.buf_entries, offset)
+    # -- what C leaves to Python ----------------------------------------------
 
-    def _on_fetch(self, qs: _QueueState, res: int, flags: int) -> None:
-        if self.ring.closed:
-            return  # tags fetched as the ring closes: the kernel takes them back
-        if flags & lib.IORING_CQE_F_BUFFER:
-            bid = flags >> 16
-            tags = fetched_tags(memoryview(qs.tags_mem)[bid * self.buf_bytes:], max(res, 0))
-            self._give_back(qs, bid)
-            lib.aur_buf_ring_advance(qs.buf_ring, 1)
+    def event(self, kind: int, local: int, tag: int, aux: int, res: int, flags: int) -> None:
+        if kind == EV_TAG:
             if self.stopping:
                 # The worker is ending and the target may be writing back
-                # for the last time: these are left to the kernel, which
-                # reissues (-i 1) or fails them when /dev/ublkcN closes.
-                self.w.log.info("requests left to the kernel at stop", q=qs.qm.q_id,
-                                n=len(tags))
+                # for the last time: this is left to the kernel, which
+                # reissues (-i 1) or fails it when /dev/ublkcN closes.
+                self.w.log.info("request left to the kernel at stop",
+                                q=self.queues[local].q_id, tag=tag)
+            elif not self.start(self.queues[local], tag, self.dones[local][tag]):
+                self.spawn(self._serve(local, tag))
+        elif kind == EV_FETCH:
+            self._fetch_ended(local, res)
+        elif kind == EV_COMMIT:
+            q = self.queues[local].q_id
+            if aux == 0:
+                self.w.log.warning("COMMIT_IO_CMDS refused a tag: its request fails", q=q,
+                                   tag=tag, res=res or None)
             else:
-                serve = self._serve
-                spawn = self.spawn
-                start = self.start
-                qm, dones = qs.qm, qs.dones
-                qs.stats.started += len(tags)
-                for tag in tags:
-                    if not start(qm, tag, dones[tag]):
-                        spawn(serve(qs, tag))
-        if flags & lib.IORING_CQE_F_MORE:
-            return
+                self.w.log.error("COMMIT_IO_CMDS refused a tag's failure: its request is "
+                                 "lost", q=q, tag=tag, res=res or None,
+                                 result=flags - (1 << 32))
+
+    def retry(self, local: int, tag: int) -> None:
+        self.spawn(self._serve(local, tag))
+
+    def _fetch_ended(self, local: int, res: int) -> None:
+        """A multishot fetch ended: re-arm it, or end the worker."""
         self.live -= 1
         if res >= 0 or res == -errno.ENOBUFS:
             if not self.stopping:
-                self._fetch(qs)
+                self._fetch(local)
                 return
         elif res not in (-errno.ENODEV, -errno.ECANCELED):  # (ECANCELED: our ring closed)
-            self.w.log.warning("FETCH_IO_CMDS failed", q=qs.qm.q_id, res=res)
+            self.w.log.warning("FETCH_IO_CMDS failed", q=self.queues[local].q_id, res=res)
             if not self.failed:
                 self.failed = res
         elif not self.stopping:
@@ -317,52 +274,23 @@ class BatchDriver(Driver):
 
     # -- commit ---------------------------------------------------------------
 
-    async def _serve(self, qs: _QueueState, tag: int) -> None:
+    async def _serve(self, local: int, tag: int) -> None:
         try:
-            res = await self.path.serve(qs.qm, tag, self._index(qs, tag))
+            res = await self.path.serve(self.queues[local], tag, self._index(local, tag))
         except BaseException:
             self.answered()
             raise
-        self._answer(qs, tag, res)
+        self._answer(local, tag, res)
 
-    def _answer(self, qs: _QueueState, tag: int, res: int) -> None:
-        if not self.settle(tag):
-            return
-        qs.stats.count(res)
-        self._add(qs, tag, res)
-        self.ring.request_flush()
+    def _answer(self, local: int, tag: int, res: int) -> None:
+        if self.settle(tag):
+            self.commit(local, tag, res)
 
     def _commit(self) -> None:
-        for qs in self.queues:
-            if len(qs.builder):
-                for b in qs.builder.take():
-                    self._send(uapi.IoCmd.COMMIT_IO_CMDS, b, partial(self._on_commit, b))
-
-    def _on_commit(self, b: Batch, res: int, flags: int) -> None:
-        rest, refused = b.after(res)
-        if refused is not None and res != -errno.ENODEV:  # (ENODEV: the device is gone)
-            tag, result = refused
-            err = res if res < 0 else None
-            if result >= 0:
-                # the request still waits for an answer: fail it (once)
-                self.w.log.warning("COMMIT_IO_CMDS refused a tag: its request fails",
-                                   q=b.q_id, tag=tag, res=err)
-                qs = next(qs for qs in self.queues if qs.qm.q_id == b.q_id)
-                self._add(qs, tag, -errno.EIO)
-                self.ring.request_flush()
-            else:
-                self.w.log.error("COMMIT_IO_CMDS refused a tag's failure: its request is lost",
-                                 q=b.q_id, tag=tag, res=err, result=result)
-        if rest is not None:
-            self._send(uapi.IoCmd.COMMIT_IO_CMDS, rest, partial(self._on_commit, rest))
+        ret = lib.aur_dp_flush(self.dp.c)
+        if ret < 0:
+            self.w.log.error("cannot queue COMMIT_IO_CMDS", error=ret)
 
     async def drain(self) -> None:
         await super().drain()
         self._commit()
-
-    def close(self) -> None:
-        """Free the buffer rings' memory (after the ring is gone)."""
-        for qs in self.queues:
-            if qs.buf_ring is not None:
-                lib.aur_buf_ring_free(ffi.NULL, qs.buf_ring, self.buf_entries, qs.local)
-            qs.buf_ring = None

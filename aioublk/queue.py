@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, cast
 import structlog
 
 from aioublk import logs, uapi
+from aioublk._uring import ffi, lib
+from aioublk.dataplane import EV_IDLE, EV_LOST, EV_RETRY, decode
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import Buffer, Done, FixedBuf, Target
 
@@ -115,6 +117,13 @@ class CopyMode(enum.Enum):
     @property
     def fixed(self) -> bool:
         return self in (CopyMode.ZERO_COPY, CopyMode.AUTO_ZC)
+
+    @property
+    def data_plane(self) -> int:
+        """How the C data plane serves in this mode (``AUR_DP_*``): in the tag's
+        buffer, with fixed-buffer I/O on the kernel's registration, or not at all."""
+        return int({CopyMode.COPY: lib.AUR_DP_COPY,
+                    CopyMode.AUTO_ZC: lib.AUR_DP_AUTO_ZC}.get(self, lib.AUR_DP_OTHER))
 
 
 class QueueMem:
@@ -276,48 +285,112 @@ def layout(queues: int, depth: int, nthreads: int, *, batch: bool,
 
 
 class QueueStats:
-    """What one worker has answered on one queue (read by the control thread
-    for ``list --stats`` and serve's stats log; plain ints under the GIL)."""
+    """What one worker has answered on one queue: counters the data plane
+    keeps in memory Python owns, read by the control thread for ``list
+    --stats`` and serve's stats log."""
 
-    __slots__ = ("started", "ios", "bytes", "errors")
+    __slots__ = ("_c",)
 
-    def __init__(self) -> None:
-        self.started = 0  # requests received; started - ios are in flight
-        self.ios = 0
-        self.bytes = 0
-        self.errors = 0
+    def __init__(self, counts: Any) -> None:
+        self._c = counts
 
-    def count(self, res: int) -> None:
-        self.ios += 1
-        if res > 0:
-            self.bytes += res
-        elif res < 0:
-            self.errors += 1
+    @property
+    def started(self) -> int:
+        """Requests received; started - ios are in flight."""
+        return int(self._c.started)
+
+    @property
+    def ios(self) -> int:
+        return int(self._c.ios)
+
+    @property
+    def bytes(self) -> int:
+        return int(self._c.bytes)
+
+    @property
+    def errors(self) -> int:
+        return int(self._c.errors)
 
 
 class Driver:
-    """What the per-I/O and batch drivers share: a worker's ring and copy
-    path, and the requests in flight (one task each)."""
+    """What the per-I/O and batch drivers share: a worker's ring, its data
+    plane and copy path, and the requests Python serves (one task each)."""
 
-    def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
+    def __init__(self, worker: Worker, ring: Ring, path: IoPath, *, batch: bool) -> None:
         self.w = worker
-        self.stats = {qm.q_id: QueueStats() for qm, _tags in worker.spec.work}
         self.ring = ring
         self.path = path
         self.char_fd = worker.char_fd
         self.failed = 0  # the first error the kernel answered an arming command with
-        self.inflight = 0  # requests started and not yet answered
+        self.inflight = 0  # requests Python started and has not answered yet
+        cfg = worker.cfg
+        self.depth = cfg.depth
+        work = worker.spec.work
+        self.dp = ring.data_plane({
+            "char_fd": worker.char_fd, "batch": int(batch), "mode": path.mode.data_plane,
+            "auto_zc_fallback": int(cfg.auto_zc_fallback), "nr_queues": len(work),
+            "depth": cfg.depth, "max_io": cfg.max_io_size,
+            "op_fetch_req": uapi.IoCmd.FETCH_REQ,
+            "op_commit_and_fetch": uapi.IoCmd.COMMIT_AND_FETCH_REQ,
+            "op_fetch_io_cmds": uapi.IoCmd.FETCH_IO_CMDS,
+            "op_commit_io_cmds": uapi.IoCmd.COMMIT_IO_CMDS,
+            "fetch_buf_bytes": cfg.fetch_buf_bytes or 2 * min(cfg.depth, 128),
+            "fetch_buf_entries": cfg.fetch_buf_entries or 8,
+        }, len(work), self._on_event)
+        self._views: list[Any] = []  # the C side's views of the queues' memory
+        for local, (qm, _tags) in enumerate(work):
+            descs = ffi.from_buffer(qm.descs)
+            bufs = ffi.NULL if qm.bufs is None else ffi.from_buffer(qm.bufs)
+            self._views += [descs, bufs]
+            lib.aur_dp_queue(self.dp.c, local, qm.q_id, descs, bufs, self.dp.counts + local)
+        self.stats = {qm.q_id: QueueStats(self.dp.counts[local])
+                      for local, (qm, _tags) in enumerate(work)}
+        if path.debug or path.mode.data_plane == lib.AUR_DP_OTHER:
+            self.w.log.debug("data plane off: every request is served in Python")
+        else:
+            self.dp.set_map(worker.target.map())
         #: ending (the kernel aborted a command, or a detach began): serve what
         #: is held, start nothing new, then end
-        self.stopping = False
+        self._stopping = False
         #: drain has returned: the target's final write-back may have run, so
         #: a request still finishing must not be acknowledged (see settle)
         self.sealed = False
         self._drained: asyncio.Future[None] | None = None
         self.loop = asyncio.get_running_loop()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self._stopping = value
+        self.dp.set_stopping(value)
+
     def arm(self) -> None:
         """Queue the commands that must reach the kernel before START_DEV."""
+        raise NotImplementedError
+
+    def _on_event(self, ud: int, res: int, flags: int) -> None:
+        """A record of the data plane: what C left to Python."""
+        kind, local, tag, aux = decode(ud)
+        if kind == EV_RETRY:
+            self.retry(local, tag)
+        elif kind == EV_IDLE:
+            if not self.inflight and self.stopping:
+                self.idle()
+        elif kind == EV_LOST:
+            self.w.log.warning("request finished after the final write-back: left to the "
+                               "kernel", tag=tag)
+        else:
+            self.event(kind, local, tag, aux, res, flags)
+
+    def event(self, kind: int, local: int, tag: int, aux: int, res: int, flags: int) -> None:
+        """The driver's own records (per-I/O or batch commands)."""
+        raise NotImplementedError
+
+    def retry(self, local: int, tag: int) -> None:
+        """A request C started and could not finish: Python serves it anew."""
         raise NotImplementedError
 
     def start(self, qm: QueueMem, tag: int, done: Done) -> bool:
@@ -340,7 +413,7 @@ class Driver:
 
     def answered(self) -> None:
         self.inflight -= 1
-        if not self.inflight and self.stopping:
+        if not self.inflight and self.stopping and not self.dp.inflight:
             self.idle()
 
     def settle(self, tag: int) -> bool:
@@ -355,6 +428,13 @@ class Driver:
             return False
         return True
 
+    def commit(self, local: int, tag: int, res: int) -> None:
+        """Python's answer to a request, queued in C for the end of this turn."""
+        ret = lib.aur_dp_answer(self.dp.c, local, tag, res)
+        if ret < 0:
+            self.w.log.error("cannot queue a request's answer", tag=tag, error=ret)
+        self.ring.request_flush()
+
     def idle(self) -> None:
         """Nothing is in flight any more, and the device is going away."""
         if self._drained is not None and not self._drained.done():
@@ -363,16 +443,24 @@ class Driver:
     async def drain(self) -> None:
         """Let the requests in flight finish (bounded) after the device stopped."""
         self.stopping = True
-        if self.inflight:
+        if self.inflight or self.dp.inflight:
             self._drained = self.loop.create_future()
             try:
                 await asyncio.wait_for(self._drained, DRAIN_SECONDS)
             except TimeoutError:
-                self.w.log.warning("requests still in flight at stop", n=self.inflight)
+                self.w.log.warning("requests still in flight at stop",
+                                   n=self.inflight + self.dp.inflight)
         self.sealed = True
+        self.dp.set_sealed()
 
     def close(self) -> None:
-        """Release what outlives the ring (called after the ring is closed)."""
+        """Release what outlives the ring (called after the ring is closed):
+        the C side's views of the queues' memory, which would otherwise keep
+        the mappings, and with them /dev/ublkcN, open (DEL_DEV waits for it)."""
+        for v in self._views:
+            if v != ffi.NULL:
+                ffi.release(v)
+        self._views.clear()
 
 
 @dataclass
@@ -525,37 +613,42 @@ def queue_ring_flags() -> int:
 
 
 class PerIoDriver(Driver):
-    """``FETCH_REQ`` / ``COMMIT_AND_FETCH_REQ`` for every tag a worker owns."""
+    """``FETCH_REQ`` / ``COMMIT_AND_FETCH_REQ`` for every tag a worker owns
+    (the commands themselves are built and, for mapped requests, answered in C)."""
 
     def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
-        super().__init__(worker, ring, path)
-        mode = worker.mode
-        fallback = worker.cfg.auto_zc_fallback
-        # (queue, tag, buffer-table index, io addr, sqe addr, handler) per owned tag
-        self.slots: list[tuple[QueueMem, int, int, int, int, Callable[[int, int], None]]] = []
-        for qm, tags in worker.spec.work:
+        super().__init__(worker, ring, path, batch=False)
+        # (queue, local index, tag) per owned tag; its slot is its buffer-table index
+        self.slots: list[tuple[QueueMem, int, int]] = []
+        self.slot_of: list[list[int]] = []
+        for local, (qm, tags) in enumerate(worker.spec.work):
+            self.slot_of.append([-1] * self.depth)
             for tag in tags:
-                index = len(self.slots)
-                sqe_addr = auto_buf_reg(index, fallback) if mode is CopyMode.AUTO_ZC else 0
-                io_addr = qm.addrs[tag] if mode.kernel_buffers else 0
-                self.slots.append((qm, tag, index, io_addr, sqe_addr,
-                                   partial(self._on_cqe, index)))
+                slot = len(self.slots)
+                self.slot_of[local][tag] = slot
+                lib.aur_dp_buf_index(self.dp.c, local, tag, slot)
+                self.slots.append((qm, local, tag))
         self.live = len(self.slots)
         self.dones = [partial(self._answer, slot) for slot in range(len(self.slots))]
-        self.slot_stats = [self.stats[qm.q_id] for qm, *_rest in self.slots]
 
     def arm(self) -> None:
         hook = self.path.arming
-        for qm, tag, _index, io_addr, sqe_addr, handler in self.slots:
+        for qm, local, tag in self.slots:
             if hook is not None:
                 hook(qm.q_id, tag)
-            self.ring.prep_ublk_io(self.char_fd, uapi.IoCmd.FETCH_REQ, qm.q_id, tag, 0,
-                                   io_addr, handler, sqe_addr)
+            self.dp.check(lib.aur_dp_fetch_req(self.dp.c, local, tag), "cannot queue FETCH_REQ")
         # FETCH must reach the kernel before START_DEV; errors come back at once
         self.ring.submit_now()
-        self.ring._reap()
+        self.ring.reap_now()
 
-    def _on_cqe(self, slot: int, res: int, flags: int) -> None:
+    def event(self, kind: int, local: int, tag: int, aux: int, res: int, flags: int) -> None:
+        self._on_cqe(self.slot_of[local][tag], res)
+
+    def retry(self, local: int, tag: int) -> None:
+        self.spawn(self._serve(self.slot_of[local][tag]))
+
+    def _on_cqe(self, slot: int, res: int) -> None:
+        """A tag's command completed and C did not serve what it brought."""
         if res == uapi.IO_RES_OK:
             if self.stopping:
                 # as on the batch path: once the worker is ending, a new
@@ -566,8 +659,7 @@ class PerIoDriver(Driver):
                 if self.live == 0:
                     self.w.finished()
                 return
-            qm, tag = self.slots[slot][:2]
-            self.slot_stats[slot].started += 1
+            qm, _local, tag = self.slots[slot]
             if not self.start(qm, tag, self.dones[slot]):
                 self.spawn(self._serve(slot))
             return
@@ -586,7 +678,7 @@ class PerIoDriver(Driver):
         # committed; re-armed commands go with the rings.
         self.stopping = True
         self.w.device_ending()
-        if self.live == 0 or not self.inflight:
+        if self.live == 0 or not (self.inflight or self.dp.inflight):
             self.w.finished()
 
     def idle(self) -> None:
@@ -594,18 +686,15 @@ class PerIoDriver(Driver):
         self.w.finished()
 
     async def _serve(self, slot: int) -> None:
-        qm, tag, index = self.slots[slot][:3]
+        qm, _local, tag = self.slots[slot]
         try:
-            res = await self.path.serve(qm, tag, index)
+            res = await self.path.serve(qm, tag, slot)
         except BaseException:
             self.answered()
             raise
         self._answer(slot, res)
 
     def _answer(self, slot: int, res: int) -> None:
-        qm, tag, _index, io_addr, sqe_addr, handler = self.slots[slot]
-        if not self.settle(tag):
-            return
-        self.slot_stats[slot].count(res)
-        self.ring.prep_ublk_io(self.char_fd, uapi.IoCmd.COMMIT_AND_FETCH_REQ, qm.q_id, tag,
-                               res, io_addr, handler, sqe_addr)
+        qm, local, tag = self.slots[slot]
+        if self.settle(tag):
+            self.commit(local, tag, res)

@@ -220,8 +220,12 @@ class _Path:
     """A copy path that records what the driver starts (fast path and coroutine)."""
 
     arming = None
+    debug = False
 
-    def __init__(self) -> None:
+    def __init__(self, mode: Any = None) -> None:
+        from aioublk.queue import CopyMode
+
+        self.mode = mode or CopyMode.COPY
         self.started: list[int] = []
 
     def start(self, qm: object, tag: int, done: object) -> bool:
@@ -232,33 +236,50 @@ class _Path:
         return 4096
 
 
-def _driver(ring: Any, path: _Path, batch: bool = True) -> Any:
-    """A driver serving queue 0 (depth 8) of no device: its commands go
-    nowhere, what it starts and commits is what the tests look at."""
+class _NoMap:
+    def map(self) -> None:
+        return None
+
+
+def _driver(ring: Any, path: _Path, batch: bool = True, char_fd: int = -1) -> Any:
+    """A driver serving queue 0 (depth 8) of no device: its commands go to
+    ``char_fd`` (nowhere, or /dev/null, which refuses every one), what it
+    starts and commits is what the tests look at."""
+    import mmap
     from types import SimpleNamespace
 
     import structlog
 
     from aioublk.batch import BatchDriver
     from aioublk.device import DeviceConfig
-    from aioublk.queue import CopyMode, PerIoDriver, WorkerSpec
+    from aioublk.queue import PerIoDriver, WorkerSpec
 
-    qm = SimpleNamespace(q_id=0, addrs=[0x1000 * (t + 1) for t in range(8)])
+    bufs = mmap.mmap(-1, 8 * 4096)
+    qm = SimpleNamespace(q_id=0, addrs=[0x1000 * (t + 1) for t in range(8)],
+                         descs=bytearray(8 * uapi.IO_DESC.size), bufs=bufs)
     worker = SimpleNamespace(
-        cfg=DeviceConfig(depth=8), mode=CopyMode.COPY, char_fd=-1,
-        spec=WorkerSpec(0, [(qm, list(range(8)))], set()),
+        cfg=DeviceConfig(depth=8, max_io_size=4096), mode=path.mode, char_fd=char_fd,
+        target=_NoMap(), spec=WorkerSpec(0, [(qm, list(range(8)))], set()),
         log=structlog.get_logger("test"), device_ending=lambda: None, finished=lambda: None)
     return (BatchDriver if batch else PerIoDriver)(worker, ring, path)
 
 
 def _deliver(driver: Any, tags: list[int]) -> None:
-    """A FETCH_IO_CMDS completion carrying ``tags`` in provided buffer 0."""
-    from aioublk._uring import lib
+    """Fetched requests the data plane leaves to Python (no map)."""
+    from aioublk.dataplane import EV_TAG
 
-    qs = driver.queues[0]
-    struct.pack_into(f"={len(tags)}H", qs.tags_mem, 0, *tags)
-    driver._on_fetch(qs, 2 * len(tags),
-                     lib.IORING_CQE_F_BUFFER | lib.IORING_CQE_F_MORE)
+    for tag in tags:
+        driver.event(EV_TAG, 0, tag, 0, 0, 0)
+
+
+def _pending(driver: Any) -> list[tuple[int, int]]:
+    """(tag, result) of the elements C holds for queue 0's next commit."""
+    from aioublk._uring import ffi, lib
+
+    out = bytearray(8 * 16)
+    n = lib.aur_dp_pending(driver.dp.c, 0, ffi.from_buffer(out), len(out))
+    size = elem_bytes(F_HAS_BUF_ADDR)
+    return [uapi.ELEM_HEADER.unpack_from(out, i)[::2] for i in range(0, n, size)]
 
 
 @pytest.mark.asyncio
@@ -273,22 +294,39 @@ async def test_tags_fetched_after_the_worker_began_stopping_are_not_started() ->
     try:
         path = _Path()
         driver = _driver(ring, path)
-        qs = driver.queues[0]
-        assert driver._provide(qs)
         _deliver(driver, [1, 2])
         assert path.started == [1, 2]
+        driver.ring = _NoFlush(ring)
         await asyncio.sleep(0)  # the two requests run and are answered
-        assert driver.inflight == 0 and len(qs.builder) == 2
-        qs.builder.take()
+        assert driver.inflight == 0 and _pending(driver) == [(1, 4096), (2, 4096)]
+        lib_flush(driver)
 
         await driver.drain()  # the worker begins stopping
         _deliver(driver, [3, 4])
         await asyncio.sleep(0)
         assert path.started == [1, 2], "a tag was started after the worker began stopping"
-        assert driver.inflight == 0 and len(qs.builder) == 0
+        assert driver.inflight == 0 and _pending(driver) == []
     finally:
         ring.close()
-        driver.close()
+
+
+class _NoFlush:
+    """The driver's ring, without the end-of-turn flush: what the driver
+    queued for the kernel stays in C, for the test to look at."""
+
+    def __init__(self, ring: Any) -> None:
+        self._ring = ring
+
+    def request_flush(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ring, name)
+
+
+def lib_flush(driver: Any) -> None:
+    """Drop what C holds for the next commit (sent to char fd -1: refused)."""
+    driver._commit()
 
 
 @pytest.mark.asyncio
@@ -297,18 +335,18 @@ async def test_per_io_requests_arriving_after_the_worker_began_stopping_are_not_
     """The same on the per-I/O path (a detach after a failed QUIESCE_DEV):
     a request the kernel hands a re-armed tag once the worker is stopping
     is left to the kernel."""
-    from aioublk import uapi
+    from aioublk.dataplane import EV_IO
     from aioublk.ring import Ring
 
     ring = Ring(16)
     try:
         path = _Path()
         driver = _driver(ring, path, batch=False)
-        driver._on_cqe(1, uapi.IO_RES_OK, 0)
+        driver.event(EV_IO, 0, 1, 0, uapi.IO_RES_OK, 0)
         await asyncio.sleep(0)
         assert path.started == [1] and driver.inflight == 0
         await driver.drain()
-        driver._on_cqe(2, uapi.IO_RES_OK, 0)
+        driver.event(EV_IO, 0, 2, 0, uapi.IO_RES_OK, 0)
         await asyncio.sleep(0)
         assert path.started == [1], "a request was started after the worker began stopping"
         assert driver.inflight == 0
@@ -336,7 +374,8 @@ async def test_a_request_that_outlives_the_drain_is_not_acknowledged(
     write-back (qcow2 metadata) runs next. A request that finishes after it
     must not be acknowledged, its data may not be in that write-back: it is
     left to the kernel (failed or reissued when /dev/ublkcN closes)."""
-    from aioublk import queue, uapi
+    from aioublk import queue
+    from aioublk.dataplane import EV_IO
     from aioublk.ring import Ring
 
     monkeypatch.setattr(queue, "DRAIN_SECONDS", 0.01)
@@ -345,13 +384,11 @@ async def test_a_request_that_outlives_the_drain_is_not_acknowledged(
         path = _SlowPath()
         driver = _driver(ring, path, batch=batch)
         sent: list[int] = []
+        driver.commit = lambda local, tag, res: sent.append(tag)
         if batch:
-            assert driver._provide(driver.queues[0])
-            driver._add = lambda qs, tag, res: sent.append(tag)
             _deliver(driver, [1])
         else:
-            driver.ring = _RecordingRing(ring, sent)
-            driver._on_cqe(1, uapi.IO_RES_OK, 0)
+            driver.event(EV_IO, 0, 1, 0, uapi.IO_RES_OK, 0)
         await asyncio.sleep(0)
         assert path.started == [1] and driver.inflight == 1
         await driver.drain()  # gives up on tag 1; the final write-back would run now
@@ -362,91 +399,74 @@ async def test_a_request_that_outlives_the_drain_is_not_acknowledged(
         assert sent == [], "a request finished after the drain was acknowledged"
     finally:
         ring.close()
-        driver.close()
 
 
-class _RecordingRing:
-    """The per-I/O driver's ring, recording which tags it commits."""
+@pytest.mark.parametrize("mode", ["copy", "auto_zc", "z"])
+@pytest.mark.asyncio
+async def test_c_commit_elements_match_the_python_model(mode: str) -> None:
+    """The elements C packs for COMMIT_IO_CMDS are byte for byte what
+    ``BatchBuilder`` (the encoding's model, checked against the kernel's
+    layout above) packs for the same answers."""
+    from aioublk._uring import ffi, lib
 
-    def __init__(self, ring: Any, sent: list[int]) -> None:
-        self._ring, self._sent = ring, sent
+    from aioublk.batch import F_AUTO_BUF_REG_FALLBACK
+    from aioublk.queue import CopyMode
+    from aioublk.ring import Ring
 
-    def prep_ublk_io(self, fd: int, op: int, q_id: int, tag: int, *rest: Any) -> None:
-        self._sent.append(tag)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ring, name)
-
-
-def _elements(b: Batch) -> list[tuple[int, int]]:
-    size = elem_bytes(b.flags)
-    return [uapi.ELEM_HEADER.unpack_from(b.data, i * size)[::2] for i in range(b.nr_elem)]
+    cmode = {"copy": CopyMode.COPY, "auto_zc": CopyMode.AUTO_ZC, "z": CopyMode.ZERO_COPY}[mode]
+    ring = Ring(16)
+    try:
+        driver = _driver(ring, _Path(cmode))
+        driver.ring = _NoFlush(ring)
+        answers = [(3, 4096), (0, -errno.EIO), (7, 512), (5, 0)]
+        for tag, res in answers:
+            driver.commit(0, tag, res)
+        out = bytearray(8 * 16)
+        n = lib.aur_dp_pending(driver.dp.c, 0, ffi.from_buffer(out), len(out))
+        flags = F_HAS_BUF_ADDR if cmode is CopyMode.COPY else 0
+        if cmode is CopyMode.AUTO_ZC and driver.w.cfg.auto_zc_fallback:
+            flags |= F_AUTO_BUF_REG_FALLBACK
+        model = BatchBuilder(0, 8, flags)
+        base = ffi.cast("uintptr_t", ffi.from_buffer(driver.queues[0].bufs))
+        for tag, res in answers:
+            model.add(tag, res, buf_addr=int(base) + tag * 4096,
+                      buf_index=tag if cmode is CopyMode.AUTO_ZC else 0)
+        (batch,) = model.take()
+        assert bytes(out[:n]) == bytes(batch.data)
+        lib_flush(driver)
+    finally:
+        ring.close()
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("after_one", [False, True], ids=["first", "second"])
-async def test_a_refused_commit_element_fails_its_request(after_one: bool) -> None:
+async def test_refused_commit_elements_fail_their_requests_then_are_lost() -> None:
     """COMMIT_IO_CMDS stops at the first element it refuses: that request
-    would wait forever, so it is answered again as failed (EIO), once; a
-    refused failure is logged as lost. (The kernel answers with the error of
-    a refused first element, or else with the bytes it processed before.)"""
+    would wait forever, so C answers it again as failed (EIO), once, and
+    sends the rest again; a refused failure is logged as lost. Here every
+    command goes to /dev/null, which refuses each one (EOPNOTSUPP): each
+    answer is refused, failed once, and then lost."""
+    import os
+
     from structlog.testing import capture_logs
 
     from aioublk.ring import Ring
 
+    fd = os.open("/dev/null", os.O_RDWR)
     ring = Ring(16)
     try:
-        driver = _driver(ring, _Path())
-        qs = driver.queues[0]
-        sent: list[list[tuple[int, int]]] = []
-
-        def kernel(op: int, b: Batch, handler: Any) -> None:
-            elements = _elements(b)
-            sent.append(elements)
-            # refuses tag 3 wherever it is, takes every other element
-            tags = [t for t, _r in elements]
-            if 3 not in tags:
-                handler(len(elements) * elem_bytes(b.flags), 0)
-            else:
-                at = tags.index(3)
-                handler(at * elem_bytes(b.flags) if at else -errno.EINVAL, 0)
-
-        driver._send = kernel
-        if after_one:
-            driver._answer(qs, 1, 512)
-        driver._answer(qs, 3, 4096)
-        driver._answer(qs, 5, 1024)
+        driver = _driver(ring, _Path(), char_fd=fd)
         with capture_logs() as logs:
-            for _ in range(3):
-                await asyncio.sleep(0)
-        first = [(1, 512)] if after_one else []
-        assert sent == [[*first, (3, 4096), (5, 1024)], [(5, 1024)], [(3, -errno.EIO)]], sent
-        assert [e["event"] for e in logs] == [
-            "COMMIT_IO_CMDS refused a tag: its request fails",
-            "COMMIT_IO_CMDS refused a tag's failure: its request is lost"], logs
+            driver.commit(0, 3, 4096)
+            driver.commit(0, 5, 1024)
+            for _ in range(20):
+                await asyncio.sleep(0.001)
+        events = [(e["event"], e["tag"]) for e in logs]
+        fails = "COMMIT_IO_CMDS refused a tag: its request fails"
+        lost = "COMMIT_IO_CMDS refused a tag's failure: its request is lost"
+        assert sorted(events) == sorted([(fails, 3), (fails, 5), (lost, 3), (lost, 5)]), events
+        assert [e["result"] for e in logs if e["event"] == lost] == [-errno.EIO] * 2
+        st = driver.stats[0]
+        assert (st.ios, st.bytes, st.errors) == (2, 0, 2)
     finally:
         ring.close()
-        driver.close()
-
-
-@pytest.mark.asyncio
-async def test_a_commit_refused_because_the_device_is_gone_is_not_retried() -> None:
-    from aioublk.ring import Ring
-
-    ring = Ring(16)
-    try:
-        driver = _driver(ring, _Path())
-        sent: list[list[tuple[int, int]]] = []
-
-        def kernel(op: int, b: Batch, handler: Any) -> None:
-            sent.append(_elements(b))
-            handler(-errno.ENODEV, 0)
-
-        driver._send = kernel
-        driver._answer(driver.queues[0], 3, 4096)
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert sent == [[(3, 4096)]]  # (the rest of an aborted queue goes the same way)
-    finally:
-        ring.close()
-        driver.close()
+        os.close(fd)
