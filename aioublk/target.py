@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 
 from aioublk import uapi
+from aioublk.dataplane import Map
 
 
 @dataclass
@@ -175,6 +176,14 @@ class Target:
     async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
         """Store ``buf`` at ``offset`` (durably before returning if ``fua``)."""
         raise OSError(errno.EOPNOTSUPP, "write not supported")
+
+    def map(self) -> Map | None:
+        """Where the device's data lives, for the C data plane (see
+        ``aioublk.dataplane``): READ and non-FUA WRITE requests the map
+        resolves are served in C without reaching ``read``/``write``. Called
+        on each queue's loop before its first request; None (the default):
+        every request comes to the coroutines."""
+        return None
 
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
         """Optional fast path (copy mode): start the read without a coroutine

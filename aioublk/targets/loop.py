@@ -3,6 +3,7 @@ ring. Flush is fdatasync; discard punches a hole."""
 
 from __future__ import annotations
 
+from aioublk.dataplane import Linear, Map
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, Geometry, Target, rw_handler
 from aioublk.targets.backing import Backing, fit_geometry
@@ -17,6 +18,9 @@ class LoopTarget(Target):
         self.geometry = fit_geometry(
             Geometry(size=self.backing.size, volatile_cache=True, read_only=read_only,
                      discard=True, write_zeroes=True), [self.backing])
+
+    def map(self) -> Map:
+        return Linear(self.backing.fd)
 
     async def read(self, offset: int, buf: Buffer) -> None:
         await self.backing.read_full(buf, offset)

@@ -6,6 +6,7 @@ backend I/O, 250 GiB by default.
 
 from __future__ import annotations
 
+from aioublk.dataplane import Map, Null
 from aioublk.target import Buffer, Done, Geometry, Target
 
 
@@ -16,6 +17,9 @@ class NullTarget(Target):
     def __init__(self, size: int = 250 << 30) -> None:
         self.geometry = Geometry(size=size, dma_alignment=4095,
                                  segment=(4095, 32 << 10, 32))
+
+    def map(self) -> Map:
+        return Null()
 
     async def read(self, offset: int, buf: Buffer) -> None:
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
+from aioublk.dataplane import Map, Striped
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, gather_all, rw_handler
 from aioublk.targets.backing import Backing, BackingError, fit_geometry
@@ -63,6 +64,9 @@ class StripeTarget(Target):
             raise
         self.geometry = fit_geometry(Geometry(size=sizes[0] * len(self.files),
                                               volatile_cache=True), self.files)
+
+    def map(self) -> Map:
+        return Striped([b.fd for b in self.files], self.chunk)
 
     async def _rw(self, offset: int, buf: Buffer, write: bool) -> None:
         try:
