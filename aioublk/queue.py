@@ -340,7 +340,10 @@ class Driver:
         self._views: list[Any] = []  # the C side's views of the queues' memory
         for local, (qm, _tags) in enumerate(work):
             descs = ffi.from_buffer(qm.descs)
-            bufs = ffi.NULL if qm.bufs is None else ffi.from_buffer(qm.bufs)
+            # the kernel's buffer address for each tag (copy mode; with -u the
+            # buffers are ours alone, and the kernel refuses an address)
+            kernel_bufs = qm.bufs is not None and path.mode.kernel_buffers
+            bufs = ffi.from_buffer(qm.bufs) if kernel_bufs else ffi.NULL
             self._views += [descs, bufs]
             lib.aur_dp_queue(self.dp.c, local, qm.q_id, descs, bufs, self.dp.counts + local)
         self.stats = {qm.q_id: QueueStats(self.dp.counts[local])
