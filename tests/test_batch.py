@@ -408,7 +408,6 @@ async def test_c_commit_elements_match_the_python_model(mode: str) -> None:
     ``BatchBuilder`` (the encoding's model, checked against the kernel's
     layout above) packs for the same answers."""
     from aioublk._uring import ffi, lib
-
     from aioublk.batch import F_AUTO_BUF_REG_FALLBACK
     from aioublk.queue import CopyMode
     from aioublk.ring import Ring
