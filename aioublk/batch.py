@@ -43,16 +43,13 @@ import errno
 import struct
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
 from aioublk import uapi
 from aioublk._uring import lib
 from aioublk.dataplane import EV_COMMIT, EV_FETCH, EV_TAG
-from aioublk.queue import CopyMode, Driver, IoPath
+from aioublk.driver import Driver, IoPath, Serving
+from aioublk.options import CopyMode
 from aioublk.ring import Ring, buffer_address
-
-if TYPE_CHECKING:
-    from aioublk.queue import Worker
 
 F_HAS_ZONE_LBA = 1 << 0
 F_HAS_BUF_ADDR = 1 << 1
@@ -164,7 +161,7 @@ class BatchDriver(Driver):
 
     FETCHES = 2
 
-    def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
+    def __init__(self, worker: Serving, ring: Ring, path: IoPath) -> None:
         super().__init__(worker, ring, path, batch=True)
         cfg = worker.cfg
         self.mode = worker.mode
