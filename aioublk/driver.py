@@ -26,6 +26,7 @@ import structlog
 from aioublk import logs, uapi
 from aioublk._uring import ffi, lib
 from aioublk.dataplane import EV_IDLE, EV_LOST, EV_RETRY, decode
+from aioublk.lifecycle import Action, Event, Lifecycle, State, Table
 from aioublk.options import CopyMode, DeviceConfig
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import Buffer, Done, FixedBuf, Target
@@ -33,6 +34,8 @@ from aioublk.target import Buffer, Done, FixedBuf, Target
 log = structlog.get_logger("aioublk.queue")
 #: how long a stopping worker waits for the requests it holds to finish
 DRAIN_SECONDS = 5.0
+#: how long a batch worker the kernel aborted waits for its fetches to end
+GRACE_SECONDS = 2.0
 
 _READ, _WRITE, _FLUSH, _DISCARD, _WRITE_ZEROES = (
     uapi.Op.READ, uapi.Op.WRITE, uapi.Op.FLUSH, uapi.Op.DISCARD, uapi.Op.WRITE_ZEROES)
@@ -267,7 +270,8 @@ class Driver:
     """What the per-I/O and batch drivers share: a worker's ring, its data
     plane and copy path, and the requests Python serves (one task each)."""
 
-    def __init__(self, worker: Serving, ring: Ring, path: IoPath, *, batch: bool) -> None:
+    def __init__(self, worker: Serving, ring: Ring, path: IoPath, table: Table, *,
+                 batch: bool) -> None:
         self.w = worker
         self.ring = ring
         self.path = path
@@ -303,23 +307,36 @@ class Driver:
             self.w.log.debug("data plane off: every request is served in Python")
         else:
             self.dp.set_map(worker.target.map())
-        #: ending (the kernel aborted a command, or a detach began): serve what
-        #: is held, start nothing new, then end
-        self._stopping = False
-        #: drain has returned: the target's final write-back may have run, so
-        #: a request still finishing must not be acknowledged (see settle)
-        self.sealed = False
+        #: live, stopping, drained, sealed: see lifecycle.py
+        self.life = Lifecycle(table)
         self._drained: asyncio.Future[None] | None = None
         self.loop = asyncio.get_running_loop()
 
     @property
     def stopping(self) -> bool:
-        return self._stopping
+        """Ending (the kernel aborted a command, or a detach began): serve
+        what is held, start nothing new, then end."""
+        return self.life.stopping
 
-    @stopping.setter
-    def stopping(self, value: bool) -> None:
-        self._stopping = value
-        self.dp.set_stopping(value)
+    def fire(self, event: Event) -> tuple[Action, ...]:
+        """Move the lifecycle on by ``event`` and carry out the actions that
+        need no request (the caller does those that do: re-arm a fetch)."""
+        actions = self.life.fire(event)
+        for a in actions:
+            if a is Action.SET_STOPPING:
+                self.dp.set_stopping(True)
+            elif a is Action.TELL_SIBLINGS:
+                self.w.device_ending()
+            elif a is Action.START_GRACE:
+                self.loop.call_later(GRACE_SECONDS, self.fire, Event.GRACE_FIRED)
+            elif a is Action.RESOLVE_DRAINED:
+                if self._drained is not None and not self._drained.done():
+                    self._drained.set_result(None)
+            elif a is Action.FINISH:
+                self.w.finished()
+            elif a is Action.SEAL:
+                self.dp.set_sealed()
+        return actions
 
     def arm(self) -> None:
         """Queue the commands that must reach the kernel before START_DEV."""
@@ -331,8 +348,8 @@ class Driver:
         if kind == EV_RETRY:
             self.retry(local, tag)
         elif kind == EV_IDLE:
-            if not self.inflight and self.stopping:
-                self.idle()
+            if not self.inflight:
+                self.fire(Event.LAST_ANSWERED)
         elif kind == EV_LOST:
             self.w.log.warning("request finished after the final write-back: left to the "
                                "kernel", tag=tag)
@@ -367,8 +384,8 @@ class Driver:
 
     def answered(self) -> None:
         self.inflight -= 1
-        if not self.inflight and self.stopping and not self.dp.inflight:
-            self.idle()
+        if not self.inflight and self.life.stopping and not self.dp.inflight:
+            self.fire(Event.LAST_ANSWERED)
 
     def settle(self, tag: int) -> bool:
         """A request is done: whether its answer may go to the kernel. Not once
@@ -376,7 +393,7 @@ class Driver:
         write-back could lose its data, so the kernel fails or reissues it
         when /dev/ublkcN closes."""
         self.answered()
-        if self.sealed:
+        if not self.life.commits:  # (sealed)
             self.w.log.warning("request finished after the final write-back: left to the "
                                "kernel", tag=tag)
             return False
@@ -389,23 +406,20 @@ class Driver:
             self.w.log.error("cannot queue a request's answer", tag=tag, error=ret)
         self.ring.request_flush()
 
-    def idle(self) -> None:
-        """Nothing is in flight any more, and the device is going away."""
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
-
     async def drain(self) -> None:
         """Let the requests in flight finish (bounded) after the device stopped."""
-        self.stopping = True
-        if self.inflight or self.dp.inflight:
+        self.fire(Event.DETACH)
+        if not (self.inflight or self.dp.inflight):
+            self.fire(Event.LAST_ANSWERED)
+        if self.life.state is State.STOPPING:
             self._drained = self.loop.create_future()
             try:
                 await asyncio.wait_for(self._drained, DRAIN_SECONDS)
             except TimeoutError:
                 self.w.log.warning("requests still in flight at stop",
                                    n=self.inflight + self.dp.inflight)
-        self.sealed = True
-        self.dp.set_sealed()
+                self.fire(Event.DRAIN_TIMEOUT)
+        self.fire(Event.DRAIN_END)
 
     def close(self) -> None:
         """Release what outlives the ring (called after the ring is closed):

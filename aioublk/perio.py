@@ -22,6 +22,7 @@ from functools import partial
 from aioublk import uapi
 from aioublk._uring import lib
 from aioublk.driver import Driver, IoPath, QueueMem, Serving
+from aioublk.lifecycle import PER_IO, Event
 from aioublk.ring import Ring
 
 
@@ -30,7 +31,7 @@ class PerIoDriver(Driver):
     (the commands themselves are built and, for mapped requests, answered in C)."""
 
     def __init__(self, worker: Serving, ring: Ring, path: IoPath) -> None:
-        super().__init__(worker, ring, path, batch=False)
+        super().__init__(worker, ring, path, PER_IO, batch=False)
         # (queue, local index, tag) per owned tag; its slot is its buffer-table index
         self.slots: list[tuple[QueueMem, int, int]] = []
         self.slot_of: list[list[int]] = []
@@ -63,14 +64,14 @@ class PerIoDriver(Driver):
     def _on_cqe(self, slot: int, res: int) -> None:
         """A tag's command completed and C did not serve what it brought."""
         if res == uapi.IO_RES_OK:
-            if self.stopping:
+            if not self.life.starts:
                 # as on the batch path: once the worker is ending, a new
                 # request is the kernel's to reissue or fail (the tag is
                 # not re-armed)
                 self.w.log.info("request left to the kernel at stop", slot=slot)
                 self.live -= 1
                 if self.live == 0:
-                    self.w.finished()
+                    self.fire(Event.NOTHING_ARMED)
                 return
             qm, _local, tag = self.slots[slot]
             if not self.start(qm, tag, self.dones[slot]):
@@ -83,20 +84,17 @@ class PerIoDriver(Driver):
             if not self.failed:
                 self.failed = res
             if self.live == 0:
-                self.w.finished()
+                self.fire(Event.NOTHING_ARMED)
             return
         # Aborted. On STOP_DEV every tag is aborted once nothing is in flight;
         # on QUIESCE_DEV only the idle ones are (maybe none of this worker's):
         # every worker of the device ends once the requests it holds are
         # committed; re-armed commands go with the rings.
-        self.stopping = True
-        self.w.device_ending()
-        if self.live == 0 or not (self.inflight or self.dp.inflight):
-            self.w.finished()
-
-    def idle(self) -> None:
-        super().idle()
-        self.w.finished()
+        self.fire(Event.ABORT)
+        if self.live == 0:
+            self.fire(Event.NOTHING_ARMED)
+        elif not (self.inflight or self.dp.inflight):
+            self.fire(Event.LAST_ANSWERED)
 
     async def _serve(self, slot: int) -> None:
         qm, _local, tag = self.slots[slot]

@@ -27,7 +27,7 @@ LAYERS: list[list[str]] = [
     ["aioublk.target"],
     ["aioublk.qcow2"],
     ["aioublk.targets"],
-    ["aioublk.options"],
+    ["aioublk.options", "aioublk.lifecycle"],
     ["aioublk.driver"],
     ["aioublk.perio", "aioublk.batch"],
     ["aioublk.worker"],
