@@ -10,10 +10,12 @@
  * see: its own CQEs, requests the map does not take, failures.
  *
  * What C serves: READ and WRITE without FUA, in copy mode (data in the tag's
- * buffer) and with automatic buffer registration (fixed-buffer I/O on the
- * slot the kernel registered). Everything else (flush, discard, zeroes, FUA,
- * the -z and -u modes, a map miss, a stopping worker) goes to Python as it
- * arrived. A backend result that is not the full piece (short, EINVAL from
+ * buffer), with automatic buffer registration (fixed-buffer I/O on the slot
+ * the kernel registered) and in -z mode (a hard-linked chain: register the
+ * request's pages, the fixed-buffer pieces, unregister; the request is done
+ * when the unregister is, so the commit never overtakes it). Everything
+ * else (flush, discard, zeroes, FUA, the -u mode, a map miss, a stopping
+ * worker) goes to Python as it arrived. A backend result that is not the full piece (short, EINVAL from
  * O_DIRECT, EAGAIN, an error) sends the whole request to Python once every
  * piece of it has completed: C never answers anything but full success, and
  * a buffer is never handed back while a piece may still write it.
@@ -39,6 +41,7 @@
 /* kinds of our own operations (EV_IO and EV_FETCH are also kinds) */
 #define DP_K_RW 2
 #define DP_K_COMMIT 4
+#define DP_K_REG 5     /* -z: (un)registering a request's pages (aux 1: register) */
 
 #define DP_MAX_PIECES 64
 
@@ -488,6 +491,21 @@ static void dp_release(struct aur_dp *dp, struct dp_tag *t)
     }
 }
 
+/* -z: (un)register the request's pages at its buffer-table slot, hard-linked
+   to what follows, counted as one more piece. */
+static int dp_zc_link(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
+                      int reg)
+{
+    int ret = aur_prep_ublk_io(dp->r, dp->s.char_fd,
+                               reg ? dp->s.op_register_buf : dp->s.op_unregister_buf,
+                               dp->q[local].q_id, tag, 0, t->buf_index, 0,
+                               reg ? IOSQE_IO_HARDLINK : 0, DP_UD(DP_K_REG, local, tag, reg));
+
+    if (ret == 0)
+        t->pending++;
+    return ret;
+}
+
 /* A fetched request: 1 if C serves it, 0 if it is Python's. */
 static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
@@ -521,11 +539,21 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
         return 0;
     dp->inflight++;
     t->served = 1;
+    if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 1) < 0) {
+        dp_release(dp, t);
+        dp->inflight--;
+        t->served = 0;
+        return 0;
+    }
     for (i = 0; i < n; i++) {
         uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
         int ret;
 
-        if (dp->s.mode == AUR_DP_AUTO_ZC)
+        if (dp->s.mode == AUR_DP_ZERO_COPY)
+            ret = aur_prep(dp->r, write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED,
+                           p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0, t->buf_index,
+                           IOSQE_IO_HARDLINK, ud);
+        else if (dp->s.mode == AUR_DP_AUTO_ZC)
             ret = aur_prep(dp->r, write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED,
                            p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0, t->buf_index,
                            0, ud);
@@ -540,6 +568,9 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
         }
         t->pending++;
     }
+    /* the chain's last link; it runs whatever became of the pieces */
+    if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 0) < 0 && !t->bad)
+        t->bad = -EBUSY;
     if (!t->pending) {  /* nothing queued: Python serves it from the start */
         dp_release(dp, t);
         dp->inflight--;
@@ -555,8 +586,12 @@ static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
     uint16_t tag = DP_TAG(ud);
     struct dp_tag *t = dp_tag(dp, local, tag);
 
-    if (res != (int32_t)(DP_AUX(ud) << 9) && !t->bad)
+    if (DP_KIND(ud) == DP_K_REG) {
+        if (DP_AUX(ud) && res < 0 && !t->bad)  /* (an unregister's result changes nothing) */
+            t->bad = res;
+    } else if (res != (int32_t)(DP_AUX(ud) << 9) && !t->bad) {
         t->bad = res < 0 ? res : -EIO;
+    }
     if (--t->pending)
         return;
     dp_release(dp, t);
@@ -650,6 +685,7 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
     }
     switch (DP_KIND(ud)) {
     case DP_K_RW:
+    case DP_K_REG:
         dp_rw_done(dp, o, ud, cqe->res);
         return;
     case AUR_DP_EV_IO:

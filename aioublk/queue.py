@@ -121,9 +121,10 @@ class CopyMode(enum.Enum):
     @property
     def data_plane(self) -> int:
         """How the C data plane serves in this mode (``AUR_DP_*``): in the tag's
-        buffer, with fixed-buffer I/O on the kernel's registration, or not at all."""
-        return int({CopyMode.COPY: lib.AUR_DP_COPY,
-                    CopyMode.AUTO_ZC: lib.AUR_DP_AUTO_ZC}.get(self, lib.AUR_DP_OTHER))
+        buffer, with fixed-buffer I/O on the kernel's registration or on its
+        own (-z), or not at all (-u)."""
+        return int({CopyMode.COPY: lib.AUR_DP_COPY, CopyMode.AUTO_ZC: lib.AUR_DP_AUTO_ZC,
+                    CopyMode.ZERO_COPY: lib.AUR_DP_ZERO_COPY}.get(self, lib.AUR_DP_OTHER))
 
 
 class QueueMem:
@@ -334,6 +335,8 @@ class Driver:
             "op_commit_and_fetch": uapi.IoCmd.COMMIT_AND_FETCH_REQ,
             "op_fetch_io_cmds": uapi.IoCmd.FETCH_IO_CMDS,
             "op_commit_io_cmds": uapi.IoCmd.COMMIT_IO_CMDS,
+            "op_register_buf": uapi.IoCmd.REGISTER_IO_BUF,
+            "op_unregister_buf": uapi.IoCmd.UNREGISTER_IO_BUF,
             "fetch_buf_bytes": cfg.fetch_buf_bytes or 2 * min(cfg.depth, 128),
             "fetch_buf_entries": cfg.fetch_buf_entries or 8,
         }, len(work), self._on_event)
