@@ -29,6 +29,8 @@
  * thread may read them while the worker closes.
  */
 
+#include <time.h>
+
 #define DP_BIT (1ULL << 63)
 #define DP_UD(kind, local, tag, aux) \
     (DP_BIT | ((uint64_t)(kind) << 56) | ((uint64_t)(local) << 40) | \
@@ -102,6 +104,7 @@ struct aur_dp {
     unsigned ext_shift;
     int stopping, sealed;
     unsigned inflight;
+    unsigned served;        /* requests C took, ever (wraps) */
     struct dp_queue q[];
 };
 
@@ -529,6 +532,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     t->nr_ids = 0;
     t->pending = 0;
     if (dp->map == AUR_MAP_NULL) {
+        dp->served++;
         dp->inflight++;
         t->served = 1;
         dp_complete(dp, o, local, tag, (int32_t)len);
@@ -537,6 +541,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     n = dp_resolve(dp, t, off, len, write, p);
     if (!n)
         return 0;
+    dp->served++;
     dp->inflight++;
     t->served = 1;
     if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 1) < 0) {
@@ -706,40 +711,81 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
     dp_emit(o, ud, cqe->res, cqe->flags);
 }
 
-/*
- * Rounds of reap, serve, submit while C alone has work; back to Python as
- * soon as it has some (or after a few rounds, so its loop keeps turning).
- * Whatever stays in the CQ signals the eventfd again: no completion waits
- * for a wake-up that already happened.
- */
-unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
+/* One pass: reap what the CQ holds, serve, commit, submit; a few rounds
+   while C alone has work. */
+static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full)
 {
     struct io_uring *ring = &dp->r->ring;
-    struct dp_out o = { out, 0 };
     struct io_uring_cqe *cqe;
     unsigned head, seen, rounds;
-    int full = 0;
 
-    for (rounds = 0; rounds < 8 && !full; rounds++) {
+    for (rounds = 0; rounds < 8 && !*full; rounds++) {
         seen = 0;
         io_uring_for_each_cqe(ring, head, cqe) {
-            if (max - o.n < dp->room) {
-                full = 1;
+            if (max - o->n < dp->room) {
+                *full = 1;
                 break;
             }
-            dp_cqe(dp, &o, cqe);
+            dp_cqe(dp, o, cqe);
             seen++;
         }
         io_uring_cq_advance(ring, seen);
-        if (!full && io_uring_cq_has_overflow(ring)) {
+        if (!*full && io_uring_cq_has_overflow(ring)) {
             io_uring_get_events(ring);
             continue;
         }
         aur_dp_flush(dp);
         if (io_uring_sq_ready(ring))
             io_uring_submit(ring);
-        if (!seen || o.n)
+        if (!seen || o->n)
             break;
+    }
+}
+
+static uint64_t dp_now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/*
+ * Back to Python as soon as it has work. While C alone has work and has
+ * served something in this call, it waits in the kernel (the GIL released, the
+ * thread asleep) up to poll_us for the next completion instead of going back
+ * through the loop's epoll and a Python callback: at queue depth 1 that
+ * round trip is most of a request's time. Python gets its loop back after
+ * poll_us without traffic, and at least every POLL_BUDGET_NS.
+ *
+ * Whatever stays in the CQ signals the eventfd again: no completion waits
+ * for a wake-up that already happened.
+ */
+#define POLL_BUDGET_NS 4000000ULL
+
+unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
+{
+    struct io_uring *ring = &dp->r->ring;
+    struct dp_out o = { out, 0 };
+    struct io_uring_cqe *cqe;
+    uint64_t start = 0;
+    unsigned served = dp->served;
+    int full = 0;
+
+    for (;;) {
+        dp_pass(dp, &o, max, &full);
+        if (o.n || full || !dp->s.poll_us || dp->served == served)
+            break;
+        if (!start)
+            start = dp_now_ns();
+        else if (dp_now_ns() - start > POLL_BUDGET_NS)
+            break;
+        {
+            struct __kernel_timespec ts = { 0, (long long)dp->s.poll_us * 1000 };
+
+            if (io_uring_wait_cqe_timeout(ring, &cqe, &ts) < 0)
+                break;
+        }
     }
     if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring)) {
         uint64_t one = 1;

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("aioublk.queue")
 #: how long a stopping worker waits for the requests it holds to finish
 DRAIN_SECONDS = 5.0
+#: how long the data plane waits in C for the next completion, while it alone
+#: has work, before the queue's loop gets its turn (see _dataplane.c)
+POLL_US = 1000
 
 _READ, _WRITE, _FLUSH, _DISCARD, _WRITE_ZEROES = (
     uapi.Op.READ, uapi.Op.WRITE, uapi.Op.FLUSH, uapi.Op.DISCARD, uapi.Op.WRITE_ZEROES)
@@ -338,7 +341,7 @@ class Driver:
             "op_register_buf": uapi.IoCmd.REGISTER_IO_BUF,
             "op_unregister_buf": uapi.IoCmd.UNREGISTER_IO_BUF,
             "fetch_buf_bytes": cfg.fetch_buf_bytes or 2 * min(cfg.depth, 128),
-            "fetch_buf_entries": cfg.fetch_buf_entries or 8,
+            "fetch_buf_entries": cfg.fetch_buf_entries or 8, "poll_us": POLL_US,
         }, len(work), self._on_event)
         self._views: list[Any] = []  # the C side's views of the queues' memory
         for local, (qm, _tags) in enumerate(work):
