@@ -10,10 +10,12 @@
  * see: its own CQEs, requests the map does not take, failures.
  *
  * What C serves: READ and WRITE without FUA, in copy mode (data in the tag's
- * buffer) and with automatic buffer registration (fixed-buffer I/O on the
- * slot the kernel registered). Everything else (flush, discard, zeroes, FUA,
- * the -z and -u modes, a map miss, a stopping worker) goes to Python as it
- * arrived. A backend result that is not the full piece (short, EINVAL from
+ * buffer), with automatic buffer registration (fixed-buffer I/O on the slot
+ * the kernel registered) and in -z mode (a hard-linked chain: register the
+ * request's pages, the fixed-buffer pieces, unregister; the request is done
+ * when the unregister is, so the commit never overtakes it). Everything
+ * else (flush, discard, zeroes, FUA, the -u mode, a map miss, a stopping
+ * worker) goes to Python as it arrived. A backend result that is not the full piece (short, EINVAL from
  * O_DIRECT, EAGAIN, an error) sends the whole request to Python once every
  * piece of it has completed: C never answers anything but full success, and
  * a buffer is never handed back while a piece may still write it.
@@ -27,6 +29,8 @@
  * thread may read them while the worker closes.
  */
 
+#include <time.h>
+
 #define DP_BIT (1ULL << 63)
 #define DP_UD(kind, local, tag, aux) \
     (DP_BIT | ((uint64_t)(kind) << 56) | ((uint64_t)(local) << 40) | \
@@ -39,6 +43,7 @@
 /* kinds of our own operations (EV_IO and EV_FETCH are also kinds) */
 #define DP_K_RW 2
 #define DP_K_COMMIT 4
+#define DP_K_REG 5     /* -z: (un)registering a request's pages (aux 1: register) */
 
 #define DP_MAX_PIECES 64
 
@@ -99,6 +104,7 @@ struct aur_dp {
     unsigned ext_shift;
     int stopping, sealed;
     unsigned inflight;
+    unsigned served;        /* requests C took, ever (wraps) */
     struct dp_queue q[];
 };
 
@@ -488,6 +494,21 @@ static void dp_release(struct aur_dp *dp, struct dp_tag *t)
     }
 }
 
+/* -z: (un)register the request's pages at its buffer-table slot, hard-linked
+   to what follows, counted as one more piece. */
+static int dp_zc_link(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
+                      int reg)
+{
+    int ret = aur_prep_ublk_io(dp->r, dp->s.char_fd,
+                               reg ? dp->s.op_register_buf : dp->s.op_unregister_buf,
+                               dp->q[local].q_id, tag, 0, t->buf_index, 0,
+                               reg ? IOSQE_IO_HARDLINK : 0, DP_UD(DP_K_REG, local, tag, reg));
+
+    if (ret == 0)
+        t->pending++;
+    return ret;
+}
+
 /* A fetched request: 1 if C serves it, 0 if it is Python's. */
 static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
@@ -511,6 +532,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     t->nr_ids = 0;
     t->pending = 0;
     if (dp->map == AUR_MAP_NULL) {
+        dp->served++;
         dp->inflight++;
         t->served = 1;
         dp_complete(dp, o, local, tag, (int32_t)len);
@@ -519,13 +541,24 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     n = dp_resolve(dp, t, off, len, write, p);
     if (!n)
         return 0;
+    dp->served++;
     dp->inflight++;
     t->served = 1;
+    if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 1) < 0) {
+        dp_release(dp, t);
+        dp->inflight--;
+        t->served = 0;
+        return 0;
+    }
     for (i = 0; i < n; i++) {
         uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
         int ret;
 
-        if (dp->s.mode == AUR_DP_AUTO_ZC)
+        if (dp->s.mode == AUR_DP_ZERO_COPY)
+            ret = aur_prep(dp->r, write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED,
+                           p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0, t->buf_index,
+                           IOSQE_IO_HARDLINK, ud);
+        else if (dp->s.mode == AUR_DP_AUTO_ZC)
             ret = aur_prep(dp->r, write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED,
                            p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0, t->buf_index,
                            0, ud);
@@ -540,6 +573,9 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
         }
         t->pending++;
     }
+    /* the chain's last link; it runs whatever became of the pieces */
+    if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 0) < 0 && !t->bad)
+        t->bad = -EBUSY;
     if (!t->pending) {  /* nothing queued: Python serves it from the start */
         dp_release(dp, t);
         dp->inflight--;
@@ -555,8 +591,12 @@ static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
     uint16_t tag = DP_TAG(ud);
     struct dp_tag *t = dp_tag(dp, local, tag);
 
-    if (res != (int32_t)(DP_AUX(ud) << 9) && !t->bad)
+    if (DP_KIND(ud) == DP_K_REG) {
+        if (DP_AUX(ud) && res < 0 && !t->bad)  /* (an unregister's result changes nothing) */
+            t->bad = res;
+    } else if (res != (int32_t)(DP_AUX(ud) << 9) && !t->bad) {
         t->bad = res < 0 ? res : -EIO;
+    }
     if (--t->pending)
         return;
     dp_release(dp, t);
@@ -650,6 +690,7 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
     }
     switch (DP_KIND(ud)) {
     case DP_K_RW:
+    case DP_K_REG:
         dp_rw_done(dp, o, ud, cqe->res);
         return;
     case AUR_DP_EV_IO:
@@ -670,40 +711,81 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
     dp_emit(o, ud, cqe->res, cqe->flags);
 }
 
-/*
- * Rounds of reap, serve, submit while C alone has work; back to Python as
- * soon as it has some (or after a few rounds, so its loop keeps turning).
- * Whatever stays in the CQ signals the eventfd again: no completion waits
- * for a wake-up that already happened.
- */
-unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
+/* One pass: reap what the CQ holds, serve, commit, submit; a few rounds
+   while C alone has work. */
+static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full)
 {
     struct io_uring *ring = &dp->r->ring;
-    struct dp_out o = { out, 0 };
     struct io_uring_cqe *cqe;
     unsigned head, seen, rounds;
-    int full = 0;
 
-    for (rounds = 0; rounds < 8 && !full; rounds++) {
+    for (rounds = 0; rounds < 8 && !*full; rounds++) {
         seen = 0;
         io_uring_for_each_cqe(ring, head, cqe) {
-            if (max - o.n < dp->room) {
-                full = 1;
+            if (max - o->n < dp->room) {
+                *full = 1;
                 break;
             }
-            dp_cqe(dp, &o, cqe);
+            dp_cqe(dp, o, cqe);
             seen++;
         }
         io_uring_cq_advance(ring, seen);
-        if (!full && io_uring_cq_has_overflow(ring)) {
+        if (!*full && io_uring_cq_has_overflow(ring)) {
             io_uring_get_events(ring);
             continue;
         }
         aur_dp_flush(dp);
         if (io_uring_sq_ready(ring))
             io_uring_submit(ring);
-        if (!seen || o.n)
+        if (!seen || o->n)
             break;
+    }
+}
+
+static uint64_t dp_now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/*
+ * Back to Python as soon as it has work. While C alone has work and has
+ * served something in this call, it waits in the kernel (the GIL released, the
+ * thread asleep) up to poll_us for the next completion instead of going back
+ * through the loop's epoll and a Python callback: at queue depth 1 that
+ * round trip is most of a request's time. Python gets its loop back after
+ * poll_us without traffic, and at least every POLL_BUDGET_NS.
+ *
+ * Whatever stays in the CQ signals the eventfd again: no completion waits
+ * for a wake-up that already happened.
+ */
+#define POLL_BUDGET_NS 4000000ULL
+
+unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
+{
+    struct io_uring *ring = &dp->r->ring;
+    struct dp_out o = { out, 0 };
+    struct io_uring_cqe *cqe;
+    uint64_t start = 0;
+    unsigned served = dp->served;
+    int full = 0;
+
+    for (;;) {
+        dp_pass(dp, &o, max, &full);
+        if (o.n || full || !dp->s.poll_us || dp->served == served)
+            break;
+        if (!start)
+            start = dp_now_ns();
+        else if (dp_now_ns() - start > POLL_BUDGET_NS)
+            break;
+        {
+            struct __kernel_timespec ts = { 0, (long long)dp->s.poll_us * 1000 };
+
+            if (io_uring_wait_cqe_timeout(ring, &cqe, &ts) < 0)
+                break;
+        }
     }
     if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring)) {
         uint64_t one = 1;

@@ -21,6 +21,7 @@
 #define AUR_DP_COPY 0
 #define AUR_DP_AUTO_ZC 1
 #define AUR_DP_OTHER 2
+#define AUR_DP_ZERO_COPY 3    /* register the request's pages around its I/O */
 
 struct aur_dp;
 
@@ -33,7 +34,9 @@ struct aur_dp_setup {
     unsigned depth;
     uint32_t max_io;
     uint32_t op_fetch_req, op_commit_and_fetch, op_fetch_io_cmds, op_commit_io_cmds;
+    uint32_t op_register_buf, op_unregister_buf;
     unsigned fetch_buf_bytes, fetch_buf_entries;
+    unsigned poll_us;       /* wait this long in C for more work before Python's turn */
 };
 
 struct aur_dp_counts { uint64_t started, ios, bytes, errors; };

@@ -60,6 +60,7 @@ class _Lib:
     AUR_DP_COPY: int
     AUR_DP_AUTO_ZC: int
     AUR_DP_OTHER: int
+    AUR_DP_ZERO_COPY: int
 
     # functions
     def aur_init(self, r: Any, entries: int, cq_entries: int, flags: int, /) -> int: ...

@@ -21,8 +21,8 @@ coroutine path serves again from the start. So a map is an accelerator,
 never the contract: a target must still serve everything through
 ``read``/``write``.
 
-C serves the default copy mode and ``--auto_zc``; the ``-z`` and ``-u``
-modes, and ``-v`` (which logs every request), keep every request in Python.
+C serves the default copy mode, ``--auto_zc`` and ``-z``; the ``-u`` mode
+and ``-v`` (which logs every request) keep every request in Python.
 """
 
 from __future__ import annotations

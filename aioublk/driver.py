@@ -34,6 +34,9 @@ from aioublk.target import Buffer, Done, FixedBuf, Target
 log = structlog.get_logger("aioublk.queue")
 #: how long a stopping worker waits for the requests it holds to finish
 DRAIN_SECONDS = 5.0
+#: how long the data plane waits in C for the next completion, while it alone
+#: has work, before the queue's loop gets its turn (see _dataplane.c)
+POLL_US = 1000
 #: how long a batch worker the kernel aborted waits for its fetches to end
 GRACE_SECONDS = 2.0
 
@@ -289,8 +292,10 @@ class Driver:
             "op_commit_and_fetch": uapi.IoCmd.COMMIT_AND_FETCH_REQ,
             "op_fetch_io_cmds": uapi.IoCmd.FETCH_IO_CMDS,
             "op_commit_io_cmds": uapi.IoCmd.COMMIT_IO_CMDS,
+            "op_register_buf": uapi.IoCmd.REGISTER_IO_BUF,
+            "op_unregister_buf": uapi.IoCmd.UNREGISTER_IO_BUF,
             "fetch_buf_bytes": cfg.fetch_buf_bytes or 2 * min(cfg.depth, 128),
-            "fetch_buf_entries": cfg.fetch_buf_entries or 8,
+            "fetch_buf_entries": cfg.fetch_buf_entries or 8, "poll_us": POLL_US,
         }, len(work), self._on_event)
         self._views: list[Any] = []  # the C side's views of the queues' memory
         for local, (qm, _tags) in enumerate(work):

@@ -56,9 +56,10 @@ class CopyMode(enum.Enum):
     @property
     def data_plane(self) -> int:
         """How the C data plane serves in this mode (``AUR_DP_*``): in the tag's
-        buffer, with fixed-buffer I/O on the kernel's registration, or not at all."""
-        return int({CopyMode.COPY: lib.AUR_DP_COPY,
-                    CopyMode.AUTO_ZC: lib.AUR_DP_AUTO_ZC}.get(self, lib.AUR_DP_OTHER))
+        buffer, with fixed-buffer I/O on the kernel's registration or on its
+        own (-z), or not at all (-u)."""
+        return int({CopyMode.COPY: lib.AUR_DP_COPY, CopyMode.AUTO_ZC: lib.AUR_DP_AUTO_ZC,
+                    CopyMode.ZERO_COPY: lib.AUR_DP_ZERO_COPY}.get(self, lib.AUR_DP_OTHER))
 
 
 

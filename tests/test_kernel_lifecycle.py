@@ -387,11 +387,12 @@ def test_list_stats_update_size_and_safe_stop(tmp_path: Path,
     assert code == 1 and "logical block size (512)" in err, err
 
     # dd keeps the disk open while it reads (the null device is 125 GiB now)
+    before = reads_done(dev.dev_id)
     dd = subprocess.Popen(["dd", f"if={path}", "of=/dev/null", "bs=64k", "iflag=direct"],
                           stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
-        while reads_done(dev.dev_id) == 0:
+        while reads_done(dev.dev_id) <= before:  # dd has the disk open
             assert time.monotonic() < deadline
             time.sleep(0.05)
         code, out, err = in_process("stop", "-n", str(dev.dev_id), "--safe", capsys=capsys)
