@@ -1,8 +1,9 @@
 """aioublk: Linux ublk block-device servers written as asyncio coroutines."""
 
 from aioublk.dataplane import Extents, Linear, Map, Null, Striped
-from aioublk.device import Control, Device, DeviceConfig, UblkError
+from aioublk.device import Control, Device
 from aioublk.extents import ExtentTable
+from aioublk.options import DeviceConfig, UblkError
 from aioublk.ring import Ring, current_ring
 from aioublk.target import Geometry, Target
 

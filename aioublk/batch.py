@@ -43,16 +43,14 @@ import errno
 import struct
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
 from aioublk import uapi
 from aioublk._uring import lib
 from aioublk.dataplane import EV_COMMIT, EV_FETCH, EV_TAG
-from aioublk.queue import CopyMode, Driver, IoPath
+from aioublk.driver import Driver, IoPath, Serving
+from aioublk.lifecycle import BATCH, Action, Event
+from aioublk.options import CopyMode
 from aioublk.ring import Ring, buffer_address
-
-if TYPE_CHECKING:
-    from aioublk.queue import Worker
 
 F_HAS_ZONE_LBA = 1 << 0
 F_HAS_BUF_ADDR = 1 << 1
@@ -164,8 +162,8 @@ class BatchDriver(Driver):
 
     FETCHES = 2
 
-    def __init__(self, worker: Worker, ring: Ring, path: IoPath) -> None:
-        super().__init__(worker, ring, path, batch=True)
+    def __init__(self, worker: Serving, ring: Ring, path: IoPath) -> None:
+        super().__init__(worker, ring, path, BATCH, batch=True)
         cfg = worker.cfg
         self.mode = worker.mode
         flags = 0
@@ -227,7 +225,7 @@ class BatchDriver(Driver):
 
     def event(self, kind: int, local: int, tag: int, aux: int, res: int, flags: int) -> None:
         if kind == EV_TAG:
-            if self.stopping:
+            if not self.life.starts:
                 # The worker is ending and the target may be writing back
                 # for the last time: this is left to the kernel, which
                 # reissues (-i 1) or fails it when /dev/ublkcN closes.
@@ -254,23 +252,19 @@ class BatchDriver(Driver):
         """A multishot fetch ended: re-arm it, or end the worker."""
         self.live -= 1
         if res >= 0 or res == -errno.ENOBUFS:
-            if not self.stopping:
+            if Action.REARM in self.fire(Event.FETCH_ENDED):
                 self._fetch(local)
                 return
         elif res not in (-errno.ENODEV, -errno.ECANCELED):  # (ECANCELED: our ring closed)
             self.w.log.warning("FETCH_IO_CMDS failed", q=self.queues[local].q_id, res=res)
             if not self.failed:
                 self.failed = res
-        elif not self.stopping:
-            # Stop or quiesce: every worker of the device ends. The kernel
-            # may leave the fetch it is dispatching on armed for a moment
-            # (ublk_batch_cancel_queue): it ends once that dispatch is done,
-            # and if it does not, the worker ends after a grace period.
-            self.stopping = True
-            self.w.device_ending()
-            self.loop.call_later(2.0, self.w.finished)
+        else:
+            # stop or quiesce: every worker of the device ends, this one
+            # once its fetches have ended or its grace timer fires
+            self.fire(Event.ABORT)
         if self.live == 0:
-            self.w.finished()
+            self.fire(Event.NOTHING_ARMED)
 
     # -- commit ---------------------------------------------------------------
 

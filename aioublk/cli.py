@@ -33,9 +33,9 @@ from typing import Any, NoReturn
 
 from aioublk import logs, stats, uapi
 from aioublk.config import build_target
-from aioublk.device import Control, Device, DeviceConfig, UblkError, state_name
+from aioublk.device import Control, Device, dump
+from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.qcow2 import Qcow2Error
-from aioublk.queue import CopyMode
 from aioublk.serve import stop_or_exit
 from aioublk.target import Target
 from aioublk.targets import BackingError
@@ -150,24 +150,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------ output --
-
-async def dump(ctrl: Control, dev_id: int) -> list[str]:
-    """kublk's three-part description of one device."""
-    info = await ctrl.get_info(dev_id)
-    params = await ctrl.get_params(dev_id)
-    lines = [
-        f"dev id {info.dev_id}: nr_hw_queues {info.nr_hw_queues} "
-        f"queue_depth {info.queue_depth} block size {1 << params.logical_bs_shift} "
-        f"dev_capacity {params.dev_sectors}",
-        f"\tmax rq size {info.max_io_buf_bytes} daemon pid {info.ublksrv_pid} "
-        f"flags 0x{info.flags:x} state {state_name(info.state)}",
-    ]
-    for q in range(info.nr_hw_queues):
-        cpus = await ctrl.queue_affinity(dev_id, q)
-        # kublk keeps only the first CPU of each queue's set
-        lines.append(f"\tqueue {q}: affinity({''.join(f'{c} ' for c in cpus[:1])})")
-    return lines
-
 
 async def _with_control(fn: Callable[[Control], Awaitable[int]]) -> int:
     ctrl = Control()

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aioublk import locking, uapi
-from aioublk.device import DeviceConfig, UblkError
-from aioublk.queue import CopyMode
+from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.target import Target
 
 BUILTIN_TARGETS = ("null", "loop", "stripe", "qcow2", "fault_inject")

@@ -23,27 +23,23 @@ import asyncio
 import errno
 import hashlib
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
 
 from aioublk import uapi
-from aioublk.queue import CopyMode, QueueMem, Worker, WorkerSpec, layout
+from aioublk.driver import QueueMem, WorkerSpec
+from aioublk.options import DeviceConfig, UblkError, layout
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import Target
+from aioublk.worker import Worker
 
 log = structlog.get_logger("aioublk.device")
 
 CONTROL_PATH = "/dev/ublk-control"
 
-
-MAX_DEV_ID = 1 << 20  # ublk_drv's UBLK_MAX_UBLKS
 STAT_FIELDS = ("queue", "ios", "bytes", "errors", "inflight")
-
-
-class UblkError(Exception):
-    """A failure explained in one line for the user."""
 
 
 def state_name(state: int) -> str:
@@ -160,119 +156,22 @@ class Control:
         os.close(self.fd)
 
 
-@dataclass
-class DeviceConfig:
-    """What a device is created with (kublk's add options)."""
-
-    dev_id: int = -1
-    queues: int = 1
-    depth: int = 128
-    flags: int = 0               # extra UBLK_F_* flags (e.g. NO_AUTO_PART_SCAN)
-    max_io_size: int = 1 << 20
-    #: batch I/O: None = when the kernel has it, True = required (-b), False = never
-    batch: bool | None = None
-    copy: CopyMode = CopyMode.COPY
-    auto_zc_fallback: bool = False  # with AUTO_ZC: register by hand when the kernel cannot
-    nthreads: int = 0            # worker threads; 0 = one per queue
-    per_io_tasks: bool = False   # per-I/O path: spread each queue's tags over the workers
-    one_loop: bool = False       # every queue on one thread (targets that need it set it)
-    fetch_buf_bytes: int = 0     # batch: bytes per provided fetch buffer (0 = depth's tags)
-    fetch_buf_entries: int = 0   # batch: provided buffers per queue and worker (0 = 8)
-    #: user recovery (kublk -r/-i/-e): after the server dies the device waits,
-    #: QUIESCED, for a new server (``Device.start(recover=True)``); with
-    #: reissue the requests the old server held are replayed, with fail_io
-    #: I/O fails while no server is attached
-    recovery: bool = False
-    recovery_reissue: bool = False
-    recovery_fail_io: bool = False
-
-    #: device flags a caller may pass in ``flags``; the rest come from the options
-    SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
-
-    def validate(self) -> None:
-        unsupported = self.flags & ~self.SUPPORTED_FLAGS
-        if unsupported:
-            raise UblkError(f"aioublk does not serve {uapi.flag_list(unsupported)}: "
-                            "leave it out")
-        if not 1 <= self.depth <= uapi.MAX_QUEUE_DEPTH:
-            raise UblkError(f"queue depth {self.depth} out of range: use 1..4096")
-        if not 1 <= self.queues <= 32:
-            raise UblkError(f"{self.queues} queues out of range: use 1..32")
-        if not -1 <= self.dev_id < MAX_DEV_ID:
-            raise UblkError(f"device id {self.dev_id} is invalid: use -1 (any) or "
-                            f"0..{MAX_DEV_ID - 1}")
-        if not 0 <= self.nthreads <= 64:
-            raise UblkError(f"--nthreads {self.nthreads} out of range: use 1..64")
-        if self.per_io_tasks and self.batch:
-            raise UblkError("--per_io_tasks and -b/--batch conflict: per-I/O tasks are a "
-                            "per-I/O path feature (use --nthreads alone with batch)")
-        if self.auto_zc_fallback and self.copy is not CopyMode.AUTO_ZC:
-            raise UblkError("--auto_zc_fallback needs --auto_zc")
-        if self.recovery_reissue and self.recovery_fail_io:
-            raise UblkError("-i 1 (reissue) and -e 1 (fail I/O) are different recovery modes: "
-                            "pick one")
-        if (self.fetch_buf_bytes and (self.fetch_buf_bytes % 2
-                                      or not 2 <= self.fetch_buf_bytes <= 4096)) \
-                or self.fetch_buf_entries & (self.fetch_buf_entries - 1) \
-                or self.fetch_buf_entries > 4096:
-            raise UblkError("fetch buffers: bytes must be even (2..4096) and entries a power "
-                            "of two (1..4096)")
-
-    @property
-    def recovery_flags(self) -> int:
-        flags = 0
-        if self.recovery or self.recovery_reissue or self.recovery_fail_io:
-            flags |= uapi.Feature.USER_RECOVERY
-        if self.recovery_reissue:
-            flags |= uapi.Feature.USER_RECOVERY_REISSUE
-        if self.recovery_fail_io:
-            flags |= uapi.Feature.USER_RECOVERY_FAIL_IO
-        return flags
-
-    def threads(self) -> int:
-        return 1 if self.one_loop else self.nthreads or self.queues
-
-    def spread(self, batch: bool) -> bool:
-        """Per-I/O path with each queue's tags dealt over the workers (per-I/O daemons)."""
-        return self.per_io_tasks or (self.one_loop and not batch and self.queues > 1)
-
-    def resolve(self, features: int) -> tuple[bool, int]:
-        """Against the kernel's features: (use batch I/O, device flags).
-        Raises UblkError for what this kernel or combination cannot do."""
-        has_batch = bool(features & uapi.Feature.BATCH_IO)
-        if self.batch and not has_batch:
-            raise UblkError("this kernel's ublk_drv lacks UBLK_F_BATCH_IO (kernel 6.19+): "
-                            "drop -b/--batch")
-        if self.batch and self.depth < 2:
-            raise UblkError("batch I/O needs a queue depth of 2 or more (ublk_drv refuses "
-                            "depth 1 with UBLK_F_BATCH_IO): raise -d or drop -b")
-        auto = has_batch and not self.per_io_tasks and self.depth >= 2
-        batch = auto if self.batch is None else self.batch
-        nthreads = self.threads()
-        if not batch and nthreads != self.queues and not self.spread(batch):
-            raise UblkError(f"--nthreads {nthreads} differs from -q {self.queues}: add "
-                            "--per_io_tasks, or use batch I/O (-b)")
-        flags = self.flags | self.copy.flags | self.recovery_flags
-        if flags & uapi.Feature.USER_RECOVERY and features & uapi.Feature.QUIESCE:
-            flags |= uapi.Feature.QUIESCE  # as kublk: lets ``quiesce`` hand over the device
-        if self.auto_zc_fallback:
-            flags |= uapi.Feature.SUPPORT_ZERO_COPY
-        if batch:
-            flags |= uapi.Feature.BATCH_IO
-            if self.copy is CopyMode.AUTO_ZC and nthreads > self.queues:
-                raise UblkError(f"--auto_zc with batch I/O cannot use more threads "
-                                f"({nthreads}) than queues ({self.queues}): lower --nthreads")
-        missing = flags & ~features
-        if self.spread(batch) and not features & uapi.Feature.PER_IO_DAEMON:
-            if not self.per_io_tasks:
-                raise UblkError(f"this target serves all {self.queues} queues from one thread, "
-                                "which needs batch I/O or UBLK_F_PER_IO_DAEMON (kernel "
-                                "6.17+): use -q 1")
-            missing |= uapi.Feature.PER_IO_DAEMON
-        if missing:
-            raise UblkError("this kernel's ublk_drv does not support "
-                            f"{uapi.flag_list(missing)}: drop the option that asks for it")
-        return batch, flags
+async def dump(ctrl: Control, dev_id: int) -> list[str]:
+    """kublk's three-part description of one device."""
+    info = await ctrl.get_info(dev_id)
+    params = await ctrl.get_params(dev_id)
+    lines = [
+        f"dev id {info.dev_id}: nr_hw_queues {info.nr_hw_queues} "
+        f"queue_depth {info.queue_depth} block size {1 << params.logical_bs_shift} "
+        f"dev_capacity {params.dev_sectors}",
+        f"\tmax rq size {info.max_io_buf_bytes} daemon pid {info.ublksrv_pid} "
+        f"flags 0x{info.flags:x} state {state_name(info.state)}",
+    ]
+    for q in range(info.nr_hw_queues):
+        cpus = await ctrl.queue_affinity(dev_id, q)
+        # kublk keeps only the first CPU of each queue's set
+        lines.append(f"\tqueue {q}: affinity({''.join(f'{c} ' for c in cpus[:1])})")
+    return lines
 
 
 def target_files(target: Target) -> list[str]:

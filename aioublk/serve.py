@@ -26,7 +26,8 @@ import structlog
 
 from aioublk import logs, stats, uapi
 from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
-from aioublk.device import Control, Device, UblkError, settled_info, state_name
+from aioublk.device import Control, Device, dump, settled_info, state_name
+from aioublk.options import UblkError
 from aioublk.qcow2 import Qcow2Error
 from aioublk.target import Target
 from aioublk.targets import BackingError
@@ -97,8 +98,6 @@ async def serve(cfg: ServeConfig) -> int:
 async def _start_all(cfg: ServeConfig, ctrl: Control) -> list[_Served] | None:
     """Start the devices in order, printing kublk's ``list`` lines for each;
     on a failure undo the started ones and return None."""
-    from aioublk.cli import dump  # the CLI imports this module
-
     served: list[_Served] = []
     for spec in cfg.devices:
         try:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aioublk import cli as cli_mod
-from aioublk.device import Control, Device, DeviceConfig, UblkError
+from aioublk.device import Control, Device
+from aioublk.options import DeviceConfig, UblkError
 from aioublk.target import Target
 
 T = TypeVar("T")

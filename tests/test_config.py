@@ -14,8 +14,8 @@ import pytest
 
 from aioublk import serve
 from aioublk.config import ConfigError, build_target, load, parse_size
+from aioublk.options import CopyMode
 from aioublk.qcow2 import Qcow2Error
-from aioublk.queue import CopyMode
 from aioublk.targets import LoopTarget, NullTarget, StripeTarget
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

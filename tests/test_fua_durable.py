@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aioublk._uring import ffi, lib
 
+from aioublk._uring import ffi, lib
 from aioublk.ring import Ring
 from aioublk.target import Target
 from aioublk.targets import LoopTarget, StripeTarget

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from aioublk.queue import CopyMode
+from aioublk.options import CopyMode
 from aioublk.target import Target
 from aioublk.targets import LoopTarget, StripeTarget
 from tests.kernel import fio, make_file, run, served

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from aioublk import Device
-from aioublk.device import DeviceConfig, UblkError
-from aioublk.queue import CopyMode
+from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.target import Target
 from aioublk.targets import LoopTarget, NullTarget, StripeTarget
 from tests import kernel
@@ -142,7 +141,7 @@ async def test_tiny_fetch_buffers_lose_no_request(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_zero_copy_needs_a_fixed_buffer_target() -> None:
-    from aioublk.queue import CopyMode
+    from aioublk.options import CopyMode
     from tests.test_kernel_embed import RamDisk
 
     with pytest.raises(UblkError, match="cannot serve zero-copy"):

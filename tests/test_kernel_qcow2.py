@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from aioublk import locking
-from aioublk.device import UblkError
+from aioublk.options import UblkError
 from tests import kernel
 from tests.kernel import add, delete, run, start_server, tail
 

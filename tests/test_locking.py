@@ -16,7 +16,7 @@ import pytest
 
 from aioublk import locking
 from aioublk.config import ConfigError, build_target, load
-from aioublk.device import UblkError
+from aioublk.options import UblkError
 from aioublk.qcow2 import Qcow2Error
 from aioublk.target import Target
 from aioublk.targets import BackingError, LoopTarget, StripeTarget

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from aioublk._uring import lib
 
+from aioublk._uring import lib
 from aioublk.ring import Ring, buffer_address, current_ring
 
 pytestmark = pytest.mark.asyncio

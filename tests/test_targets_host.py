@@ -185,7 +185,7 @@ def test_cli_without_driver_says_what_to_do() -> None:
 
 def test_device_refuses_flags_it_cannot_serve() -> None:
     from aioublk import uapi
-    from aioublk.device import DeviceConfig, UblkError
+    from aioublk.options import DeviceConfig, UblkError
 
     DeviceConfig(flags=uapi.Feature.NO_AUTO_PART_SCAN).validate()
     with pytest.raises(UblkError, match="UBLK_F_USER_COPY"):

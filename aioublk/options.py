@@ -1,0 +1,197 @@
+"""What a device is asked to be, checked without I/O: the data-copy modes
+(``CopyMode``, the one place that knows them), ``DeviceConfig`` (kublk's add
+options and how they resolve against the kernel's features) and ``layout``
+(which worker serves which queues and tags).
+
+This module sits below the queue drivers and the device in the import order
+(uapi -> ring -> target -> options -> driver -> perio/batch -> worker ->
+device); it imports none of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from aioublk import uapi
+from aioublk._uring import lib
+
+MAX_DEV_ID = 1 << 20  # ublk_drv's UBLK_MAX_UBLKS
+
+
+class UblkError(Exception):
+    """A failure explained in one line for the user."""
+
+
+class CopyMode(enum.Enum):
+    """How request data moves between the kernel and the target (kublk's flags)."""
+
+    COPY = "copy"             # default: the kernel copies to/from our buffer
+    ZERO_COPY = "zero_copy"   # -z: register the request's pages, fixed-buffer I/O
+    AUTO_ZC = "auto_zc"       # --auto_zc: the kernel registers them for us
+    USER_COPY = "user_copy"   # -u: pread/pwrite on /dev/ublkcN
+
+    @property
+    def flags(self) -> int:
+        return {
+            CopyMode.COPY: 0,
+            CopyMode.ZERO_COPY: uapi.Feature.SUPPORT_ZERO_COPY,
+            CopyMode.AUTO_ZC: uapi.Feature.AUTO_BUF_REG,
+            CopyMode.USER_COPY: uapi.Feature.USER_COPY,
+        }[self]
+
+    @property
+    def kernel_buffers(self) -> bool:
+        """Whether the kernel copies into a buffer of ours (given with each command)."""
+        return self is CopyMode.COPY
+
+    @property
+    def own_buffers(self) -> bool:
+        return self in (CopyMode.COPY, CopyMode.USER_COPY)
+
+    @property
+    def fixed(self) -> bool:
+        return self in (CopyMode.ZERO_COPY, CopyMode.AUTO_ZC)
+
+    @property
+    def data_plane(self) -> int:
+        """How the C data plane serves in this mode (``AUR_DP_*``): in the tag's
+        buffer, with fixed-buffer I/O on the kernel's registration or on its
+        own (-z), or not at all (-u)."""
+        return int({CopyMode.COPY: lib.AUR_DP_COPY, CopyMode.AUTO_ZC: lib.AUR_DP_AUTO_ZC,
+                    CopyMode.ZERO_COPY: lib.AUR_DP_ZERO_COPY}.get(self, lib.AUR_DP_OTHER))
+
+
+
+@dataclass
+class DeviceConfig:
+    """What a device is created with (kublk's add options)."""
+
+    dev_id: int = -1
+    queues: int = 1
+    depth: int = 128
+    flags: int = 0               # extra UBLK_F_* flags (e.g. NO_AUTO_PART_SCAN)
+    max_io_size: int = 1 << 20
+    #: batch I/O: None = when the kernel has it, True = required (-b), False = never
+    batch: bool | None = None
+    copy: CopyMode = CopyMode.COPY
+    auto_zc_fallback: bool = False  # with AUTO_ZC: register by hand when the kernel cannot
+    nthreads: int = 0            # worker threads; 0 = one per queue
+    per_io_tasks: bool = False   # per-I/O path: spread each queue's tags over the workers
+    one_loop: bool = False       # every queue on one thread (targets that need it set it)
+    fetch_buf_bytes: int = 0     # batch: bytes per provided fetch buffer (0 = depth's tags)
+    fetch_buf_entries: int = 0   # batch: provided buffers per queue and worker (0 = 8)
+    #: user recovery (kublk -r/-i/-e): after the server dies the device waits,
+    #: QUIESCED, for a new server (``Device.start(recover=True)``); with
+    #: reissue the requests the old server held are replayed, with fail_io
+    #: I/O fails while no server is attached
+    recovery: bool = False
+    recovery_reissue: bool = False
+    recovery_fail_io: bool = False
+
+    #: device flags a caller may pass in ``flags``; the rest come from the options
+    SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
+
+    def validate(self) -> None:
+        unsupported = self.flags & ~self.SUPPORTED_FLAGS
+        if unsupported:
+            raise UblkError(f"aioublk does not serve {uapi.flag_list(unsupported)}: "
+                            "leave it out")
+        if not 1 <= self.depth <= uapi.MAX_QUEUE_DEPTH:
+            raise UblkError(f"queue depth {self.depth} out of range: use 1..4096")
+        if not 1 <= self.queues <= 32:
+            raise UblkError(f"{self.queues} queues out of range: use 1..32")
+        if not -1 <= self.dev_id < MAX_DEV_ID:
+            raise UblkError(f"device id {self.dev_id} is invalid: use -1 (any) or "
+                            f"0..{MAX_DEV_ID - 1}")
+        if not 0 <= self.nthreads <= 64:
+            raise UblkError(f"--nthreads {self.nthreads} out of range: use 1..64")
+        if self.per_io_tasks and self.batch:
+            raise UblkError("--per_io_tasks and -b/--batch conflict: per-I/O tasks are a "
+                            "per-I/O path feature (use --nthreads alone with batch)")
+        if self.auto_zc_fallback and self.copy is not CopyMode.AUTO_ZC:
+            raise UblkError("--auto_zc_fallback needs --auto_zc")
+        if self.recovery_reissue and self.recovery_fail_io:
+            raise UblkError("-i 1 (reissue) and -e 1 (fail I/O) are different recovery modes: "
+                            "pick one")
+        if (self.fetch_buf_bytes and (self.fetch_buf_bytes % 2
+                                      or not 2 <= self.fetch_buf_bytes <= 4096)) \
+                or self.fetch_buf_entries & (self.fetch_buf_entries - 1) \
+                or self.fetch_buf_entries > 4096:
+            raise UblkError("fetch buffers: bytes must be even (2..4096) and entries a power "
+                            "of two (1..4096)")
+
+    @property
+    def recovery_flags(self) -> int:
+        flags = 0
+        if self.recovery or self.recovery_reissue or self.recovery_fail_io:
+            flags |= uapi.Feature.USER_RECOVERY
+        if self.recovery_reissue:
+            flags |= uapi.Feature.USER_RECOVERY_REISSUE
+        if self.recovery_fail_io:
+            flags |= uapi.Feature.USER_RECOVERY_FAIL_IO
+        return flags
+
+    def threads(self) -> int:
+        return 1 if self.one_loop else self.nthreads or self.queues
+
+    def spread(self, batch: bool) -> bool:
+        """Per-I/O path with each queue's tags dealt over the workers (per-I/O daemons)."""
+        return self.per_io_tasks or (self.one_loop and not batch and self.queues > 1)
+
+    def resolve(self, features: int) -> tuple[bool, int]:
+        """Against the kernel's features: (use batch I/O, device flags).
+        Raises UblkError for what this kernel or combination cannot do."""
+        has_batch = bool(features & uapi.Feature.BATCH_IO)
+        if self.batch and not has_batch:
+            raise UblkError("this kernel's ublk_drv lacks UBLK_F_BATCH_IO (kernel 6.19+): "
+                            "drop -b/--batch")
+        if self.batch and self.depth < 2:
+            raise UblkError("batch I/O needs a queue depth of 2 or more (ublk_drv refuses "
+                            "depth 1 with UBLK_F_BATCH_IO): raise -d or drop -b")
+        auto = has_batch and not self.per_io_tasks and self.depth >= 2
+        batch = auto if self.batch is None else self.batch
+        nthreads = self.threads()
+        if not batch and nthreads != self.queues and not self.spread(batch):
+            raise UblkError(f"--nthreads {nthreads} differs from -q {self.queues}: add "
+                            "--per_io_tasks, or use batch I/O (-b)")
+        flags = self.flags | self.copy.flags | self.recovery_flags
+        if flags & uapi.Feature.USER_RECOVERY and features & uapi.Feature.QUIESCE:
+            flags |= uapi.Feature.QUIESCE  # as kublk: lets ``quiesce`` hand over the device
+        if self.auto_zc_fallback:
+            flags |= uapi.Feature.SUPPORT_ZERO_COPY
+        if batch:
+            flags |= uapi.Feature.BATCH_IO
+            if self.copy is CopyMode.AUTO_ZC and nthreads > self.queues:
+                raise UblkError(f"--auto_zc with batch I/O cannot use more threads "
+                                f"({nthreads}) than queues ({self.queues}): lower --nthreads")
+        missing = flags & ~features
+        if self.spread(batch) and not features & uapi.Feature.PER_IO_DAEMON:
+            if not self.per_io_tasks:
+                raise UblkError(f"this target serves all {self.queues} queues from one thread, "
+                                "which needs batch I/O or UBLK_F_PER_IO_DAEMON (kernel "
+                                "6.17+): use -q 1")
+            missing |= uapi.Feature.PER_IO_DAEMON
+        if missing:
+            raise UblkError("this kernel's ublk_drv does not support "
+                            f"{uapi.flag_list(missing)}: drop the option that asks for it")
+        return batch, flags
+
+
+def layout(queues: int, depth: int, nthreads: int, *, batch: bool,
+           per_io_tasks: bool) -> list[list[tuple[int, list[int]]]]:
+    """For each worker, the (queue, tags) it serves."""
+    work: list[dict[int, list[int]]] = [{} for _ in range(nthreads)]
+    if batch:
+        # kublk's round-robin N:M map: worker i % N serves queue i % M
+        for i in range(max(queues, nthreads)):
+            work[i % nthreads].setdefault(i % queues, list(range(depth)))
+        return [sorted(w.items()) for w in work]
+    if per_io_tasks:
+        # the n-th (queue, tag) pair, in queue-major order, goes to worker n % N
+        for n in range(queues * depth):
+            work[n % nthreads].setdefault(n // depth, []).append(n % depth)
+        return [sorted(w.items()) for w in work]
+    return [[(q, list(range(depth)))] for q in range(queues)]
+
+

@@ -1,0 +1,157 @@
+"""Queue workers: one thread, one uvloop loop and one Ring each, serving a
+share of the device's queues with the per-I/O or the batch driver.
+
+Workers and queues (``options.layout``): by default one worker per queue.
+With ``--per_io_tasks`` (``UBLK_F_PER_IO_DAEMON``) the (queue, tag) pairs
+are dealt out to N workers in turn, so one busy queue keeps every worker
+busy. The batch path maps N workers onto M queues round-robin, the way kublk
+does: a worker may serve several queues and a queue several workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import structlog
+
+from aioublk._uring import lib
+from aioublk.batch import BatchDriver
+from aioublk.driver import Driver, IoPath, WorkerSpec, log
+from aioublk.options import DeviceConfig
+from aioublk.perio import PerIoDriver
+from aioublk.ring import Ring
+from aioublk.target import Target
+
+
+class Worker:
+    """One thread, one uvloop loop, one Ring: serves its share of the queues."""
+
+    def __init__(self, cfg: DeviceConfig, spec: WorkerSpec, char_fd: int, target: Target,
+                 batch: bool) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.char_fd = char_fd
+        self.target = target
+        self.mode = cfg.copy
+        self.batch = batch
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.drain_error: Exception | None = None  # the target's final write-back failed
+        self.driver: Driver | None = None  # while serving (stats)
+        self.thread = threading.Thread(target=self._run, name=f"ublk{cfg.dev_id}w{spec.index}",
+                                       daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Future[None] | None = None
+        self._finish = False  # finished() came before the loop ran
+        self.siblings: list[Worker] = []  # every worker of the device (set by Device)
+        self.siblings_told = False
+        self.log = log.bind(dev=cfg.dev_id, worker=spec.index)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        import uvloop
+
+        # every log line of this thread's tasks names the device and worker
+        structlog.contextvars.bind_contextvars(dev=self.cfg.dev_id, worker=self.spec.index)
+        loop = uvloop.new_event_loop()
+        self.loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported to the control plane
+            self.error = e
+            self.log.error("worker failed", error=str(e))
+        finally:
+            self.ready.set()
+            loop.close()
+
+    @property
+    def nr_tags(self) -> int:
+        return sum(len(tags) for _qm, tags in self.spec.work)
+
+    @property
+    def table_size(self) -> int:
+        """Buffer-table slots the ring needs (zero copy): one per tag it may see;
+        with batch any tag of its queues, indexed queue-major."""
+        return len(self.spec.work) * self.cfg.depth if self.batch else self.nr_tags
+
+    async def _main(self) -> None:
+        depth = max(self.nr_tags, 1)
+        ring = Ring(
+            max(2 * depth, 64), cq_entries=max(8 * depth, 256),
+            flags=queue_ring_flags(), bind_thread=True,
+        )
+        self._stop = asyncio.get_running_loop().create_future()
+        if self._finish:
+            self._stop.set_result(None)
+        path = IoPath(self.target, ring, self.char_fd, self.mode)
+        driver: Driver = (BatchDriver if self.batch else PerIoDriver)(self, ring, path)
+        self.driver = driver
+        try:
+            if self.mode.fixed:
+                ring.register_buffers_sparse(self.table_size)
+            driver.arm()
+            if driver.failed:
+                raise OSError(-driver.failed, "the kernel refused the queue's commands: "
+                              + os.strerror(-driver.failed))
+            self.ready.set()
+            await self._stop
+            await driver.drain()
+            try:
+                await self.target.drain()
+            except Exception as e:  # noqa: BLE001 - reported through the device
+                self.drain_error = e
+                self.log.error("the target's final write-back failed: data it acknowledged "
+                               "may be lost", error=str(e))
+        finally:
+            # Stopping, the requests are drained: what is left are ublk
+            # commands (re-armed fetches after a quiesce), which io_uring's
+            # cancel cannot reach and the ring's exit will: a short wait reaps
+            # those the kernel is still completing.
+            ring.close(timeout=1.0 if driver.stopping else 5.0)
+            driver.close()
+            self.driver = None
+            del driver, path
+
+    def finished(self) -> None:
+        """Stop serving (on this worker's loop): drain, then close the ring."""
+        if self._stop is not None and not self._stop.done():
+            self._stop.set_result(None)
+
+    def request_finish(self) -> None:
+        """``finished`` from any thread; a worker already gone is left alone."""
+        self._finish = True  # seen by _main if its loop has not run yet
+        loop = self.loop
+        if loop is None or not self.thread.is_alive():
+            return
+        try:
+            loop.call_soon_threadsafe(self.finished)
+        except RuntimeError:  # its loop closed meanwhile
+            pass
+
+    def device_ending(self) -> None:
+        """The kernel aborted one of our commands: the device is stopping or
+        being quiesced, so every worker of it ends (a quiesce aborts only
+        idle tags, and a worker whose tags are all busy would see none)."""
+        if self.siblings_told:
+            return
+        self.siblings_told = True
+        for w in self.siblings:
+            if w is not self:
+                w.request_finish()
+
+
+def queue_ring_flags() -> int:
+    """Setup flags for a worker's ring: single issuer, cooperative task work
+    (run at the thread's next syscall, no IPI). Measured in the guest against
+    DEFER_TASKRUN, whose wake needs a second enter that waits with a zero
+    timeout (about 9 us per wake): 4k reads at qd64, null 5.7k -> 9.2k IOPS,
+    qcow2 2.5k -> 3.8k, loop 3.0k -> 3.7k."""
+    return int(lib.IORING_SETUP_SINGLE_ISSUER | lib.IORING_SETUP_COOP_TASKRUN)

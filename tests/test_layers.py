@@ -1,0 +1,131 @@
+"""aioublk's modules import in one direction: every import (at the top, under
+``TYPE_CHECKING`` or inside a function) goes to a module of an earlier
+layer, or, inside a subpackage, to a sibling; and the import graph has no
+cycle at all. The queue layer's order is the issue's: uapi -> ring -> target
+-> options -> driver core -> per-I/O / batch drivers -> worker -> device."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import aioublk
+
+PACKAGE = Path(aioublk.__file__).parent
+
+#: each module (or subpackage, with everything in it) in its layer; a module
+#: may import only from earlier layers (and its own subpackage)
+LAYERS: list[list[str]] = [
+    ["aioublk._uring", "aioublk._uring_build"],
+    ["aioublk.uapi", "aioublk.logs",
+     "aioublk.directio", "aioublk.locking", "aioublk.extents", "aioublk.testing"],
+    ["aioublk.dataplane"],
+    ["aioublk.ring"],
+    ["aioublk.target"],
+    ["aioublk.qcow2"],
+    ["aioublk.targets"],
+    ["aioublk.options", "aioublk.lifecycle"],
+    ["aioublk.driver"],
+    ["aioublk.perio", "aioublk.batch"],
+    ["aioublk.worker"],
+    ["aioublk.queue"],  # the old names, re-exported; nothing in aioublk imports it
+    ["aioublk.device"],
+    ["aioublk.stats", "aioublk.config"],
+    ["aioublk.serve"],
+    ["aioublk.cli"],
+    ["aioublk.__main__", "aioublk"],
+]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index, the entry that placed it: a module or a subpackage)."""
+    for i, layer in enumerate(LAYERS):
+        for entry in layer:
+            if module == entry or (entry != "aioublk" and module.startswith(entry + ".")):
+                return i, entry
+    raise AssertionError(f"{module} has no place in LAYERS: add it")
+
+
+def imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Every aioublk module ``module`` imports, wherever the import is."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "aioublk"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".") if is_pkg else module.split(".")[:-1]
+                pkg = pkg[:len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([base] if base else []))
+            if base.split(".")[0] != "aioublk":
+                continue
+            for a in node.names:  # ``from pkg import mod`` imports pkg.mod
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return out - {module}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods) | {"aioublk._uring"}
+    return {m: imports(m, p, known) for m, p in mods.items()}
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_every_module_imports(module: str) -> None:
+    if module == "aioublk.__main__":
+        return  # runs the CLI
+    importlib.import_module(module)
+
+
+def test_every_import_goes_to_an_earlier_layer() -> None:
+    bad = []
+    for mod, deps in graph().items():
+        mine, entry = layer_of(mod)
+        for dep in deps:
+            theirs, dep_entry = layer_of(dep)
+            # a subpackage is one layer: its modules may import each other
+            same_package = entry == dep_entry and entry != "aioublk" and (
+                PACKAGE.parent / entry.replace(".", "/")).is_dir()
+            if theirs > mine or (theirs == mine and not same_package):
+                bad.append(f"{mod} imports {dep}")
+    assert not bad, bad
+
+
+def test_no_import_cycles() -> None:
+    g = graph()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                raise AssertionError(" -> ".join([*path[path.index(d):], d]))
+            if d not in state:
+                visit(d, [*path, d])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_the_queue_layer_order() -> None:
+    order = ["aioublk.uapi", "aioublk.ring", "aioublk.target", "aioublk.options",
+             "aioublk.driver", "aioublk.perio", "aioublk.worker", "aioublk.device"]
+    assert [layer_of(m)[0] for m in order] == sorted({layer_of(m)[0] for m in order})
+    assert layer_of("aioublk.batch")[0] == layer_of("aioublk.perio")[0]
