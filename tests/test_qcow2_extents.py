@@ -441,3 +441,27 @@ async def test_run_op_reads_through_the_stand_in(tmp_path: Path, ring: Ring) -> 
         assert bytes(buf) == b"q" * 512
     finally:
         await img.close()
+
+
+async def test_target_map(tmp_path: Path, ring: Ring) -> None:
+    """``Qcow2Target.map`` is the image's table; user recovery makes what it
+    publishes read-only; a corrupt image has no map."""
+    from aioublk import uapi
+    from aioublk.dataplane import Extents
+    from aioublk.targets.qcow2 import Qcow2Target
+
+    t = Qcow2Target(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        m = t.map()
+        assert isinstance(m, Extents) and m.table is t.image.extents
+        await t.read(0, memoryview(bytearray(CS)))
+        assert published(m.table, 0) == "rw"
+        t.configure(uapi.Feature.USER_RECOVERY)
+        assert published(m.table, 0) == "-"
+        await t.read(0, memoryview(bytearray(CS)))
+        assert published(m.table, 0) == "ro"
+        with pytest.raises(OSError):
+            t.image._mark_corrupt("a test")
+        assert t.map() is None and len(m.table) == 0
+    finally:
+        t.close()
