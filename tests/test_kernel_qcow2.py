@@ -2,8 +2,10 @@
 QEMU's own tools: fio verify (empty image and over a compressed backing
 file), the exact bytes written reaching the image (`qemu-img compare`
 against a raw file built by the test), ext4, read-only serving of a backing
-chain, and kill -9 of the server in the middle of writes (`qemu-img check`
-finds leaks at worst, never corruption, and flushed data survives)."""
+chain, kill -9 of the server in the middle of writes (`qemu-img check`
+finds leaks at worst, never corruption, and flushed data survives), and the
+C data plane serving clusters while discards, write-zeroes and rewrites
+change the mappings of the same clusters and L2 table."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 KiB = 1 << 10
 MiB = 1 << 20
 BLKZEROOUT = 0x127F  # _IO(0x12, 127)
+BLKDISCARD = 0x1277  # _IO(0x12, 119)
 
 
 # ------------------------------------------------------------------ images --
@@ -407,6 +411,172 @@ def test_read_only_serves_the_chain_and_refuses_writes(tmp_path: Path) -> None:
     assert_bytes(got, expected.read_bytes(), "read-only device vs qemu-img convert -O raw")
     assert {p.name: sha256(p) for p in (top, base)} == sums, "--read-only changed the image"
     assert_clean(top)
+
+
+# ------------------------------------------------- the data plane under churn --
+
+CHURN_SIZE, CHURN_CS = 64 * MiB, 64 * KiB
+CHURN_B = (40 * MiB, 56 * MiB)  # the churn threads' clusters
+STAMP = struct.Struct("<QQQ")  # magic, device offset, generation: the head of each 4 KiB
+STAMP_MAGIC = 0x51C0_2D47_A7A0_0001
+
+
+def stamped(offset: int, gen: int) -> bytes:
+    """A 4 KiB block that says where it belongs and which write made it."""
+    head = STAMP.pack(STAMP_MAGIC, offset, gen)
+    return head + random.Random(offset * 1_000_003 + gen).randbytes(4096 - len(head))
+
+
+def foreign_blocks(buf: bytes, base: int) -> list[int]:
+    """Offsets of the 4 KiB blocks in ``buf`` whose head says they belong
+    elsewhere: a stamp for another offset, or anything but a stamp or zeros
+    (fio's blocks). A read racing a write may see a block half old, half
+    new: each field is only checked to be zero or what this offset's stamp
+    holds."""
+    bad = []
+    for pos in range(0, len(buf), 4096):
+        magic, off, _gen = STAMP.unpack_from(buf, pos)
+        if magic not in (0, STAMP_MAGIC) or off not in (0, base + pos):
+            bad.append(base + pos)
+    return bad
+
+
+class Churn:
+    """Threads that keep changing the mappings of their own clusters of
+    CHURN_B (whole and partial writes, discards, write-zeroes), each reading
+    back what its model says after every step, and a racer reading any of
+    them meanwhile: a block from elsewhere (a stale or reused mapping) fails."""
+
+    def __init__(self, blk: str, threads: int = 3) -> None:
+        self.blk = blk
+        self.stop = threading.Event()
+        first, end = (c // CHURN_CS for c in CHURN_B)
+        self.owned = [list(range(first + k, end, threads)) for k in range(threads)]
+        #: each cluster's expected bytes (the thread that owns it writes it)
+        self.model = {c: bytes(CHURN_CS) for own in self.owned for c in own}
+        self.errors: list[str] = []
+        self.steps = 0
+        self.workers = [threading.Thread(target=self._guard, args=(self._work, k))
+                        for k in range(threads)]
+        self.workers.append(threading.Thread(target=self._guard, args=(self._race, 0)))
+
+    def __enter__(self) -> Churn:
+        for t in self.workers:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.workers:
+            t.join(120)
+
+    def _guard(self, fn: Any, k: int) -> None:
+        try:
+            fn(k)
+        except BaseException as e:  # noqa: BLE001 (reported by the test)
+            self.errors.append(f"{fn.__name__}[{k}]: {e!r}")
+            self.stop.set()
+
+    def _work(self, k: int) -> None:
+        rng = random.Random(900 + k)
+        fd = os.open(self.blk, os.O_RDWR | os.O_DIRECT)
+        gen = 0
+        try:
+            while not self.stop.is_set():
+                c = rng.choice(self.owned[k])
+                base = c * CHURN_CS
+                body = bytearray(self.model[c])
+                act = rng.choice(("full", "part", "part", "discard", "zero", "zero-part"))
+                gen += 1
+                if act == "full":
+                    body[:] = b"".join(stamped(base + i, gen) for i in range(0, CHURN_CS, 4096))
+                    pwrite_direct(fd, bytes(body), base)
+                elif act == "part":
+                    at = rng.randrange(0, CHURN_CS, 4096)
+                    n = 4096 * rng.randint(1, (CHURN_CS - at) // 4096)
+                    part = b"".join(stamped(base + at + i, gen) for i in range(0, n, 4096))
+                    pwrite_direct(fd, part, base + at)
+                    body[at:at + n] = part
+                elif act == "discard":
+                    fcntl.ioctl(fd, BLKDISCARD, struct.pack("QQ", base, CHURN_CS))
+                    body[:] = bytes(CHURN_CS)
+                else:
+                    at, n = (0, CHURN_CS) if act == "zero" else (8192, 16384)
+                    fcntl.ioctl(fd, BLKZEROOUT, struct.pack("QQ", base + at, n))
+                    body[at:at + n] = bytes(n)
+                self.model[c] = bytes(body)
+                for _ in range(2):  # the second read is the data plane's if the first published
+                    got = pread_direct(fd, base, CHURN_CS)
+                    where = first_difference(got, body)
+                    if where is not None:
+                        raise AssertionError(f"after {act} of cluster {c} (gen {gen}) the "
+                                             f"byte at {base + where:#x} differs")
+                self.steps += 1
+        finally:
+            os.close(fd)
+
+    def _race(self, _k: int) -> None:
+        rng = random.Random(77)
+        fd = os.open(self.blk, os.O_RDONLY | os.O_DIRECT)
+        try:
+            while not self.stop.is_set():
+                base = rng.randrange(*CHURN_B, CHURN_CS)
+                bad = foreign_blocks(pread_direct(fd, base, CHURN_CS), base)
+                if bad:
+                    raise AssertionError(f"blocks from elsewhere at {[hex(b) for b in bad]}")
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("path", ["-b", "--no-batch"])
+def test_data_plane_under_mapping_churn(path: str, tmp_path: Path) -> None:
+    """The data plane serves reads and in-place writes of the clusters the
+    image published while their mappings change under them, in one L2 table
+    (64 KiB clusters: one table maps the whole disk):
+
+    - fio writes and verifies [0, 24M) at random (4-64 KiB, in place after
+      the first write: the data plane's writes);
+    - fio ``randtrimwrite`` over [24M, 40M) in whole clusters: every block is
+      discarded, written again and verified, so each cluster is freed and
+      allocated anew while it is being served;
+    - threads discard, zero and rewrite their own clusters of [40M, 56M),
+      each reading back exactly what it wrote, while a racer reads any of
+      them and finds no block from elsewhere.
+
+    Then the whole device is read: the churned clusters hold what the model
+    says, and QEMU reads exactly the device's bytes from the image
+    (``qemu-img compare``), which ``qemu-img check`` finds clean."""
+    img = create(tmp_path / "disk.qcow2", CHURN_SIZE, cluster_size=CHURN_CS)
+    dev = add("-t", "qcow2", str(img), path, "-q", "2")
+    blk = f"/dev/ublkb{dev.dev_id}"
+    fio = ["fio", "--output-format=json", f"--filename={blk}", "--ioengine=io_uring",
+           "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--do_verify=1",
+           "--name=inplace", "--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16",
+           "--offset=0", f"--size={24 * MiB}", "--loops=2",
+           "--name=trimwrite", "--rw=randtrimwrite", "--bs=64k", "--iodepth=8",
+           f"--offset={24 * MiB}", f"--size={16 * MiB}", "--loops=3"]
+    try:
+        with Churn(blk) as churn:
+            p = subprocess.run(fio, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                               stdin=subprocess.DEVNULL)
+            while churn.steps < 200 and not churn.stop.is_set():
+                time.sleep(0.5)  # a slow guest: churn some more after fio
+        assert not churn.errors, churn.errors
+        assert p.returncode == 0, f"fio failed ({p.returncode}): {p.stderr.strip()}"
+        jobs = json.loads(p.stdout[p.stdout.index("{"):])["jobs"]
+        for job in jobs:
+            assert job["error"] == 0, job
+        assert jobs[1]["trim"]["io_bytes"] > 0, "fio trimmed nothing"
+        write_device(blk, [])  # fsync: a flush
+        got = read_device(blk, 0, CHURN_SIZE)
+    finally:
+        delete(dev.dev_id)
+    for c, body in churn.model.items():
+        assert_bytes(got[c * CHURN_CS:(c + 1) * CHURN_CS], body, f"churned cluster {c}",
+                     base=c * CHURN_CS)
+    dump = raw_file(tmp_path / "device.raw", CHURN_SIZE, [(0, got)])
+    assert_clean(img)
+    assert_same(img, dump)
 
 
 # ------------------------------------------------------------- kill -9 test --

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import structlog
 
+from aioublk.extents import ExtentTable
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.hostfile import HostFile, aligned
 
@@ -29,13 +30,19 @@ Backing = Any  # Qcow2Image | RawBacking
 
 
 class L2Table:
-    __slots__ = ("offset", "entries", "dirty", "gen")
+    """A cached L2 table: the L1 index it maps (``l1i``) and, per entry, whether
+    the data plane has it (``pub``, see ``aioublk.qcow2.l2cache``)."""
 
-    def __init__(self, offset: int, entries: array[int], dirty: bool = False) -> None:
+    __slots__ = ("offset", "entries", "dirty", "gen", "l1i", "pub")
+
+    def __init__(self, offset: int, entries: array[int], l1i: int,
+                 dirty: bool = False) -> None:
         self.offset = offset
         self.entries = entries
         self.dirty = dirty
         self.gen = 0
+        self.l1i = l1i
+        self.pub = bytearray(len(entries))
 
     def touch(self) -> None:
         self.dirty = True
@@ -105,6 +112,10 @@ class ImageBase:
     _io: dict[int, int]  # generation -> data I/O in flight
     _zcache: OrderedDict[int, bytes]  # decompressed clusters
     backing: Backing
+    #: the data plane's map of this image (``extent_table``); None until asked for
+    extents: ExtentTable | None = None
+    _publishing = False  # extents is set and may take new entries
+    _aliased = False  # two L1 entries name one L2 table: no data plane
 
     #: every request that changed metadata returns only once the change is in
     #: the image file (see ``_write_through``); an attribute, or ``open``'s keyword
@@ -163,6 +174,7 @@ class ImageBase:
 
     def _mark_corrupt(self, why: str) -> NoReturn:
         self.corrupt = True
+        self._drop_extents()
         log.error("qcow2 image marked corrupt", image=self.path, reason=why)
         if self.v3 and not self.read_only:
             # the last durable header: a refcount table a write-back is moving
@@ -181,6 +193,15 @@ class ImageBase:
                     self.head[:] = head
         raise _eio(f"{self.path}: {why}; image marked corrupt, run "
                    f"`qemu-img check -r all {self.path}`")
+
+    def _drop_extents(self) -> None:
+        """Take every extent from the data plane and publish no more (a corrupt
+        or closing image). Requests C already started finish on mappings that
+        are still valid: nothing changes them without ``unmap`` (see
+        ``aioublk.qcow2.image``)."""
+        self._publishing = False
+        if self.extents is not None:
+            self.extents.invalidate(0, (1 << 64) - 1)
 
     def _corrupt_bit(self, head: bytes | bytearray) -> bytes:
         """Header bytes ``head`` with the corrupt bit set if the image is corrupt."""

@@ -157,6 +157,7 @@ class WriteBack(Refcounts):
 
     def release(self) -> None:
         """Close the files of the image and its backing chain, without writing."""
+        self._drop_extents()
         self.file.close()
         if self.backing is not None:
             self.backing.release()

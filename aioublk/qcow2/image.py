@@ -38,6 +38,39 @@ Data writes go only to clusters outside the image's metadata (checked as
 QEMU's overlap checks do); a write that would land on metadata marks the
 image corrupt and fails with EIO instead.
 
+The data plane (``extent_table``; ``aioublk.dataplane``, ``aioublk.extents``):
+the image owns an extent table, one granule per cluster, from which C serves
+reads and in-place writes without entering Python.
+
+- What is published: a cluster whose L2 entry the engine looked up in a
+  cached table (``_mapped``, the read path, after a write) and found normal:
+  allocated, not compressed, not ZERO, cluster aligned, inside the file, not
+  a metadata cluster, not being changed (``_busy``). It is writable where a
+  write may go in place: COPIED set, the image writable, and no
+  ``metadata_write_through`` (there a write must wait for the metadata that
+  made its cluster, so the data plane gets reads only). Unallocated, zero,
+  compressed and backing-file clusters are never published; nor is any when
+  the image is corrupt, or when its L1 table names one L2 table twice.
+- The invariant: before Python changes where a cluster's data lives, it
+  takes the cluster's extent back and waits until no request the data plane
+  started on it is in flight (``ExtentTable.unmap``). A request C started
+  therefore sees a mapping that stays valid until it completes. Every L2
+  entry changes in one place, ``_remap``, called with the clusters held in
+  ``_busy`` (so nobody publishes them again meanwhile) and followed by the
+  change without an await: allocation and copy-on-write (``_alloc_write``),
+  discard and write_zeroes (``_zero_chunk``). The cluster an entry dropped
+  is freed only after that, so a freed cluster is never in flight in C
+  either (the ``_io`` count covers only Python's own I/O).
+- Changes that keep the mapping, and what they do: copying an L2 table a
+  snapshot shares (same entries; its extents stay valid); evicting a table
+  from the cache (its extents are invalidated, without waiting: the data
+  plane holds only what the cache holds, and a later change still waits in
+  ``_remap`` for anything in flight, removed or not); marking the image
+  corrupt and closing it (every extent invalidated, nothing published after).
+  The engine never creates, applies or deletes snapshots, and no refcount
+  change makes a cluster shared (refcounts rise only on allocation of free
+  clusters).
+
 Where the code lives (each layer calls only those before it):
 ``base`` (state, locks, guards) -> ``refcounts`` -> ``flush`` (runs the
 write-back plan) -> ``l2cache`` -> ``reads`` -> ``writes`` -> this module
@@ -156,6 +189,8 @@ class Qcow2Image(Writes):
         if len(self.l1) != h.l1_size:
             raise Qcow2Error("qcow2 L1 table lies past the end of the file")
         self.l1_dirty: set[int] = set()
+        named = [e & OFFSET_MASK for e in self.l1 if e & OFFSET_MASK]
+        self._aliased = len(set(named)) != len(named)  # no data plane (extent_table)
         rt_bytes = h.refcount_table_clusters * cs
         rt = f.pread(h.refcount_table_offset, rt_bytes)
         self.reftable = fmt.load_table(rt.ljust(rt_bytes, b"\0"))

@@ -1,17 +1,24 @@
 """The L2 cache: tables loaded on demand (one load per table however many
 requests ask), evicted clean in LRU order (a full cache of dirty tables
 forces a write-back), and made private to the active layer before a change
-(created, or copied from a table a snapshot shares)."""
+(created, or copied from a table a snapshot shares).
+
+The cache is also where the data plane learns the image's layout: a cluster
+looked up and found normal (allocated, not compressed, not zero) is
+published in the image's extent table (``_publish``), and every change of
+an entry goes through ``_remap``, which takes it back first. The rules are
+in ``aioublk.qcow2.image`` ("The data plane")."""
 
 from __future__ import annotations
 
 import asyncio
 from array import array
 
+from aioublk.extents import ExtentConflict, ExtentTable
 from aioublk.qcow2 import format as fmt
-from aioublk.qcow2.base import L2Table
+from aioublk.qcow2.base import L2Table, log
 from aioublk.qcow2.flush import WriteBack
-from aioublk.qcow2.format import COPIED, OFFSET_MASK
+from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
 from aioublk.qcow2.hostfile import aligned
 from aioublk.qcow2.writeback import KIND_NAMES, L2
 
@@ -32,11 +39,12 @@ class L2Cache(WriteBack):
     async def _entry(self, vc: int) -> int:
         e = self._lookup(vc)
         while e is None:
-            await self._load_l2(self.l1[vc >> self.l2_bits] & OFFSET_MASK)
+            l1i = vc >> self.l2_bits
+            await self._load_l2(self.l1[l1i] & OFFSET_MASK, l1i)
             e = self._lookup(vc)
         return e
 
-    async def _load_l2(self, off: int) -> L2Table:
+    async def _load_l2(self, off: int, l1i: int) -> L2Table:
         t = self.l2cache.get(off)
         if t is not None:
             self.l2cache.move_to_end(off)
@@ -58,7 +66,7 @@ class L2Cache(WriteBack):
             await self._make_room()
             t = self.l2cache.get(off)  # created meanwhile (cannot be, but stay exact)
             if t is None:
-                t = L2Table(off, fmt.load_table(buf))
+                t = L2Table(off, fmt.load_table(buf), l1i)
                 self.l2cache[off] = t
             fut.set_result(t)
             return t
@@ -74,6 +82,7 @@ class L2Cache(WriteBack):
             for off, t in self.l2cache.items():
                 if not t.dirty:
                     del self.l2cache[off]
+                    self._forget(t)
                     break
             else:
                 await self.writeback()
@@ -85,7 +94,7 @@ class L2Cache(WriteBack):
             l1e = self.l1[l1i]
             off = l1e & OFFSET_MASK
             if off and l1e & COPIED:
-                return await self._load_l2(off)
+                return await self._load_l2(off, l1i)
             busy = self._l2_busy.get(l1i)
             if busy is not None:
                 await asyncio.shield(busy)
@@ -94,12 +103,12 @@ class L2Cache(WriteBack):
             self._l2_busy[l1i] = fut
             try:
                 if off:
-                    old = await self._load_l2(off)
+                    old = await self._load_l2(off, l1i)
                     entries = array("Q", old.entries)
                 else:
                     entries = array("Q", bytes(self.cluster_size))
                 c, _fresh = await self._alloc(1, meta=L2)
-                new = L2Table(c << self.cbits, entries, dirty=True)
+                new = L2Table(c << self.cbits, entries, l1i, dirty=True)
                 await self._make_room()
                 self.l2cache[new.offset] = new
                 self.l1[l1i] = new.offset | COPIED
@@ -112,3 +121,86 @@ class L2Cache(WriteBack):
                 del self._l2_busy[l1i]
                 fut.set_result(None)
 
+
+    # ------------------------------------------------------------ data plane
+    def extent_table(self) -> ExtentTable | None:
+        """The extent table the data plane serves this image from (made on the
+        first call; publishing starts then), or None where the engine cannot
+        keep the table's promise: a corrupt image, or one whose L1 table names
+        an L2 table twice (a change through one name would leave the other's
+        extents stale)."""
+        if self.corrupt or self._aliased or self.file.fd < 0:
+            return None
+        if self.extents is None:
+            self.extents = ExtentTable(self.cluster_size)
+            self._publishing = True
+        return self.extents
+
+    def republish(self) -> None:
+        """Take every extent back, to be published again as clusters are looked
+        up: after a change of what may be writable (``metadata_write_through``
+        set before the first request). No mapping changes, so nothing waits."""
+        if self.extents is None:
+            return
+        self.extents.invalidate(0, (1 << 64) - 1)
+        for t in self.l2cache.values():
+            t.pub[:] = bytes(len(t.pub))
+
+    def _publish(self, vc: int) -> None:
+        """Offer cluster ``vc`` to the data plane if its table is cached."""
+        off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
+        t = self.l2cache.get(off) if off else None
+        if t is not None and not t.pub[vc & self.l2_mask]:
+            self._publish_in(t, vc)
+
+    def _publish_in(self, t: L2Table, vc: int) -> None:
+        """Publish cluster ``vc``, whose entry is in ``t`` (cached and current),
+        if it maps a normal cluster: writable where a write may go in place
+        (as ``_mapped(..., write=True)`` decides, less what changes per
+        request), read-only elsewhere. A cluster being changed (``_busy``) is
+        not published: its changer has taken it back or is about to."""
+        if not self._publishing or vc in self._busy:
+            return
+        i = vc & self.l2_mask
+        e = t.entries[i]
+        host = e & OFFSET_MASK
+        if not host or e & (COMPRESSED | ZERO) or host & self.cmask \
+                or host >= self.used_end or host >> self.cbits in self.meta \
+                or vc << self.cbits >= self.size:
+            return
+        writable = bool(e & COPIED) and not self.read_only and not self.metadata_write_through
+        assert self.extents is not None
+        try:
+            if self.extents.insert(vc << self.cbits, self.cluster_size, self.file.fd, host,
+                                   writable=writable):
+                t.pub[i] = 1
+        except ExtentConflict:
+            # a mapping changed without _remap: a bug; stop serving from the table
+            log.error("qcow2 extent conflict: data plane off", image=self.path, cluster=vc)
+            self._drop_extents()
+
+    def _forget(self, t: L2Table) -> None:
+        """``t`` left the cache: take back what it published, so that the data
+        plane holds only clusters whose entries are cached. The mapping does
+        not change, so requests in flight may finish (a later change waits for
+        them in ``_remap``). A table L1 no longer names (a copy replaced it)
+        leaves its successor's extents alone."""
+        if self.extents is not None and 1 in t.pub and \
+                self.l1[t.l1i] & OFFSET_MASK == t.offset:
+            span = self.l2_bits + self.cbits
+            self.extents.invalidate(t.l1i << span, 1 << span)
+
+    async def _remap(self, vcs: range) -> L2Table:
+        """The one way to change L2 entries: take clusters ``vcs`` (one L2
+        table's, held in ``_busy`` by the caller) back from the data plane, wait
+        until no request it started on them is in flight, and return their
+        table made private for the update, with the entries marked unpublished.
+        The caller sets the entries without awaiting after this; ``_busy``
+        keeps them from being published again meanwhile."""
+        if self.extents is not None:
+            await self.extents.unmap(vcs.start << self.cbits, len(vcs) << self.cbits)
+        t = await self._table_for_update(vcs.start >> self.l2_bits)
+        pub, mask = t.pub, self.l2_mask
+        for vc in vcs:
+            pub[vc & mask] = 0
+        return t

@@ -46,12 +46,18 @@ class Reads(L2Cache):
         vc = offset >> self.cbits
         if (offset + n - 1) >> self.cbits != vc or offset + n > self.size:
             return -1
-        e = self._lookup(vc)
-        if not e or e & (COMPRESSED | ZERO) or not e & OFFSET_MASK:
+        off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
+        t = self.l2cache.get(off) if off else None
+        if t is None:
+            return -1
+        e = t.entries[vc & self.l2_mask]
+        if e & (COMPRESSED | ZERO) or not e & OFFSET_MASK:
             return -1
         host = e & OFFSET_MASK
         if host & self.cmask or host >= self.used_end:
             return -1  # the coroutine path reports it
+        if self._publishing and not t.pub[vc & self.l2_mask]:
+            self._publish_in(t, vc)  # the next request on it may not come here
         if write and (not e & COPIED or self.read_only or self.corrupt or vc in self._busy
                       or host >> self.cbits in self.meta or self._meta_written < self._meta_seq
                       and self.metadata_write_through):
@@ -95,12 +101,16 @@ class Reads(L2Cache):
             elif e & OFFSET_MASK:
                 host = e & OFFSET_MASK
                 self._check_host(host, vc)
+                if self._publishing:
+                    self._publish(vc)
                 # extend over clusters that follow on disk too
                 nxt = host + cs
                 while stop < end:
                     e2 = self._lookup(stop >> cbits)
                     if e2 is None or e2 & (COMPRESSED | ZERO) or (e2 & OFFSET_MASK) != nxt:
                         break
+                    if self._publishing:
+                        self._publish(stop >> cbits)
                     stop = min(end, stop + cs)
                     nxt += cs
                 sub = view[pos - offset:stop - offset]

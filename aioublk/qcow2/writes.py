@@ -102,6 +102,9 @@ class Writes(Reads):
                 i = j
         finally:
             self._unlock(vcs)
+        if self._publishing:  # what it wrote, in place or into new clusters
+            for vc in vcs:
+                self._publish(vc)
 
     async def _alloc_write(self, vcs: range, olds: list[int], s: int, e: int, base: int,
                            view: memoryview) -> None:
@@ -134,7 +137,7 @@ class Writes(Reads):
             for c in range(c0, c0 + len(vcs)):
                 self._defer_free(c)  # leaked otherwise; nothing points at them
             raise
-        t = await self._table_for_update(l1i)
+        t = await self._remap(vcs)
         for k, vc in enumerate(vcs):
             t.entries[vc & self.l2_mask] = (host0 + k * cs) | COPIED
             self._release(olds[k])
@@ -220,12 +223,11 @@ class Writes(Reads):
         vcs = range(s >> self.cbits, ((e - 1) >> self.cbits) + 1)
         await self._lock(vcs)
         try:
-            l1i = vcs[0] >> self.l2_bits
             olds = [await self._entry(vc) for vc in vcs]
             want = ZERO if zero_flag else 0
             if all(self._same_zero(o, want) for o in olds):
                 return
-            t = await self._table_for_update(l1i)
+            t = await self._remap(vcs)
             for vc, old in zip(vcs, olds, strict=True):
                 if self._same_zero(old, want):
                     continue

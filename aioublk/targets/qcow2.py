@@ -1,13 +1,16 @@
 """The qcow2 target: a thin adapter from ublk requests to ``Qcow2Image``.
 
 All of a device's queues run on one loop (``one_loop``): the image's caches
-and locks belong to that loop (see ``aioublk.qcow2.image``)."""
+and locks belong to that loop (see ``aioublk.qcow2.image``). Reads and
+in-place writes of clusters the image has looked up are served by the C
+data plane from the image's extent table (``map``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from aioublk import uapi
+from aioublk.dataplane import Extents, Map
 from aioublk.qcow2 import Qcow2Image
 from aioublk.target import Done, Geometry, Target
 
@@ -34,6 +37,13 @@ class Qcow2Target(Target):
         # device that outlives us needs them in the file before a write completes
         if device_flags & uapi.Feature.USER_RECOVERY:
             self.image.metadata_write_through = True
+            self.image.republish()  # what the data plane had writable goes read-only
+
+    def map(self) -> Map | None:
+        """The image's extent table: the clusters it has looked up, served in C
+        (see ``aioublk.qcow2.image``, "The data plane")."""
+        table = self.image.extent_table()
+        return None if table is None else Extents(table)
 
     async def read(self, offset: int, buf: memoryview) -> None:
         await self.image.read(offset, buf)
