@@ -465,3 +465,29 @@ async def test_target_map(tmp_path: Path, ring: Ring) -> None:
         assert t.map() is None and len(m.table) == 0
     finally:
         t.close()
+
+
+async def test_a_free_cluster_still_published_is_corruption(tmp_path: Path, ring: Ring) -> None:
+    """On an image whose refcounts are too low a cluster can be free and still
+    hold a guest cluster's data. Allocating it while the data plane may write
+    guest data there would overwrite whatever it becomes (an L2 table, say):
+    the engine marks the image corrupt instead, and takes the extent back
+    first."""
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await read_all(img, 6 * CS)
+        assert published(table, 5) == "rw"
+        c = host_of(img, 5) // CS
+        # the refcount the file would have said, had it been corrupt
+        block = await img._refblock(c // img.rbe, create=False)
+        assert block is not None
+        block[c % img.rbe] = 0
+        img._free_hint = c
+        with pytest.raises(OSError, match="still holds the data of guest cluster 5"):
+            await img.write(10 * CS, bytes(CS))  # allocates: cluster c comes first
+        assert img.corrupt
+        assert published(table, 5) == "-"
+    finally:
+        await img.close()

@@ -116,6 +116,9 @@ class ImageBase:
     extents: ExtentTable | None = None
     _publishing = False  # extents is set and may take new entries
     _aliased = False  # two L1 entries name one L2 table: no data plane
+    #: host cluster -> the guest cluster it was published for (may be stale:
+    #: checked against the L2 entry when used, see ``_claim_unpublished``)
+    _pub_host: dict[int, int]
 
     #: every request that changed metadata returns only once the change is in
     #: the image file (see ``_write_through``); an attribute, or ``open``'s keyword
@@ -194,12 +197,35 @@ class ImageBase:
         raise _eio(f"{self.path}: {why}; image marked corrupt, run "
                    f"`qemu-img check -r all {self.path}`")
 
+    async def _claim_unpublished(self, run: range) -> None:
+        """Host clusters about to be allocated must not be any guest cluster's
+        published data. On an image whose refcounts are too low a cluster can
+        be free and still mapped, and the data plane would then write guest
+        data over whatever the cluster becomes: that is corruption, as the
+        Python path's metadata-overlap check says. Wait until no request C
+        started on it is in flight, then mark the image corrupt."""
+        for c in run:
+            vc = self._pub_host.get(c)
+            if vc is None:
+                continue
+            off = self.l1[vc >> self.l2_bits] & fmt.OFFSET_MASK
+            t = self.l2cache.get(off) if off else None
+            i = vc & self.l2_mask
+            if t is None or not t.pub[i] or (t.entries[i] & fmt.OFFSET_MASK) >> self.cbits != c:
+                del self._pub_host[c]  # taken back since
+                continue
+            assert self.extents is not None
+            await self.extents.unmap(vc << self.cbits, self.cluster_size)
+            self._mark_corrupt(f"cluster {c << self.cbits:#x} is free by its refcount but "
+                               f"still holds the data of guest cluster {vc}")
+
     def _drop_extents(self) -> None:
         """Take every extent from the data plane and publish no more (a corrupt
         or closing image). Requests C already started finish on mappings that
         are still valid: nothing changes them without ``unmap`` (see
         ``aioublk.qcow2.image``)."""
         self._publishing = False
+        self._pub_host.clear()
         if self.extents is not None:
             self.extents.invalidate(0, (1 << 64) - 1)
 

@@ -227,6 +227,7 @@ class Qcow2Image(Writes):
         self._alloc_lock: asyncio.Lock | None = None
         self._wb_lock: asyncio.Lock | None = None
         self._reserving: set[int] = set()
+        self._pub_host: dict[int, int] = {}
         self._free_hint = 0
         self._frees: list[tuple[int, int]] = []  # (generation, host cluster)
         self.gen = 0

@@ -174,6 +174,7 @@ class L2Cache(WriteBack):
             if self.extents.insert(vc << self.cbits, self.cluster_size, self.file.fd, host,
                                    writable=writable):
                 t.pub[i] = 1
+                self._pub_host[host >> self.cbits] = vc
         except ExtentConflict:
             # a mapping changed without _remap: a bug; stop serving from the table
             log.error("qcow2 extent conflict: data plane off", image=self.path, cluster=vc)

@@ -164,6 +164,8 @@ class Refcounts(ImageBase):
                     c = (c // rbe + 1) * rbe if nxt < 0 else (c // rbe) * rbe + nxt
                 start = c
             run = range(start, start + n)
+            if self._pub_host:
+                await self._claim_unpublished(run)
             fresh = start << self.cbits >= self.used_end
             # claim the run before counting it: a refcount block or a grown table
             # made on the way must land elsewhere
