@@ -86,6 +86,8 @@ class DataPlane:
         self.c = cdata
         #: per local queue, the counters C keeps (Python owns the memory)
         self.counts = counts
+        #: held, not just recorded: C reads an Extents map's table, which is
+        #: freed with its last Python reference
         self.map: Map | None = None
 
     def set_map(self, m: Map | None) -> None:
