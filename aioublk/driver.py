@@ -28,7 +28,7 @@ from aioublk._uring import ffi, lib
 from aioublk.dataplane import EV_IDLE, EV_LOST, EV_RETRY, decode
 from aioublk.lifecycle import Action, Event, Lifecycle, State, Table
 from aioublk.options import CopyMode, DeviceConfig
-from aioublk.ring import Ring, buffer_address
+from aioublk.ring import Ring, buffer_address, keep
 from aioublk.target import Buffer, Done, FixedBuf, Target
 
 log = structlog.get_logger("aioublk.queue")
@@ -297,14 +297,14 @@ class Driver:
             "fetch_buf_bytes": cfg.fetch_buf_bytes or 2 * min(cfg.depth, 128),
             "fetch_buf_entries": cfg.fetch_buf_entries or 8, "poll_us": POLL_US,
         }, len(work), self._on_event)
-        self._views: list[Any] = []  # the C side's views of the queues' memory
+        self._views: list[tuple[Any, Any]] = []  # the C side's views of the queues' memory
         for local, (qm, _tags) in enumerate(work):
             descs = ffi.from_buffer(qm.descs)
             # the kernel's buffer address for each tag (copy mode; with -u the
             # buffers are ours alone, and the kernel refuses an address)
             kernel_bufs = qm.bufs is not None and path.mode.kernel_buffers
             bufs = ffi.from_buffer(qm.bufs) if kernel_bufs else ffi.NULL
-            self._views += [descs, bufs]
+            self._views.append((descs, bufs))
             lib.aur_dp_queue(self.dp.c, local, qm.q_id, descs, bufs, self.dp.counts + local)
         self.stats = {qm.q_id: QueueStats(self.dp.counts[local])
                       for local, (qm, _tags) in enumerate(work)}
@@ -429,9 +429,17 @@ class Driver:
     def close(self) -> None:
         """Release what outlives the ring (called after the ring is closed):
         the C side's views of the queues' memory, which would otherwise keep
-        the mappings, and with them /dev/ublkcN, open (DEL_DEV waits for it)."""
-        for v in self._views:
-            if v != ffi.NULL:
-                ffi.release(v)
+        the mappings, and with them /dev/ublkcN, open (DEL_DEV waits for it).
+        The tag buffers stay mapped for good when the closed ring left
+        data-plane requests in the kernel."""
+        stranded = self.ring.dp_stranded
+        for descs, bufs in self._views:
+            ffi.release(descs)
+            if bufs == ffi.NULL:
+                continue
+            if stranded:  # a late read may still land in them: never unmapped
+                keep(bufs)
+            else:
+                ffi.release(bufs)
         self._views.clear()
 

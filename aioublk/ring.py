@@ -16,7 +16,9 @@ io_uring facts this module relies on:
   the awaiting coroutine is cancelled: the Ring keeps a reference per in-flight
   operation, and closing waits (bounded) for the kernel to let go. What it
   still holds after that wait may yet be written: those buffers are kept for
-  the life of the process (``_KEPT``), never freed for reuse.
+  the life of the process (``_KEPT``), never freed for reuse. The data
+  plane's requests use the queue's memory, which its owner keeps the same way
+  when ``dp_stranded`` says the closed ring left some in the kernel.
 
 Submissions made during one loop turn are gathered and flushed with one
 ``io_uring_enter`` at the end of the turn (``call_soon``), and completions are
@@ -51,6 +53,12 @@ _local = threading.local()
 
 #: buffers of operations a closed ring left in the kernel (see the module doc)
 _KEPT: list[Any] = []
+
+
+def keep(buffer: Any) -> None:
+    """Keep ``buffer`` for the life of the process: an operation a closed
+    ring left in the kernel may still write to it."""
+    _KEPT.append(buffer)
 
 
 def current_ring() -> Ring:
@@ -106,6 +114,8 @@ class Ring:
         self._flush_hooks: list[Callable[[], None]] = []
         self._dp: Any = None  # the data plane's C side, once there is one
         self._dp_event: EventHandler | None = None
+        #: data-plane requests still in the kernel when the ring closed
+        self.dp_stranded = 0
         self.loop.add_reader(self._efd, self._on_wake)
         if bind_thread:
             _local.ring = self
@@ -461,9 +471,10 @@ class Ring:
         self._keep.clear()
         lib.aur_exit(self._r)
         if self._dp is not None:
-            if lib.aur_dp_inflight(self._dp):  # its buffers belong to the queue's memory
-                log.warning("ring closed with data-plane requests in the kernel",
-                            n=lib.aur_dp_inflight(self._dp))
+            self.dp_stranded = int(lib.aur_dp_inflight(self._dp))
+            if self.dp_stranded:  # their buffers are the queue's memory: see keep()
+                log.warning("ring closed with data-plane requests in the kernel: their "
+                            "buffers are kept", n=self.dp_stranded)
             lib.aur_dp_free(self._dp)
             self._dp = None
         if getattr(_local, "ring", None) is self:

@@ -468,3 +468,28 @@ async def test_refused_commit_elements_fail_their_requests_then_are_lost() -> No
     finally:
         ring.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize("stranded", [0, 2])
+@pytest.mark.asyncio
+async def test_tag_buffers_outlive_a_ring_closed_with_data_plane_requests(stranded: int) -> None:
+    """A data-plane read the closed ring left in the kernel may still write
+    into its tag's buffer: the driver then keeps the buffers mapped for good
+    (a later mapping at the same address would get those bytes), and lets
+    them go otherwise. The descriptors are released either way (their
+    mapping holds /dev/ublkcN open)."""
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    driver = _driver(ring, _Path())
+    qm = driver.queues[0]
+    ring.close()
+    assert ring.dp_stranded == 0  # nothing was in flight here
+    ring.dp_stranded = stranded  # as if the kernel still held two requests
+    driver.close()
+    if stranded:
+        with pytest.raises(BufferError):
+            qm.bufs.close()
+    else:
+        qm.bufs.close()
+        assert qm.bufs.closed
