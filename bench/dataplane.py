@@ -5,7 +5,7 @@
 
 Each row pairs the kernel's C server kublk with batch I/O (``-b``) and aioublk
 with its defaults (no mode flags: it picks batch I/O itself when the driver
-has it), kublk first, on the same kind of device (depth 128), with fio
+has it), on the same kind of device (depth 128), with fio
 io_uring O_DIRECT as in ``bench.modes``:
 
 1. null, 1 queue: 4k randread and randwrite at iodepth 64 (target >= 0.9x
@@ -131,7 +131,9 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, aioublk_args: list
         for name, workloads in plan.items():
             dev = DEVICES[name]
             files = [str(backing["path"])] if dev.target == "loop" else []
-            for server in SERVERS:
+            # who goes first swaps every round: drift over the run (the host's
+            # load, the guest's page cache) then does not favour one side
+            for server in SERVERS if r % 2 == 0 else SERVERS[::-1]:
                 flags = dev.kublk if server == "kublk" else [*dev.aioublk, *aioublk_args]
                 add_args = ["-t", dev.target, "-q", str(dev.queues), "-d", "128", *flags, *files]
                 for w, iops, err in _device_runs(servers[server], add_args, workloads, runtime,
@@ -216,9 +218,10 @@ def report(data: dict[str, object], command: str) -> str:
         "I/O), aioublk with its defaults (no mode flags: batch I/O when the driver has "
         f"UBLK_F_BATCH_IO, and {batch})"
         + (f" plus `{shlex.join(extra)}`" if isinstance(extra, list) and extra else "")
-        + "; copy mode unless stated. kublk and aioublk alternate device by device. Under "
-        "emulation the absolute IOPS mean little: **the ratios are the result**. qcow2 vs "
-        "qemu-nbd is `bench.qcow2`'s.",
+        + "; copy mode unless stated. kublk and aioublk alternate device by device, kublk "
+        "first in odd rounds and aioublk first in even ones. Under emulation the absolute "
+        "IOPS mean little: **the ratios are the result**. qcow2 vs qemu-nbd is "
+        "`bench.qcow2`'s.",
     ]
     lines += _notes(data, "four devices, a workload or two each, one round")
     cpus = data["cpus"]
