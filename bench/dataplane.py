@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -164,8 +165,22 @@ class GoalRow(NamedTuple):
     label: str
     kublk: float | None  # median IOPS
     aioublk: float | None
-    ratio: float | None
+    ratio: float | None  # of the medians
+    paired: float | None  # the median of each round's aioublk / kublk
     target: float
+
+
+def _paired(runs: list[dict[str, object]], device: str, workload: str) -> float | None:
+    """The median over rounds of aioublk / kublk within a round: both sides
+    ran minutes apart there, so drift between rounds (the host's load moved
+    kublk's loop reads from 10.7k to 16.2k IOPS in one run) cancels out."""
+    by_round: dict[object, dict[object, float]] = {}
+    for x in runs:
+        if x["device"] == device and x["workload"] == workload and x["iops"] is not None:
+            by_round.setdefault(x["round"], {})[x["server"]] = float(x["iops"])  # type: ignore[arg-type]
+    ratios = [r["aioublk"] / r["kublk"] for r in by_round.values()
+              if r.get("kublk") and "aioublk" in r]
+    return statistics.median(ratios) if ratios else None
 
 
 def goal_rows(data: dict[str, object]) -> list[GoalRow]:
@@ -177,7 +192,8 @@ def goal_rows(data: dict[str, object]) -> list[GoalRow]:
         if _ran(runs, g.device, g.workload):
             k = _median(runs, "kublk", device=g.device, workload=g.workload)
             a = _median(runs, "aioublk", device=g.device, workload=g.workload)
-            table.append(GoalRow(g.label, k, a, _ratio(a, k), g.target))
+            table.append(GoalRow(g.label, k, a, _ratio(a, k),
+                                 _paired(runs, g.device, g.workload), g.target))
     return table
 
 
@@ -228,10 +244,15 @@ def report(data: dict[str, object], command: str) -> str:
     if isinstance(cpus, int) and cpus < max(d.queues for d in DEVICES.values()):
         lines += ["", f"**Only {cpus} CPUs**: the driver gives a device no more queues than "
                       "CPUs, so the rows with more queues ran with fewer."]
-    lines += ["", "| row | kublk IOPS | aioublk IOPS | aioublk / kublk | target | met |",
-              "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines += ["", "IOPS are medians over the rounds. **aioublk / kublk** divides those "
+              "medians; **paired** is the median over the rounds of each round's own "
+              "aioublk / kublk (the two ran back to back), which drift between rounds does "
+              "not move: the target is judged on it.",
+              "", "| row | kublk IOPS | aioublk IOPS | aioublk / kublk | paired | target | met |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     lines += [f"| {r.label} | {_fmt(r.kublk)} | {_fmt(r.aioublk)} | {_fmt(r.ratio, '.2f')} "
-              f"| ≥ {r.target} | {_met(r.ratio, r.target)} |" for r in goal_rows(data)]
+              f"| {_fmt(r.paired, '.2f')} | ≥ {r.target} | {_met(r.paired, r.target)} |"
+              for r in goal_rows(data)]
     scaling = [name for name in SCALING if any(x["device"] == name for x in runs)]
     if scaling:
         base = {s: _median(runs, s, device=SCALING[0], workload=QD64_READ) for s in SERVERS}
@@ -274,7 +295,7 @@ def plot(data: dict[str, object], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = [(r.label, r.ratio, r.target) for r in goal_rows(data)]
+    bars = [(r.label, r.paired, r.target) for r in goal_rows(data)]
     split = len(bars)
     bars += [(f"loop, 128k read qd16, aioublk {r.mode} / copy", r.aioublk_vs_copy, ZC_TARGET)
              for r in zc_rows(data) if r.mode != "copy"]
@@ -295,9 +316,9 @@ def plot(data: dict[str, object], path: Path) -> None:
     ax.set_ylim(0, top)
     ax.set_ylabel("ratio (black line: target)")
     where = "QEMU TCG" if data["guest"] else "host"
-    ax.set_title(f"aioublk / kublk IOPS (aioublk zc / copy for the last bars)\n{where}, "
-                 f"{data['cpus']} CPUs, Linux {data['kernel']}, median of {data['rounds']} "
-                 "round(s)", fontsize=10)
+    ax.set_title(f"aioublk / kublk IOPS, paired by round (aioublk zc / copy for the last "
+                 f"bars)\n{where}, {data['cpus']} CPUs, Linux {data['kernel']}, median of "
+                 f"{data['rounds']} round(s)", fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
@@ -320,9 +341,16 @@ def main() -> int:
                     help="guest vCPUs (default 4: the driver caps queues at the CPU count)")
     ap.add_argument("--aioublk-args", default="",
                     help="more flags for every aioublk add, e.g. --aioublk-args='--nthreads 2'")
+    ap.add_argument("--report", metavar="JSON",
+                    help="only write the report again from a run's results/dataplane.json")
     ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
     ns = ap.parse_args()
     runtime = ns.runtime or (2 if ns.quick else 5)
+    if ns.report:
+        data = json.loads(Path(ns.report).read_text())
+        command = (".venv/bin/python -m bench.dataplane --runtime "
+                   f"{data['runtime']} --rounds {data['rounds']}")
+        return publish("dataplane", data, report(data, command), plot, 0)
     if ns.inner:
         inner(ns.inner[0], runtime, ns.rounds, ns.quick, shlex.split(ns.aioublk_args),
               Path(ns.inner[1]))
