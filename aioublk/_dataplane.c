@@ -11,11 +11,14 @@
  *
  * What C serves: READ and WRITE without FUA, in copy mode (data in the tag's
  * buffer), with automatic buffer registration (fixed-buffer I/O on the slot
- * the kernel registered) and in -z mode (a hard-linked chain: register the
+ * the kernel registered), in -z mode (a hard-linked chain: register the
  * request's pages, the fixed-buffer pieces, unregister; the request is done
- * when the unregister is, so the commit never overtakes it). Everything
- * else (flush, discard, zeroes, FUA, the -u mode, a map miss, a stopping
- * worker) goes to Python as it arrived. A backend result that is not the full piece (short, EINVAL from
+ * when the unregister is, so the commit never overtakes it) and in -u mode
+ * (two steps through the tag's buffer: a write's data is read from
+ * /dev/ublkcN first, then written to the backend; a read's data is read
+ * from the backend first, then written to /dev/ublkcN). Everything else
+ * (flush, discard, zeroes, FUA, a map miss, a stopping worker) goes to
+ * Python as it arrived. A backend result that is not the full piece (short, EINVAL from
  * O_DIRECT, EAGAIN, an error) sends the whole request to Python once every
  * piece of it has completed: C never answers anything but full success, and
  * a buffer is never handed back while a piece may still write it.
@@ -44,6 +47,7 @@
 #define DP_K_RW 2
 #define DP_K_COMMIT 4
 #define DP_K_REG 5     /* -z: (un)registering a request's pages (aux 1: register) */
+#define DP_K_UC 11     /* -u: the copy to or from /dev/ublkcN (aux: sectors) */
 
 #define DP_MAX_PIECES 64
 
@@ -53,6 +57,9 @@
 #define UBLK_F_NEED_REG_BUF (1U << 17)
 #define UBLK_BATCH_F_HAS_BUF_ADDR (1U << 1)
 #define UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK (1U << 2)
+/* -u: where a request's data is on /dev/ublkcN (64-bit: the queue id sits at bit 41) */
+#define UBLK_USER_COPY_OFF(q, tag) \
+    (0x80000000ULL + (((uint64_t)(q) << 41) | ((uint64_t)(tag) << 25)))
 
 struct dp_desc {
     uint32_t op_flags;
@@ -61,14 +68,20 @@ struct dp_desc {
     uint64_t addr;
 };
 
+struct dp_piece { int fd; uint32_t len; uint64_t host_off; uint32_t buf_off; };
+
 struct dp_tag {
     uint8_t served;      /* C holds this request */
     uint16_t pending;    /* backend pieces not completed yet */
     uint16_t nr_ids;     /* extents held */
     uint16_t buf_index;  /* buffer-table slot (zero-copy modes) */
+    uint8_t write;
+    uint8_t then;        /* -u: the second step is still to come */
+    uint16_t nr_pieces;  /* -u write: pieces kept for the second step */
     int32_t bad;         /* first piece that was not a full success */
     uint32_t len;
     uint32_t *ids;       /* DP_MAX_PIECES extent ids */
+    struct dp_piece *pieces;  /* -u: DP_MAX_PIECES */
 };
 
 struct dp_commit {
@@ -123,8 +136,10 @@ void aur_dp_free(struct aur_dp *dp)
         struct dp_queue *q = &dp->q[i];
 
         if (q->tags) {
-            for (j = 0; j < dp->s.depth; j++)
+            for (j = 0; j < dp->s.depth; j++) {
                 free(q->tags[j].ids);
+                free(q->tags[j].pieces);
+            }
             free(q->tags);
         }
         if (q->commits) {
@@ -165,6 +180,9 @@ struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
         for (j = 0; j < s->depth; j++) {
             q->tags[j].ids = malloc(DP_MAX_PIECES * sizeof(uint32_t));
             if (!q->tags[j].ids)
+                goto fail;
+            if (s->mode == AUR_DP_USER_COPY &&
+                !(q->tags[j].pieces = malloc(DP_MAX_PIECES * sizeof(struct dp_piece))))
                 goto fail;
         }
         if (!s->batch)
@@ -240,11 +258,17 @@ int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_sh
 
 /* -- commands to the kernel ------------------------------------------------ */
 
+static char *dp_buf(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    return dp->q[local].bufs + (size_t)tag * dp->s.max_io;
+}
+
+/* the buffer address the kernel copies to and from (copy mode only) */
 static uint64_t dp_io_addr(struct aur_dp *dp, unsigned local, uint16_t tag)
 {
-    struct dp_queue *q = &dp->q[local];
-
-    return q->bufs ? (uint64_t)(uintptr_t)(q->bufs + (size_t)tag * dp->s.max_io) : 0;
+    if (dp->s.mode != AUR_DP_COPY || !dp->q[local].bufs)
+        return 0;
+    return (uint64_t)(uintptr_t)dp_buf(dp, local, tag);
 }
 
 static int dp_io_cmd(struct aur_dp *dp, unsigned local, uint16_t tag, uint32_t op, int32_t res)
@@ -442,8 +466,6 @@ static void dp_complete(struct aur_dp *dp, struct dp_out *o, unsigned local, uin
     dp_idle_check(dp, o);
 }
 
-struct dp_piece { int fd; uint32_t len; uint64_t host_off; uint32_t buf_off; };
-
 /* The pieces of [off, off+len) under the map; 0: not C's to serve. */
 static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, uint32_t len,
                            int write, struct dp_piece *p)
@@ -509,6 +531,52 @@ static int dp_zc_link(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint1
     return ret;
 }
 
+/* The backend I/O of pieces p[0..n), each one more pending piece; a piece
+   the ring cannot take marks the request bad and stops there. */
+static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
+                            const struct dp_piece *p, unsigned n)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+    unsigned i;
+
+    for (i = 0; i < n; i++) {
+        uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
+        int op, ret;
+
+        if (dp->s.mode == AUR_DP_ZERO_COPY || dp->s.mode == AUR_DP_AUTO_ZC) {
+            op = t->write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
+            ret = aur_prep(dp->r, op, p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0,
+                           t->buf_index,
+                           dp->s.mode == AUR_DP_ZERO_COPY ? IOSQE_IO_HARDLINK : 0, ud);
+        } else {
+            op = t->write ? IORING_OP_WRITE : IORING_OP_READ;
+            ret = aur_prep(dp->r, op, p[i].fd,
+                           (uint64_t)(uintptr_t)(dp_buf(dp, local, tag) + p[i].buf_off),
+                           p[i].len, p[i].host_off, 0, 0, 0, ud);
+        }
+        if (ret < 0) {
+            t->bad = ret;
+            return;
+        }
+        t->pending++;
+    }
+}
+
+/* -u: the request's data between the tag's buffer and /dev/ublkcN (in for a
+   write, out for a read), one more pending piece. */
+static int dp_uc_copy(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+    int ret = aur_prep(dp->r, t->write ? IORING_OP_READ : IORING_OP_WRITE, dp->s.char_fd,
+                       (uint64_t)(uintptr_t)dp_buf(dp, local, tag), t->len,
+                       UBLK_USER_COPY_OFF(dp->q[local].q_id, tag), 0, 0, 0,
+                       DP_UD(DP_K_UC, local, tag, t->len >> 9));
+
+    if (ret == 0)
+        t->pending++;
+    return ret;
+}
+
 /* A fetched request: 1 if C serves it, 0 if it is Python's. */
 static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
@@ -516,19 +584,23 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     const struct dp_desc *d = &q->descs[tag];
     struct dp_tag *t = &q->tags[tag];
     struct dp_piece p[DP_MAX_PIECES];
-    unsigned op = d->op_flags & 0xff, n, i;
+    unsigned op = d->op_flags & 0xff, n;
     uint64_t off = d->start_sector << 9;
     uint32_t len = d->nr_sectors << 9;
-    int write = op == UBLK_OP_WRITE;
+    int write = op == UBLK_OP_WRITE, uc = dp->s.mode == AUR_DP_USER_COPY;
 
-    if (dp->map == AUR_MAP_NONE || dp->stopping || dp->s.mode == AUR_DP_OTHER)
+    if (dp->map == AUR_MAP_NONE || dp->stopping)
         return 0;
     if (op > UBLK_OP_WRITE || !len || (write && (d->op_flags & UBLK_F_FUA)))
         return 0;
     if (dp->s.mode == AUR_DP_AUTO_ZC && (d->op_flags & UBLK_F_NEED_REG_BUF))
         return 0;
+    if (uc && len > dp->s.max_io)
+        return 0;
     t->bad = 0;
     t->len = len;
+    t->write = (uint8_t)write;
+    t->then = 0;
     t->nr_ids = 0;
     t->pending = 0;
     if (dp->map == AUR_MAP_NULL) {
@@ -544,38 +616,21 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     dp->served++;
     dp->inflight++;
     t->served = 1;
-    if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 1) < 0) {
-        dp_release(dp, t);
-        dp->inflight--;
-        t->served = 0;
-        return 0;
-    }
-    for (i = 0; i < n; i++) {
-        uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
-        int ret;
-
-        if (dp->s.mode == AUR_DP_ZERO_COPY)
-            ret = aur_prep(dp->r, write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED,
-                           p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0, t->buf_index,
-                           IOSQE_IO_HARDLINK, ud);
-        else if (dp->s.mode == AUR_DP_AUTO_ZC)
-            ret = aur_prep(dp->r, write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED,
-                           p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0, t->buf_index,
-                           0, ud);
-        else
-            ret = aur_prep(dp->r, write ? IORING_OP_WRITE : IORING_OP_READ, p[i].fd,
-                           (uint64_t)(uintptr_t)(q->bufs + (size_t)tag * dp->s.max_io +
-                                                 p[i].buf_off),
-                           p[i].len, p[i].host_off, 0, 0, 0, ud);
-        if (ret < 0) {
-            t->bad = ret;
-            break;
-        }
-        t->pending++;
-    }
-    /* the chain's last link; it runs whatever became of the pieces */
-    if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 0) < 0 && !t->bad)
+    if (uc && write) {  /* the data first; the pieces when it is in */
+        memcpy(t->pieces, p, n * sizeof(*p));
+        t->nr_pieces = (uint16_t)n;
+        t->then = 1;
+        if (dp_uc_copy(dp, local, tag) < 0)
+            t->bad = -EBUSY;
+    } else if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 1) < 0) {
         t->bad = -EBUSY;
+    } else {
+        t->then = (uint8_t)uc;  /* -u read: the copy out when the pieces are in */
+        dp_queue_pieces(dp, local, tag, p, n);
+        /* the chain's last link; it runs whatever became of the pieces */
+        if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 0) < 0 && !t->bad)
+            t->bad = -EBUSY;
+    }
     if (!t->pending) {  /* nothing queued: Python serves it from the start */
         dp_release(dp, t);
         dp->inflight--;
@@ -583,6 +638,23 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
         return 0;
     }
     return 1;
+}
+
+/* -u: the step after the first, once all of the first is in; 1 if queued. */
+static int dp_then(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+
+    t->then = 0;
+    if (t->write)
+        dp_queue_pieces(dp, local, tag, t->pieces, t->nr_pieces);
+    else if (dp_uc_copy(dp, local, tag) < 0)
+        t->bad = -EBUSY;
+    if (t->pending)
+        return 1;
+    if (!t->bad)
+        t->bad = -EBUSY;
+    return 0;
 }
 
 static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t res)
@@ -598,6 +670,8 @@ static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
         t->bad = res < 0 ? res : -EIO;
     }
     if (--t->pending)
+        return;
+    if (t->then && !t->bad && dp_then(dp, local, tag))
         return;
     dp_release(dp, t);
     if (!t->bad) {
@@ -691,6 +765,7 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
     switch (DP_KIND(ud)) {
     case DP_K_RW:
     case DP_K_REG:
+    case DP_K_UC:
         dp_rw_done(dp, o, ud, cqe->res);
         return;
     case AUR_DP_EV_IO:

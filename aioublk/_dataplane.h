@@ -20,8 +20,8 @@
 /* copy modes C serves in */
 #define AUR_DP_COPY 0
 #define AUR_DP_AUTO_ZC 1
-#define AUR_DP_OTHER 2
 #define AUR_DP_ZERO_COPY 3    /* register the request's pages around its I/O */
+#define AUR_DP_USER_COPY 4    /* -u: copy between the tag's buffer and /dev/ublkcN */
 
 struct aur_dp;
 
@@ -43,7 +43,7 @@ struct aur_dp_counts { uint64_t started, ios, bytes, errors; };
 
 struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err);
 void aur_dp_free(struct aur_dp *dp);
-/* queue `local`: its q_id, descriptor area and (copy mode) tag buffers */
+/* queue `local`: its q_id, descriptor area and (copy modes) tag buffers */
 void aur_dp_queue(struct aur_dp *dp, unsigned local, uint16_t q_id, const void *descs,
                   void *bufs, struct aur_dp_counts *counts);
 /* the buffer-table slot of (local, tag) in the zero-copy modes */

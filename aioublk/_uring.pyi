@@ -59,7 +59,7 @@ class _Lib:
     AUR_MAP_EXTENTS: int
     AUR_DP_COPY: int
     AUR_DP_AUTO_ZC: int
-    AUR_DP_OTHER: int
+    AUR_DP_USER_COPY: int
     AUR_DP_ZERO_COPY: int
 
     # functions

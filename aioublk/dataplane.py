@@ -21,8 +21,9 @@ coroutine path serves again from the start. So a map is an accelerator,
 never the contract: a target must still serve everything through
 ``read``/``write``.
 
-C serves the default copy mode, ``--auto_zc`` and ``-z``; the ``-u`` mode
-and ``-v`` (which logs every request) keep every request in Python.
+C serves every copy mode: the default, ``--auto_zc``, ``-z`` and ``-u``
+(C copies between the tag's buffer and /dev/ublkcN itself); ``-v`` (which
+logs every request) keeps every request in Python.
 """
 
 from __future__ import annotations

@@ -300,15 +300,14 @@ class Driver:
         self._views: list[tuple[Any, Any]] = []  # the C side's views of the queues' memory
         for local, (qm, _tags) in enumerate(work):
             descs = ffi.from_buffer(qm.descs)
-            # the kernel's buffer address for each tag (copy mode; with -u the
-            # buffers are ours alone, and the kernel refuses an address)
-            kernel_bufs = qm.bufs is not None and path.mode.kernel_buffers
-            bufs = ffi.from_buffer(qm.bufs) if kernel_bufs else ffi.NULL
+            # the tag buffers: the kernel copies to and from them (copy mode),
+            # or C does through /dev/ublkcN (-u: the kernel never sees them)
+            bufs = ffi.from_buffer(qm.bufs) if qm.bufs is not None else ffi.NULL
             self._views.append((descs, bufs))
             lib.aur_dp_queue(self.dp.c, local, qm.q_id, descs, bufs, self.dp.counts + local)
         self.stats = {qm.q_id: QueueStats(self.dp.counts[local])
                       for local, (qm, _tags) in enumerate(work)}
-        if path.debug or path.mode.data_plane == lib.AUR_DP_OTHER:
+        if path.debug:  # -v logs each request: they all take the coroutine path
             self.w.log.debug("data plane off: every request is served in Python")
         else:
             self.dp.set_map(worker.target.map())

@@ -41,11 +41,6 @@ class CopyMode(enum.Enum):
         }[self]
 
     @property
-    def kernel_buffers(self) -> bool:
-        """Whether the kernel copies into a buffer of ours (given with each command)."""
-        return self is CopyMode.COPY
-
-    @property
     def own_buffers(self) -> bool:
         return self in (CopyMode.COPY, CopyMode.USER_COPY)
 
@@ -56,10 +51,12 @@ class CopyMode(enum.Enum):
     @property
     def data_plane(self) -> int:
         """How the C data plane serves in this mode (``AUR_DP_*``): in the tag's
-        buffer, with fixed-buffer I/O on the kernel's registration or on its
-        own (-z), or not at all (-u)."""
+        buffer (filled and emptied by the kernel, or by C through /dev/ublkcN
+        with -u), or with fixed-buffer I/O on the kernel's registration or on
+        its own (-z)."""
         return int({CopyMode.COPY: lib.AUR_DP_COPY, CopyMode.AUTO_ZC: lib.AUR_DP_AUTO_ZC,
-                    CopyMode.ZERO_COPY: lib.AUR_DP_ZERO_COPY}.get(self, lib.AUR_DP_OTHER))
+                    CopyMode.ZERO_COPY: lib.AUR_DP_ZERO_COPY,
+                    CopyMode.USER_COPY: lib.AUR_DP_USER_COPY}[self])
 
 
 

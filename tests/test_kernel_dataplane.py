@@ -1,5 +1,5 @@
 """The C data plane against the real driver: mapped requests served without
-Python on both queue paths and in both modes C serves, and the ways a
+Python on both queue paths and in every copy mode, and the ways a
 request falls back to the coroutines (O_DIRECT refusing it, a file system
 without O_DIRECT). The lifecycle tests (kill -9, recover, quiesce, delete
 under fio) run on the data plane too: it is the default for null, loop and
@@ -70,14 +70,15 @@ def verify(path: str, cwd: Path, *extra: str) -> dict[str, Any]:
     return job
 
 
-COPY, AUTO_ZC, ZC = CopyMode.COPY, CopyMode.AUTO_ZC, CopyMode.ZERO_COPY
+COPY, AUTO_ZC, ZC, UC = CopyMode.COPY, CopyMode.AUTO_ZC, CopyMode.ZERO_COPY, CopyMode.USER_COPY
 
 
 @pytest.mark.parametrize("kind,batch,copy", [
     ("loop", True, COPY), ("loop", False, COPY), ("loop", True, AUTO_ZC),
     ("loop", False, AUTO_ZC), ("stripe", True, COPY), ("stripe", False, AUTO_ZC),
     ("loop", True, ZC), ("stripe", False, ZC), ("concat", False, COPY),
-    ("concat", True, COPY)],
+    ("concat", True, COPY), ("loop", True, UC), ("loop", False, UC), ("stripe", True, UC),
+    ("concat", False, UC)],
     ids=lambda v: {True: "batch", False: "per-io"}.get(v, getattr(v, "value", v)))
 def test_mapped_requests_never_reach_python(kind: str, batch: bool, copy: CopyMode,
                                             tmp_path: Path) -> None:

@@ -528,8 +528,8 @@ class Churn:
             os.close(fd)
 
 
-@pytest.mark.parametrize("path", ["-b", "--no-batch"])
-def test_data_plane_under_mapping_churn(path: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("args", [["-b"], ["--no-batch"], ["-b", "-u"]], ids=" ".join)
+def test_data_plane_under_mapping_churn(args: list[str], tmp_path: Path) -> None:
     """The data plane serves reads and in-place writes of the clusters the
     image published while their mappings change under them, in one L2 table
     (64 KiB clusters: one table maps the whole disk):
@@ -545,9 +545,10 @@ def test_data_plane_under_mapping_churn(path: str, tmp_path: Path) -> None:
 
     Then the whole device is read: the churned clusters hold what the model
     says, and QEMU reads exactly the device's bytes from the image
-    (``qemu-img compare``), which ``qemu-img check`` finds clean."""
+    (``qemu-img compare``), which ``qemu-img check`` finds clean. With
+    ``-u`` C moves the data through /dev/ublkcN itself."""
     img = create(tmp_path / "disk.qcow2", CHURN_SIZE, cluster_size=CHURN_CS)
-    dev = add("-t", "qcow2", str(img), path, "-q", "2")
+    dev = add("-t", "qcow2", str(img), *args, "-q", "2")
     blk = f"/dev/ublkb{dev.dev_id}"
     fio = ["fio", "--output-format=json", f"--filename={blk}", "--ioengine=io_uring",
            "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--do_verify=1",
