@@ -43,6 +43,8 @@ from collections.abc import Iterator
 
 import structlog
 
+from aioublk.errors import Error
+
 PERM_BASE = 100
 SHARED_BASE = 200
 
@@ -66,11 +68,11 @@ _force_share: contextvars.ContextVar[bool] = contextvars.ContextVar("force_share
                                                                     default=False)
 
 
-class InUse(Exception):
+class InUse(Error):
     """Another process (QEMU or aioublk) has the file open incompatibly."""
 
 
-class LockFailed(OSError):
+class LockFailed(Error, OSError):
     """Taking the lock failed for another reason than a conflict: an OSError
     (its errno kept) that reads as one line naming the file."""
 

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from aioublk.device import Device
+from aioublk.errors import Error
 
 log = structlog.get_logger("aioublk.stats")
 
@@ -40,7 +41,7 @@ DIR_MODE = 0o755
 FILE_MODE = 0o644
 
 
-class RunDirError(OSError):
+class RunDirError(Error, OSError):
     """``RUN_DIR`` is not safe to write in, in one line saying what to do."""
 
 

@@ -3,9 +3,14 @@ top level, one exception base, one version number."""
 
 from __future__ import annotations
 
+import errno
 import fnmatch
+import os
 import tomllib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 import aioublk
 
@@ -25,3 +30,74 @@ def test_py_typed_is_in_the_package_and_its_package_data() -> None:
     for name in ("py.typed", "_uring.pyi"):
         assert (PACKAGE / name).is_file(), name
         assert any(fnmatch.fnmatch(name, pattern) for pattern in data), (name, data)
+
+
+def _raise_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
+        tuple[type[BaseException], Callable[[], object]]]:
+    """(class, a call into aioublk that raises it) for each of the library's errors."""
+    from aioublk import config, locking, stats
+    from aioublk.extents import ExtentConflict, ExtentTable
+    from aioublk.options import DeviceConfig, UblkError
+    from aioublk.qcow2.format import Qcow2Error, parse_header
+    from aioublk.targets.backing import Backing, BackingError
+
+    yield UblkError, lambda: DeviceConfig(queues=0).validate()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[devices]]\nqeues = 1\n")
+    yield config.ConfigError, lambda: config.load(str(bad))
+    yield Qcow2Error, lambda: parse_header(b"not an image", 12)
+    yield BackingError, lambda: Backing.open(str(tmp_path / "missing.img"))
+
+    image = tmp_path / "held.img"
+    image.write_bytes(bytes(4096))
+    monkeypatch.setattr(locking, "GRACE", 0.0)
+    holder = os.open(image, os.O_RDWR)
+    other = os.open(image, os.O_RDWR)
+    try:
+        locking.lock(holder, str(image), write=True)
+        yield locking.InUse, lambda: locking.lock(other, str(image), write=True)
+    finally:
+        os.close(other)
+        os.close(holder)
+
+    def lock_failed() -> None:
+        raise locking.LockFailed(str(image), OSError(errno.EIO, "Input/output error"))
+    yield locking.LockFailed, lock_failed
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "run").symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setattr(stats, "RUN_DIR", tmp_path / "run")
+    yield stats.RunDirError, lambda: stats.open_run_dir(create=False)
+
+    table = ExtentTable(4096)
+    table.insert(0, 4096, 3, 0, writable=True)
+    yield ExtentConflict, lambda: table.insert(0, 4096, 4, 8192, writable=True)
+
+
+def test_except_aioublk_error_catches_what_the_library_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    for cls, call in _raise_each(tmp_path, monkeypatch):
+        assert issubclass(cls, aioublk.Error), cls
+        try:
+            call()
+        except aioublk.Error as e:
+            assert type(e) is cls, (cls, e)
+            seen.append(cls.__name__)
+        else:
+            raise AssertionError(f"{cls.__name__}: nothing raised")
+    assert seen == ["UblkError", "ConfigError", "Qcow2Error", "BackingError", "InUse",
+                    "LockFailed", "RunDirError", "ExtentConflict"]
+
+
+def test_error_subclasses_keep_their_other_bases() -> None:
+    """An ``except OSError`` (or ValueError) written before aioublk.Error
+    existed still catches them."""
+    from aioublk.extents import ExtentConflict
+    from aioublk.locking import LockFailed
+    from aioublk.stats import RunDirError
+
+    assert issubclass(LockFailed, OSError) and issubclass(RunDirError, OSError)
+    assert issubclass(ExtentConflict, ValueError)
+    e = LockFailed("/x", OSError(errno.EIO, "Input/output error"))
+    assert e.errno == errno.EIO and str(e) == "cannot lock /x: Input/output error"

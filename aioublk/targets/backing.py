@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from aioublk import directio, locking
+from aioublk.errors import Error
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, FixedBuf, Geometry
 
@@ -33,7 +34,7 @@ FALLOC_FL_ZERO_RANGE = 0x10
 log = structlog.get_logger("aioublk.targets.backing")
 
 
-class BackingError(Exception):
+class BackingError(Error):
     """A backing file that cannot be used, explained in one line."""
 
 
