@@ -3,9 +3,12 @@ top level, one exception base, one version number."""
 
 from __future__ import annotations
 
+import ast
 import errno
 import fnmatch
+import importlib
 import os
+import pkgutil
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -101,3 +104,50 @@ def test_error_subclasses_keep_their_other_bases() -> None:
     assert issubclass(ExtentConflict, ValueError)
     e = LockFailed("/x", OSError(errno.EIO, "Input/output error"))
     assert e.errno == errno.EIO and str(e) == "cannot lock /x: Input/output error"
+
+
+def test_star_import_gives_every_name_in_all() -> None:
+    names: dict[str, object] = {}
+    exec("from aioublk import *", names)
+    assert len(set(aioublk.__all__)) == len(aioublk.__all__)
+    assert set(aioublk.__all__) <= names.keys()
+
+
+def _documented_imports() -> set[str]:
+    """Names that examples/*.py and README.md's Python blocks take from
+    ``aioublk`` itself (``from aioublk import X`` or ``aioublk.X``)."""
+    sources = [p.read_text() for p in sorted((ROOT / "examples").glob("*.py"))]
+    readme = (ROOT / "README.md").read_text()
+    sources += [block.split("```")[0] for block in readme.split("```python\n")[1:]]
+    names = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.module == "aioublk":
+                names |= {a.name for a in node.names}
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id == "aioublk"):
+                names.add(node.attr)
+    return names
+
+
+def test_what_the_examples_and_readme_import_is_exported() -> None:
+    names = _documented_imports()
+    assert {"Device", "Target", "Geometry", "UblkError"} <= names  # the parse found them
+    assert names - {"__version__"} <= set(aioublk.__all__)
+
+
+def test_every_error_class_of_the_library_is_exported() -> None:
+    """A new aioublk.Error subclass is reachable as aioublk.<Name> too."""
+    found = set()
+    for info in pkgutil.walk_packages(aioublk.__path__, "aioublk."):
+        if info.name == "aioublk.__main__" or info.name.startswith("aioublk.testing"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if (isinstance(obj, type) and issubclass(obj, aioublk.Error)
+                    and obj.__module__ == info.name and not name.startswith("_")):
+                found.add(name)
+    assert "UblkError" in found
+    assert found <= set(aioublk.__all__), found - set(aioublk.__all__)
+    for name in found:
+        assert issubclass(getattr(aioublk, name), aioublk.Error)
