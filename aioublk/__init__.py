@@ -4,6 +4,7 @@ Every name an application needs is here: the device and its options, the
 target base class and its buffers, the data-plane maps, the ring, the
 built-in targets, the qcow2 engine, and ``Error`` with its subclasses."""
 
+from aioublk._version import __version__ as __version__
 from aioublk.config import ConfigError
 from aioublk.dataplane import Extents, Linear, Map, Null, Striped
 from aioublk.device import Control, Device
@@ -34,4 +35,3 @@ __all__ = [
     "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
     "Qcow2Error", "RunDirError", "UblkError",
 ]
-__version__ = "0.1.0"

@@ -11,6 +11,7 @@ import os
 import pkgutil
 import tomllib
 from collections.abc import Callable, Iterator
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,11 @@ def test_every_error_class_of_the_library_is_exported() -> None:
     assert found <= set(aioublk.__all__), found - set(aioublk.__all__)
     for name in found:
         assert issubclass(getattr(aioublk, name), aioublk.Error)
+
+
+def test_one_version_from_pyproject_through_the_metadata() -> None:
+    """pyproject.toml is the source; the installed metadata and
+    aioublk.__version__ agree with it (a mismatch: run scripts/setup)."""
+    version = pyproject()["project"]["version"]  # type: ignore[index]
+    assert metadata.version("aioublk") == version
+    assert aioublk.__version__ == version
