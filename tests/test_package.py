@@ -9,6 +9,8 @@ import fnmatch
 import importlib
 import os
 import pkgutil
+import subprocess
+import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from importlib import metadata
@@ -160,3 +162,9 @@ def test_one_version_from_pyproject_through_the_metadata() -> None:
     version = pyproject()["project"]["version"]  # type: ignore[index]
     assert metadata.version("aioublk") == version
     assert aioublk.__version__ == version
+
+
+def test_cli_version() -> None:
+    out = subprocess.run([sys.executable, "-m", "aioublk", "--version"],
+                         capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (0, f"aioublk {aioublk.__version__}\n", "")
