@@ -41,8 +41,7 @@ import struct
 import time
 from collections.abc import Iterator
 
-import structlog
-
+from aioublk import logs
 from aioublk.errors import Error
 
 PERM_BASE = 100
@@ -62,7 +61,7 @@ _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux (64-bit off_t), padde
 #: has torn down its io_uring, which takes a moment.
 GRACE = 2.0
 
-log = structlog.get_logger("aioublk.locking")
+log = logs.get_logger("aioublk.locking")
 
 _force_share: contextvars.ContextVar[bool] = contextvars.ContextVar("force_share",
                                                                     default=False)

@@ -27,12 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import structlog
-
+from aioublk import logs
 from aioublk.device import Device
 from aioublk.errors import Error
 
-log = structlog.get_logger("aioublk.stats")
+log = logs.get_logger("aioublk.stats")
 
 RUN_DIR = Path(os.environ.get("AIOUBLK_RUN_DIR", "/run/aioublk"))
 
