@@ -1,12 +1,37 @@
-"""aioublk: Linux ublk block-device servers written as asyncio coroutines."""
+"""aioublk: Linux ublk block-device servers written as asyncio coroutines.
 
+Every name an application needs is here: the device and its options, the
+target base class and its buffers, the data-plane maps, the ring, the
+built-in targets, the qcow2 engine, and ``Error`` with its subclasses."""
+
+from aioublk._version import __version__ as __version__
+from aioublk.config import ConfigError
 from aioublk.dataplane import Extents, Linear, Map, Null, Striped
 from aioublk.device import Control, Device
-from aioublk.extents import ExtentTable
-from aioublk.options import DeviceConfig, UblkError
+from aioublk.errors import Error
+from aioublk.extents import ExtentConflict, ExtentTable
+from aioublk.locking import InUse, LockFailed
+from aioublk.options import CopyMode, DeviceConfig, UblkError
+from aioublk.qcow2 import Qcow2Error, Qcow2Image
 from aioublk.ring import Ring, current_ring
-from aioublk.target import Geometry, Target
+from aioublk.stats import RunDirError
+from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target
+from aioublk.targets import BackingError, LoopTarget, NullTarget, StripeTarget
+from aioublk.targets.qcow2 import Qcow2Target
 
-__all__ = ["Control", "Device", "DeviceConfig", "ExtentTable", "Extents", "Geometry", "Linear",
-           "Map", "Null", "Ring", "Striped", "Target", "UblkError", "current_ring"]
-__version__ = "0.1.0"
+__all__ = [
+    # devices
+    "Control", "CopyMode", "Device", "DeviceConfig",
+    # targets
+    "Buffer", "Done", "FixedBuf", "Geometry", "Target",
+    "LoopTarget", "NullTarget", "Qcow2Target", "StripeTarget",
+    # the data plane
+    "ExtentTable", "Extents", "Linear", "Map", "Null", "Striped",
+    # I/O
+    "Ring", "current_ring",
+    # qcow2 without ublk
+    "Qcow2Image",
+    # errors
+    "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
+    "Qcow2Error", "RunDirError", "UblkError",
+]

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NoReturn
 
 from aioublk import logs, stats, uapi
+from aioublk._version import __version__
 from aioublk.config import build_target
 from aioublk.device import Control, Device, dump
 from aioublk.options import CopyMode, DeviceConfig, UblkError
@@ -115,6 +116,7 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="aioublk", description="ublk block-device server (kublk-compatible)")
+    p.add_argument("--version", action="version", version=f"aioublk {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     _add_create_options(sub.add_parser("add", help="create a device and serve it"))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aioublk import locking, uapi
+from aioublk.errors import Error
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.target import Target
 
@@ -52,7 +53,7 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+)\s*([KMGT]?)\s*", re.IGNORECASE)
 
 
-class ConfigError(Exception):
+class ConfigError(Error):
     """A configuration problem, in one line: ``FILE: PATH: problem: remedy``."""
 
 

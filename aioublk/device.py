@@ -26,16 +26,14 @@ import os
 from dataclasses import replace
 from typing import Any
 
-import structlog
-
-from aioublk import uapi
+from aioublk import logs, uapi
 from aioublk.driver import QueueMem, WorkerSpec
 from aioublk.options import DeviceConfig, UblkError, layout
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import Target
 from aioublk.worker import Worker
 
-log = structlog.get_logger("aioublk.device")
+log = logs.get_logger("aioublk.device")
 
 CONTROL_PATH = "/dev/ublk-control"
 

@@ -30,7 +30,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import structlog
+from aioublk import logs
 
 BLKSSZGET = 0x1268
 BLKPBSZGET = 0x127B
@@ -41,7 +41,7 @@ _STATX_MASK = struct.Struct("I")
 _STATX_DIO = struct.Struct("II")  # stx_dio_mem_align, stx_dio_offset_align
 _STATX_DIO_AT = 152
 
-log = structlog.get_logger("aioublk.directio")
+log = logs.get_logger("aioublk.directio")
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, cast
 
-import structlog
-
 from aioublk import logs, uapi
 from aioublk._uring import ffi, lib
 from aioublk.dataplane import EV_IDLE, EV_LOST, EV_RETRY, decode
@@ -31,7 +29,7 @@ from aioublk.options import CopyMode, DeviceConfig
 from aioublk.ring import Ring, buffer_address, keep
 from aioublk.target import Buffer, Done, FixedBuf, Target
 
-log = structlog.get_logger("aioublk.queue")
+log = logs.get_logger("aioublk.queue")
 #: how long a stopping worker waits for the requests it holds to finish
 DRAIN_SECONDS = 5.0
 #: how long the data plane waits in C for the next completion, while it alone

@@ -22,6 +22,7 @@ import errno
 from typing import Any
 
 from aioublk._uring import ffi, lib
+from aioublk.errors import Error
 
 __all__ = ["ExtentConflict", "ExtentTable", "Handle", "Piece"]
 
@@ -32,7 +33,7 @@ _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
 
 
-class ExtentConflict(ValueError):
+class ExtentConflict(Error, ValueError):
     """An insert met a granule already mapped elsewhere; nothing was changed."""
 
 

@@ -41,7 +41,8 @@ import struct
 import time
 from collections.abc import Iterator
 
-import structlog
+from aioublk import logs
+from aioublk.errors import Error
 
 PERM_BASE = 100
 SHARED_BASE = 200
@@ -60,17 +61,17 @@ _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux (64-bit off_t), padde
 #: has torn down its io_uring, which takes a moment.
 GRACE = 2.0
 
-log = structlog.get_logger("aioublk.locking")
+log = logs.get_logger("aioublk.locking")
 
 _force_share: contextvars.ContextVar[bool] = contextvars.ContextVar("force_share",
                                                                     default=False)
 
 
-class InUse(Exception):
+class InUse(Error):
     """Another process (QEMU or aioublk) has the file open incompatibly."""
 
 
-class LockFailed(OSError):
+class LockFailed(Error, OSError):
     """Taking the lock failed for another reason than a conflict: an OSError
     (its errno kept) that reads as one line naming the file."""
 

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 from aioublk import uapi
 from aioublk._uring import lib
+from aioublk.errors import Error
 
 MAX_DEV_ID = 1 << 20  # ublk_drv's UBLK_MAX_UBLKS
 
 
-class UblkError(Exception):
+class UblkError(Error):
     """A failure explained in one line for the user."""
 
 

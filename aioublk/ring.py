@@ -35,12 +35,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import structlog
-
+from aioublk import logs
 from aioublk._uring import ffi, lib
 from aioublk.dataplane import DataPlane, EventHandler
 
-log = structlog.get_logger("aioublk.ring")
+log = logs.get_logger("aioublk.ring")
 
 CQE = struct.Struct("=QiI")
 _REAP_BATCH = 256

@@ -22,8 +22,6 @@ import signal
 import sys
 from dataclasses import dataclass
 
-import structlog
-
 from aioublk import logs, stats, uapi
 from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
 from aioublk.device import Control, Device, dump, settled_info, state_name
@@ -32,7 +30,7 @@ from aioublk.qcow2 import Qcow2Error
 from aioublk.target import Target
 from aioublk.targets import BackingError
 
-log = structlog.get_logger("aioublk.serve")
+log = logs.get_logger("aioublk.serve")
 
 #: errors that explain themselves in one line; anything else gets its type name
 _ONE_LINE = (UblkError, BackingError, Qcow2Error, OSError)

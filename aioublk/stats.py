@@ -27,11 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import structlog
-
+from aioublk import logs
 from aioublk.device import Device
+from aioublk.errors import Error
 
-log = structlog.get_logger("aioublk.stats")
+log = logs.get_logger("aioublk.stats")
 
 RUN_DIR = Path(os.environ.get("AIOUBLK_RUN_DIR", "/run/aioublk"))
 
@@ -40,7 +40,7 @@ DIR_MODE = 0o755
 FILE_MODE = 0o644
 
 
-class RunDirError(OSError):
+class RunDirError(Error, OSError):
     """``RUN_DIR`` is not safe to write in, in one line saying what to do."""
 
 

@@ -23,9 +23,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
-from aioublk import uapi
+from aioublk import logs, uapi
 from aioublk.dataplane import Map
 
 
@@ -110,7 +108,7 @@ Buffer = memoryview | FixedBuf
 #: A request's completion: called once with the result for the kernel.
 Done = Callable[[int], None]
 
-log = structlog.get_logger("aioublk.target")
+log = logs.get_logger("aioublk.target")
 
 
 async def gather_all(aws: Sequence[Awaitable[int]]) -> list[int]:

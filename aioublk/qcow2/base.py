@@ -13,13 +13,12 @@ from array import array
 from collections import OrderedDict
 from typing import Any, NoReturn
 
-import structlog
-
+from aioublk import logs
 from aioublk.extents import ExtentTable
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.hostfile import HostFile, aligned
 
-log = structlog.get_logger("aioublk.qcow2")
+log = logs.get_logger("aioublk.qcow2")
 
 DEFAULT_CACHE_BYTES = 32 << 20  # L2 cache bound, as QEMU's default maximum
 OFFLOAD_BYTES = 64 << 10  # clusters this big are decompressed on a worker thread

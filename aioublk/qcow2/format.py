@@ -14,6 +14,8 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from aioublk.errors import Error
+
 MAGIC = b"QFI\xfb"
 
 # incompatible feature bits
@@ -55,7 +57,7 @@ _V3 = struct.Struct(">QQQII")  # 32 bytes at offset 72
 _SNAP = struct.Struct(">QIHHIIQII")  # 40 bytes, then extra data, id, name
 
 
-class Qcow2Error(Exception):
+class Qcow2Error(Error):
     """An image this engine refuses, explained in one line."""
 
 

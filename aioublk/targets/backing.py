@@ -19,9 +19,8 @@ import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-import structlog
-
-from aioublk import directio, locking
+from aioublk import directio, locking, logs
+from aioublk.errors import Error
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, FixedBuf, Geometry
 
@@ -30,10 +29,10 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 FALLOC_FL_ZERO_RANGE = 0x10
 
-log = structlog.get_logger("aioublk.targets.backing")
+log = logs.get_logger("aioublk.targets.backing")
 
 
-class BackingError(Exception):
+class BackingError(Error):
     """A backing file that cannot be used, explained in one line."""
 
 
