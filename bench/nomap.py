@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,10 +75,15 @@ def _serve(python: str) -> tuple[subprocess.Popen[str], str]:
     p = subprocess.Popen([python, "-c", SERVER], stdout=subprocess.PIPE, text=True,
                          cwd="/")
     assert p.stdout is not None
-    path = p.stdout.readline().strip()
+    path = ""
+    for _ in range(20):  # (the baseline's library logs to stdout too)
+        path = p.stdout.readline().strip()
+        if path.startswith("/dev/ublkb") or not path:
+            break
     if not path.startswith("/dev/ublkb"):
         p.kill()
         raise RuntimeError(f"{python}: the server printed {path!r}, not a device")
+    threading.Thread(target=p.stdout.read, daemon=True).start()  # never a full pipe
     for _ in range(50):
         if os.path.exists(path):
             break
@@ -129,9 +135,17 @@ def baseline_tree(rev: str) -> Path:
     return tree
 
 
+def _interpreter(python: Path | str) -> str:
+    out = subprocess.run([str(python), "-c", "import sys; print(sys.version.split()[0])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return f"{os.path.realpath(python)} {out}"
+
+
 def report(data: dict[str, object], baseline: str, command: str) -> str:
     runs = data["runs"]
     assert isinstance(runs, list)
+    interpreters = data.get("interpreters") or {}
+    assert isinstance(interpreters, dict)
     lines = [
         "# A target with no map: today vs before the data plane",
         "",
@@ -144,6 +158,9 @@ def report(data: dict[str, object], baseline: str, command: str) -> str:
         f"{data['rounds']} round(s), the order swapping every round. Under emulation the "
         "absolute IOPS mean little: **the ratio is the result** (the goal: >= 1, within "
         "noise).",
+        "",
+        *[f"- {tree}: Python {interpreters[tree]} (what that tree's `scripts/setup` "
+          "picked)" for tree in TREES if tree in interpreters],
         "",
         "| workload | before IOPS | today IOPS | today / before |",
         "| --- | ---: | ---: | ---: |",
@@ -163,6 +180,8 @@ def main() -> int:
     ap.add_argument("--runtime", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", default=BASELINE)
+    ap.add_argument("--report", metavar="JSON",
+                    help="only write the report again from a run's results/nomap.json")
     ap.add_argument("--inner", nargs=3, metavar=("BEFORE", "TODAY", "OUT"),
                     help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -173,6 +192,11 @@ def main() -> int:
     from aioublk.testing.guest import run_in_guest
 
     before = baseline_tree(ns.baseline) / ".venv" / "bin" / "python"
+    interpreters = {"before": _interpreter(before), "today": _interpreter(sys.executable)}
+    if ns.report:
+        data = json.loads(Path(ns.report).read_text())
+        data["interpreters"] = interpreters
+        return _publish(data, ns, 0)
     with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
         out = Path(rw) / "result.json"
         argv = [sys.executable, "-m", "bench.nomap", "--runtime", str(ns.runtime),
@@ -183,8 +207,14 @@ def main() -> int:
             print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
             return 1
         data = json.loads(out.read_text())
-    command = (f".venv/bin/python -m bench.nomap --runtime {ns.runtime} --rounds {ns.rounds}"
-               + (f" --baseline {ns.baseline}" if ns.baseline != BASELINE else ""))
+    data["interpreters"] = interpreters
+    return _publish(data, ns, code)
+
+
+def _publish(data: dict[str, object], ns: argparse.Namespace, code: int) -> int:
+    command = (f".venv/bin/python -m bench.nomap --runtime {data['runtime']} --rounds "
+               f"{data['rounds']}" + (f" --baseline {ns.baseline}" if ns.baseline != BASELINE
+                                      else ""))
     text = report(data, ns.baseline, command)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "nomap.json").write_text(json.dumps(data, indent=1) + "\n")
