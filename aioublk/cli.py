@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 from aioublk import logs, stats, uapi
 from aioublk._version import __version__
-from aioublk.config import build_target
+from aioublk.config import SIZE_FORMS, build_target, parse_size
 from aioublk.device import Control, Device, dump
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.qcow2 import Qcow2Error
@@ -58,6 +58,14 @@ def _flag01(value: str) -> bool:
     return value == "1"
 
 
+def _size(value: str) -> int:
+    """A size option: bytes, or "4M" and the like, parsed as config files are."""
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_dev_id(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("-n", "--number", dest="dev_id", type=int, default=-1,
                         metavar="DEV_ID", help=help)
@@ -65,6 +73,7 @@ def _add_dev_id(parser: argparse.ArgumentParser, help: str) -> None:
 
 def _add_create_options(add: argparse.ArgumentParser) -> None:
     """The options of ``add``, which ``recover`` takes again."""
+    add.epilog = f"SIZE is {SIZE_FORMS}."
     add.add_argument("-t", "--type", dest="target", required=True,
                      help="target: " + "|".join(TARGETS))
     _add_dev_id(add, "device id (default: -1, auto allocation)")
@@ -81,8 +90,8 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("--no_auto_part_scan", action="store_true",
                      help="do not scan the new disk for partitions "
                      "(UBLK_F_NO_AUTO_PART_SCAN)")
-    add.add_argument("--chunk_size", type=int, default=65536,
-                     help="stripe: bytes per chunk, a power of two (default: 65536)")
+    add.add_argument("--chunk_size", type=_size, default=65536, metavar="SIZE",
+                     help="stripe: bytes per chunk, a power of two (default: 64K)")
     batch = add.add_mutually_exclusive_group()
     batch.add_argument("-b", "--batch", action="store_true", default=None,
                        help="require UBLK_F_BATCH_IO (default: use it when the kernel has it)")
@@ -111,8 +120,8 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="loop/qcow2: serve the file read-only")
     add.add_argument("--force-share", "-U", dest="force_share", action="store_true",
                      help="with --read-only: serve files QEMU or others may be writing")
-    add.add_argument("--l2-cache", dest="l2_cache", type=int, default=None,
-                     help="qcow2: L2 cache bytes (default: map the whole disk, up to 32 MiB)")
+    add.add_argument("--l2-cache", dest="l2_cache", type=_size, default=None, metavar="SIZE",
+                     help="qcow2: L2 cache size (default: map the whole disk, up to 32M)")
     add.add_argument("--allow-backing", dest="allow_backing", action="append", default=[],
                      metavar="PATH", help="qcow2: backing files may also be under this "
                      "directory, or be this file or block device (repeatable; by default "
@@ -154,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
 
     us = sub.add_parser("update_size", help="change the device's size")
     _add_dev_id(us, "device to resize")
-    us.add_argument("-s", "--size", type=int, required=True, help="new size in bytes")
+    us.add_argument("-s", "--size", type=_size, required=True,
+                    help=f"new size: {SIZE_FORMS}")
 
     ls = sub.add_parser("list", help="show devices")
     _add_dev_id(ls, "device to show (default: all)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from aioublk import cli
 
 
@@ -32,3 +34,31 @@ def test_every_option_of_every_subcommand_has_help() -> None:
                 flag = "/".join(action.option_strings) or action.dest
                 missing.append(f"{name or 'aioublk'} {flag}")
     assert not missing, missing
+
+
+@pytest.mark.parametrize("args,dest,size", [
+    (["add", "-t", "stripe", "--chunk_size", "64K", "a", "b"], "chunk_size", 64 << 10),
+    (["add", "-t", "stripe", "--chunk_size", "131072", "a", "b"], "chunk_size", 128 << 10),
+    (["recover", "-t", "qcow2", "-n", "0", "--l2-cache", "4MiB", "a"], "l2_cache", 4 << 20),
+    (["add", "-t", "qcow2", "--l2-cache", "1mb", "a"], "l2_cache", 1 << 20),
+    (["update_size", "-n", "0", "-s", "2G"], "size", 2 << 30),
+    (["update_size", "-n", "0", "-s", "1T"], "size", 1 << 40),
+])
+def test_sizes_take_suffixes(args: list[str], dest: str, size: int) -> None:
+    assert getattr(cli._parser().parse_args(args), dest) == size
+
+
+@pytest.mark.parametrize("args,option", [
+    (["add", "-t", "stripe", "--chunk_size", "64X", "a", "b"], "--chunk_size"),
+    (["add", "-t", "qcow2", "--l2-cache", "1.5M", "a"], "--l2-cache"),
+    (["update_size", "-n", "0", "-s", "-1"], "-s/--size"),
+])
+def test_bad_size_is_one_line_naming_the_option(args: list[str], option: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"aioublk: argument {option}: ") and "is not a size: use bytes, or a " \
+        "number with K, M, G or T" in err, err
