@@ -66,6 +66,18 @@ def _size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _debug_mask(value: str) -> int:
+    """kublk's --debug_mask: hexadecimal, with or without 0x (kublk reads it so)."""
+    try:
+        mask = int(value, 16)
+    except ValueError:
+        mask = -1
+    if mask < 0:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a hexadecimal mask: use e.g. 0, "
+                                         "0x20 or 0x1f")
+    return mask
+
+
 def _add_dev_id(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("-n", "--number", dest="dev_id", type=int, default=-1,
                         metavar="DEV_ID", help=help)
@@ -84,9 +96,10 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("--foreground", action="store_true",
                      help="serve in this process instead of daemonizing")
     add.add_argument("--quiet", action="store_true",
-                     help="accepted for kublk compatibility; no effect yet")
-    add.add_argument("--debug_mask", default=None, metavar="MASK",
-                     help="accepted for kublk compatibility; no effect yet")
+                     help="log errors only (the device's lines are still printed)")
+    add.add_argument("--debug_mask", type=_debug_mask, default=None, metavar="MASK",
+                     help="kublk's hex mask: 0 = as --quiet, 0x20 (UBLK_LOG) = the default "
+                     "logs, any of 0x1f = debug logs, as -v")
     add.add_argument("--no_auto_part_scan", action="store_true",
                      help="do not scan the new disk for partitions "
                      "(UBLK_F_NO_AUTO_PART_SCAN)")
@@ -415,10 +428,33 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
     return result
 
 
+#: kublk's debug_mask bits: UBLK_DBG_DEV..UBLK_DBG_CTRL_CMD are its debug
+#: output, UBLK_LOG its usual lines (its default mask)
+_KUBLK_DEBUG, _KUBLK_LOG = 0x1f, 0x20
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The log level ``-v``, ``--quiet`` and ``--debug_mask`` ask for
+    (refused in one line if they disagree)."""
+    asked: dict[str, str] = {}
+    if args.verbose:
+        asked["-v"] = "debug"
+    if args.quiet:
+        asked["--quiet"] = "error"
+    if args.debug_mask is not None:
+        mask = args.debug_mask
+        asked[f"--debug_mask {mask:#x}"] = ("debug" if mask & _KUBLK_DEBUG else
+                                            "warning" if mask & _KUBLK_LOG else "error")
+    levels = set(asked.values())
+    if len(levels) > 1:
+        raise UblkError(f"{' and '.join(asked)} ask for different logs: pick one")
+    return levels.pop() if levels else "warning"
+
+
 def cmd_add(args: argparse.Namespace) -> int:
     """``add`` and ``recover``: serve in the foreground, or daemonize and
     report how the start went."""
-    logs.configure(verbose=args.verbose, json=args.log_format == "json")
+    logs.configure(json=args.log_format == "json", level=log_level(args))
     recover = args.cmd == "recover"
     if recover:
         _need_id(args)
