@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 from aioublk import logs, stats, uapi
 from aioublk._version import __version__
-from aioublk.config import build_target
+from aioublk.config import SIZE_FORMS, build_target, parse_size
 from aioublk.device import Control, Device, dump
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.qcow2 import Qcow2Error
@@ -58,18 +58,53 @@ def _flag01(value: str) -> bool:
     return value == "1"
 
 
+def _size(value: str) -> int:
+    """A size option: bytes, or "4M" and the like, parsed as config files are."""
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _debug_mask(value: str) -> int:
+    """kublk's --debug_mask: hexadecimal, with or without 0x (kublk reads it so)."""
+    try:
+        mask = int(value, 16)
+    except ValueError:
+        mask = -1
+    if mask < 0:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a hexadecimal mask: use e.g. 0, "
+                                         "0x20 or 0x1f")
+    return mask
+
+
+def _add_dev_id(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("-n", "--number", dest="dev_id", type=int, default=-1,
+                        metavar="DEV_ID", help=help)
+
+
 def _add_create_options(add: argparse.ArgumentParser) -> None:
     """The options of ``add``, which ``recover`` takes again."""
+    add.epilog = f"SIZE is {SIZE_FORMS}."
     add.add_argument("-t", "--type", dest="target", required=True,
                      help="target: " + "|".join(TARGETS))
-    add.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
-    add.add_argument("-q", "--queues", type=int, default=2)
-    add.add_argument("-d", "--depth", type=int, default=128)
-    add.add_argument("--foreground", action="store_true")
-    add.add_argument("--quiet", action="store_true")
-    add.add_argument("--debug_mask", default=None)
-    add.add_argument("--no_auto_part_scan", action="store_true")
-    add.add_argument("--chunk_size", type=int, default=65536)
+    _add_dev_id(add, "device id (default: -1, auto allocation)")
+    add.add_argument("-q", "--queues", type=int, default=2, metavar="NR_QUEUES",
+                     help="number of hardware queues (default: 2, max 32)")
+    add.add_argument("-d", "--depth", type=int, default=128,
+                     help=f"queue depth (default: 128, max {uapi.MAX_QUEUE_DEPTH})")
+    add.add_argument("--foreground", action="store_true",
+                     help="serve in this process instead of daemonizing")
+    add.add_argument("--quiet", action="store_true",
+                     help="log errors only (the device's lines are still printed)")
+    add.add_argument("--debug_mask", type=_debug_mask, default=None, metavar="MASK",
+                     help="kublk's hex mask: 0 = as --quiet, 0x20 (UBLK_LOG) = the default "
+                     "logs, any of 0x1f = debug logs, as -v")
+    add.add_argument("--no_auto_part_scan", action="store_true",
+                     help="do not scan the new disk for partitions "
+                     "(UBLK_F_NO_AUTO_PART_SCAN)")
+    add.add_argument("--chunk_size", type=_size, default=65536, metavar="SIZE",
+                     help="stripe: bytes per chunk, a power of two (default: 64K)")
     batch = add.add_mutually_exclusive_group()
     batch.add_argument("-b", "--batch", action="store_true", default=None,
                        help="require UBLK_F_BATCH_IO (default: use it when the kernel has it)")
@@ -82,13 +117,15 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="with --auto_zc: register by hand when the kernel cannot")
     add.add_argument("-u", dest="user_copy", action="store_true",
                      help="user copy (UBLK_F_USER_COPY)")
-    add.add_argument("--nthreads", type=int, default=0)
-    add.add_argument("--per_io_tasks", action="store_true")
-    add.add_argument("-r", "--recovery", type=_flag01, default=False,
+    add.add_argument("--nthreads", type=int, default=0,
+                     help="number of worker threads (default: 0, one per queue)")
+    add.add_argument("--per_io_tasks", action="store_true",
+                     help="spread each queue's tags over the threads (UBLK_F_PER_IO_DAEMON)")
+    add.add_argument("-r", "--recovery", type=_flag01, default=False, metavar="0|1",
                      help="1: the device outlives its server, QUIESCED until `recover`")
-    add.add_argument("-e", "--recovery_fail_io", type=_flag01, default=False,
+    add.add_argument("-e", "--recovery_fail_io", type=_flag01, default=False, metavar="0|1",
                      help="1: recovery, and I/O fails while no server is attached")
-    add.add_argument("-i", "--recovery_reissue", type=_flag01, default=False,
+    add.add_argument("-i", "--recovery_reissue", type=_flag01, default=False, metavar="0|1",
                      help="1: recovery, and requests the dead server held are reissued")
     add.add_argument("--buffered", action="store_true",
                      help="loop/stripe/qcow2: do not use O_DIRECT on the backing files")
@@ -96,8 +133,8 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="loop/qcow2: serve the file read-only")
     add.add_argument("--force-share", "-U", dest="force_share", action="store_true",
                      help="with --read-only: serve files QEMU or others may be writing")
-    add.add_argument("--l2-cache", dest="l2_cache", type=int, default=None,
-                     help="qcow2: L2 cache bytes (default: map the whole disk, up to 32 MiB)")
+    add.add_argument("--l2-cache", dest="l2_cache", type=_size, default=None, metavar="SIZE",
+                     help="qcow2: L2 cache size (default: map the whole disk, up to 32M)")
     add.add_argument("--allow-backing", dest="allow_backing", action="append", default=[],
                      metavar="PATH", help="qcow2: backing files may also be under this "
                      "directory, or be this file or block device (repeatable; by default "
@@ -107,16 +144,19 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      "(never guessed)")
     add.add_argument("--delay_us", type=int, default=0,
                      help="fault_inject: hold each request this many microseconds")
-    add.add_argument("--die_during_fetch", type=_flag01, default=False,
+    add.add_argument("--die_during_fetch", type=_flag01, default=False, metavar="0|1",
                      help="fault_inject: 1 = SIGKILL the server while it arms its tags")
     add.add_argument("-v", "--verbose", action="store_true", help="log every request")
-    add.add_argument("--log-format", choices=("console", "json"), default="console")
-    add.add_argument("files", nargs="*")
+    add.add_argument("--log-format", choices=("console", "json"), default="console",
+                     help="log lines on stderr as text (default) or JSON")
+    add.add_argument("files", nargs="*", metavar="FILE",
+                     help="backing files: loop and qcow2 take one, stripe 2 to 4")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="aioublk", description="ublk block-device server (kublk-compatible)")
-    p.add_argument("--version", action="version", version=f"aioublk {__version__}")
+    p.add_argument("--version", action="version", version=f"aioublk {__version__}",
+                   help="show the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     _add_create_options(sub.add_parser("add", help="create a device and serve it"))
@@ -124,30 +164,31 @@ def _parser() -> argparse.ArgumentParser:
         "recover", help="serve a QUIESCED device again (give the options it was added with)"))
 
     d = sub.add_parser("del", help="delete devices")
-    d.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
-    d.add_argument("-a", "--all", action="store_true")
+    _add_dev_id(d, "device to delete")
+    d.add_argument("-a", "--all", action="store_true", help="delete all devices")
 
     st = sub.add_parser("stop", help="stop a device (its server exits; del removes it)")
-    st.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
+    _add_dev_id(st, "device to stop")
     st.add_argument("--safe", action="store_true", help="only if nothing has the disk open")
 
     qu = sub.add_parser("quiesce", help="detach the server, leaving the device QUIESCED")
-    qu.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
+    _add_dev_id(qu, "device to quiesce")
 
     us = sub.add_parser("update_size", help="change the device's size")
-    us.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
-    us.add_argument("-s", "--size", type=int, required=True, help="new size in bytes")
+    _add_dev_id(us, "device to resize")
+    us.add_argument("-s", "--size", type=_size, required=True,
+                    help=f"new size: {SIZE_FORMS}")
 
     ls = sub.add_parser("list", help="show devices")
-    ls.add_argument("-n", "--number", dest="dev_id", type=int, default=-1)
-    ls.add_argument("-a", "--all", action="store_true")
+    _add_dev_id(ls, "device to show (default: all)")
+    ls.add_argument("-a", "--all", action="store_true", help="show all devices (the default)")
     ls.add_argument("--stats", action="store_true",
                     help="also each queue's requests, bytes, errors and in-flight count")
 
     sub.add_parser("features", help="show the driver's features")
 
     sv = sub.add_parser("serve", help="serve the devices of a TOML config file (foreground)")
-    sv.add_argument("config")
+    sv.add_argument("config", help="the TOML config file (see README)")
     return p
 
 
@@ -387,10 +428,33 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
     return result
 
 
+#: kublk's debug_mask bits: UBLK_DBG_DEV..UBLK_DBG_CTRL_CMD are its debug
+#: output, UBLK_LOG its usual lines (its default mask)
+_KUBLK_DEBUG, _KUBLK_LOG = 0x1f, 0x20
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The log level ``-v``, ``--quiet`` and ``--debug_mask`` ask for
+    (refused in one line if they disagree)."""
+    asked: dict[str, str] = {}
+    if args.verbose:
+        asked["-v"] = "debug"
+    if args.quiet:
+        asked["--quiet"] = "error"
+    if args.debug_mask is not None:
+        mask = args.debug_mask
+        asked[f"--debug_mask {mask:#x}"] = ("debug" if mask & _KUBLK_DEBUG else
+                                            "warning" if mask & _KUBLK_LOG else "error")
+    levels = set(asked.values())
+    if len(levels) > 1:
+        raise UblkError(f"{' and '.join(asked)} ask for different logs: pick one")
+    return levels.pop() if levels else "warning"
+
+
 def cmd_add(args: argparse.Namespace) -> int:
     """``add`` and ``recover``: serve in the foreground, or daemonize and
     report how the start went."""
-    logs.configure(verbose=args.verbose, json=args.log_format == "json")
+    logs.configure(json=args.log_format == "json", level=log_level(args))
     recover = args.cmd == "recover"
     if recover:
         _need_id(args)

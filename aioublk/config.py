@@ -50,7 +50,9 @@ DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fall
                "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
                "physical_block_size", "read_only", "force_share", "options")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+)\s*([KMGT]?)\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
+#: how a size may be written, for error messages
+SIZE_FORMS = "bytes, or a number with K, M, G or T (powers of 1024; KB, KiB... too), e.g. \"64M\""
 
 
 class ConfigError(Error):
@@ -117,17 +119,18 @@ class ServeConfig:
 
 
 def parse_size(value: int | str) -> int:
-    """Bytes from an integer or a string like "64M" (K/M/G/T are binary).
-    Raises ValueError with the reason."""
+    """Bytes from an integer or a string like "64M", "64MB" or "64MiB"
+    (K/M/G/T are powers of 1024, any case; a bare "B" is bytes). The
+    command line and config files both parse sizes here. Raises ValueError
+    with the reason."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{_show(value)} is {_kind(value)}: use bytes or a string like \"64M\"")
+        raise ValueError(f"{_show(value)} is {_kind(value)}: use {SIZE_FORMS}")
     if isinstance(value, int):
         return value
     m = _SIZE.fullmatch(value)
     if m is None:
-        raise ValueError(f"{_show(value)} is not a size: use bytes or a number with K, M, G "
-                         "or T (binary), e.g. \"64M\"")
-    return int(m[1]) * _UNITS[m[2].upper()]
+        raise ValueError(f"{_show(value)} is not a size: use {SIZE_FORMS}")
+    return int(m[1]) * _UNITS[(m[2] or "").upper()]
 
 
 def build_target(kind: str, options: dict[str, Any], *, read_only: bool = False,
@@ -503,7 +506,7 @@ def _device_size(v: Any, at: str) -> int:
 def _block_size(v: Any, at: str) -> int | None:
     if v is None:
         return None
-    n = _int(v, at, 512, 4096)
+    n = _size(v, at, 512, 4096)
     if n not in BLOCK_SIZES:
         raise _Invalid(at, f"{n} is not a power of two: use 512, 1024, 2048 or 4096")
     return n

@@ -203,6 +203,21 @@ def test_relative_paths_are_relative_to_the_config_file(cfg: Path,
     assert d.options["file"] == str(cfg.parent / "a.img")
 
 
+def test_sizes_take_suffixes(cfg: Path) -> None:
+    """Every size in a config file may be written "4M", "4MB" or "4MiB"."""
+    cfg.write_text('[[devices]]\ntarget = "null"\nlogical_block_size = "4K"\n'
+                   'physical_block_size = "4KiB"\noptions = { size = "64MiB" }\n'
+                   '[[devices]]\ntarget = "stripe"\n'
+                   'options = { files = ["b.img", "c.img"], chunk_size = "128kB" }\n'
+                   '[[devices]]\ntarget = "qcow2"\n'
+                   'options = { image = "a.img", l2_cache = "1M" }\n')
+    null, stripe, qcow2 = load("config.toml").devices
+    assert null.options == {"size": 64 * MiB}
+    assert (null.logical_block_size, null.physical_block_size) == (4096, 4096)
+    assert stripe.options["chunk_size"] == 128 << 10
+    assert qcow2.options["l2_cache"] == MiB
+
+
 def test_two_read_only_devices_may_share_a_file(cfg: Path) -> None:
     cfg.write_text('[[devices]]\ntarget = "loop"\nread_only = true\noptions = { file = "a.img" }\n'
                    '[[devices]]\ntarget = "qcow2"\nread_only = true\n'
@@ -212,12 +227,14 @@ def test_two_read_only_devices_may_share_a_file(cfg: Path) -> None:
 
 @pytest.mark.parametrize("text,size", [(4096, 4096), ("4096", 4096), ("64K", 64 << 10),
                                        ("64M", 64 * MiB), ("1g", 1 << 30), ("250G", 250 << 30),
-                                       ("2T", 2 << 40), (" 8 M ", 8 * MiB)])
+                                       ("2T", 2 << 40), (" 8 M ", 8 * MiB), ("64MB", 64 * MiB),
+                                       ("64MiB", 64 * MiB), ("4kib", 4096), ("512B", 512),
+                                       ("1 GiB", 1 << 30)])
 def test_parse_size(text: int | str, size: int) -> None:
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "M", "1.5G", "64MB", "-1", "64X"])
+@pytest.mark.parametrize("text", ["", "M", "MB", "1.5G", "-1", "64X", "4iB", "4BB", "4MiBB"])
 def test_parse_size_refuses(text: str) -> None:
     with pytest.raises(ValueError, match="is not a size"):
         parse_size(text)
@@ -289,6 +306,9 @@ MISTAKES = [
      "config.toml: devices[0].physical_block_size: 8192 is out of range: use 512..4096"),
     (NULL + "logical_block_size = 4096\nphysical_block_size = 512\n",
      "config.toml: devices[0].physical_block_size: 512 is smaller than logical_block_size 4096"),
+    (NULL + 'logical_block_size = "4X"\n',
+     'config.toml: devices[0].logical_block_size: "4X" is not a size: use bytes, or a number '
+     'with K, M, G or T'),
     (NULL + 'options = { size = "64X" }\n',
      'config.toml: devices[0].options.size: "64X" is not a size'),
     (NULL + "options = { size = 1000 }\n",

@@ -1,0 +1,126 @@
+"""The command line's parser, on the host (no kernel needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from aioublk import cli
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    subs: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            subs.update(action.choices)
+    return subs
+
+
+def test_every_option_of_every_subcommand_has_help() -> None:
+    """So that no option can be added without saying what it does."""
+    parser = cli._parser()
+    subs = _subparsers(parser)
+    assert {"add", "recover", "del", "stop", "quiesce", "update_size", "list", "features",
+            "serve"} <= set(subs)
+    missing = []
+    for name, sub in [("", parser), *subs.items()]:
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"subcommand {c.dest}" for c in action._choices_actions
+                            if not c.help]
+                continue
+            if not action.help or action.help == argparse.SUPPRESS:
+                flag = "/".join(action.option_strings) or action.dest
+                missing.append(f"{name or 'aioublk'} {flag}")
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("args,dest,size", [
+    (["add", "-t", "stripe", "--chunk_size", "64K", "a", "b"], "chunk_size", 64 << 10),
+    (["add", "-t", "stripe", "--chunk_size", "131072", "a", "b"], "chunk_size", 128 << 10),
+    (["recover", "-t", "qcow2", "-n", "0", "--l2-cache", "4MiB", "a"], "l2_cache", 4 << 20),
+    (["add", "-t", "qcow2", "--l2-cache", "1mb", "a"], "l2_cache", 1 << 20),
+    (["update_size", "-n", "0", "-s", "2G"], "size", 2 << 30),
+    (["update_size", "-n", "0", "-s", "1T"], "size", 1 << 40),
+])
+def test_sizes_take_suffixes(args: list[str], dest: str, size: int) -> None:
+    assert getattr(cli._parser().parse_args(args), dest) == size
+
+
+@pytest.mark.parametrize("args,option", [
+    (["add", "-t", "stripe", "--chunk_size", "64X", "a", "b"], "--chunk_size"),
+    (["add", "-t", "qcow2", "--l2-cache", "1.5M", "a"], "--l2-cache"),
+    (["update_size", "-n", "0", "-s", "-1"], "-s/--size"),
+])
+def test_bad_size_is_one_line_naming_the_option(args: list[str], option: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"aioublk: argument {option}: ") and "is not a size: use bytes, or a " \
+        "number with K, M, G or T" in err, err
+
+
+#: ``add --foreground`` with a server that logs one line at each level and
+#: says whether per-request logs are on (no kernel: run_device is replaced)
+_LOGGING_SERVER = """
+import sys
+from aioublk import cli, logs
+async def run_device(target, cfg, on_live=None, recover=False):
+    log = logs.get_logger("aioublk.device")
+    log.debug("debug line")
+    log.warning("warning line")
+    log.error("error line")
+    print("per_request", logs.per_request())
+    return 0
+cli.run_device = run_device
+sys.exit(cli.main(["add", "-t", "null", "--foreground", "--log-format", "json", *sys.argv[1:]]))
+"""
+
+
+def _logged(*args: str) -> tuple[list[str], bool]:
+    """The levels ``add ARGS`` logged, and whether it logs every request."""
+    p = subprocess.run([sys.executable, "-c", _LOGGING_SERVER, *args], capture_output=True,
+                       text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    return [json.loads(line)["level"] for line in p.stderr.splitlines()], \
+        p.stdout.split() == ["per_request", "True"]
+
+
+@pytest.mark.parametrize("args,levels,per_request", [
+    ([], ["warning", "error"], False),
+    (["--quiet"], ["error"], False),
+    (["--debug_mask", "0"], ["error"], False),
+    (["--debug_mask", "0x20"], ["warning", "error"], False),
+    (["--debug_mask", "8"], ["debug", "warning", "error"], True),
+    (["--debug_mask", "0x3f", "-v"], ["debug", "warning", "error"], True),
+    (["-v"], ["debug", "warning", "error"], True),
+])
+def test_quiet_and_debug_mask_set_the_logs(args: list[str], levels: list[str],
+                                           per_request: bool) -> None:
+    """kublk's --quiet (errors only) and --debug_mask (hex: 0 quiet, 0x20
+    its usual lines, debug bits 0x1f) map onto aioublk's log levels."""
+    assert _logged(*args) == (levels, per_request)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--debug_mask", "zz"], "aioublk: argument --debug_mask: 'zz' is not a hexadecimal mask"),
+    (["--quiet", "-v"], "aioublk: -v and --quiet ask for different logs: pick one"),
+    (["--quiet", "--debug_mask", "1"],
+     "aioublk: --quiet and --debug_mask 0x1 ask for different logs: pick one"),
+])
+def test_contradictory_log_options_are_refused(args: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = cli.main(["add", "-t", "null", "--foreground", *args])
+    except SystemExit as e:
+        code = e.code  # type: ignore[assignment]
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(message), err
