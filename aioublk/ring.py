@@ -62,9 +62,16 @@ def keep(buffer: Any) -> None:
 
 def current_ring() -> Ring:
     """The Ring of the queue thread running this coroutine."""
-    ring: Ring | None = getattr(_local, "ring", None)
+    ring = bound_ring()
     if ring is None:
         raise RuntimeError("no aioublk Ring is bound to this thread")
+    return ring
+
+
+def bound_ring() -> Ring | None:
+    """The Ring bound to this thread, or None: for code that makes its own
+    when the caller has none (``Qcow2Image``'s ``async with``)."""
+    ring: Ring | None = getattr(_local, "ring", None)
     return ring
 
 
@@ -78,6 +85,17 @@ def check(res: int, what: str = "io_uring operation") -> int:
     if res < 0:
         raise OSError(-res, f"{what}: {os.strerror(-res)}")
     return res
+
+
+def queue_ring_flags() -> int:
+    """Setup flags for a queue's ring, and for any ring one loop drives:
+    single issuer, cooperative task work (run at the thread's next syscall,
+    no IPI). Here, below the queue layer, so the qcow2 engine's own ring
+    uses them too. Measured in the guest against
+    DEFER_TASKRUN, whose wake needs a second enter that waits with a zero
+    timeout (about 9 us per wake): 4k reads at qd64, null 5.7k -> 9.2k IOPS,
+    qcow2 2.5k -> 3.8k, loop 3.0k -> 3.7k."""
+    return int(lib.IORING_SETUP_SINGLE_ISSUER | lib.IORING_SETUP_COOP_TASKRUN)
 
 
 class Ring:

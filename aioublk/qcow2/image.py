@@ -93,6 +93,7 @@ from aioublk.qcow2.format import OFFSET_MASK, Qcow2Error
 from aioublk.qcow2.hostfile import HostFile, RawBacking
 from aioublk.qcow2.writeback import HEADER, L1, L2, REFBLOCK, REFTABLE, SNAPSHOT
 from aioublk.qcow2.writes import Writes
+from aioublk.ring import Ring, bound_ring, queue_ring_flags
 
 __all__ = ["Qcow2Image"]
 
@@ -100,7 +101,21 @@ __all__ = ["Qcow2Image"]
 class Qcow2Image(Writes):
     """An open qcow2 image. ``open`` is synchronous (it reads the header and
     the tables it needs with plain preads); everything after runs on the
-    calling loop's ring (``aioublk.ring.current_ring``)."""
+    calling loop's ring (``aioublk.ring.current_ring``).
+
+    ``async with Qcow2Image.open(path) as img:`` closes the image on exit
+    (its final write-back; a failure there is raised). A thread with no
+    ring bound (a program outside a ublk queue) gets one made for the
+    block and closed after the image; a bound ring (a queue's) is used and
+    left open."""
+
+    #: the ring ``__aenter__`` made, closed with the image
+    _own_ring: Ring | None = None
+
+    # Sized as a queue ring at the default depth, 128 (aioublk.worker): room
+    # for a write-back's table writes beside the caller's requests.
+    _OWN_RING_ENTRIES = 256
+    _OWN_RING_CQ_ENTRIES = 1024
 
     @classmethod
     def open(cls, path: str, *, read_only: bool = False, cache_bytes: int | None = None,
@@ -120,6 +135,30 @@ class Qcow2Image(Writes):
         img = cls._open(path, path, read_only, cache_bytes, direct, policy, ())
         img.metadata_write_through = metadata_write_through
         return img
+
+    async def __aenter__(self) -> Qcow2Image:
+        if bound_ring() is None:
+            try:
+                self._own_ring = Ring(self._OWN_RING_ENTRIES,
+                                      cq_entries=self._OWN_RING_CQ_ENTRIES,
+                                      flags=queue_ring_flags(), bind_thread=True)
+            except BaseException:
+                self.release()  # no __aexit__ will run
+                raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Flush (if writable) and close the image and its backing chain; then
+        the ring ``async with`` made for it, if it made one."""
+        try:
+            await super().close()
+        finally:
+            ring, self._own_ring = self._own_ring, None
+            if ring is not None:
+                ring.close()
 
     @staticmethod
     def _one_line(msg: str) -> str:
