@@ -5,6 +5,9 @@ One request is one coroutine; many run concurrently on a queue's loop, and
 one target object serves every queue (each queue on its own thread), so a
 target keeps per-request state in locals. Backend I/O goes through
 ``aioublk.current_ring()``, the ring of the queue the request arrived on.
+What a target needs per queue loop (a connection) it opens in
+``queue_setup`` and finds again through ``current_queue()``, rather than in a
+dict keyed by the running loop.
 
 Zero-copy modes (``-z``, ``--auto_zc``) hand a target a ``FixedBuf`` instead
 of a memoryview: the request's pages registered in the queue ring's buffer
