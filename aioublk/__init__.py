@@ -15,7 +15,16 @@ from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.qcow2 import Qcow2Error, Qcow2Image
 from aioublk.ring import Ring, current_ring
 from aioublk.stats import RunDirError
-from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target
+from aioublk.target import (
+    Buffer,
+    Done,
+    FixedBuf,
+    Geometry,
+    QueueContext,
+    QueueSetupError,
+    Target,
+    current_queue,
+)
 from aioublk.targets import BackingError, LoopTarget, NullTarget, StripeTarget
 from aioublk.targets.qcow2 import Qcow2Target
 
@@ -23,7 +32,7 @@ __all__ = [
     # devices
     "Control", "CopyMode", "Device", "DeviceConfig",
     # targets
-    "Buffer", "Done", "FixedBuf", "Geometry", "Target",
+    "Buffer", "Done", "FixedBuf", "Geometry", "QueueContext", "Target", "current_queue",
     "LoopTarget", "NullTarget", "Qcow2Target", "StripeTarget",
     # the data plane
     "ExtentTable", "Extents", "Linear", "Map", "Null", "Striped",
@@ -33,5 +42,5 @@ __all__ = [
     "Qcow2Image",
     # errors
     "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
-    "Qcow2Error", "RunDirError", "UblkError",
+    "Qcow2Error", "QueueSetupError", "RunDirError", "UblkError",
 ]

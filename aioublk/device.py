@@ -30,7 +30,7 @@ from aioublk import logs, uapi
 from aioublk.driver import QueueMem, WorkerSpec
 from aioublk.options import DeviceConfig, UblkError, layout
 from aioublk.ring import Ring, buffer_address
-from aioublk.target import Target
+from aioublk.target import QueueSetupError, Target
 from aioublk.worker import Worker
 
 log = logs.get_logger("aioublk.device")
@@ -304,6 +304,8 @@ class Device:
             loop = asyncio.get_running_loop()
             for w in self.workers:
                 await loop.run_in_executor(None, w.ready.wait)
+                if isinstance(w.error, QueueSetupError):
+                    raise w.error  # already names the target, the worker and the cause
                 if w.error is not None:
                     raise UblkError(f"queue worker {w.spec.index} failed to start: {w.error}")
             if recover:

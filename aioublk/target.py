@@ -5,6 +5,9 @@ One request is one coroutine; many run concurrently on a queue's loop, and
 one target object serves every queue (each queue on its own thread), so a
 target keeps per-request state in locals. Backend I/O goes through
 ``aioublk.current_ring()``, the ring of the queue the request arrived on.
+What a target needs per queue loop (a connection) it opens in
+``queue_setup`` and finds again through ``current_queue()``, rather than in a
+dict keyed by the running loop.
 
 Zero-copy modes (``-z``, ``--auto_zc``) hand a target a ``FixedBuf`` instead
 of a memoryview: the request's pages registered in the queue ring's buffer
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aioublk import logs, uapi
 from aioublk.dataplane import Map
+from aioublk.errors import Error
 
 
 @dataclass
@@ -109,6 +114,65 @@ Buffer = memoryview | FixedBuf
 Done = Callable[[int], None]
 
 log = logs.get_logger("aioublk.target")
+
+
+@dataclass(eq=False)
+class QueueContext:
+    """One queue worker as its target sees it: the queues it serves, its loop,
+    and ``state``, the target's own things for that loop (a connection, a
+    session), kept from ``queue_setup`` to ``queue_teardown``."""
+
+    worker: int
+    queues: tuple[int, ...]
+    loop: asyncio.AbstractEventLoop
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class QueueSetupError(Error):
+    """A target's ``queue_setup`` raised: the device does not start."""
+
+
+# A worker is one thread running one loop, so a thread-local finds its
+# context from anywhere on that loop: a coroutine, a task it spawned, or a
+# callback of the C data plane or the ring, none of which carry a contextvar
+# set in the worker's own task (the same reasoning as ``current_ring``).
+_local = threading.local()
+
+
+def current_queue() -> QueueContext:
+    """The context of the queue worker running this code (inside a target's
+    ``read``/``write``...: find this loop's connection in ``state``)."""
+    q: QueueContext | None = getattr(_local, "queue", None)
+    if q is None:
+        raise RuntimeError("no aioublk queue worker runs on this thread")
+    return q
+
+
+async def setup_queue(target: Target, q: QueueContext) -> None:
+    """Bind ``q`` to this thread and run the target's ``queue_setup`` on it;
+    raises ``QueueSetupError`` (one line: the target, the worker, the error)."""
+    _local.queue = q
+    try:
+        await target.queue_setup(q)
+    except Exception as e:
+        _local.queue = None
+        raise QueueSetupError(
+            f"target {target.name!r}: queue_setup failed on worker {q.worker} "
+            f"(queues {', '.join(map(str, q.queues)) or 'none'}): {type(e).__name__}: {e}"
+        ) from e
+
+
+async def teardown_queue(target: Target, q: QueueContext) -> None:
+    """Run the target's ``queue_teardown``, logging what it raises: the
+    worker is stopping and the rest of its shutdown (closing the ring) must
+    still happen; then unbind ``q``."""
+    try:
+        await target.queue_teardown(q)
+    except Exception as e:  # noqa: BLE001 - logged: the worker shuts down regardless
+        log.error("the target's queue_teardown failed", target=target.name, worker=q.worker,
+                  error=f"{type(e).__name__}: {e}")
+    finally:
+        _local.queue = None
 
 
 async def gather_all(aws: Sequence[Awaitable[int]]) -> list[int]:
@@ -209,6 +273,18 @@ class Target:
         device outlives this server: a write acknowledged must be found by
         the next server, so what the target keeps in memory for it has to
         reach its files (the page cache is enough) before it completes."""
+
+    async def queue_setup(self, q: QueueContext) -> None:
+        """On each queue worker's loop, once its ring exists (``current_ring``
+        works) and before ``map`` or any request: open what the target needs
+        per loop, e.g. a connection (asyncio objects belong to the loop that
+        made them), into ``q.state``; requests find it through
+        ``current_queue()``. Raising fails the device's start."""
+
+    async def queue_teardown(self, q: QueueContext) -> None:
+        """On each worker's loop at stop, after ``drain`` and before its ring
+        closes: close what ``queue_setup`` opened. Errors are logged. Not
+        called when ``queue_setup`` raised."""
 
     def arming(self, q_id: int, tag: int) -> None:
         """Called on the queue's loop before each tag is armed (at start and

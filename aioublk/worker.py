@@ -21,7 +21,7 @@ from aioublk.driver import Driver, IoPath, WorkerSpec, log
 from aioublk.options import DeviceConfig
 from aioublk.perio import PerIoDriver
 from aioublk.ring import Ring, queue_ring_flags
-from aioublk.target import Target
+from aioublk.target import QueueContext, Target, setup_queue, teardown_queue
 
 
 class Worker:
@@ -87,9 +87,35 @@ class Worker:
             max(2 * depth, 64), cq_entries=max(8 * depth, 256),
             flags=queue_ring_flags(), bind_thread=True,
         )
-        self._stop = asyncio.get_running_loop().create_future()
+        stop = self._stop = asyncio.get_running_loop().create_future()
         if self._finish:
-            self._stop.set_result(None)
+            stop.set_result(None)
+        queue = QueueContext(self.spec.index, tuple(qm.q_id for qm, _tags in self.spec.work),
+                             asyncio.get_running_loop())
+        try:
+            # before the driver exists: its map() and every request see a set-up loop
+            await setup_queue(self.target, queue)
+        except BaseException:
+            ring.close()
+            raise
+        try:
+            await self._serve(ring, stop)
+        finally:
+            await teardown_queue(self.target, queue)
+            # Stopping, the requests are drained: what is left are ublk
+            # commands (re-armed fetches after a quiesce), which io_uring's
+            # cancel cannot reach and the ring's exit will: a short wait reaps
+            # those the kernel is still completing.
+            driver = self.driver
+            ring.close(timeout=1.0 if driver is not None and driver.stopping else 5.0)
+            if driver is not None:
+                driver.close()
+            self.driver = None
+            del driver
+
+    async def _serve(self, ring: Ring, stop: asyncio.Future[None]) -> None:
+        """Arm the queues' commands, serve until told to stop, then drain the
+        driver and the target (the ring is closed by the caller)."""
         path = IoPath(self.target, ring, self.char_fd, self.mode)
         driver: Driver = (BatchDriver if self.batch else PerIoDriver)(self, ring, path)
         self.driver = driver
@@ -101,7 +127,7 @@ class Worker:
                 raise OSError(-driver.failed, "the kernel refused the queue's commands: "
                               + os.strerror(-driver.failed))
             self.ready.set()
-            await self._stop
+            await stop
             await driver.drain()
             try:
                 await self.target.drain()
@@ -110,14 +136,7 @@ class Worker:
                 self.log.error("the target's final write-back failed: data it acknowledged "
                                "may be lost", error=str(e))
         finally:
-            # Stopping, the requests are drained: what is left are ublk
-            # commands (re-armed fetches after a quiesce), which io_uring's
-            # cancel cannot reach and the ring's exit will: a short wait reaps
-            # those the kernel is still completing.
-            ring.close(timeout=1.0 if driver.stopping else 5.0)
-            driver.close()
-            self.driver = None
-            del driver, path
+            del driver, path  # not kept alive by an exception's traceback
 
     def finished(self) -> None:
         """Stop serving (on this worker's loop): drain, then close the ring."""

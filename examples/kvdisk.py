@@ -34,7 +34,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import suppress
 
-from aioublk import Device, Geometry, Target, UblkError
+from aioublk import Device, Geometry, QueueContext, Target, UblkError, current_queue
 
 BLOCK = 4096
 GET, PUT, TRIM = 1, 2, 3
@@ -174,9 +174,11 @@ class KvTarget(Target):
     """Device blocks served by a ``KvServer`` at ``host:port``.
 
     Target coroutines run on each queue's own loop (one thread each), and an
-    asyncio connection belongs to the loop that opened it: the target keeps
-    one connection per running loop, keyed by that loop, opened on its first
-    request and closed by ``drain`` when the queue stops.
+    asyncio connection belongs to the loop that opened it: ``queue_setup``
+    connects on each queue loop before its first request (a server that is
+    down fails the device's start), keeps the connection in that loop's
+    ``state``, where requests find it (``current_queue()``), and
+    ``queue_teardown`` closes it when the queue stops.
 
     Requests are pipelined on that connection (ids, one reader task) rather
     than served by a pool of connections per loop: a queue has up to
@@ -197,15 +199,17 @@ class KvTarget(Target):
                                  discard_granularity=block_size, write_zeroes=True)
         self.address = (host, port)
         self.block_size = block_size
-        self._conns: dict[asyncio.AbstractEventLoop, asyncio.Task[_Conn]] = {}
+
+    async def queue_setup(self, q: QueueContext) -> None:
+        await self._conn()
 
     async def _conn(self) -> _Conn:
-        loop = asyncio.get_running_loop()
-        opening = self._conns.get(loop)
+        state = current_queue().state
+        opening: asyncio.Task[_Conn] | None = state.get("kv")
         if opening is None or opening.done() and (
                 opening.cancelled() or opening.exception() is not None
                 or opening.result().closed):
-            opening = self._conns[loop] = loop.create_task(self._open())
+            opening = state["kv"] = asyncio.get_running_loop().create_task(self._open())
         # shielded: a request cancelled while connecting must not cancel the
         # connect the other requests of this loop wait for
         return await asyncio.shield(opening)
@@ -248,17 +252,14 @@ class KvTarget(Target):
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
         await self.discard(offset, length)  # a missing block reads as zeros
 
-    async def drain(self) -> None:
+    async def queue_teardown(self, q: QueueContext) -> None:
         """On each queue loop at stop: close that loop's connection."""
-        opening = self._conns.pop(asyncio.get_running_loop(), None)
+        opening: asyncio.Task[_Conn] | None = q.state.pop("kv", None)
         if opening is None:
             return
-        await asyncio.wait([opening])  # a connect under way finishes first
+        await asyncio.wait([opening])  # a reconnect under way finishes first
         if not opening.cancelled() and opening.exception() is None:
             await opening.result().close()
-
-    def close(self) -> None:
-        self._conns.clear()
 
     def describe(self) -> dict[str, object]:
         host, port = self.address

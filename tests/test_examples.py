@@ -8,6 +8,7 @@ import asyncio
 import errno
 import importlib.util
 import random
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import uvloop
+
+from aioublk.target import QueueContext, QueueSetupError, setup_queue, teardown_queue
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BLOCK = 4096
@@ -48,9 +51,13 @@ async def server() -> AsyncIterator[Any]:
 
 @pytest_asyncio.fixture
 async def target(server: Any) -> AsyncIterator[Any]:
+    """The target with this loop set up as a queue worker's (its connection)."""
     t = kvdisk.KvTarget(SIZE, server.host, server.port)
+    q = QueueContext(0, (0,), asyncio.get_running_loop())
+    await setup_queue(t, q)
     yield t
-    await t.drain()  # this loop's connection, as a queue does at stop
+    await teardown_queue(t, q)  # this loop's connection, as a queue does at stop
+    assert q.state == {}
     t.close()
 
 
@@ -129,16 +136,18 @@ async def test_one_connection_per_loop(server: Any, target: Any) -> None:
     await target.write(100, memoryview(mine))
 
     async def other_loop() -> bytes:
+        q = QueueContext(1, (1,), asyncio.get_running_loop())
+        await setup_queue(target, q)
         await target.write(SIZE // 2 + 5, memoryview(theirs))
         back = await read(target, 100, len(mine))
-        await target.drain()
+        await teardown_queue(target, q)
+        assert q.state == {}  # its connection closed
         return back
 
     loop = asyncio.get_running_loop()
     assert await loop.run_in_executor(None, uvloop.run, other_loop()) == mine
     assert await read(target, SIZE // 2 + 5, len(theirs)) == theirs
     assert server.connections == 2
-    assert list(target._conns) == [loop]  # the other loop's closed on its drain
 
 
 async def test_lost_connection_fails_waiting_requests_then_reconnects(server: Any,
@@ -152,6 +161,17 @@ async def test_lost_connection_fails_waiting_requests_then_reconnects(server: An
         await pending
     assert await read(target, 0, 512) == b"x" * 512  # a new connection
     assert server.connections == 2
+
+
+async def test_a_server_that_is_down_fails_the_queue_setup() -> None:
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = kvdisk.KvTarget(SIZE, "127.0.0.1", port)
+    q = QueueContext(0, (0,), asyncio.get_running_loop())
+    with pytest.raises(QueueSetupError, match="target 'kv': queue_setup failed on worker 0 "
+                       r"\(queues 0\): ConnectionRefusedError"):
+        await setup_queue(t, q)
 
 
 async def test_server_refuses_bad_requests(server: Any, target: Any) -> None:
