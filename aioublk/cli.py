@@ -467,15 +467,21 @@ def cmd_add(args: argparse.Namespace) -> int:
         return _run(run_device(target, cfg, announce, recover))
 
     def serve(wfd: int) -> int:
+        reported = False
+
         async def report(dev: Device) -> None:
+            nonlocal reported
             os.write(wfd, f"OK {dev.id}\n".encode())
             os.close(wfd)
+            reported = True
         try:
             return _run(run_device(target, cfg, report, recover))
         except (UblkError, BackingError, Qcow2Error, OSError) as e:
-            _report_error(wfd, str(e))
+            msg = str(e)
         except BaseException as e:  # noqa: BLE001 - the parent must hear about it
-            _report_error(wfd, f"server failed: {e!r}")
+            msg = f"server failed: {e!r}"
+        if not reported:  # (once reported, wfd is closed and its number may be reused)
+            _report_error(wfd, msg)
         return 1
 
     rfd, pid = _daemonize(serve)
