@@ -227,3 +227,23 @@ def test_daemon_without_syslog_logs_to_the_run_directory(tmp_path: Path) -> None
                                        "it does not exist)", p.stderr
     text = path.read_text()
     assert "error line" in text and "RuntimeError: boom" in text, text
+
+
+def test_serve_logs_to_the_configured_file(tmp_path: Path) -> None:
+    """``[logging] file`` (relative to the config file): serve's lines go there."""
+    (tmp_path / "config.toml").write_text('[logging]\nfile = "serve.log"\n'
+                                          '[[devices]]\ntarget = "null"\n')
+    script = """
+import sys
+from aioublk import serve
+async def fake_serve(cfg):
+    serve.log.warning("serving line")
+    return 0
+serve.serve = fake_serve
+sys.exit(serve.main(sys.argv[1]))
+"""
+    p = subprocess.run([sys.executable, "-c", script, str(tmp_path / "config.toml")],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == f"aioublk: logs: {tmp_path / 'serve.log'}\n"
+    assert "serving line" in (tmp_path / "serve.log").read_text()
