@@ -11,6 +11,7 @@ from aioublk.device import Control, Device
 from aioublk.errors import Error
 from aioublk.extents import ExtentConflict, ExtentTable
 from aioublk.locking import InUse, LockFailed
+from aioublk.logs import LogFileError
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.qcow2 import Qcow2Error, Qcow2Image
 from aioublk.ring import Ring, current_ring
@@ -42,5 +43,5 @@ __all__ = [
     "Qcow2Image",
     # errors
     "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
-    "Qcow2Error", "QueueSetupError", "RunDirError", "UblkError",
+    "LogFileError", "Qcow2Error", "QueueSetupError", "RunDirError", "UblkError",
 ]

@@ -16,7 +16,9 @@ kublk keep working::
 
 ``add`` and ``recover`` daemonize like kublk: the command returns once the
 device is LIVE (printing the same lines as ``list``) or has failed (one line
-on stderr, non-zero exit, no device left behind by ``add``).
+on stderr, non-zero exit, no device left behind by ``add``). A daemon's logs
+go to ``--log-file`` (its stderr too) or else to syslog, or to a file in the
+run directory on a host without one; a line on stderr says where.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import logging
 import os
 import signal
 import sys
@@ -42,6 +45,8 @@ from aioublk.target import Target
 from aioublk.targets import BackingError
 
 TARGETS = ("null", "loop", "stripe", "qcow2", "fault_inject")
+
+log = logs.get_logger("aioublk.cli")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -148,7 +153,10 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="fault_inject: 1 = SIGKILL the server while it arms its tags")
     add.add_argument("-v", "--verbose", action="store_true", help="log every request")
     add.add_argument("--log-format", choices=("console", "json"), default="console",
-                     help="log lines on stderr as text (default) or JSON")
+                     help="log lines as text (default) or JSON")
+    add.add_argument("--log-file", metavar="PATH",
+                     help="append the server's log lines (and a daemon's stderr) to PATH "
+                     "(default: stderr with --foreground, else syslog)")
     add.add_argument("files", nargs="*", metavar="FILE",
                      help="backing files: loop and qcow2 take one, stripe 2 to 4")
 
@@ -451,10 +459,38 @@ def log_level(args: argparse.Namespace) -> str:
     return levels.pop() if levels else "warning"
 
 
+#: the file a daemon logs to when there is no syslog to send its lines to
+FALLBACK_LOG = "aioublk.log"
+
+
+def _daemon_logs(args: argparse.Namespace) -> tuple[int | None, logging.Handler | None, str]:
+    """Where a daemon's logs go, opened now so that a failure is an error at
+    the prompt: (a log file's descriptor, or syslog's handler; a description)."""
+    if args.log_file:
+        return logs.open_log_file(args.log_file), None, os.path.abspath(args.log_file)
+    try:
+        return None, logs.syslog_handler(), f"syslog ({logs.SYSLOG_IDENT})"
+    except logs.LogFileError as e:
+        missing = str(e)
+    path = stats.RUN_DIR / FALLBACK_LOG
+    try:
+        dfd = stats.open_run_dir(create=True)
+        try:
+            fd = os.open(FALLBACK_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o640, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise logs.LogFileError(f"{missing}, and cannot write {path}: {e.strerror or e}: "
+                                "pass --log-file PATH") from None
+    return fd, None, f"{path} ({missing})"
+
+
 def cmd_add(args: argparse.Namespace) -> int:
     """``add`` and ``recover``: serve in the foreground, or daemonize and
     report how the start went."""
-    logs.configure(json=args.log_format == "json", level=log_level(args))
+    json, level = args.log_format == "json", log_level(args)
+    logs.configure(json=json, level=level)
     recover = args.cmd == "recover"
     if recover:
         _need_id(args)
@@ -462,24 +498,52 @@ def cmd_add(args: argparse.Namespace) -> int:
     target = make_target(args)
 
     if args.foreground:
+        if args.log_file:
+            logs.configure(json=json, level=level, to=logs.open_log_file(args.log_file))
+            sys.stderr.write(f"aioublk: logs: {os.path.abspath(args.log_file)}\n")
+
         async def announce(dev: Device) -> None:
             print("\n".join(await dump(dev._ctrl, dev.id)), flush=True)  # type: ignore[arg-type]
         return _run(run_device(target, cfg, announce, recover))
 
+    try:
+        log_fd, syslog, where = _daemon_logs(args)
+    except BaseException:
+        target.close()
+        raise
+    sys.stderr.write(f"aioublk: logs: {where}\n")
+    sys.stderr.flush()
+
     def serve(wfd: int) -> int:
+        logs.configure(json=json, level=level, to=syslog)  # stderr: the log file, if any
+        if syslog is not None:
+            logs.log_uncaught_in_threads()
+
+        reported = False
+
         async def report(dev: Device) -> None:
+            nonlocal reported
             os.write(wfd, f"OK {dev.id}\n".encode())
             os.close(wfd)
+            reported = True
         try:
             return _run(run_device(target, cfg, report, recover))
         except (UblkError, BackingError, Qcow2Error, OSError) as e:
-            _report_error(wfd, str(e))
+            log.error("server failed", error=str(e))
+            msg = str(e)
         except BaseException as e:  # noqa: BLE001 - the parent must hear about it
-            _report_error(wfd, f"server failed: {e!r}")
+            log.error("server failed", exc_info=True)
+            msg = f"server failed: {e!r}"
+        if not reported:  # (once reported, wfd is closed and its number may be reused)
+            _report_error(wfd, msg)
         return 1
 
-    rfd, pid = _daemonize(serve)
+    rfd, pid = _daemonize(serve, stderr=log_fd)
     target.close()
+    if log_fd is not None:
+        os.close(log_fd)
+    if syslog is not None:
+        syslog.close()
     os.waitpid(pid, 0)
     with os.fdopen(rfd, "rb") as r:
         line = r.readline().decode().strip()
@@ -491,9 +555,10 @@ def cmd_add(args: argparse.Namespace) -> int:
                     "the server exited before the device became live")
 
 
-def _daemonize(serve: Callable[[int], int]) -> tuple[int, int]:
+def _daemonize(serve: Callable[[int], int], stderr: int | None = None) -> tuple[int, int]:
     """Run ``serve(wfd)`` in a daemon, detached as kublk's is (a new session,
-    a second fork, stdio on /dev/null), in ``/`` with umask 022 so that it
+    a second fork, stdio on /dev/null, stderr on the descriptor ``stderr``
+    if given), in ``/`` with umask 022 so that it
     holds no directory busy and creates nothing with the caller's umask.
     Returns the read end of ``wfd`` and the pid of the first child (exits
     at once: wait for it)."""
@@ -510,7 +575,7 @@ def _daemonize(serve: Callable[[int], int]) -> tuple[int, int]:
             os._exit(0)
         os.umask(0o022)
         os.chdir("/")
-        _detach_stdio()
+        _detach_stdio(stderr)
         code = serve(wfd)
     finally:
         os._exit(code)
@@ -530,10 +595,10 @@ def _report_error(wfd: int, msg: str) -> None:
         pass
 
 
-def _detach_stdio() -> None:
+def _detach_stdio(stderr: int | None) -> None:
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
-        os.dup2(null, fd)
+        os.dup2(stderr if fd == 2 and stderr is not None else null, fd)
     os.close(null)
 
 

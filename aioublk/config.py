@@ -71,6 +71,7 @@ class LogSettings:
     level: str = "warning"
     format: str = "console"
     stats_interval: float = 0  # seconds between per-queue stats lines; 0 = none
+    file: str | None = None    # append the lines here instead of stderr (absolute)
 
 
 @dataclass
@@ -209,7 +210,7 @@ def _trusted(path: str, st: os.stat_result) -> None:
 def parse(data: dict[str, Any], path: str, *, base: str) -> ServeConfig:
     """Check parsed TOML; raises _Invalid. ``base`` resolves relative paths."""
     _known(data, "", ("logging", "devices"))
-    logging = _logging(data.get("logging", {}))
+    logging = _logging(data.get("logging", {}), base)
     raw = data.get("devices")
     if raw is None or raw == []:
         raise _Invalid("devices", "no devices: add a [[devices]] table")
@@ -223,10 +224,16 @@ def parse(data: dict[str, Any], path: str, *, base: str) -> ServeConfig:
 
 # ------------------------------------------------------------------ tables --
 
-def _logging(raw: Any) -> LogSettings:
+def _logging(raw: Any, base: str) -> LogSettings:
     at = "logging"
     _table(raw, at)
-    _known(raw, at, ("level", "format", "stats_interval"))
+    _known(raw, at, ("level", "format", "stats_interval", "file"))
+    file = None
+    if "file" in raw:
+        file = _str(raw["file"], f"{at}.file")
+        if not file.strip():
+            raise _Invalid(f"{at}.file", "empty: name a file, or drop the key to log on stderr")
+        file = os.path.normpath(os.path.join(base, os.path.expanduser(file)))
     interval = raw.get("stats_interval", 0)
     if isinstance(interval, bool) or not isinstance(interval, int | float):
         raise _Invalid(f"{at}.stats_interval", f"{_show(interval)} is {_kind(interval)}: use "
@@ -237,7 +244,7 @@ def _logging(raw: Any) -> LogSettings:
                        "a number of seconds")
     return LogSettings(level=_choice(raw.get("level", "warning"), f"{at}.level", LEVELS),
                        format=_choice(raw.get("format", "console"), f"{at}.format", FORMATS),
-                       stats_interval=interval)
+                       stats_interval=interval, file=file)
 
 
 def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:

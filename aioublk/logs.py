@@ -11,17 +11,30 @@ loggers, as configured.
 
 The command line calls ``configure``: structlog lines on stderr, quiet by
 default (warnings and errors), ``-v`` for debug, human-readable on a TTY,
-JSON on request."""
+JSON on request. A server's lines may go to a log file instead (opened by
+the command, before a daemon detaches, so that a bad path is an error at
+the prompt) or, for a daemon given none, to syslog: nothing it logs is
+lost with its stderr on /dev/null."""
 
 from __future__ import annotations
 
 import logging
+import logging.handlers
+import os
 import sys
+import threading
 from typing import Any
 
 import structlog
 
+from aioublk.errors import Error
+
 _per_request = False
+
+#: where a daemon without a log file sends its lines (journald reads it too);
+#: a module attribute so that tests can point it at a socket of their own
+SYSLOG_ADDRESS = "/dev/log"
+SYSLOG_IDENT = "aioublk"
 
 logging.getLogger("aioublk").addHandler(logging.NullHandler())
 
@@ -96,10 +109,72 @@ class _Stderr:
         sys.stderr.flush()
 
 
-def configure(*, verbose: bool = False, json: bool = False, level: str | None = None) -> None:
+class LogFileError(Error, OSError):
+    """A log destination that cannot be opened, in one line saying what to do."""
+
+
+def open_log_file(path: str) -> int:
+    """A descriptor appending to ``path`` (created 0640), or LogFileError."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    except OSError as e:
+        raise LogFileError(f"cannot open log file {path}: {e.strerror}: fix the path or its "
+                           "permissions, or pick another") from None
+
+
+def syslog_handler() -> logging.handlers.SysLogHandler:
+    """A connection to syslog at ``SYSLOG_ADDRESS`` (LogFileError if nothing
+    listens there; once connected, the handler reconnects by itself)."""
+    handler = logging.handlers.SysLogHandler(
+        SYSLOG_ADDRESS, logging.handlers.SysLogHandler.LOG_DAEMON)
+    if handler.socktype is None:  # (nothing listens: it gives up without a word)
+        handler.close()
+        why = "nothing listens there" if os.path.exists(SYSLOG_ADDRESS) else "it does not exist"
+        raise LogFileError(f"no syslog at {SYSLOG_ADDRESS}: {why}")
+    handler.append_nul = False
+    return handler
+
+
+class _HandlerLogger:
+    """structlog's last stop when lines go to a ``logging.Handler`` (syslog):
+    each rendered line is one record at the level it was logged at."""
+
+    _LEVELS = {"exception": logging.ERROR,  # (and warn, fatal: logging knows them)
+               **{name.lower(): n for name, n in logging.getLevelNamesMapping().items()}}
+
+    def __init__(self, handler: logging.Handler) -> None:
+        self._handler = handler
+
+    def __getattr__(self, method: str) -> Any:  # debug, info, warning, error, msg...
+        level = self._LEVELS.get(method, logging.INFO)
+
+        def send(message: str) -> None:
+            # the ident names the pid that logs: a daemon's, not the command's
+            self._handler.ident = f"{SYSLOG_IDENT}[{os.getpid()}]: "  # type: ignore[attr-defined]
+            self._handler.handle(logging.LogRecord(SYSLOG_IDENT, level, "", 0, message,
+                                                   None, None))
+        return send
+
+
+def log_uncaught_in_threads() -> None:
+    """An exception that ends a thread is logged (with its traceback) instead
+    of printed on a stderr that may be /dev/null."""
+    log = get_logger("aioublk")
+
+    def hook(a: threading.ExceptHookArgs) -> None:
+        if a.exc_type is not SystemExit:
+            log.error("thread ended by an exception",
+                      thread=a.thread.name if a.thread else "?",
+                      exc_info=(a.exc_type, a.exc_value, a.exc_traceback))
+    threading.excepthook = hook
+
+
+def configure(*, verbose: bool = False, json: bool = False, level: str | None = None,
+              to: int | logging.Handler | None = None) -> None:
     """The command line's logs: structlog, configured for every structlog
     user in the process. ``level`` ("warning", "info", "debug") overrides
-    ``verbose``."""
+    ``verbose``. Lines go to stderr, or to ``to``: a descriptor (a log
+    file, appended to) or a handler (syslog)."""
     global _per_request
     lvl = logging.DEBUG if verbose else logging.WARNING
     if level is not None:
@@ -109,7 +184,16 @@ def configure(*, verbose: bool = False, json: bool = False, level: str | None = 
     if json:
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        renderer = structlog.dev.ConsoleRenderer(colors=to is None and sys.stderr.isatty())
+    factory: Any
+    if isinstance(to, logging.Handler):
+        handler = to
+        factory = lambda *_: _HandlerLogger(handler)  # noqa: E731
+    elif to is not None:
+        factory = structlog.PrintLoggerFactory(
+            file=os.fdopen(to, "a", buffering=1, encoding="utf-8", closefd=False))
+    else:
+        factory = structlog.PrintLoggerFactory(file=_Stderr())  # type: ignore[arg-type]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -119,6 +203,6 @@ def configure(*, verbose: bool = False, json: bool = False, level: str | None = 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
+        logger_factory=factory,
         cache_logger_on_first_use=False,
     )

@@ -57,7 +57,14 @@ def main(path: str, *, verbose: bool = False) -> int:
     level = "debug" if verbose else cfg.logging.level
     if cfg.logging.stats_interval and level == "warning":
         level = "info"  # the stats lines are info: asking for them shows them
-    logs.configure(json=cfg.logging.format == "json", level=level)
+    try:
+        to = logs.open_log_file(cfg.logging.file) if cfg.logging.file else None
+    except logs.LogFileError as e:
+        _report(f"{cfg.path}: logging.file: {e}")
+        return 1
+    logs.configure(json=cfg.logging.format == "json", level=level, to=to)
+    if cfg.logging.file:
+        _report(f"logs: {cfg.logging.file}")
     import uvloop
 
     try:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +128,122 @@ def test_contradictory_log_options_are_refused(args: list[str], message: str,
     assert code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(message), err
+
+
+# ---------------------------------------------------------- where logs go --
+
+#: ``add ARGS`` with a server that logs at each level, writes to its stderr
+#: and fails with a traceback (no kernel: run_device is replaced); the
+#: syslog address may be pointed at the test's socket
+_FAILING_SERVER = """
+import os, sys
+from aioublk import cli, logs
+logs.SYSLOG_ADDRESS = os.environ.get("TEST_SYSLOG", logs.SYSLOG_ADDRESS)
+async def run_device(target, cfg, on_live=None, recover=False):
+    log = logs.get_logger("aioublk.device")
+    log.debug("debug line")
+    log.warning("warning line")
+    log.error("error line")
+    os.write(2, b"raw stderr line\\n")
+    raise RuntimeError("boom")
+cli.run_device = run_device
+sys.exit(cli.main(["add", "-t", "null", *sys.argv[1:]]))
+"""
+
+
+def _add(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _FAILING_SERVER, *args], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **env})
+
+
+def test_daemon_logs_and_stderr_go_to_the_log_file(tmp_path: Path) -> None:
+    """Nothing of a failure is lost to /dev/null: the log lines, the raw
+    stderr and the traceback are appended to --log-file."""
+    path = tmp_path / "server.log"
+    path.write_text("earlier line\n")
+    p = _add("--log-file", str(path))
+    assert p.returncode == 1
+    assert p.stderr == f"aioublk: logs: {path}\naioublk: server failed: RuntimeError('boom')\n"
+    text = path.read_text()
+    assert text.startswith("earlier line\n"), text
+    for line in ("warning line", "error line", "raw stderr line", "server failed",
+                 "Traceback (most recent call last)", "RuntimeError: boom"):
+        assert line in text, text
+    assert "debug line" not in text and "\x1b" not in text, text
+
+
+def test_log_file_takes_the_json_format(tmp_path: Path) -> None:
+    path = tmp_path / "server.log"
+    _add("--log-file", str(path), "--log-format", "json")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line[0] == "{"]
+    assert [r["event"] for r in records] == ["warning line", "error line", "server failed"]
+    assert "RuntimeError: boom" in records[-1]["exception"]
+
+
+@pytest.mark.parametrize("foreground", [[], ["--foreground"]])
+def test_unwritable_log_file_is_one_line(tmp_path: Path, foreground: list[str]) -> None:
+    path = tmp_path / "missing" / "server.log"
+    p = _add(*foreground, "--log-file", str(path))
+    assert p.returncode == 1
+    assert p.stderr == f"aioublk: cannot open log file {path}: No such file or directory: " \
+                       "fix the path or its permissions, or pick another\n"
+
+
+def test_foreground_log_file(tmp_path: Path) -> None:
+    """--foreground logs on stderr unless --log-file is given."""
+    path = tmp_path / "server.log"
+    p = _add("--foreground", "--log-file", str(path))
+    assert p.stderr.startswith(f"aioublk: logs: {path}\n"), p.stderr
+    assert "warning line" not in p.stderr, p.stderr
+    text = path.read_text()
+    assert "warning line" in text and "error line" in text, text
+    p = _add("--foreground")
+    assert "warning line" in p.stderr and "raw stderr line" in p.stderr, p.stderr
+
+
+def test_daemon_without_log_file_logs_to_syslog(tmp_path: Path) -> None:
+    address = tmp_path / "log"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(address))
+        s.settimeout(10)
+        p = _add(TEST_SYSLOG=str(address))
+        assert p.returncode == 1
+        assert p.stderr == "aioublk: logs: syslog (aioublk)\n" \
+                           "aioublk: server failed: RuntimeError('boom')\n"
+        messages = [s.recv(65536).decode() for _ in range(3)]
+    # facility daemon (3): <28> is a warning, <27> an error
+    assert re.match(r"<28>aioublk\[\d+\]: .*warning line", messages[0]), messages
+    assert re.match(r"<27>aioublk\[\d+\]: .*error line", messages[1]), messages
+    assert re.match(r"<27>aioublk\[\d+\]: .*server failed", messages[2]), messages
+    assert "RuntimeError: boom" in messages[2], messages
+
+
+def test_daemon_without_syslog_logs_to_the_run_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "no-log-socket"
+    p = _add(TEST_SYSLOG=str(missing), AIOUBLK_RUN_DIR=str(tmp_path / "run"))
+    path = tmp_path / "run" / "aioublk.log"
+    assert p.stderr.splitlines()[0] == f"aioublk: logs: {path} (no syslog at {missing}: " \
+                                       "it does not exist)", p.stderr
+    text = path.read_text()
+    assert "error line" in text and "RuntimeError: boom" in text, text
+
+
+def test_serve_logs_to_the_configured_file(tmp_path: Path) -> None:
+    """``[logging] file`` (relative to the config file): serve's lines go there."""
+    (tmp_path / "config.toml").write_text('[logging]\nfile = "serve.log"\n'
+                                          '[[devices]]\ntarget = "null"\n')
+    script = """
+import sys
+from aioublk import serve
+async def fake_serve(cfg):
+    serve.log.warning("serving line")
+    return 0
+serve.serve = fake_serve
+sys.exit(serve.main(sys.argv[1]))
+"""
+    p = subprocess.run([sys.executable, "-c", script, str(tmp_path / "config.toml")],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == f"aioublk: logs: {tmp_path / 'serve.log'}\n"
+    assert "serving line" in (tmp_path / "serve.log").read_text()

@@ -203,6 +203,15 @@ def test_relative_paths_are_relative_to_the_config_file(cfg: Path,
     assert d.options["file"] == str(cfg.parent / "a.img")
 
 
+def test_log_file_is_relative_to_the_config_file(cfg: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg.write_text('[logging]\nfile = "logs/serve.log"\n' + NULL)
+    monkeypatch.chdir("/")
+    assert load(str(cfg)).logging.file == str(cfg.parent / "logs" / "serve.log")
+    cfg.write_text(NULL)
+    assert load(str(cfg)).logging.file is None
+
+
 def test_sizes_take_suffixes(cfg: Path) -> None:
     """Every size in a config file may be written "4M", "4MB" or "4MiB"."""
     cfg.write_text('[[devices]]\ntarget = "null"\nlogical_block_size = "4K"\n'
@@ -262,6 +271,10 @@ LOOP = '[[devices]]\ntarget = "loop"\noptions = { file = "a.img" }\n'
 NULL = '[[devices]]\ntarget = "null"\n'
 
 MISTAKES = [
+    # where logs go
+    ('[logging]\nfile = 3\n' + NULL, "config.toml: logging.file: 3 is an integer: use a string"),
+    ('[logging]\nfile = " "\n' + NULL,
+     "config.toml: logging.file: empty: name a file, or drop the key to log on stderr"),
     # syntax, structure, unknown keys
     ("[[devices]]\ntarget = \n", "config.toml: line 2, column 10: invalid TOML: invalid value"),
     ('[[device]]\ntarget = "null"\n', 'config.toml: device: unknown key (did you mean "devices"?)'),
@@ -402,6 +415,21 @@ def test_mistake_is_one_line_and_nothing_starts(text: str, message: str, cfg: Pa
     assert out == ""
     assert err.endswith("\n") and err.count("\n") == 1, err
     assert err.startswith(f"aioublk: {message}"), err
+
+
+def test_unwritable_log_file_is_one_line(cfg: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading opens nothing: serve opens the log file, before any device."""
+    def no_control() -> None:
+        raise AssertionError("serve touched /dev/ublk-control without its log file")
+
+    monkeypatch.setattr(serve, "Control", no_control)
+    cfg.write_text('[logging]\nfile = "no-dir/serve.log"\n' + NULL)
+    assert serve.main("config.toml") == 1
+    assert capsys.readouterr().err == (
+        f"aioublk: config.toml: logging.file: cannot open log file {cfg.parent}/no-dir/"
+        "serve.log: No such file or directory: fix the path or its permissions, or pick "
+        "another\n")
 
 
 def test_unreadable_config(cfg: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,8 @@ PACKAGE = Path(aioublk.__file__).parent
 #: may import only from earlier layers (and its own subpackage)
 LAYERS: list[list[str]] = [
     ["aioublk._uring", "aioublk._uring_build"],
-    ["aioublk.errors", "aioublk._version", "aioublk.logs"],
+    ["aioublk.errors", "aioublk._version"],
+    ["aioublk.logs"],  # (its LogFileError is an aioublk.Error)
     ["aioublk.uapi",
      "aioublk.directio", "aioublk.locking", "aioublk.extents", "aioublk.testing"],
     ["aioublk.dataplane"],
