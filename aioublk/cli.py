@@ -18,7 +18,8 @@ kublk keep working::
 device is LIVE (printing the same lines as ``list``) or has failed (one line
 on stderr, non-zero exit, no device left behind by ``add``). A daemon's logs
 go to ``--log-file`` (its stderr too) or else to syslog, or to a file in the
-run directory on a host without one; a line on stderr says where.
+run directory on a host without one; a line on stderr says where (the
+error line, when the server fails).
 """
 
 from __future__ import annotations
@@ -511,8 +512,6 @@ def cmd_add(args: argparse.Namespace) -> int:
     except BaseException:
         target.close()
         raise
-    sys.stderr.write(f"aioublk: logs: {where}\n")
-    sys.stderr.flush()
 
     def serve(wfd: int) -> int:
         logs.configure(json=json, level=level, to=syslog)  # stderr: the log file, if any
@@ -548,11 +547,12 @@ def cmd_add(args: argparse.Namespace) -> int:
     with os.fdopen(rfd, "rb") as r:
         line = r.readline().decode().strip()
     if line.startswith("OK "):
-        dev_id = int(line.split()[1])
-        lines = _run(_with_control_lines(dev_id))
-        return lines
-    raise UblkError(line.removeprefix("ERR ") if line else
-                    "the server exited before the device became live")
+        # said once the server runs: a refusal before that stays one line
+        sys.stderr.write(f"aioublk: logs: {where}\n")
+        sys.stderr.flush()
+        return _run(_with_control_lines(int(line.split()[1])))
+    why = line.removeprefix("ERR ") if line else "the server exited before the device became live"
+    raise UblkError(f"{why} (logs: {where})")
 
 
 def _daemonize(serve: Callable[[int], int], stderr: int | None = None) -> tuple[int, int]:

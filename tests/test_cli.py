@@ -164,7 +164,8 @@ def test_daemon_logs_and_stderr_go_to_the_log_file(tmp_path: Path) -> None:
     path.write_text("earlier line\n")
     p = _add("--log-file", str(path))
     assert p.returncode == 1
-    assert p.stderr == f"aioublk: logs: {path}\naioublk: server failed: RuntimeError('boom')\n"
+    # one line: the failure, and where its details are
+    assert p.stderr == f"aioublk: server failed: RuntimeError('boom') (logs: {path})\n"
     text = path.read_text()
     assert text.startswith("earlier line\n"), text
     for line in ("warning line", "error line", "raw stderr line", "server failed",
@@ -209,8 +210,8 @@ def test_daemon_without_log_file_logs_to_syslog(tmp_path: Path) -> None:
         s.settimeout(10)
         p = _add(TEST_SYSLOG=str(address))
         assert p.returncode == 1
-        assert p.stderr == "aioublk: logs: syslog (aioublk)\n" \
-                           "aioublk: server failed: RuntimeError('boom')\n"
+        assert p.stderr == "aioublk: server failed: RuntimeError('boom') " \
+                           "(logs: syslog (aioublk))\n"
         messages = [s.recv(65536).decode() for _ in range(3)]
     # facility daemon (3): <28> is a warning, <27> an error
     assert re.match(r"<28>aioublk\[\d+\]: .*warning line", messages[0]), messages
@@ -223,8 +224,8 @@ def test_daemon_without_syslog_logs_to_the_run_directory(tmp_path: Path) -> None
     missing = tmp_path / "no-log-socket"
     p = _add(TEST_SYSLOG=str(missing), AIOUBLK_RUN_DIR=str(tmp_path / "run"))
     path = tmp_path / "run" / "aioublk.log"
-    assert p.stderr.splitlines()[0] == f"aioublk: logs: {path} (no syslog at {missing}: " \
-                                       "it does not exist)", p.stderr
+    assert p.stderr == "aioublk: server failed: RuntimeError('boom') " \
+                       f"(logs: {path} (no syslog at {missing}: it does not exist))\n", p.stderr
     text = path.read_text()
     assert "error line" in text and "RuntimeError: boom" in text, text
 
