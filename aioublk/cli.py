@@ -37,7 +37,8 @@ from typing import Any, NoReturn
 from aioublk import logs, stats, uapi
 from aioublk._version import __version__
 from aioublk.config import SIZE_FORMS, build_target, parse_size
-from aioublk.device import Control, Device, dump
+from aioublk.device import Control, Device
+from aioublk.kublk_lines import dump, print_device
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.qcow2 import Qcow2Error
 from aioublk.serve import stop_or_exit
@@ -503,7 +504,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             sys.stderr.write(f"aioublk: logs: {os.path.abspath(args.log_file)}\n")
 
         async def announce(dev: Device) -> None:
-            print("\n".join(await dump(dev._ctrl, dev.id)), flush=True)  # type: ignore[arg-type]
+            await print_device(dev._ctrl, dev.id)  # type: ignore[arg-type]
         return _run(run_device(target, cfg, announce, recover))
 
     try:
@@ -583,7 +584,7 @@ def _daemonize(serve: Callable[[int], int], stderr: int | None = None) -> tuple[
 
 async def _with_control_lines(dev_id: int) -> int:
     async def run(ctrl: Control) -> int:
-        print("\n".join(await dump(ctrl, dev_id)), flush=True)
+        await print_device(ctrl, dev_id)
         return 0
     return await _with_control(run)
 

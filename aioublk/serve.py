@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from aioublk import logs, stats, uapi
 from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
-from aioublk.device import Control, Device, dump, settled_info, state_name
+from aioublk.device import Control, Device, settled_info, state_name
+from aioublk.kublk_lines import print_device
 from aioublk.options import UblkError
 from aioublk.qcow2 import Qcow2Error
 from aioublk.target import Target
@@ -108,7 +109,7 @@ async def _start_all(cfg: ServeConfig, ctrl: Control) -> list[_Served] | None:
         try:
             s = await _start(ctrl, spec)
             served.append(s)
-            print("\n".join(await dump(ctrl, s.dev.id)), flush=True)
+            await print_device(ctrl, s.dev.id)
         except Exception as e:  # noqa: BLE001 - one line, then undo
             log.debug("device failed to start", where=spec.where, exc_info=True)
             msg = str(e) if isinstance(e, _ONE_LINE) else f"{type(e).__name__}: {e}"
