@@ -29,21 +29,19 @@ import asyncio
 import errno
 import logging
 import os
-import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 from aioublk import logs, stats, uapi
 from aioublk._version import __version__
 from aioublk.config import SIZE_FORMS, build_target, parse_size
-from aioublk.device import Control, Device, dump
+from aioublk.device import Control, Device
+from aioublk.kublk_lines import dump, print_device
 from aioublk.options import CopyMode, DeviceConfig, UblkError
-from aioublk.qcow2 import Qcow2Error
-from aioublk.serve import stop_or_exit
+from aioublk.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.target import Target
-from aioublk.targets import BackingError
 
 TARGETS = ("null", "loop", "stripe", "qcow2", "fault_inject")
 
@@ -397,46 +395,6 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
     return cfg
 
 
-async def run_device(target: Target, cfg: DeviceConfig,
-                     on_live: Callable[[Device], Awaitable[None]] | None = None,
-                     recover: bool = False) -> int:
-    """Serve one device until SIGTERM/SIGINT or until it is stopped, deleted
-    or quiesced from outside. On a signal a device with user recovery is
-    quiesced (it waits for ``recover``, as a killed kublk's does); any other
-    is deleted."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_or_exit, stop)
-    dev = Device(target, cfg)
-    try:
-        await dev.start(recover=recover)
-        if on_live is not None:
-            await on_live(dev)
-        ended = asyncio.ensure_future(dev.wait())
-        stopper = asyncio.ensure_future(stop.wait())
-        publisher = asyncio.ensure_future(stats.publish(lambda: [dev]))
-        await asyncio.wait({ended, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        publisher.cancel()
-        if not stop.is_set():
-            await dev.release()
-        elif dev.info is not None and dev.info.flags & uapi.Feature.USER_RECOVERY:
-            await dev.quiesce()  # (falls back to detaching: never raises once started)
-        else:
-            await dev.stop()
-        return 0 if dev.write_back_error is None else 1  # (the worker logged it)
-    finally:
-        target.close()
-
-
-def _run(coro: Coroutine[Any, Any, int]) -> int:
-    import uvloop
-
-    result: int = uvloop.run(coro)
-    return result
-
-
 #: kublk's debug_mask bits: UBLK_DBG_DEV..UBLK_DBG_CTRL_CMD are its debug
 #: output, UBLK_LOG its usual lines (its default mask)
 _KUBLK_DEBUG, _KUBLK_LOG = 0x1f, 0x20
@@ -504,8 +462,8 @@ def cmd_add(args: argparse.Namespace) -> int:
             sys.stderr.write(f"aioublk: logs: {os.path.abspath(args.log_file)}\n")
 
         async def announce(dev: Device) -> None:
-            print("\n".join(await dump(dev._ctrl, dev.id)), flush=True)  # type: ignore[arg-type]
-        return _run(run_device(target, cfg, announce, recover))
+            await print_device(dev._ctrl, dev.id)  # type: ignore[arg-type]
+        return run_loop(run_device(target, cfg, announce, recover))
 
     try:
         log_fd, syslog, where = _daemon_logs(args)
@@ -526,8 +484,8 @@ def cmd_add(args: argparse.Namespace) -> int:
             os.close(wfd)
             reported = True
         try:
-            return _run(run_device(target, cfg, report, recover))
-        except (UblkError, BackingError, Qcow2Error, OSError) as e:
+            return run_loop(run_device(target, cfg, report, recover))
+        except ONE_LINE_ERRORS as e:
             log.error("server failed", error=str(e))
             msg = str(e)
         except BaseException as e:  # noqa: BLE001 - the parent must hear about it
@@ -550,7 +508,7 @@ def cmd_add(args: argparse.Namespace) -> int:
         # said once the server runs: a refusal before that stays one line
         sys.stderr.write(f"aioublk: logs: {where}\n")
         sys.stderr.flush()
-        return _run(_with_control_lines(int(line.split()[1])))
+        return run_loop(_with_control_lines(int(line.split()[1])))
     why = line.removeprefix("ERR ") if line else "the server exited before the device became live"
     raise UblkError(f"{why} (logs: {where})")
 
@@ -583,7 +541,7 @@ def _daemonize(serve: Callable[[int], int], stderr: int | None = None) -> tuple[
 
 async def _with_control_lines(dev_id: int) -> int:
     async def run(ctrl: Control) -> int:
-        print("\n".join(await dump(ctrl, dev_id)), flush=True)
+        await print_device(ctrl, dev_id)
         return 0
     return await _with_control(run)
 
@@ -617,8 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features,
                    "stop": cmd_stop, "quiesce": cmd_quiesce,
                    "update_size": cmd_update_size}[args.cmd]
-        return _run(handler(args))
-    except (UblkError, BackingError, Qcow2Error, OSError) as e:  # as serve() reports them
+        return run_loop(handler(args))
+    except ONE_LINE_ERRORS as e:  # as serve() reports them
         sys.stderr.write(f"aioublk: {e}\n")
         return 1
     except KeyboardInterrupt:

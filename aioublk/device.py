@@ -154,24 +154,6 @@ class Control:
         os.close(self.fd)
 
 
-async def dump(ctrl: Control, dev_id: int) -> list[str]:
-    """kublk's three-part description of one device."""
-    info = await ctrl.get_info(dev_id)
-    params = await ctrl.get_params(dev_id)
-    lines = [
-        f"dev id {info.dev_id}: nr_hw_queues {info.nr_hw_queues} "
-        f"queue_depth {info.queue_depth} block size {1 << params.logical_bs_shift} "
-        f"dev_capacity {params.dev_sectors}",
-        f"\tmax rq size {info.max_io_buf_bytes} daemon pid {info.ublksrv_pid} "
-        f"flags 0x{info.flags:x} state {state_name(info.state)}",
-    ]
-    for q in range(info.nr_hw_queues):
-        cpus = await ctrl.queue_affinity(dev_id, q)
-        # kublk keeps only the first CPU of each queue's set
-        lines.append(f"\tqueue {q}: affinity({''.join(f'{c} ' for c in cpus[:1])})")
-    return lines
-
-
 def target_files(target: Target) -> list[str]:
     """The files a target serves, as its ``describe`` names them."""
     d = target.describe()

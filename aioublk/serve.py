@@ -17,23 +17,19 @@ foreground by one process until SIGTERM or SIGINT.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import sys
 from dataclasses import dataclass
 
 from aioublk import logs, stats, uapi
 from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
-from aioublk.device import Control, Device, dump, settled_info, state_name
+from aioublk.device import Control, Device, settled_info, state_name
+from aioublk.kublk_lines import print_device
 from aioublk.options import UblkError
-from aioublk.qcow2 import Qcow2Error
+from aioublk.runner import ONE_LINE_ERRORS, run_loop, until_signal
 from aioublk.target import Target
-from aioublk.targets import BackingError
 
 log = logs.get_logger("aioublk.serve")
 
-#: errors that explain themselves in one line; anything else gets its type name
-_ONE_LINE = (UblkError, BackingError, Qcow2Error, OSError)
 _RECOVERABLE = (uapi.State.QUIESCED, uapi.State.FAIL_IO)
 
 
@@ -65,24 +61,16 @@ def main(path: str, *, verbose: bool = False) -> int:
     logs.configure(json=cfg.logging.format == "json", level=level, to=to)
     if cfg.logging.file:
         _report(f"logs: {cfg.logging.file}")
-    import uvloop
-
     try:
-        code: int = uvloop.run(serve(cfg))
+        return run_loop(serve(cfg))
     except KeyboardInterrupt:  # before the signal handlers were installed
         return 130
-    return code
 
 
 async def serve(cfg: ServeConfig) -> int:
     """Serve every device of ``cfg`` on the running loop until SIGTERM/SIGINT
     or until all have ended; returns the exit status."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop_or_exit, stop)
-    try:
+    with until_signal() as stop:
         try:
             ctrl = Control()
         except UblkError as e:
@@ -95,9 +83,6 @@ async def serve(cfg: ServeConfig) -> int:
         if served is None:
             return 1
         return await _run(served, stop, cfg.logging.stats_interval)
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
 
 
 async def _start_all(cfg: ServeConfig, ctrl: Control) -> list[_Served] | None:
@@ -108,10 +93,10 @@ async def _start_all(cfg: ServeConfig, ctrl: Control) -> list[_Served] | None:
         try:
             s = await _start(ctrl, spec)
             served.append(s)
-            print("\n".join(await dump(ctrl, s.dev.id)), flush=True)
+            await print_device(ctrl, s.dev.id)
         except Exception as e:  # noqa: BLE001 - one line, then undo
             log.debug("device failed to start", where=spec.where, exc_info=True)
-            msg = str(e) if isinstance(e, _ONE_LINE) else f"{type(e).__name__}: {e}"
+            msg = str(e) if isinstance(e, ONE_LINE_ERRORS) else f"{type(e).__name__}: {e}"
             _report(f"{cfg.path}: {spec.where}: {' '.join(msg.split())}")
             # undo: what we created goes, what we reattached goes back to waiting
             await asyncio.gather(*(_finish(s, quiesce=s.reattached) for s in served))
@@ -191,15 +176,6 @@ async def _finish(s: _Served, *, quiesce: bool) -> bool:
     await s.dev.stop()  # nothing left to do once quiesced
     s.target.close()
     return ok
-
-
-def stop_or_exit(stop: asyncio.Event) -> None:
-    """The first SIGTERM/SIGINT stops gracefully; a second one exits at once
-    (the kernel then ends the devices as for a killed server)."""
-    if stop.is_set():
-        log.warning("second signal: exiting without a clean stop")
-        os._exit(1)
-    stop.set()
 
 
 def _report(line: str) -> None:

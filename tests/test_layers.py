@@ -36,6 +36,7 @@ LAYERS: list[list[str]] = [
     ["aioublk.queue"],  # the old names, re-exported; nothing in aioublk imports it
     ["aioublk.device"],
     ["aioublk.stats", "aioublk.config"],
+    ["aioublk.kublk_lines", "aioublk.runner"],  # what cli and serve share
     ["aioublk.serve"],
     ["aioublk.cli"],
     ["aioublk.__main__", "aioublk"],
@@ -61,6 +62,16 @@ def layer_of(module: str) -> tuple[int, str]:
     raise AssertionError(f"{module} has no place in LAYERS: add it")
 
 
+def absolute(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
+    """The module a ``from ... import`` in ``module`` imports from."""
+    base = node.module or ""
+    if node.level:
+        pkg = module.split(".") if is_pkg else module.split(".")[:-1]
+        pkg = pkg[:len(pkg) - node.level + 1]
+        base = ".".join(pkg + ([base] if base else []))
+    return base
+
+
 def imports(module: str, path: Path, known: set[str]) -> set[str]:
     """Every aioublk module ``module`` imports, wherever the import is."""
     is_pkg = path.name == "__init__.py"
@@ -69,11 +80,7 @@ def imports(module: str, path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "aioublk"}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = module.split(".") if is_pkg else module.split(".")[:-1]
-                pkg = pkg[:len(pkg) - node.level + 1]
-                base = ".".join(pkg + ([base] if base else []))
+            base = absolute(node, module, is_pkg)
             if base.split(".")[0] != "aioublk":
                 continue
             for a in node.names:  # ``from pkg import mod`` imports pkg.mod
@@ -131,3 +138,34 @@ def test_the_queue_layer_order() -> None:
              "aioublk.driver", "aioublk.perio", "aioublk.worker", "aioublk.device"]
     assert [layer_of(m)[0] for m in order] == sorted({layer_of(m)[0] for m in order})
     assert layer_of("aioublk.batch")[0] == layer_of("aioublk.perio")[0]
+
+
+#: ``serve`` is a subcommand of the CLI: cli may call its ``main`` and nothing
+#: else of it; what both use (the run-until-signal loop, kublk's device lines)
+#: lives in modules below both, so that neither grows into the other
+FRONT_ENDS = {("aioublk.cli", "aioublk.serve"): {"main"}, ("aioublk.serve", "aioublk.cli"): set()}
+
+
+def names_imported(module: str, source: str) -> set[str]:
+    """The names ``module`` imports from the module ``source`` (wherever the
+    import is); ``*`` for the module itself."""
+    path = modules()[module]
+    pkg, _, leaf = source.rpartition(".")
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {"*" for a in node.names if a.name == source}
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute(node, module, path.name == "__init__.py")
+            if base == source:
+                out |= {a.name for a in node.names}
+            elif base == pkg:
+                out |= {"*" for a in node.names if a.name == leaf}
+    return out
+
+
+@pytest.mark.parametrize(("importer", "source"), sorted(FRONT_ENDS))
+def test_the_front_ends_share_through_modules_of_their_own(importer: str, source: str) -> None:
+    extra = names_imported(importer, source) - FRONT_ENDS[importer, source]
+    assert not extra, (f"{importer} imports {sorted(extra)} from {source}: move what both "
+                       "use to a module below both")

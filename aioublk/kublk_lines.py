@@ -1,0 +1,32 @@
+"""The lines kublk prints for a device, which ``add``, ``recover``, ``list``
+and ``serve`` print alike: scripts written for kublk parse them, so they
+stay byte for byte what kublk prints (a change here breaks those scripts).
+"""
+
+from __future__ import annotations
+
+from aioublk.device import Control, state_name
+
+
+async def dump(ctrl: Control, dev_id: int) -> list[str]:
+    """kublk's three-part description of one device."""
+    info = await ctrl.get_info(dev_id)
+    params = await ctrl.get_params(dev_id)
+    lines = [
+        f"dev id {info.dev_id}: nr_hw_queues {info.nr_hw_queues} "
+        f"queue_depth {info.queue_depth} block size {1 << params.logical_bs_shift} "
+        f"dev_capacity {params.dev_sectors}",
+        f"\tmax rq size {info.max_io_buf_bytes} daemon pid {info.ublksrv_pid} "
+        f"flags 0x{info.flags:x} state {state_name(info.state)}",
+    ]
+    for q in range(info.nr_hw_queues):
+        cpus = await ctrl.queue_affinity(dev_id, q)
+        # kublk keeps only the first CPU of each queue's set
+        lines.append(f"\tqueue {q}: affinity({''.join(f'{c} ' for c in cpus[:1])})")
+    return lines
+
+
+async def print_device(ctrl: Control, dev_id: int) -> None:
+    """Print the device's lines at once (flushed: whoever waits for a new
+    device reads them before the server goes on serving)."""
+    print("\n".join(await dump(ctrl, dev_id)), flush=True)
