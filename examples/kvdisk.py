@@ -71,6 +71,11 @@ class KvServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def open_connections(self) -> int:
+        """Clients connected now (``connections`` counts every one so far)."""
+        return len(self._clients)
+
     def read(self, offset: int, length: int) -> bytes:
         """The device's bytes at ``offset`` as stored (zeros where missing), for checks."""
         bs = self.block_size
