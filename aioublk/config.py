@@ -310,18 +310,19 @@ def _custom_class(spec: str) -> type[Target]:
 
 def target_options(kind: str, raw: dict[str, Any], *, at: str, base: str) -> dict[str, Any]:
     """``raw`` options of the target ``kind`` checked as a config's are, for
-    the command line (``at`` is "--opt"): those given only, none required.
-    Raises ConfigError ("--opt KEY: problem: remedy") or UblkError."""
+    the command line (``at`` is "--opt"): a built-in target's FILE may
+    come as an argument instead, so none of its options is required.
+    Raises UblkError, the command line's one-line error: "--opt KEY: problem: remedy"."""
     try:
         return _options(kind, raw, at, base, partial=True)
     except _Invalid as e:
-        raise ConfigError(_one_line(str(e)).replace(f"{at}.", f"{at} ", 1)) from None
+        raise UblkError(_one_line(str(e)).replace(f"{at}.", f"{at} ", 1)) from None
 
 
 def _options(kind: str, raw: Any, at: str, base: str, partial: bool = False) -> dict[str, Any]:
     _table(raw, at)
     if ":" in kind:
-        return _custom_options(kind, raw, at, partial)
+        return _custom_options(kind, raw, at)
     spec = registry.TARGETS[kind]
     _known(raw, at, spec.keys())
     out: dict[str, Any] = {}
@@ -356,10 +357,8 @@ def _option(o: registry.Option, v: Any, at: str, base: str, kind: str) -> Any:
     return _str(v, at)
 
 
-def _custom_options(kind: str, raw: dict[str, Any], at: str,
-                    partial: bool = False) -> dict[str, Any]:
-    """Passed through as keyword arguments; checked against the constructor
-    (``partial``: missing ones are the constructor's to report)."""
+def _custom_options(kind: str, raw: dict[str, Any], at: str) -> dict[str, Any]:
+    """Passed through as keyword arguments; checked against the constructor."""
     try:
         sig = inspect.signature(_custom_class(kind))
     except (TypeError, ValueError):
@@ -369,7 +368,7 @@ def _custom_options(kind: str, raw: dict[str, Any], at: str,
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         _known(raw, at, named)
     for n in named:
-        if params[n].default is params[n].empty and n not in raw and not partial:
+        if params[n].default is params[n].empty and n not in raw:
             raise _Invalid(f"{at}.{n}", f"missing: {kind} needs it")
     try:
         sig.bind(**raw)
