@@ -168,9 +168,9 @@ def _add_target_options(add: argparse.ArgumentParser) -> None:
                 if o.type == registry.SIZE:
                     kw["metavar"] = "SIZE"
             add.add_argument(*o.flags, **kw)
-    one = [t.name for t in specs if (o := t.option(t.files)) and o.type == registry.PATH]
-    many = [f"{t.name} {o.lo} to {o.hi}" for t in specs
-            if (o := t.option(t.files)) and o.type == registry.PATHS]
+    fed = [(t.name, f) for t in specs if (f := t.option(t.files)) is not None]
+    one = [name for name, f in fed if f.type == registry.PATH]
+    many = [f"{name} {f.lo} to {f.hi}" for name, f in fed if f.type == registry.PATHS]
     add.add_argument("files", nargs="*", metavar="FILE",
                      help=f"backing files: {' and '.join(one)} take one, {', '.join(many)}")
     add.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
