@@ -5,6 +5,7 @@ kublk keep working::
 
     python -m aioublk add -t null|loop|stripe|qcow2|fault_inject [-n ID] [-q N]
                          [-d DEPTH] [-r 0|1] [-e 0|1] [-i 0|1] [--foreground] [FILE...]
+    python -m aioublk add -t pkg.module:Class [--opt KEY=VALUE...] (a custom target)
     python -m aioublk recover -n ID (the options it was added with)
     python -m aioublk del -n ID | -a
     python -m aioublk stop -n ID [--safe]
@@ -31,19 +32,18 @@ import logging
 import os
 import sys
 import time
+import tomllib
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
-from aioublk import logs, stats, uapi
+from aioublk import logs, registry, stats, uapi
 from aioublk._version import __version__
-from aioublk.config import SIZE_FORMS, build_target, parse_size
+from aioublk.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.device import Control, Device
 from aioublk.kublk_lines import dump, print_device
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.target import Target
-
-TARGETS = ("null", "loop", "stripe", "qcow2", "fault_inject")
 
 log = logs.get_logger("aioublk.cli")
 
@@ -91,7 +91,8 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     """The options of ``add``, which ``recover`` takes again."""
     add.epilog = f"SIZE is {SIZE_FORMS}."
     add.add_argument("-t", "--type", dest="target", required=True,
-                     help="target: " + "|".join(TARGETS))
+                     help="target: " + "|".join(registry.TARGETS) + ", or pkg.module:Class "
+                     "with --opt")
     _add_dev_id(add, "device id (default: -1, auto allocation)")
     add.add_argument("-q", "--queues", type=int, default=2, metavar="NR_QUEUES",
                      help="number of hardware queues (default: 2, max 32)")
@@ -107,8 +108,6 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("--no_auto_part_scan", action="store_true",
                      help="do not scan the new disk for partitions "
                      "(UBLK_F_NO_AUTO_PART_SCAN)")
-    add.add_argument("--chunk_size", type=_size, default=65536, metavar="SIZE",
-                     help="stripe: bytes per chunk, a power of two (default: 64K)")
     batch = add.add_mutually_exclusive_group()
     batch.add_argument("-b", "--batch", action="store_true", default=None,
                        help="require UBLK_F_BATCH_IO (default: use it when the kernel has it)")
@@ -131,33 +130,53 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="1: recovery, and I/O fails while no server is attached")
     add.add_argument("-i", "--recovery_reissue", type=_flag01, default=False, metavar="0|1",
                      help="1: recovery, and requests the dead server held are reissued")
-    add.add_argument("--buffered", action="store_true",
-                     help="loop/stripe/qcow2: do not use O_DIRECT on the backing files")
     add.add_argument("--read-only", "--read_only", dest="read_only", action="store_true",
                      help="loop/qcow2: serve the file read-only")
     add.add_argument("--force-share", "-U", dest="force_share", action="store_true",
                      help="with --read-only: serve files QEMU or others may be writing")
-    add.add_argument("--l2-cache", dest="l2_cache", type=_size, default=None, metavar="SIZE",
-                     help="qcow2: L2 cache size (default: map the whole disk, up to 32M)")
-    add.add_argument("--allow-backing", dest="allow_backing", action="append", default=[],
-                     metavar="PATH", help="qcow2: backing files may also be under this "
-                     "directory, or be this file or block device (repeatable; by default "
-                     "only files in the image's own directory)")
-    add.add_argument("--backing-format", dest="backing_format", choices=("raw", "qcow2"),
-                     help="qcow2: the format of backing files whose image records none "
-                     "(never guessed)")
-    add.add_argument("--delay_us", type=int, default=0,
-                     help="fault_inject: hold each request this many microseconds")
-    add.add_argument("--die_during_fetch", type=_flag01, default=False, metavar="0|1",
-                     help="fault_inject: 1 = SIGKILL the server while it arms its tags")
     add.add_argument("-v", "--verbose", action="store_true", help="log every request")
     add.add_argument("--log-format", choices=("console", "json"), default="console",
                      help="log lines as text (default) or JSON")
     add.add_argument("--log-file", metavar="PATH",
                      help="append the server's log lines (and a daemon's stderr) to PATH "
                      "(default: stderr with --foreground, else syslog)")
+    _add_target_options(add)
+
+
+def _add_target_options(add: argparse.ArgumentParser) -> None:
+    """The built-in targets' flags, FILE and --opt, as the registry declares them."""
+    seen: set[str] = set()
+    specs = registry.TARGETS.values()
+    for spec in specs:
+        for o in spec.options:
+            if not o.flags or o.key in seen:
+                continue
+            seen.add(o.key)
+            users = "/".join(t.name for t in specs if o in t.options)
+            default = f" (default: {o.default_help})" if o.default_help else ""
+            kw: dict[str, Any] = {"dest": o.key, "help": f"{users}: {o.help}{default}"}
+            if o.type == registry.BOOL:
+                kw |= ({"type": _flag01, "default": False, "metavar": "0|1"} if o.zero_one
+                       else {"action": "store_true"})
+            elif o.type == registry.PATHS:
+                kw |= {"action": "append", "default": [], "metavar": "PATH"}
+            elif o.type == registry.CHOICE:
+                kw |= {"choices": o.choices}
+            else:
+                kw |= {"type": {registry.SIZE: _size, registry.INT: int}.get(o.type, str),
+                       "default": o.default}
+                if o.type == registry.SIZE:
+                    kw["metavar"] = "SIZE"
+            add.add_argument(*o.flags, **kw)
+    fed = [(t.name, f) for t in specs if (f := t.option(t.files)) is not None]
+    one = [name for name, f in fed if f.type == registry.PATH]
+    many = [f"{name} {f.lo} to {f.hi}" for name, f in fed if f.type == registry.PATHS]
     add.add_argument("files", nargs="*", metavar="FILE",
-                     help="backing files: loop and qcow2 take one, stripe 2 to 4")
+                     help=f"backing files: {' and '.join(one)} take one, {', '.join(many)}")
+    add.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                     help="a target option by its config key (repeatable): the only way to "
+                     "give a pkg.module:Class target its keyword arguments; VALUE is read as "
+                     "TOML (64, true, \"s\", [\"a\", \"b\"]) when it parses, else as a string")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -348,28 +367,58 @@ async def cmd_update_size(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------- add --
 
 def make_target(args: argparse.Namespace) -> Target:
-    """Build the target named by ``-t`` from the command line's files and
-    options (raises UblkError/BackingError/Qcow2Error)."""
+    """Build the target named by ``-t`` from the command line's files, flags
+    and ``--opt`` (raises UblkError/BackingError/Qcow2Error)."""
     name, files = args.target, args.files
-    if name not in TARGETS:
-        raise UblkError(f"unknown target type '{name}': use one of {', '.join(TARGETS)}")
-    if name in ("null", "fault_inject") and files:
+    opts = _opt_values(args.opt)
+    spec = registry.TARGETS.get(name)
+    if spec is None and ":" not in name:
+        raise UblkError(f"unknown target type '{name}': use one of "
+                        f"{', '.join(registry.TARGETS)}, or pkg.module:Class with --opt")
+    if spec is None:
+        if files:
+            raise UblkError(f"{name} takes no FILE: give its arguments as --opt KEY=VALUE")
+        options = target_options(name, opts, at="--opt", base=os.getcwd())
+        return build_target(name, options, read_only=args.read_only,
+                            force_share=args.force_share)
+    options = {o.key: getattr(args, o.key) for o in spec.options
+               if o.flags and getattr(args, o.key) is not None}
+    for o in spec.options:
+        if o.type == registry.INT and o.flags and o.lo == 0 and options[o.key] < 0:
+            raise UblkError(f"{o.flag} {options[o.key]} is negative")
+    fed = spec.option(spec.files)
+    if fed is None and files:
         raise UblkError(f"the {name} target takes no backing file")
-    if name in ("loop", "qcow2") and len(files) != 1:
-        what = "image" if name == "qcow2" else "backing"
-        raise UblkError(f"the {name} target needs exactly one {what} file, got {len(files)}")
-    if args.delay_us < 0:
-        raise UblkError(f"--delay_us {args.delay_us} is negative")
-    options: dict[str, Any] = {
-        "null": {},
-        "fault_inject": {"delay_us": args.delay_us, "die_during_fetch": args.die_during_fetch},
-        "loop": {"file": files[0] if files else "", "buffered": args.buffered},
-        "stripe": {"files": files, "chunk_size": args.chunk_size},
-        "qcow2": {"image": files[0] if files else "", "l2_cache": args.l2_cache,
-                  "buffered": args.buffered, "allow_backing": args.allow_backing,
-                  "backing_format": args.backing_format},
-    }[name]
+    if fed is not None and fed.key in opts:
+        if files:
+            raise UblkError(f"the {name} target's {fed.what} is given twice: as FILE and as "
+                            f"--opt {fed.key}; drop one")
+    elif fed is not None and fed.type == registry.PATH:
+        if len(files) != 1:
+            what = "image" if fed.what == "image" else "backing"
+            raise UblkError(f"the {name} target needs exactly one {what} file, got "
+                            f"{len(files)}")
+        options[fed.key] = files[0]
+    elif fed is not None:
+        options[fed.key] = files
+    options |= target_options(name, opts, at="--opt", base=os.getcwd())
     return build_target(name, options, read_only=args.read_only, force_share=args.force_share)
+
+
+def _opt_values(opts: list[str]) -> dict[str, Any]:
+    """``--opt KEY=VALUE``s: a VALUE that parses as TOML is that value (64,
+    true, "s", [1, 2]), any other the string it is."""
+    out: dict[str, Any] = {}
+    for opt in opts:
+        key, eq, text = opt.partition("=")
+        if not eq or not key.strip():
+            raise UblkError(f"--opt {opt!r} is not KEY=VALUE: write e.g. --opt size=64M")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        out[key.strip()] = value
+    return out
 
 
 def device_config(args: argparse.Namespace) -> DeviceConfig:

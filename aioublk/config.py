@@ -25,12 +25,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aioublk import locking, uapi
+from aioublk import locking, registry, uapi
 from aioublk.errors import Error
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.target import Target
 
-BUILTIN_TARGETS = ("null", "loop", "stripe", "qcow2", "fault_inject")
+BUILTIN_TARGETS = tuple(registry.TARGETS)
 LEVELS = ("warning", "info", "debug")
 FORMATS = ("console", "json")
 RECOVERY = ("none", "requeue", "reissue", "fail_io")
@@ -39,13 +39,7 @@ BLOCK_SIZES = (512, 1024, 2048, 4096)
 
 #: the keys of each target's ``[devices.options]`` (custom targets: their
 #: constructor's keyword arguments)
-TARGET_OPTIONS = {
-    "null": ("size",),
-    "fault_inject": ("size", "delay_us"),
-    "loop": ("file", "buffered"),
-    "stripe": ("files", "chunk_size"),
-    "qcow2": ("image", "l2_cache", "buffered", "allow_backing", "backing_format"),
-}
+TARGET_OPTIONS = {name: spec.keys() for name, spec in registry.TARGETS.items()}
 DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fallback",
                "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
                "physical_block_size", "read_only", "force_share", "options")
@@ -147,33 +141,11 @@ def build_target(kind: str, options: dict[str, Any], *, read_only: bool = False,
 
 
 def _build_target(kind: str, options: dict[str, Any], read_only: bool) -> Target:
-    o = options
-    if kind == "null":
-        from aioublk.targets import NullTarget
-
-        return NullTarget(**o)
-    if kind == "fault_inject":
-        from aioublk.targets.fault_inject import FaultInjectTarget
-
-        return FaultInjectTarget(**o)
-    if kind == "loop":
-        from aioublk.targets import LoopTarget
-
-        return LoopTarget(o["file"], direct=not o.get("buffered", False), read_only=read_only)
-    if kind == "stripe":
-        from aioublk.targets import StripeTarget
-
-        return StripeTarget(list(o["files"]), **({"chunk_size": o["chunk_size"]}
-                                                 if "chunk_size" in o else {}))
-    if kind == "qcow2":
-        from aioublk.targets.qcow2 import Qcow2Target
-
-        return Qcow2Target(o["image"], read_only=read_only, cache_bytes=o.get("l2_cache"),
-                           direct=not o.get("buffered", False),
-                           allow_backing=o.get("allow_backing", ()),
-                           backing_format=o.get("backing_format"))
+    spec = registry.TARGETS.get(kind)
+    if spec is not None:
+        return spec.build(options, read_only)
     if ":" in kind:
-        return _custom_class(kind)(**o)
+        return _custom_class(kind)(**options)
     raise UblkError(f"unknown target type '{kind}': use one of {', '.join(BUILTIN_TARGETS)} "
                     "or pkg.module:Class")
 
@@ -336,41 +308,53 @@ def _custom_class(spec: str) -> type[Target]:
     return cls
 
 
-def _options(kind: str, raw: Any, at: str, base: str) -> dict[str, Any]:
+def target_options(kind: str, raw: dict[str, Any], *, at: str, base: str) -> dict[str, Any]:
+    """``raw`` options of the target ``kind`` checked as a config's are, for
+    the command line (``at`` is "--opt"): a built-in target's FILE may
+    come as an argument instead, so none of its options is required.
+    Raises UblkError, the command line's one-line error: "--opt KEY: problem: remedy"."""
+    try:
+        return _options(kind, raw, at, base, partial=True)
+    except _Invalid as e:
+        raise UblkError(_one_line(str(e)).replace(f"{at}.", f"{at} ", 1)) from None
+
+
+def _options(kind: str, raw: Any, at: str, base: str, partial: bool = False) -> dict[str, Any]:
     _table(raw, at)
     if ":" in kind:
         return _custom_options(kind, raw, at)
-    key = _keyer(at)
-    _known(raw, at, TARGET_OPTIONS[kind])
+    spec = registry.TARGETS[kind]
+    _known(raw, at, spec.keys())
     out: dict[str, Any] = {}
-    if "size" in raw:
-        out["size"] = _device_size(raw["size"], key("size"))
-    if "delay_us" in raw:
-        out["delay_us"] = _int(raw["delay_us"], key("delay_us"), 0)
-    if "buffered" in raw:
-        out["buffered"] = _bool(raw["buffered"], key("buffered"))
-    if "l2_cache" in raw:
-        out["l2_cache"] = _size(raw["l2_cache"], key("l2_cache"), 1)
-    if "allow_backing" in raw:
-        out["allow_backing"] = _paths(raw["allow_backing"], key("allow_backing"), base)
-    if "backing_format" in raw:
-        out["backing_format"] = _choice(raw["backing_format"], key("backing_format"),
-                                        ("raw", "qcow2"))
-    for name in ("file", "image"):
-        if name in TARGET_OPTIONS[kind]:
-            if name not in raw:
-                raise _Invalid(key(name), f"missing: the {kind} target needs the path of its "
-                               f"{'image' if name == 'image' else 'backing file'}")
-            out[name] = _existing(raw[name], key(name), base)
-    if kind == "stripe":
-        out["files"] = _stripe_files(raw.get("files"), key("files"), base)
-        if "chunk_size" in raw:
-            chunk = _size(raw["chunk_size"], key("chunk_size"), 4096, 512 << 10)
-            if chunk & (chunk - 1):
-                raise _Invalid(key("chunk_size"), f"{chunk} is not a power of two: use "
-                               "4096, 8192, ... 524288")
-            out["chunk_size"] = chunk
+    for o in spec.options:
+        if o.key in raw:
+            out[o.key] = _option(o, raw[o.key], f"{at}.{o.key}", base, kind)
+        elif o.required and not partial:
+            need = (f"a list of {o.lo} to {o.hi} {o.what}s" if o.type == registry.PATHS
+                    else f"the path of its {o.what}")
+            raise _Invalid(f"{at}.{o.key}", f"missing: the {kind} target needs {need}")
     return out
+
+
+def _option(o: registry.Option, v: Any, at: str, base: str, kind: str) -> Any:
+    """One built-in target option's value, checked as its declaration says."""
+    if o.type == registry.SIZE:
+        n = _device_size(v, at) if o.sectors else _size(v, at, o.lo or 0, o.hi)
+        if o.power_of_two and n & (n - 1):
+            raise _Invalid(at, f"{n} is not a power of two: use {o.lo}, {2 * (o.lo or 1)}, ... "
+                           f"{o.hi}")
+        return n
+    if o.type == registry.INT:
+        return _int(v, at, o.lo if o.lo is not None else -(1 << 63), o.hi)
+    if o.type == registry.BOOL:
+        return _bool(v, at)
+    if o.type == registry.PATH:
+        return _existing(v, at, base)
+    if o.type == registry.PATHS:
+        return _paths(v, at, base, kind, o)
+    if o.type == registry.CHOICE:
+        return _choice(v, at, o.choices)
+    return _str(v, at)
 
 
 def _custom_options(kind: str, raw: dict[str, Any], at: str) -> dict[str, Any]:
@@ -393,25 +377,20 @@ def _custom_options(kind: str, raw: dict[str, Any], at: str) -> dict[str, Any]:
     return dict(raw)
 
 
-def _paths(v: Any, at: str, base: str) -> list[str]:
-    """A list of existing paths (qcow2's allow_backing: directories or files)."""
+def _paths(v: Any, at: str, base: str, kind: str, o: registry.Option) -> list[str]:
+    """A list of existing paths: stripe's files (``o.lo``..``o.hi`` of them,
+    distinct), qcow2's allow_backing (directories or files)."""
+    lo, hi = o.lo, o.hi
     if not isinstance(v, list):
-        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use a list of paths")
-    return [_existing(p, f"{at}[{i}]", base) for i, p in enumerate(v)]
-
-
-def _stripe_files(v: Any, at: str, base: str) -> list[str]:
-    if v is None:
-        raise _Invalid(at, "missing: the stripe target needs a list of 2 to 4 backing files")
-    if not isinstance(v, list):
-        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use a list of 2 to 4 paths")
-    if not 2 <= len(v) <= 4:
-        raise _Invalid(at, f"{len(v)} file{'s' * (len(v) != 1)} given: the stripe target "
-                       "needs 2 to 4")
+        want = f"a list of {lo} to {hi} paths" if lo is not None else "a list of paths"
+        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use {want}")
+    if lo is not None and hi is not None and not lo <= len(v) <= hi:
+        raise _Invalid(at, f"{len(v)} file{'s' * (len(v) != 1)} given: the {kind} target "
+                       f"needs {lo} to {hi}")
     files = [_existing(p, f"{at}[{i}]", base) for i, p in enumerate(v)]
-    for i, p in enumerate(files):
+    for i, p in enumerate(files if o.distinct else ()):
         if p in files[:i]:
-            raise _Invalid(f"{at}[{i}]", f"{p} is also files[{files.index(p)}]: use distinct "
+            raise _Invalid(f"{at}[{i}]", f"{p} is also {o.key}[{files.index(p)}]: use distinct "
                            "files")
     return files
 

@@ -29,6 +29,7 @@ LAYERS: list[list[str]] = [
     ["aioublk.target"],
     ["aioublk.qcow2"],
     ["aioublk.targets"],
+    ["aioublk.registry"],  # the built-in targets declared: config and cli build from it
     ["aioublk.options", "aioublk.lifecycle"],
     ["aioublk.driver"],
     ["aioublk.perio", "aioublk.batch"],

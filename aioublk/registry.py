@@ -1,0 +1,127 @@
+"""The built-in targets, each declared once: its class (imported only when a
+device is built), its options (type, default, help, command-line flags,
+config key, bounds) and which option the command line's FILE arguments fill.
+
+``add``'s target flags and help, the config file's ``[devices.options]``
+checks and ``build_target`` are all made from ``TARGETS``, so a new option is
+one entry here. Documentation lists ``TARGETS[name].options``. This module
+is declarations only: the checks themselves live in ``config``, the flags in
+``cli``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aioublk.target import Target
+
+#: the option types: how a value is checked and how the command line reads it
+SIZE, INT, BOOL, PATH, PATHS, CHOICE, STR = "size", "int", "bool", "path", "paths", "choice", "str"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a built-in target."""
+
+    key: str                      # the config key (also ``--opt KEY=VALUE``)
+    type: str                     # SIZE, INT, BOOL, PATH, PATHS, CHOICE or STR
+    help: str
+    default: Any = None           # what the target does without it (None: see help)
+    default_help: str = ""        # the default as --help says it, if it says it
+    flags: tuple[str, ...] = ()   # command-line spellings; none: config and --opt only
+    arg: str = ""                 # the constructor's keyword ("": key; "*": positional)
+    negate: bool = False          # the constructor's keyword means the opposite
+    lo: int | None = None         # bounds: of the value, or of a PATHS list's length
+    hi: int | None = None
+    choices: tuple[str, ...] = ()
+    power_of_two: bool = False
+    sectors: bool = False         # a SIZE in whole 512-byte sectors
+    distinct: bool = False        # PATHS: no path twice
+    required: bool = False
+    what: str = ""                # PATH/PATHS: what the file is ("backing file", "image")
+    zero_one: bool = False        # a BOOL flag written "--flag 0|1" (kublk), not "--flag"
+
+    @property
+    def flag(self) -> str:
+        """The spelling messages name: the first flag, else ``--opt KEY``."""
+        return self.flags[0] if self.flags else f"--opt {self.key}"
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A built-in target: ``cls`` is "module:Class", imported when built."""
+
+    name: str
+    cls: str
+    options: tuple[Option, ...]
+    files: str = ""               # the option FILE arguments fill ("": none)
+    read_only: bool = False       # the constructor takes read_only=
+
+    def option(self, key: str) -> Option | None:
+        return next((o for o in self.options if o.key == key), None)
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(o.key for o in self.options)
+
+    def target_class(self) -> type[Target]:
+        module, _, name = self.cls.partition(":")
+        cls: type[Target] = getattr(importlib.import_module(module), name)
+        return cls
+
+    def build(self, options: dict[str, Any], read_only: bool = False) -> Target:
+        """The target from checked ``options`` (those absent: the class's defaults)."""
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {"read_only": read_only} if self.read_only else {}
+        for o in self.options:
+            if o.key not in options:
+                continue
+            value = options[o.key]
+            value = not value if o.negate else list(value) if o.type == PATHS else value
+            if o.arg == "*":
+                args.append(value)
+            else:
+                kwargs[o.arg or o.key] = value
+        return self.target_class()(*args, **kwargs)
+
+
+_DEVICE_SIZE = Option("size", SIZE, "bytes the device serves", default=250 << 30,
+                      default_help="250G", lo=512, sectors=True)
+_BUFFERED = Option("buffered", BOOL, "do not use O_DIRECT on the backing files", default=False,
+                   flags=("--buffered",), arg="direct", negate=True)
+
+TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
+    TargetSpec("null", "aioublk.targets.null:NullTarget", (_DEVICE_SIZE,)),
+    TargetSpec("loop", "aioublk.targets.loop:LoopTarget", (
+        Option("file", PATH, "the backing file or block device", arg="*",
+               required=True, what="backing file"),
+        _BUFFERED,
+    ), files="file", read_only=True),
+    TargetSpec("stripe", "aioublk.targets.stripe:StripeTarget", (
+        Option("files", PATHS, "the backing files, striped in this order", arg="*", lo=2, hi=4,
+               distinct=True, required=True, what="backing file"),
+        Option("chunk_size", SIZE, "bytes per chunk, a power of two", default=65536,
+               default_help="64K", flags=("--chunk_size",), lo=4096, hi=512 << 10,
+               power_of_two=True),
+    ), files="files"),
+    TargetSpec("qcow2", "aioublk.targets.qcow2:Qcow2Target", (
+        Option("image", PATH, "the qcow2 image", arg="*", required=True, what="image"),
+        Option("l2_cache", SIZE, "L2 cache size", default_help="map the whole disk, up to 32M",
+               flags=("--l2-cache",), arg="cache_bytes", lo=1),
+        _BUFFERED,
+        Option("allow_backing", PATHS, "backing files may also be under this directory, or be "
+               "this file or block device (repeatable; by default only files in the image's "
+               "own directory)", default=(), flags=("--allow-backing",)),
+        Option("backing_format", CHOICE, "the format of backing files whose image records "
+               "none (never guessed)", flags=("--backing-format",), choices=("raw", "qcow2")),
+    ), files="image", read_only=True),
+    TargetSpec("fault_inject", "aioublk.targets.fault_inject:FaultInjectTarget", (
+        _DEVICE_SIZE,
+        Option("delay_us", INT, "hold each request this many microseconds", default=0,
+               flags=("--delay_us",), lo=0),
+        Option("die_during_fetch", BOOL, "1 = SIGKILL the server while it arms its tags",
+               default=False, flags=("--die_during_fetch",), zero_one=True),
+    )),
+)}

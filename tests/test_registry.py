@@ -1,0 +1,116 @@
+"""The built-in targets' registry: every option it declares reaches both the
+command line and the config file, and ``add --opt`` types and checks
+values as a config file's are (on the host, no kernel)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from aioublk import Geometry, Target, UblkError, cli, config, registry
+
+
+def _add_parser() -> argparse.ArgumentParser:
+    for action in cli._parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices["add"]  # type: ignore[no-any-return]
+    raise AssertionError("no add subcommand")
+
+
+def _flags() -> dict[str, argparse.Action]:
+    return {flag: a for a in _add_parser()._actions for flag in a.option_strings}
+
+
+@pytest.mark.parametrize("name", sorted(registry.TARGETS))
+def test_every_option_reaches_the_command_line_and_the_config(name: str) -> None:
+    spec = registry.TARGETS[name]
+    assert config.TARGET_OPTIONS[name] == spec.keys()
+    flags = _flags()
+    for o in spec.options:
+        for flag in o.flags:
+            assert flags[flag].dest == o.key, flag
+            assert name in (flags[flag].help or "").split(":")[0].split("/"), flag
+    assert spec.files in ("", *spec.keys())
+    assert spec.target_class().__name__ == spec.cls.partition(":")[2]
+
+
+def test_every_option_says_what_docs_need() -> None:
+    for spec in registry.TARGETS.values():
+        for o in spec.options:
+            assert o.help and o.type in (registry.SIZE, registry.INT, registry.BOOL,
+                                         registry.PATH, registry.PATHS, registry.CHOICE,
+                                         registry.STR), o
+            assert o.flag == (o.flags[0] if o.flags else f"--opt {o.key}")
+
+
+def test_the_flags_kublk_users_know_keep_their_defaults() -> None:
+    args = cli._parser().parse_args(["add", "-t", "stripe", "a", "b"])
+    assert (args.chunk_size, args.buffered, args.l2_cache, args.allow_backing,
+            args.backing_format, args.delay_us, args.die_during_fetch) == \
+        (65536, False, None, [], None, 0, False)
+
+
+class Custom(Target):
+    """A target for --opt: one argument of each kind a TOML value gives."""
+
+    def __init__(self, size: int, *, label: str = "", on: bool = False,
+                 parts: list[int] | None = None, human: str = "") -> None:
+        self.size, self.label, self.on, self.parts, self.human = size, label, on, parts, human
+        self.geometry = Geometry(size=size)
+
+
+def _make(*argv: str) -> Target:
+    return cli.make_target(cli._parser().parse_args(["add", *argv]))
+
+
+def test_custom_target_takes_typed_opt_values() -> None:
+    t = _make("-t", f"{__name__}:Custom", "--opt", "size=1048576", "--opt", 'label="a b"',
+              "--opt", "on=true", "--opt", "parts=[1, 2]", "--opt", "human=64M")
+    assert isinstance(t, Custom)
+    assert (t.size, t.label, t.on, t.parts, t.human) == (1 << 20, "a b", True, [1, 2], "64M")
+
+
+def test_builtin_options_by_config_key(tmp_path: Path) -> None:
+    t = _make("-t", "null", "--opt", "size=64M")
+    assert t.geometry.size == 64 << 20
+    t = _make("-t", "fault_inject", "--opt", "delay_us=5", "--opt", "die_during_fetch=true")
+    assert t.delay == 5e-6 and t.die_during_fetch  # type: ignore[attr-defined]
+    img = tmp_path / "a.img"
+    img.write_bytes(bytes(1 << 20))
+    t = _make("-t", "loop", "--opt", "buffered=true", str(img))
+    t.close()
+    t = _make("-t", "loop", "--opt", f'file="{img}"')
+    t.close()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-t", f"{__name__}:Custom", "--opt", "sise=1"],
+     '--opt sise: unknown key (did you mean "size"?)'),
+    (["-t", f"{__name__}:Custom"], f"--opt size: missing: {__name__}:Custom needs it"),
+    (["-t", f"{__name__}:Custom", "--opt", "size=1", "FILE"],
+     f"{__name__}:Custom takes no FILE: give its arguments as --opt KEY=VALUE"),
+    (["-t", f"{__name__}:Nope"], f"module '{__name__}' has no 'Nope': check the class name"),
+    (["-t", "loop", "--opt", "bufferd=true", "x"],
+     '--opt bufferd: unknown key (did you mean "buffered"?)'),
+    (["-t", "loop", "--opt", "buffered=yes", "x"],
+     '--opt buffered: "yes" is a string: use true or false'),
+    (["-t", "stripe", "--opt", "chunk_size=12288", "a", "b"],
+     "--opt chunk_size: 12288 is not a power of two: use 4096, 8192, ... 524288"),
+    (["-t", "null", "--opt", "size"], "--opt 'size' is not KEY=VALUE: write e.g. --opt size=64M"),
+    (["-t", "loop", "--opt", "file=x", "y"],
+     "the loop target's backing file is given twice: as FILE and as --opt file; drop one"),
+    (["-t", "fault_inject", "--delay_us", "-1"], "--delay_us -1 is negative"),
+    (["-t", "null", "x"], "the null target takes no backing file"),
+])
+def test_bad_opt_is_refused_in_one_line(argv: list[str], message: str) -> None:
+    with pytest.raises(UblkError) as e:
+        _make(*argv)
+    assert str(e.value) == message
+
+
+def test_bad_opt_through_main_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["add", "-t", "null", "--opt", "sizes=1M"]) == 1
+    err = capsys.readouterr().err
+    assert err == 'aioublk: --opt sizes: unknown key (did you mean "size"?)\n'
