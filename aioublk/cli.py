@@ -38,7 +38,7 @@ from aioublk import logs, stats, uapi
 from aioublk._version import __version__
 from aioublk.config import SIZE_FORMS, build_target, parse_size
 from aioublk.device import Control, Device
-from aioublk.kublk_lines import dump, print_device
+from aioublk.kublk_lines import device_ids, dump, print_device
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.target import Target
@@ -224,10 +224,10 @@ async def cmd_list(args: argparse.Namespace) -> int:
         if args.dev_id >= 0:
             await show(ctrl, args.dev_id)
             return 0
-        for dev_id in range(255):
+        for dev_id in device_ids():
             try:
                 await show(ctrl, dev_id)
-            except UblkError:
+            except UblkError:  # deleted since
                 continue
         return 0
     return await _with_control(run)
@@ -274,7 +274,7 @@ async def cmd_del(args: argparse.Namespace) -> int:
             return 0
         if not args.all:
             raise UblkError("del needs -n ID or -a")
-        for dev_id in range(255):
+        for dev_id in device_ids():
             try:
                 await delete(ctrl, dev_id)
             except UblkError as e:

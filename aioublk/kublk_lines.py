@@ -5,7 +5,28 @@ stay byte for byte what kublk prints (a change here breaks those scripts).
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 from aioublk.device import Control, state_name
+
+_CHAR_DEVICE = re.compile(r"ublkc(\d+)")
+
+
+def device_ids(root: Path = Path("/")) -> list[int]:
+    """The ids of every ublk device, in numeric order, whatever they are
+    (ids go up to 2^20, not just kublk's 0..254). Read from sysfs, where the
+    driver registers each device's char device whether or not udev made
+    its node; ``/dev`` is the fallback for a system without sysfs mounted
+    (a container), where a node missing from /dev is missed."""
+    for directory in (root / "sys/class/ublk-char", root / "dev"):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        return sorted(int(m[1]) for name in names if (m := _CHAR_DEVICE.fullmatch(name)))
+    return []
 
 
 async def dump(ctrl: Control, dev_id: int) -> list[str]:
