@@ -6,7 +6,7 @@ kublk keep working::
     python -m aioublk add -t null|loop|stripe|qcow2|fault_inject [-n ID] [-q N]
                          [-d DEPTH] [-r 0|1] [-e 0|1] [-i 0|1] [--foreground] [FILE...]
     python -m aioublk add -t pkg.module:Class [--opt KEY=VALUE...] (a custom target)
-    python -m aioublk recover -n ID (the options it was added with)
+    python -m aioublk recover -n ID [options that differ from add's]
     python -m aioublk del -n ID | -a
     python -m aioublk stop -n ID [--safe]
     python -m aioublk quiesce -n ID
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import functools
 import logging
 import os
 import sys
@@ -40,7 +41,7 @@ from aioublk import logs, registry, stats, uapi
 from aioublk._version import __version__
 from aioublk.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.device import Control, Device
-from aioublk.kublk_lines import dump, print_device
+from aioublk.kublk_lines import device_ids, dump, print_device, target_line
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.target import Target
@@ -186,8 +187,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     _add_create_options(sub.add_parser("add", help="create a device and serve it"))
-    _add_create_options(sub.add_parser(
-        "recover", help="serve a QUIESCED device again (give the options it was added with)"))
+    recover = sub.add_parser("recover", help="serve a QUIESCED device again (with the options "
+                             "it was added with, or those given)")
+    _add_create_options(recover)
+    _given_only(recover)
 
     d = sub.add_parser("del", help="delete devices")
     _add_dev_id(d, "device to delete")
@@ -218,6 +221,103 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _given_only(recover: argparse.ArgumentParser) -> None:
+    """``recover`` parses only what is given (-t too is optional): what is
+    not comes from ``add``'s record, else from ``add``'s defaults."""
+    for action in recover._actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+
+
+@functools.cache
+def _create_actions() -> tuple[argparse.Action, ...]:
+    """The options ``add`` and ``recover`` take, with ``add``'s defaults."""
+    p = argparse.ArgumentParser(add_help=False)
+    _add_create_options(p)
+    return tuple(p._actions)
+
+
+def _create_defaults() -> dict[str, Any]:
+    defaults: dict[str, Any] = {}
+    for action in _create_actions():  # (-b and --no-batch: the first's default)
+        default = action.default
+        if default is None and action.nargs == "*":
+            default = []  # (as argparse makes it)
+        # (a copy: a list default is the parser's own)
+        defaults.setdefault(action.dest, list(default) if isinstance(default, list) else default)
+    return defaults
+
+
+#: not among the recorded options: the target and files are recorded apart,
+#: the id is the record's name, --foreground is how one command runs
+_NOT_RECORDED = ("target", "files", "dev_id", "foreground")
+#: options naming files, recorded absolute (a daemon runs in /)
+_PATH_OPTIONS = ("log_file", "allow_backing")
+
+
+def _record(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``recover -n ID`` alone needs, and ``list`` shows: the target,
+    its files (absolute) and every other option ``add`` parsed."""
+    options = {dest: getattr(args, dest) for dest in _create_defaults()
+               if dest not in _NOT_RECORDED}
+    for dest in _PATH_OPTIONS:
+        value = options.get(dest)
+        if isinstance(value, str):
+            options[dest] = os.path.abspath(value)
+        elif isinstance(value, list):
+            options[dest] = [os.path.abspath(v) for v in value]
+    return {"target": args.target, "files": [os.path.abspath(f) for f in args.files],
+            "options": options}
+
+
+def _spelled(dest: str, value: Any) -> str:
+    """An option as it would be given: ``-q 4``, ``--buffered``, ``-r 1``."""
+    actions = [a for a in _create_actions() if a.dest == dest]
+    flag = actions[0].option_strings[0] if actions[0].option_strings else ""
+    for a in actions:
+        if a.nargs == 0 and a.const == value:
+            return a.option_strings[0]
+    if actions[0].nargs == 0:
+        return f"no {flag}"
+    values = value if isinstance(value, list) else [value]
+    if not flag:  # the files
+        return " ".join(map(str, values)) or "no file"
+    shown = [str(int(v)) if isinstance(v, bool) else str(v) for v in values]
+    return " ".join(f"{flag} {v}" for v in shown) or f"no {flag}"
+
+
+def _as_recorded(args: argparse.Namespace) -> None:
+    """``recover``: fill in what was not given from ``add``'s record of the
+    device (else ``add``'s defaults); say in one line which given options
+    differ from the record."""
+    args.dev_id = getattr(args, "dev_id", -1)
+    dev_id = _need_id(args)
+    given = {k: v for k, v in vars(args).items() if k not in ("cmd", "dev_id")}
+    record = stats.read_record(dev_id)
+    if record is None:
+        if "target" not in given:
+            raise UblkError(f"device {dev_id} has no record of how it was added (not by an "
+                            f"aioublk add, or one before records): give its options, e.g. "
+                            f"recover -n {dev_id} -t TYPE [FILE...] as given to add")
+        recorded: dict[str, Any] = {}
+    else:
+        recorded = {**record["options"], "target": record.get("target"),
+                    "files": record.get("files", [])}
+        if given.get("target", recorded["target"]) != recorded["target"]:
+            del recorded["files"]  # the other target's
+    if "files" in given:
+        given["files"] = [os.path.abspath(f) for f in given["files"]]
+    overrides = [f"{_spelled(dest, value)} overrides the recorded "
+                 f"{_spelled(dest, recorded[dest])}"
+                 for dest, value in given.items()
+                 if dest in recorded and value != recorded[dest]]
+    if overrides:
+        sys.stderr.write(f"aioublk: recover: {', '.join(overrides)}\n")
+    for dest, default in _create_defaults().items():
+        if dest not in given and dest != "dev_id":
+            setattr(args, dest, recorded.get(dest, default))
+
+
 # ------------------------------------------------------------------ output --
 
 async def _with_control(fn: Callable[[Control], Awaitable[int]]) -> int:
@@ -231,8 +331,12 @@ async def _with_control(fn: Callable[[Control], Awaitable[int]]) -> int:
 async def cmd_list(args: argparse.Namespace) -> int:
     async def show(ctrl: Control, dev_id: int) -> None:
         out = await dump(ctrl, dev_id)
+        pid = (await ctrl.get_info(dev_id)).ublksrv_pid
+        record = stats.read_record(dev_id)
+        # (a record left by a server of another device of this id is not its)
+        if record is not None and record.get("pid") == pid:
+            out.append(target_line(record))
         if args.stats:
-            pid = (await ctrl.get_info(dev_id)).ublksrv_pid
             rows = stats.read(dev_id, pid)
             out += stats.lines(rows) if rows is not None else [
                 f"\tstats: none published by server pid {pid} (not an aioublk server, "
@@ -243,10 +347,10 @@ async def cmd_list(args: argparse.Namespace) -> int:
         if args.dev_id >= 0:
             await show(ctrl, args.dev_id)
             return 0
-        for dev_id in range(255):
+        for dev_id in device_ids():
             try:
                 await show(ctrl, dev_id)
-            except UblkError:
+            except UblkError:  # deleted since
                 continue
         return 0
     return await _with_control(run)
@@ -284,6 +388,7 @@ async def delete(ctrl: Control, dev_id: int, timeout: float = 10.0) -> None:
     res = await ctrl.del_dev(dev_id)
     if res < 0 and res != -errno.ENODEV:
         raise UblkError(f"cannot delete device {dev_id}: {os.strerror(-res)}")
+    stats.remove_record(dev_id)
 
 
 async def cmd_del(args: argparse.Namespace) -> int:
@@ -293,7 +398,7 @@ async def cmd_del(args: argparse.Namespace) -> int:
             return 0
         if not args.all:
             raise UblkError("del needs -n ID or -a")
-        for dev_id in range(255):
+        for dev_id in device_ids():
             try:
                 await delete(ctrl, dev_id)
             except UblkError as e:
@@ -497,13 +602,14 @@ def _daemon_logs(args: argparse.Namespace) -> tuple[int | None, logging.Handler 
 def cmd_add(args: argparse.Namespace) -> int:
     """``add`` and ``recover``: serve in the foreground, or daemonize and
     report how the start went."""
-    json, level = args.log_format == "json", log_level(args)
-    logs.configure(json=json, level=level)
     recover = args.cmd == "recover"
     if recover:
-        _need_id(args)
+        _as_recorded(args)
+    json, level = args.log_format == "json", log_level(args)
+    logs.configure(json=json, level=level)
     cfg = device_config(args)
     target = make_target(args)
+    record = _record(args)
 
     if args.foreground:
         if args.log_file:
@@ -512,7 +618,7 @@ def cmd_add(args: argparse.Namespace) -> int:
 
         async def announce(dev: Device) -> None:
             await print_device(dev._ctrl, dev.id)  # type: ignore[arg-type]
-        return run_loop(run_device(target, cfg, announce, recover))
+        return run_loop(_serve_recorded(target, cfg, announce, recover, record))
 
     try:
         log_fd, syslog, where = _daemon_logs(args)
@@ -533,7 +639,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             os.close(wfd)
             reported = True
         try:
-            return run_loop(run_device(target, cfg, report, recover))
+            return run_loop(_serve_recorded(target, cfg, report, recover, record))
         except ONE_LINE_ERRORS as e:
             log.error("server failed", error=str(e))
             msg = str(e)
@@ -560,6 +666,35 @@ def cmd_add(args: argparse.Namespace) -> int:
         return run_loop(_with_control_lines(int(line.split()[1])))
     why = line.removeprefix("ERR ") if line else "the server exited before the device became live"
     raise UblkError(f"{why} (logs: {where})")
+
+
+async def _serve_recorded(target: Target, cfg: DeviceConfig,
+                          on_live: Callable[[Device], Awaitable[None]], recover: bool,
+                          record: dict[str, Any]) -> int:
+    """``run_device``, recording how the device was added before it is
+    announced, and forgetting it if the device is gone when serving ends
+    (deleted by this server, or from outside)."""
+    served: list[int] = []
+
+    async def recorded(dev: Device) -> None:
+        stats.write_record(dev.id, record)
+        served.append(dev.id)
+        await on_live(dev)
+    try:
+        return await run_device(target, cfg, recorded, recover)
+    finally:
+        if served and not await _exists(served[0]):
+            stats.remove_record(served[0])
+
+
+async def _exists(dev_id: int) -> bool:
+    async def run(ctrl: Control) -> bool:
+        await ctrl.get_info(dev_id)
+        return True
+    try:
+        return bool(await _with_control(run))
+    except UblkError as e:
+        return "does not exist" not in str(e)
 
 
 def _daemonize(serve: Callable[[int], int], stderr: int | None = None) -> tuple[int, int]:

@@ -1,11 +1,43 @@
 """The lines kublk prints for a device, which ``add``, ``recover``, ``list``
 and ``serve`` print alike: scripts written for kublk parse them, so they
 stay byte for byte what kublk prints (a change here breaks those scripts).
+``list`` adds a line of its own after them (``target_line``), and only for
+devices an aioublk ``add`` recorded.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+from typing import Any
+
 from aioublk.device import Control, state_name
+
+_CHAR_DEVICE = re.compile(r"ublkc(\d+)")
+
+
+def device_ids(root: Path = Path("/")) -> list[int]:
+    """The ids of every ublk device, in numeric order, whatever they are
+    (ids go up to 2^20, not just kublk's 0..254). Read from sysfs, where the
+    driver registers each device's char device whether or not udev made
+    its node; ``/dev`` is the fallback for a system without sysfs mounted
+    (a container), where a node missing from /dev is missed."""
+    for directory in (root / "sys/class/ublk-char", root / "dev"):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        return sorted(int(m[1]) for name in names if (m := _CHAR_DEVICE.fullmatch(name)))
+    return []
+
+
+def target_line(record: dict[str, Any]) -> str:
+    """aioublk's line after kublk's: the target and files ``add`` recorded."""
+    files = [str(f) for f in record.get("files", [])]
+    what = "" if not files else f" file {files[0]}" if len(files) == 1 else \
+        f" files {' '.join(files)}"
+    return f"\ttarget: {record.get('target')}{what}"
 
 
 async def dump(ctrl: Control, dev_id: int) -> list[str]:

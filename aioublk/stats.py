@@ -1,9 +1,16 @@
-"""Serving statistics, for ``list --stats`` and ``serve``'s stats log.
+"""Serving statistics, for ``list --stats`` and ``serve``'s stats log; and
+the records of how ``add`` created each device, for ``recover -n ID`` and
+``list``.
 
 A server writes each device's per-queue counters (``Device.stats``) to
 ``/run/aioublk/ID.json`` once a second, with its pid so that a file left by
 a dead server is never shown as current; ``list --stats`` prints them under
 kublk's lines. With ``stats_interval`` (serve) the rates are also logged.
+
+A server started by ``add`` also writes ``ID.add.json`` once the device is
+live (its target, files and options, as rublk records them): ``recover -n
+ID`` alone takes them again, ``list`` shows the target. It stays while the
+device waits QUIESCED for a new server, and goes when the device is deleted.
 
 Servers run as root, so the directory is a place where a planted symlink
 would make root write a file of someone else's choosing. It is used only if
@@ -48,6 +55,10 @@ def _name(dev_id: int) -> str:
     return f"{dev_id}.json"
 
 
+def _record_name(dev_id: int) -> str:
+    return f"{dev_id}.add.json"
+
+
 def open_run_dir(*, create: bool) -> int:
     """A descriptor of ``RUN_DIR``, made 0755 if it is missing (and
     ``create``); raises RunDirError if it is a symlink, not a directory, not
@@ -83,9 +94,10 @@ def open_run_dir(*, create: bool) -> int:
     return fd
 
 
-def _write(dfd: int, dev_id: int, rows: list[dict[str, int]]) -> None:
-    data = json.dumps({"pid": os.getpid(), "time": time.time(), "queues": rows}).encode()
-    tmp = f".{dev_id}.{os.getpid()}.tmp"
+def _write(dfd: int, name: str, content: dict[str, Any]) -> None:
+    """Replace ``name`` with ``content`` and this server's pid (whose file it is)."""
+    data = json.dumps({"pid": os.getpid(), "time": time.time(), **content}).encode()
+    tmp = f".{name}.{os.getpid()}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, FILE_MODE, dir_fd=dfd)
@@ -101,30 +113,74 @@ def _write(dfd: int, dev_id: int, rows: list[dict[str, int]]) -> None:
         finally:
             os.close(fd)
         # readers never see half a file
-        os.rename(tmp, _name(dev_id), src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dfd)
         raise
 
 
-def read(dev_id: int, pid: int) -> list[dict[str, int]] | None:
-    """The queues' counters published by server ``pid``, or None."""
+def _read(name: str) -> dict[str, Any] | None:
+    """The file ``name``'s content, or None if there is none (or no safe directory)."""
     try:
         dfd = open_run_dir(create=False)
         try:
-            fd = os.open(_name(dev_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=dfd)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         finally:
             os.close(dfd)
         with os.fdopen(fd, "rb") as f:
-            data: dict[str, Any] = json.loads(f.read())
+            data = json.loads(f.read())
     except (OSError, ValueError):
         return None
-    if data.get("pid") != pid:
+    return data if isinstance(data, dict) else None
+
+
+def read(dev_id: int, pid: int) -> list[dict[str, int]] | None:
+    """The queues' counters published by server ``pid``, or None."""
+    data = _read(_name(dev_id))
+    if data is None or data.get("pid") != pid:
         return None
     queues: list[dict[str, int]] = data["queues"]
     return queues
+
+
+def write_record(dev_id: int, record: dict[str, Any]) -> None:
+    """Record how device ``dev_id`` was added (by this server: its pid is
+    kept); a failure is logged, the device served all the same."""
+    try:
+        dfd = open_run_dir(create=True)
+        try:
+            _write(dfd, _record_name(dev_id), record)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        log.warning("cannot record the device's options", dev=dev_id, dir=str(RUN_DIR),
+                    error=str(e))
+
+
+def read_record(dev_id: int) -> dict[str, Any] | None:
+    """How device ``dev_id`` was added, with the pid of the server that
+    wrote it; None if no aioublk server recorded it."""
+    record = _read(_record_name(dev_id))
+    if record is None or not isinstance(record.get("options"), dict):
+        return None
+    return record
+
+
+def remove_record(dev_id: int) -> None:
+    """Forget device ``dev_id`` (deleted: its id may be given to another)."""
+    try:
+        dfd = open_run_dir(create=False)
+    except OSError:
+        return
+    try:
+        os.unlink(_record_name(dev_id), dir_fd=dfd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot remove the device's record", dev=dev_id, error=str(e))
+    finally:
+        os.close(dfd)
 
 
 def lines(rows: list[dict[str, int]]) -> list[str]:
@@ -160,7 +216,7 @@ async def publish(devices: Callable[[], list[Device]], log_every: float = 0,
                     continue
                 rows = dev.stats()
                 try:
-                    _write(dfd, dev.id, rows)
+                    _write(dfd, _name(dev.id), {"queues": rows})
                     published.add(dev.id)
                 except OSError as e:
                     log.warning("cannot publish stats", dev=dev.id, error=str(e))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from aioublk import cli as cli_mod
+from aioublk import stats
 from tests import kernel
 from tests.kernel import delete, start_server
 
@@ -374,7 +375,9 @@ def test_list_stats_update_size_and_safe_stop(tmp_path: Path,
         time.sleep(0.3)
     assert stat.startswith("\tqueue 0 stats: ios ") and stat.endswith(" errors 0 inflight 0")
     assert int(stat.split(" bytes ")[1].split()[0]) >= 300 * 4096
-    assert len(kernel.parse_list("\n".join(out.splitlines()[:-1]))) == 1  # kublk's lines first
+    # kublk's lines first, then the recorded target's
+    kublk, target = out.splitlines()[:-2], out.splitlines()[-2]
+    assert len(kernel.parse_list("\n".join(kublk))) == 1 and target == "\ttarget: null", out
 
     full = int(kernel.run("lsblk", "-bdno", "SIZE", path))
     assert full == 250 << 30
@@ -408,3 +411,61 @@ def test_list_stats_update_size_and_safe_stop(tmp_path: Path,
     assert not Path(path).exists()
     assert state(dev.dev_id) == "DEAD"
     delete(dev.dev_id)
+
+
+def listed(out: str) -> tuple[list[kernel.DevListing], list[str]]:
+    """``list``'s output: kublk's lines parsed, and aioublk's target lines."""
+    lines = out.splitlines()
+    targets = [line for line in lines if line.startswith("\ttarget: ")]
+    return kernel.parse_list("\n".join(line for line in lines if line not in targets)), targets
+
+
+def test_recover_by_id_alone_uses_what_add_recorded(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A daemonized ``add`` records its target and options; after kill -9
+    ``recover -n ID`` alone serves the device again with them (-q 1 -d 64,
+    not the defaults), ``list`` shows its target, and what was written
+    before the kill reads back intact. ``del`` removes the record."""
+    image = kernel.make_file(tmp_path / "disk.img", 64 << 20)
+    dev = kernel.add("-t", "loop", "-q", "1", "-d", "64", "-r", "1", str(image))
+    dev_id = dev.dev_id
+    verify = ["--rw=write", "--bs=4k", "--size=16M", "--verify=crc32c", "--iodepth=16"]
+    kernel.fio(f"/dev/ublkb{dev_id}", tmp_path, *verify, "--do_verify=0")
+    code, out, err = in_process("list", "-n", str(dev_id), capsys=capsys)
+    assert code == 0, err
+    (before,), targets = listed(out)
+    assert targets == [f"\ttarget: loop file {image}"], out
+    os.kill(before.pid, signal.SIGKILL)  # the daemon: not our child
+    kernel.wait_gone(before.pid)
+    wait_state(dev_id, "QUIESCED")
+
+    p = kernel.cli("recover", "-n", str(dev_id))
+    assert p.stderr.startswith("aioublk: logs: "), p.stderr  # no override notice
+    code, out, err = in_process("list", "-n", str(dev_id), capsys=capsys)
+    assert code == 0, err
+    (after,), targets = listed(out)
+    assert (after.state, after.queues, after.depth) == ("LIVE", 1, 64), out
+    assert after.pid != before.pid
+    assert targets == [f"\ttarget: loop file {image}"], out
+    kernel.fio(f"/dev/ublkb{dev_id}", tmp_path, *verify, "--verify_only")
+    delete(dev_id)
+    assert stats.read_record(dev_id) is None
+
+
+def test_list_and_del_all_see_ids_past_254(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Ids are not kublk's 0..254: ``list`` shows device 1000 (after any
+    lower one) and ``del -a`` removes it with the rest."""
+    low = start_server(["-t", "null", "-q", "1"], tmp_path / "low.log")
+    high = start_server(["-t", "null", "-q", "1", "-n", "1000"], tmp_path / "high.log")
+    assert high.dev_id == 1000
+    code, out, err = in_process("list", capsys=capsys)
+    assert code == 0, err
+    devs, targets = listed(out)
+    assert [d.dev_id for d in devs] == [low.dev_id, 1000], out
+    assert targets == ["\ttarget: null"] * 2, out
+    code, out, err = in_process("del", "-a", capsys=capsys)
+    assert (code, out, err) == (0, "", "")
+    assert reap(low.pid) == 0 and reap(high.pid) == 0
+    assert not Path("/sys/class/ublk-char/ublkc1000").exists()
+    assert stats.read_record(1000) is None

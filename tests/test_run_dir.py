@@ -95,7 +95,8 @@ def test_symlink_at_the_stats_file_is_not_followed(run_dir: Path, tmp_path: Path
     secret.write_text("precious")
     run_dir.mkdir(parents=True, mode=0o755)
     # every name a server of this pid might write through
-    for name in ("0.json", "0.tmp", f".0.{os.getpid()}.tmp", f"0.json.{os.getpid()}.tmp"):
+    for name in ("0.json", "0.tmp", f".0.{os.getpid()}.tmp", f"0.json.{os.getpid()}.tmp",
+                 f".0.json.{os.getpid()}.tmp"):
         (run_dir / name).symlink_to(secret)
     logs, seen = publish_once()
     assert secret.read_text() == "precious"
