@@ -104,6 +104,9 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("--debug_mask", type=_debug_mask, default=None, metavar="MASK",
                      help="kublk's hex mask: 0 = as --quiet, 0x20 (UBLK_LOG) = the default "
                      "logs, any of 0x1f = debug logs, as -v")
+    add.add_argument("--unprivileged", action="store_true",
+                     help="as a user without root: a device of your own "
+                     "(UBLK_F_UNPRIVILEGED_DEV; needs the udev rule: aioublk udev rules)")
     add.add_argument("--no_auto_part_scan", action="store_true",
                      help="do not scan the new disk for partitions "
                      "(UBLK_F_NO_AUTO_PART_SCAN)")
@@ -390,7 +393,7 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
                        auto_zc_fallback=args.auto_zc_fallback, nthreads=args.nthreads,
                        per_io_tasks=args.per_io_tasks, recovery=args.recovery,
                        recovery_fail_io=args.recovery_fail_io,
-                       recovery_reissue=args.recovery_reissue)
+                       recovery_reissue=args.recovery_reissue, unprivileged=args.unprivileged)
     cfg.validate()
     return cfg
 
