@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
-from aioublk import logs, stats, uapi
+from aioublk import logs, stats, uapi, udev
 from aioublk._version import __version__
 from aioublk.config import SIZE_FORMS, build_target, parse_size
 from aioublk.device import Control, Device
@@ -196,6 +196,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="also each queue's requests, bytes, errors and in-flight count")
 
     sub.add_parser("features", help="show the driver's features")
+
+    ud = sub.add_parser("udev", help="the udev rule that gives users their unprivileged "
+                        "devices")
+    uds = ud.add_subparsers(dest="udev_cmd", required=True, parser_class=_Parser)
+    uds.add_parser("rules", help=f"print the rule file (install it as {udev.RULES_FILE})")
+    uo = uds.add_parser("owner", help="run by the rule: print an unprivileged device's "
+                        "owner as UID GID (exit 1 for a privileged device)")
+    uo.add_argument("name", help="the node's kernel name: ublkcN, ublkbN or ublkbNpM")
 
     sv = sub.add_parser("serve", help="serve the devices of a TOML config file (foreground)")
     sv.add_argument("config", help="the TOML config file (see README)")
@@ -574,6 +582,11 @@ def main(argv: list[str] | None = None) -> int:
             from aioublk.serve import main as serve_main
 
             return serve_main(args.config)
+        if args.cmd == "udev":
+            if args.udev_cmd == "rules":
+                sys.stdout.write(udev.rules())
+                return 0
+            return udev.main_owner(args.name)
         logs.configure()
         handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features,
                    "stop": cmd_stop, "quiesce": cmd_quiesce,
