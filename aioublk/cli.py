@@ -37,7 +37,7 @@ import tomllib
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
-from aioublk import logs, registry, stats, uapi
+from aioublk import logs, registry, stats, uapi, udev
 from aioublk._version import __version__
 from aioublk.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.device import Control, Device
@@ -106,6 +106,9 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("--debug_mask", type=_debug_mask, default=None, metavar="MASK",
                      help="kublk's hex mask: 0 = as --quiet, 0x20 (UBLK_LOG) = the default "
                      "logs, any of 0x1f = debug logs, as -v")
+    add.add_argument("--unprivileged", action="store_true",
+                     help="as a user without root: a device of your own "
+                     "(UBLK_F_UNPRIVILEGED_DEV; needs the udev rule: aioublk udev rules)")
     add.add_argument("--no_auto_part_scan", action="store_true",
                      help="do not scan the new disk for partitions "
                      "(UBLK_F_NO_AUTO_PART_SCAN)")
@@ -215,6 +218,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="also each queue's requests, bytes, errors and in-flight count")
 
     sub.add_parser("features", help="show the driver's features")
+
+    ud = sub.add_parser("udev", help="the udev rule that gives users their unprivileged "
+                        "devices")
+    uds = ud.add_subparsers(dest="udev_cmd", required=True, parser_class=_Parser)
+    uds.add_parser("rules", help=f"print the rule file (install it as {udev.RULES_FILE})")
+    uo = uds.add_parser("owner", help="run by the rule: print an unprivileged device's "
+                        "owner as UID GID (exit 1 for a privileged device)")
+    uo.add_argument("name", help="the node's kernel name: ublkcN, ublkbN or ublkbNpM")
 
     sv = sub.add_parser("serve", help="serve the devices of a TOML config file (foreground)")
     sv.add_argument("config", help="the TOML config file (see README)")
@@ -544,7 +555,7 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
                        auto_zc_fallback=args.auto_zc_fallback, nthreads=args.nthreads,
                        per_io_tasks=args.per_io_tasks, recovery=args.recovery,
                        recovery_fail_io=args.recovery_fail_io,
-                       recovery_reissue=args.recovery_reissue)
+                       recovery_reissue=args.recovery_reissue, unprivileged=args.unprivileged)
     cfg.validate()
     return cfg
 
@@ -755,6 +766,11 @@ def main(argv: list[str] | None = None) -> int:
             from aioublk.serve import main as serve_main
 
             return serve_main(args.config)
+        if args.cmd == "udev":
+            if args.udev_cmd == "rules":
+                sys.stdout.write(udev.rules())
+                return 0
+            return udev.main_owner(args.name)
         logs.configure()
         handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features,
                    "stop": cmd_stop, "quiesce": cmd_quiesce,

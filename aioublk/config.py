@@ -42,7 +42,7 @@ BLOCK_SIZES = (512, 1024, 2048, 4096)
 TARGET_OPTIONS = {name: spec.keys() for name, spec in registry.TARGETS.items()}
 DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fallback",
                "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
-               "physical_block_size", "read_only", "force_share", "options")
+               "physical_block_size", "read_only", "force_share", "unprivileged", "options")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 #: how a size may be written, for error messages
@@ -245,7 +245,8 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
         nthreads=_int(raw.get("nthreads", 0), key("nthreads"), 0, 64),
         per_io_tasks=_bool(raw.get("per_io_tasks", False), key("per_io_tasks")),
         recovery=recovery != "none", recovery_reissue=recovery == "reissue",
-        recovery_fail_io=recovery == "fail_io")
+        recovery_fail_io=recovery == "fail_io",
+        unprivileged=_bool(raw.get("unprivileged", False), key("unprivileged")))
     if cfg.auto_zc_fallback and copy is not CopyMode.AUTO_ZC:
         raise _Invalid(key("auto_zc_fallback"), "needs copy = \"auto_zc\": set it, or drop "
                        "auto_zc_fallback")

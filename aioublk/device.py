@@ -47,6 +47,31 @@ def state_name(state: int) -> str:
         return "UNKNOWN"
 
 
+#: control commands that name no existing device
+_DEVICELESS = (uapi.Cmd.ADD_DEV, uapi.Cmd.GET_FEATURES)
+#: seconds an unprivileged device's server waits for udev to hand it its node
+_UDEV_WAIT = 30.0
+#: CAP_SYS_ADMIN's bit in /proc's capability masks
+_CAP_SYS_ADMIN = 21
+
+
+def char_path(dev_id: int) -> str:
+    return f"/dev/ublkc{dev_id}"
+
+
+def has_cap_sys_admin() -> bool:
+    """Whether the kernel treats us as privileged: it checks CAP_SYS_ADMIN,
+    not the uid, when a device is added or a privileged one is controlled."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return os.geteuid() == 0
+
+
 def _fail(what: str, res: int) -> UblkError:
     return UblkError(f"{what}: {os.strerror(-res)} (errno {-res})")
 
@@ -62,17 +87,69 @@ class Control:
                 f"{CONTROL_PATH} not found: the ublk_drv kernel module is not loaded "
                 "(run 'modprobe ublk_drv' as root; kernel 6.4 or later)") from None
         except PermissionError:
-            raise UblkError(f"{CONTROL_PATH}: permission denied (run as root)") from None
+            raise UblkError(f"{CONTROL_PATH}: permission denied: run as root, or install "
+                            "the udev rule for unprivileged devices (aioublk udev rules)") \
+                from None
         self.ring = Ring(32, sqe128=True)
+        self.privileged = has_cap_sys_admin()
+        #: devices whose commands must carry their char path: unprivileged ones
+        #: (the kernel checks the caller's access to that node instead of
+        #: CAP_SYS_ADMIN), learnt when added or when a plain command is refused
+        self._unprivileged: set[int] = set()
 
     async def cmd(self, op: int, dev_id: int, *, buf: bytearray | None = None,
                   data: int = 0, queue_id: int = uapi.CTRL_QUEUE_NONE) -> int:
-        """Issue one control command; returns the raw result (negative errno)."""
+        """Issue one control command; returns the raw result (negative errno).
+
+        A caller without CAP_SYS_ADMIN can only reach unprivileged devices, so
+        it always names the char device. Root names it only for a device
+        known to be unprivileged: to a privileged device the path would be
+        read as the payload. Root's plain command to an unprivileged device
+        fails with EINVAL (no path), so that answer is checked and retried."""
+        if op in _DEVICELESS:
+            return await self._send(op, dev_id, buf, data, queue_id, with_path=False)
+        if not self.privileged or dev_id in self._unprivileged:
+            return await self._send(op, dev_id, buf, data, queue_id, with_path=True)
+        res = await self._send(op, dev_id, buf, data, queue_id, with_path=False)
+        if res == -errno.EINVAL and await self._is_unprivileged(dev_id):
+            self._unprivileged.add(dev_id)
+            res = await self._send(op, dev_id, buf, data, queue_id, with_path=True)
+        return res
+
+    async def _send(self, op: int, dev_id: int, buf: bytearray | None, data: int,
+                    queue_id: int, *, with_path: bool) -> int:
+        if not with_path:
+            return await self._raw(op, dev_id, buf, data, queue_id, 0)
+        path = char_path(dev_id).encode()
+        full = bytearray(path) + (buf or b"")
+        res = await self._raw(op, dev_id, full, data, queue_id, len(path))
+        if buf is not None:
+            buf[:] = full[len(path):]  # the kernel wrote its reply after the path
+        return res
+
+    async def _raw(self, op: int, dev_id: int, buf: bytearray | None, data: int,
+                   queue_id: int, dev_path_len: int) -> int:
         addr = buffer_address(buf) if buf is not None else 0
         length = len(buf) if buf is not None else 0
         payload = uapi.ctrl_cmd(dev_id & 0xFFFF_FFFF, queue_id=queue_id, length=length,
-                                addr=addr, data=data)
+                                addr=addr, data=data, dev_path_len=dev_path_len)
         return await self.ring.uring_cmd(self.fd, op, payload, keep=buf)
+
+    async def _is_unprivileged(self, dev_id: int) -> bool:
+        try:
+            return bool((await self.get_info2(dev_id)).flags & uapi.Feature.UNPRIVILEGED_DEV)
+        except UblkError:
+            return False
+
+    async def get_info2(self, dev_id: int) -> uapi.DevInfo:
+        """GET_DEV_INFO2, which takes the char path whatever the device is:
+        how root learns whether a device is unprivileged, and its owner."""
+        buf = bytearray(uapi.DevInfo.SIZE)
+        res = await self._send(uapi.Cmd.GET_DEV_INFO2, dev_id, buf, 0, uapi.CTRL_QUEUE_NONE,
+                               with_path=True)
+        if res < 0:
+            raise _fail(f"GET_DEV_INFO2 of device {dev_id}", res)
+        return uapi.DevInfo.unpack(buf)
 
     async def _checked(self, what: str, op: int, dev_id: int, **kw: Any) -> int:
         res = await self.cmd(op, dev_id, **kw)
@@ -91,15 +168,24 @@ class Control:
         if res == -errno.EEXIST:
             raise UblkError(f"device id {info.dev_id} is already in use "
                             "(pick another -n, or delete it first)")
+        if res == -errno.EPERM:
+            raise UblkError("creating a ublk device needs root (CAP_SYS_ADMIN): run as root, "
+                            "or add --unprivileged (unprivileged = true in a config)")
         if res < 0:
             raise _fail("ADD_DEV", res)
-        return uapi.DevInfo.unpack(buf)
+        added = uapi.DevInfo.unpack(buf)
+        if added.flags & uapi.Feature.UNPRIVILEGED_DEV:
+            self._unprivileged.add(added.dev_id)
+        return added
 
     async def get_info(self, dev_id: int) -> uapi.DevInfo:
         buf = bytearray(uapi.DevInfo.SIZE)
         res = await self.cmd(uapi.Cmd.GET_DEV_INFO, dev_id, buf=buf)
         if res == -errno.ENODEV:
             raise UblkError(f"device {dev_id} does not exist")
+        if res in (-errno.EPERM, -errno.EACCES):
+            raise UblkError(f"device {dev_id} is not yours: it belongs to root or another "
+                            "user (only its owner or root may use it)")
         if res < 0:
             raise _fail(f"GET_DEV_INFO of device {dev_id}", res)
         return uapi.DevInfo.unpack(buf)
@@ -147,7 +233,10 @@ class Control:
         return await self.cmd(uapi.Cmd.END_USER_RECOVERY, dev_id, data=pid)
 
     async def del_dev(self, dev_id: int) -> int:
-        return await self.cmd(uapi.Cmd.DEL_DEV, dev_id)
+        res = await self.cmd(uapi.Cmd.DEL_DEV, dev_id)
+        if res >= 0:
+            self._unprivileged.discard(dev_id)  # its id may come back privileged
+        return res
 
     def close(self) -> None:
         self.ring.close()
@@ -191,9 +280,12 @@ async def settled_info(ctrl: Control, dev_id: int, timeout: float = 5.0) -> uapi
         await asyncio.sleep(0.1)
 
 
-async def _open_char(path: str, timeout: float = 3.0) -> int:
+async def _open_char(path: str, unprivileged: bool = False) -> int:
+    """The device's char node, once udev has made it (and, for an
+    unprivileged device, has handed it to us: that runs a program, slow on
+    a loaded machine)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + (_UDEV_WAIT if unprivileged else 3.0)
     while True:
         try:
             return os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -202,7 +294,9 @@ async def _open_char(path: str, timeout: float = 3.0) -> int:
                                                           errno.EACCES):
                 raise
             if loop.time() > deadline:
-                raise UblkError(f"cannot open {path}: {e.strerror}") from None
+                hint = " (is the udev rule installed? see aioublk udev rules)" \
+                    if unprivileged and e.errno == errno.EACCES else ""
+                raise UblkError(f"cannot open {path}: {e.strerror}{hint}") from None
             await asyncio.sleep(0.05)
 
 
@@ -247,7 +341,7 @@ class Device:
 
     @property
     def char_path(self) -> str:
-        return f"/dev/ublkc{self.id}"
+        return char_path(self.id)
 
     async def start(self, recover: bool = False) -> None:
         """Create the device and serve it. With ``recover``, attach instead
@@ -260,6 +354,9 @@ class Device:
             if not features & uapi.Feature.CMD_IOCTL_ENCODE:
                 raise UblkError("this ublk_drv lacks UBLK_F_CMD_IOCTL_ENCODE: "
                                 "aioublk needs kernel 6.4 or later")
+            if cfg.unprivileged and ctrl.privileged:
+                raise UblkError("--unprivileged is for users without CAP_SYS_ADMIN: as root "
+                                "the kernel makes a privileged device anyway (leave it out)")
             if recover:
                 self.info = await self._begin_recovery(ctrl, features)
             else:
@@ -277,7 +374,8 @@ class Device:
         info = self.info
         self.log = log.bind(dev=info.dev_id)
         try:
-            self._char_fd = await _open_char(self.char_path)
+            self._char_fd = await _open_char(self.char_path, unprivileged=bool(
+                info.flags & uapi.Feature.UNPRIVILEGED_DEV))
             if not recover:
                 params = self.target.geometry.params(info.max_io_buf_bytes)
                 await ctrl.set_params(info.dev_id, params)

@@ -86,6 +86,9 @@ class DeviceConfig:
     recovery: bool = False
     recovery_reissue: bool = False
     recovery_fail_io: bool = False
+    #: UBLK_F_UNPRIVILEGED_DEV: made by a user without CAP_SYS_ADMIN, who then
+    #: owns it (its nodes are handed over by the udev rule, ``aioublk udev``)
+    unprivileged: bool = False
 
     #: device flags a caller may pass in ``flags``; the rest come from the options
     SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
@@ -112,6 +115,15 @@ class DeviceConfig:
         if self.recovery_reissue and self.recovery_fail_io:
             raise UblkError("-i 1 (reissue) and -e 1 (fail I/O) are different recovery modes: "
                             "pick one")
+        if self.unprivileged and self.copy is not CopyMode.COPY:
+            raise UblkError(f"copy mode {self.copy.value} needs root: the kernel refuses zero "
+                            "copy, auto buffer registration and user copy (-z, --auto_zc, -u) "
+                            "for unprivileged devices (drop it, or drop --unprivileged and "
+                            "run as root)")
+        if self.unprivileged and self.recovery_flags:
+            raise UblkError("user recovery (-r/-e/-i) needs root: the kernel drops it for "
+                            "unprivileged devices (drop it, or drop --unprivileged and run as "
+                            "root)")
         if (self.fetch_buf_bytes and (self.fetch_buf_bytes % 2
                                       or not 2 <= self.fetch_buf_bytes <= 4096)) \
                 or self.fetch_buf_entries & (self.fetch_buf_entries - 1) \
@@ -154,6 +166,8 @@ class DeviceConfig:
             raise UblkError(f"--nthreads {nthreads} differs from -q {self.queues}: add "
                             "--per_io_tasks, or use batch I/O (-b)")
         flags = self.flags | self.copy.flags | self.recovery_flags
+        if self.unprivileged:
+            flags |= uapi.Feature.UNPRIVILEGED_DEV
         if flags & uapi.Feature.USER_RECOVERY and features & uapi.Feature.QUIESCE:
             flags |= uapi.Feature.QUIESCE  # as kublk: lets ``quiesce`` hand over the device
         if self.auto_zc_fallback:

@@ -40,7 +40,17 @@ from aioublk.errors import Error
 
 log = logs.get_logger("aioublk.stats")
 
-RUN_DIR = Path(os.environ.get("AIOUBLK_RUN_DIR", "/run/aioublk"))
+def _default_run_dir() -> str:
+    """/run/aioublk for root; a user (serving unprivileged devices) cannot
+    write there, so theirs is under their runtime directory, or /tmp."""
+    uid = os.geteuid()
+    if uid == 0:
+        return "/run/aioublk"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return f"{runtime}/aioublk" if runtime else f"/tmp/aioublk-{uid}"
+
+
+RUN_DIR = Path(os.environ.get("AIOUBLK_RUN_DIR") or _default_run_dir())
 
 
 DIR_MODE = 0o755

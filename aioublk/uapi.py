@@ -184,8 +184,10 @@ ELEM_HEADER = struct.Struct("=HHi")  # tag buf_index result
 
 
 def ctrl_cmd(dev_id: int, *, queue_id: int = CTRL_QUEUE_NONE, length: int = 0,
-             addr: int = 0, data: int = 0) -> bytes:
-    return CTRL_CMD.pack(dev_id, queue_id, length, addr, data, 0, 0, 0)
+             addr: int = 0, data: int = 0, dev_path_len: int = 0) -> bytes:
+    """``dev_path_len``: the buffer at ``addr`` starts with that many bytes of
+    the device's char path (unprivileged devices; ``length`` counts them)."""
+    return CTRL_CMD.pack(dev_id, queue_id, length, addr, data, dev_path_len, 0, 0)
 
 
 def io_cmd(q_id: int, tag: int, result: int = 0, addr: int = 0) -> bytes:
