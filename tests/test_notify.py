@@ -1,5 +1,7 @@
 """``aioublk.notify`` against a socket the test binds, as systemd's would be
-(a path and an abstract ``@`` address)."""
+(a path and an abstract ``@`` address), and what ``serve`` tells it when no
+device can start. The sequence with LIVE devices is in
+test_kernel_serve.py: it needs the kernel."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Any
 import pytest
 
 from aioublk import notify
+from aioublk.config import load
+from aioublk.serve import serve
 
 
 class Manager:
@@ -139,3 +143,17 @@ def test_no_watchdog_pings_without_a_watchdog(manager: Manager) -> None:
     assert manager.messages() == [["STATUS=starting 1 device"],
                                   ["READY=1", "STATUS=serving: ublkb3"]]
 
+
+@pytest.mark.skipif(os.path.exists("/dev/ublk-control"), reason="needs a host without ublk")
+def test_serve_is_never_ready_when_a_device_cannot_start(
+        manager: Manager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Here no device can start (there is no ublk driver): systemd hears
+    that serve is starting, and no READY=1."""
+    monkeypatch.setenv("NOTIFY_SOCKET", manager.name)
+    monkeypatch.setenv("WATCHDOG_USEC", "20000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    (tmp_path / "cfg.toml").write_text('[[devices]]\ntarget = "null"\n')
+    assert asyncio.run(serve(load(str(tmp_path / "cfg.toml")))) == 1
+    assert manager.messages() == [["STATUS=starting 1 device"]]
+    assert capsys.readouterr().err.startswith("aioublk: ")
