@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,3 +159,18 @@ def test_serve_is_never_ready_when_a_device_cannot_start(
     assert asyncio.run(serve(load(str(tmp_path / "cfg.toml")))) == 1
     assert manager.messages() == [["STATUS=starting 1 device"]]
     assert capsys.readouterr().err.startswith("aioublk: ")
+
+
+UNIT = Path(__file__).resolve().parents[1] / "examples" / "aioublk-serve@.service"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_the_example_unit_verifies(tmp_path: Path) -> None:
+    """systemd-analyze reports unknown keys and bad values as warnings on
+    stderr: the example has none."""
+    unit = tmp_path / "aioublk-serve@mydisks.service"
+    unit.write_text(UNIT.read_text())
+    p = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                       text=True, timeout=60)
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
+    assert "Type=notify\n" in UNIT.read_text()
