@@ -7,7 +7,9 @@
 - Telling systemd is never worth failing the service for: the first error
   sending is logged (a warning), later ones are not, and none is raised.
   The socket is non-blocking, so a manager that does not read never stalls
-  the event loop.
+  the event loop: if the socket's queue is full (net.unix.max_dgram_qlen
+  datagrams) the message is lost instead, which a manager reading as
+  messages come never lets happen.
 - The watchdog is ours when ``$WATCHDOG_USEC`` is a positive number and
   ``$WATCHDOG_PID`` is unset or our pid (sd_watchdog_enabled(3)); systemd
   documents pinging at half that interval.
