@@ -12,6 +12,9 @@ foreground by one process until SIGTERM or SIGINT.
   target flushes) or, with ``on_stop = "quiesce"``, left QUIESCED for the
   next server. A device deleted or quiesced from outside is released and
   the others keep serving; when none is left, serve exits 0.
+- Under systemd (``$NOTIFY_SOCKET``, ``aioublk.notify``): STATUS= lines as
+  it goes, READY=1 only once every device is LIVE (never after a failed
+  start), STOPPING=1 when the stop begins, watchdog pings until it ends.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import asyncio
 import sys
 from dataclasses import dataclass
 
-from aioublk import logs, stats, uapi
+from aioublk import logs, notify, stats, uapi
 from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
 from aioublk.device import Control, Device, settled_info, state_name
 from aioublk.kublk_lines import print_device
@@ -70,7 +73,8 @@ def main(path: str, *, verbose: bool = False) -> int:
 async def serve(cfg: ServeConfig) -> int:
     """Serve every device of ``cfg`` on the running loop until SIGTERM/SIGINT
     or until all have ended; returns the exit status."""
-    with until_signal() as stop:
+    with until_signal() as stop, notify.Service() as systemd:
+        systemd.starting(len(cfg.devices))
         try:
             ctrl = Control()
         except UblkError as e:
@@ -82,7 +86,7 @@ async def serve(cfg: ServeConfig) -> int:
             ctrl.close()
         if served is None:
             return 1
-        return await _run(served, stop, cfg.logging.stats_interval)
+        return await _run(served, stop, systemd, cfg.logging.stats_interval)
 
 
 async def _start_all(cfg: ServeConfig, ctrl: Control) -> list[_Served] | None:
@@ -135,9 +139,12 @@ async def _reattach(ctrl: Control, spec: DeviceSpec) -> bool:
                     f"by pid {info.ublksrv_pid}): {hint}")
 
 
-async def _run(served: list[_Served], stop: asyncio.Event, stats_interval: float = 0) -> int:
+async def _run(served: list[_Served], stop: asyncio.Event, systemd: notify.Service,
+               stats_interval: float = 0) -> int:
     """Until ``stop`` (then end every device as its on_stop says) or until
-    every device has ended from outside."""
+    every device has ended from outside; systemd hears READY=1 now (every
+    device is LIVE) and STOPPING=1 before the drain."""
+    systemd.serving([f"ublkb{s.dev.id}" for s in served])
     waits = {asyncio.ensure_future(s.dev.wait()): s for s in served}
     stopper = asyncio.ensure_future(stop.wait())
     live = dict(waits)
@@ -155,6 +162,7 @@ async def _run(served: list[_Served], stop: asyncio.Event, stats_interval: float
     finally:
         stopper.cancel()
         publisher.cancel()
+    systemd.stopping()
     ok = await asyncio.gather(*(_finish(s, quiesce=s.spec.on_stop == "quiesce")
                                 for s in live.values()))
     await asyncio.gather(*waits)

@@ -15,8 +15,11 @@ import json
 import os
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -40,7 +43,8 @@ class Server:
     """A serve process started in ``cfg``'s directory as ``serve cfg.toml``:
     its stdout (kublk's lines per device) read here, its stderr in a file."""
 
-    def __init__(self, cfg: Path, *, interpreter: bool = False) -> None:
+    def __init__(self, cfg: Path, *, interpreter: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.log = cfg.with_suffix(".log")
         self.out = b""
         self.rc: int | None = None
@@ -49,10 +53,11 @@ class Server:
             with open(self.log, "wb") as err:
                 self.proc = subprocess.Popen([*kernel.CLI, "serve", cfg.name], cwd=cfg.parent,
                                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                             stderr=err)
+                                             stderr=err, env={**os.environ, **(env or {})})
             assert self.proc.stdout is not None
             self.pid, self.fd = self.proc.pid, self.proc.stdout.fileno()
             return
+        assert env is None, "env is for the interpreter's serve"
         rfd, wfd = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the child: never returns into pytest
@@ -285,3 +290,88 @@ def test_failed_final_write_back_reaches_the_exit_status(tmp_path: Path) -> None
     assert "final write-back failed" in err and "the storage went away" in err, err
     assert "dev=4" in err, err
     assert listing() == []
+
+
+class Systemd:
+    """systemd's end of $NOTIFY_SOCKET: a thread keeps the socket drained
+    (its queue holds 10 datagrams, and the pings never stop) and records
+    each message's fields with the pid the kernel says sent it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[int, list[str]]] = []
+        self.closed = False
+        self.thread = threading.Thread(target=self._receive, daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        while not self.closed:
+            try:
+                data, anc, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
+            except TimeoutError:
+                continue
+            pid = next((struct.unpack("3i", d)[0] for level, kind, d in anc
+                        if (level, kind) == (socket.SOL_SOCKET, socket.SCM_CREDENTIALS)), 0)
+            self.messages.append((pid, data.decode().split("\n")))
+
+    def fields(self) -> list[str]:
+        return [f for _, fields in list(self.messages) for f in fields]
+
+    def wait_for(self, field: str, count: int = 1, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while self.fields().count(field) < count:
+            assert time.monotonic() < deadline, f"no {field} x{count}: {self.messages}"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.closed = True
+        self.thread.join()
+        self.sock.close()
+
+
+TWO_NULL = """
+[[devices]]
+target = "null"
+id = 5
+
+[[devices]]
+target = "null"
+id = 6
+"""
+
+
+def test_serve_tells_systemd_ready_watchdog_stopping(tmp_path: Path) -> None:
+    """As under a Type=notify unit with WatchdogSec=0.2: READY=1 only once
+    every device is LIVE, WATCHDOG=1 every 0.1 s, STOPPING=1 on SIGTERM;
+    every message from serve's own pid (NotifyAccess=main)."""
+    (tmp_path / "cfg.toml").write_text(TWO_NULL)
+    systemd = Systemd(tmp_path / "notify")
+    srv = Server(tmp_path / "cfg.toml", interpreter=True,
+                 env={"NOTIFY_SOCKET": systemd.path, "WATCHDOG_USEC": "200000"})
+    try:
+        systemd.wait_for("READY=1")
+        # checked at once: READY=1 is sent after the last device is LIVE
+        assert all(os.path.exists(f"/dev/ublkb{n}") for n in (5, 6))
+        assert sorted((d.dev_id, d.state) for d in listing()) == [(5, "LIVE"), (6, "LIVE")]
+        assert [d.state for d in srv.devices(2)] == ["LIVE", "LIVE"]
+        systemd.wait_for("WATCHDOG=1", count=5, timeout=30)
+        os.kill(srv.pid, signal.SIGTERM)
+        systemd.wait_for("STOPPING=1", timeout=60)
+        assert srv.wait() == 0, srv.stderr()
+    finally:
+        srv.close()
+        systemd.close()
+    assert listing() == []
+    fields = systemd.fields()
+    assert [f for f in fields if f.startswith("STATUS=")] == \
+        ["STATUS=starting 2 devices", "STATUS=serving: ublkb5 ublkb6", "STATUS=stopping"]
+    assert fields.count("READY=1") == 1 and fields.count("STOPPING=1") == 1
+    ready, stopping = fields.index("READY=1"), fields.index("STOPPING=1")
+    assert not [f for f in fields[:ready] if f == "WATCHDOG=1"]  # the pings begin once ready
+    assert fields[ready:stopping].count("WATCHDOG=1") >= 5
+    assert {pid for pid, _ in systemd.messages} == {srv.pid}
+    assert "cannot notify systemd" not in srv.stderr()

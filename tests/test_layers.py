@@ -22,7 +22,7 @@ LAYERS: list[list[str]] = [
     ["aioublk._uring", "aioublk._uring_build"],
     ["aioublk.errors", "aioublk._version"],
     ["aioublk.logs"],  # (its LogFileError is an aioublk.Error)
-    ["aioublk.uapi",
+    ["aioublk.uapi", "aioublk.notify",
      "aioublk.directio", "aioublk.locking", "aioublk.extents", "aioublk.testing"],
     ["aioublk.dataplane"],
     ["aioublk.ring"],
