@@ -30,9 +30,20 @@
  *
  * Counters (struct aur_dp_counts) live in memory Python owns, so the control
  * thread may read them while the worker closes.
+ *
+ * Latency (aur_dp_set_timing, off unless metrics asked for it): every
+ * request is fetched and committed here, whichever side served it, so one
+ * clock read at fetch and one at commit time both paths. Off, it costs a
+ * test of a flag at fetch and of the tag's stamp at commit. The buckets are
+ * plain counters another thread reads while they move: a read may be one
+ * request behind, never more (64-bit loads do not tear on the targets we
+ * build for).
  */
 
 #include <time.h>
+
+_Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
+               AUR_LAT_OPS * AUR_LAT_BUCKETS * sizeof(uint64_t), "lat's shape");
 
 #define DP_BIT (1ULL << 63)
 #define DP_UD(kind, local, tag, aux) \
@@ -79,7 +90,9 @@ struct dp_tag {
     uint8_t then;        /* -u: the second step is still to come */
     uint16_t nr_pieces;  /* -u write: pieces kept for the second step */
     int32_t bad;         /* first piece that was not a full success */
+    uint8_t lat_op;      /* timing: the op's histogram */
     uint32_t len;
+    uint64_t t0;         /* timing: CLOCK_MONOTONIC ns at fetch; 0: not timed */
     uint32_t *ids;       /* DP_MAX_PIECES extent ids */
     struct dp_piece *pieces;  /* -u: DP_MAX_PIECES */
 };
@@ -115,7 +128,7 @@ struct aur_dp {
     uint64_t base, chunk;
     struct aur_ext *ext;
     unsigned ext_shift;
-    int stopping, sealed;
+    int stopping, sealed, timing;
     unsigned inflight;
     unsigned served;        /* requests C took, ever (wraps) */
     struct dp_queue q[];
@@ -221,6 +234,42 @@ unsigned aur_dp_room(struct aur_dp *dp) { return dp->room; }
 unsigned aur_dp_inflight(struct aur_dp *dp) { return dp->inflight; }
 void aur_dp_set_stopping(struct aur_dp *dp, int stopping) { dp->stopping = stopping; }
 void aur_dp_set_sealed(struct aur_dp *dp, int sealed) { dp->sealed = sealed; }
+
+void aur_dp_set_timing(struct aur_dp *dp, int on) { dp->timing = on; }
+
+static uint64_t dp_now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* A request was fetched: stamp it, when timing. */
+static void dp_clock_start(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    struct dp_queue *q = &dp->q[local];
+    unsigned op;
+
+    if (!dp->timing)
+        return;
+    op = q->descs[tag].op_flags & 0xff;
+    q->tags[tag].lat_op = (uint8_t)(op < AUR_LAT_OPS - 1 ? op : AUR_LAT_OPS - 1);
+    q->tags[tag].t0 = dp_now_ns();
+}
+
+/* Its answer: into the op's log2 bucket (once: a refused commit answers again). */
+static void dp_clock_stop(struct aur_dp_counts *c, struct dp_tag *t)
+{
+    uint64_t ns = dp_now_ns() - t->t0, units = ns >> 10;
+    unsigned b = units ? 64 - (unsigned)__builtin_clzll(units) : 0;
+
+    t->t0 = 0;
+    if (b >= AUR_LAT_BUCKETS)
+        b = AUR_LAT_BUCKETS - 1;
+    c->lat[t->lat_op][b]++;
+    c->lat_ns[t->lat_op] += ns;
+}
 
 int aur_dp_map_null(struct aur_dp *dp)
 {
@@ -401,6 +450,8 @@ static int dp_commit(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t re
 {
     struct aur_dp_counts *c = dp->q[local].counts;
 
+    if (dp->q[local].tags[tag].t0)
+        dp_clock_stop(c, &dp->q[local].tags[tag]);
     c->ios++;
     if (res > 0)
         c->bytes += (uint64_t)res;
@@ -687,8 +738,10 @@ static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
 
 static void dp_fetched(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
-    if (!dp->stopping)  /* (a stopping worker leaves it to the kernel) */
+    if (!dp->stopping) {  /* (a stopping worker leaves it to the kernel) */
         dp->q[local].counts->started++;
+        dp_clock_start(dp, local, tag);
+    }
     if (!dp_serve(dp, o, local, tag))
         dp_emit(o, DP_UD(AUR_DP_EV_TAG, local, tag, 0), 0, 0);
 }
@@ -771,6 +824,7 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
     case AUR_DP_EV_IO:
         if (cqe->res == 0 && !dp->stopping) {
             dp->q[DP_LOCAL(ud)].counts->started++;
+            dp_clock_start(dp, DP_LOCAL(ud), DP_TAG(ud));
             if (dp_serve(dp, o, DP_LOCAL(ud), DP_TAG(ud)))
                 return;
         }
@@ -815,14 +869,6 @@ static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full
         if (!seen || o->n)
             break;
     }
-}
-
-static uint64_t dp_now_ns(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
 /*

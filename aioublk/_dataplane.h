@@ -39,7 +39,16 @@ struct aur_dp_setup {
     unsigned poll_us;       /* wait this long in C for more work before Python's turn */
 };
 
-struct aur_dp_counts { uint64_t started, ios, bytes, errors; };
+/* latency (aur_dp_set_timing): per op (read, write, flush, discard,
+   write_same, write_zeroes, any other), log2 buckets of 1024 ns: bucket b
+   counts requests that took under 2^b units, the last one all the rest */
+#define AUR_LAT_OPS 7
+#define AUR_LAT_BUCKETS 24
+struct aur_dp_counts {
+    uint64_t started, ios, bytes, errors;
+    uint64_t lat_ns[7];        /* AUR_LAT_OPS: the latencies' sum */
+    uint64_t lat[7][24];       /* AUR_LAT_OPS x AUR_LAT_BUCKETS */
+};
 
 struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err);
 void aur_dp_free(struct aur_dp *dp);
@@ -57,6 +66,8 @@ int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_sh
 void aur_dp_set_stopping(struct aur_dp *dp, int stopping);
 void aur_dp_set_sealed(struct aur_dp *dp, int sealed);
 unsigned aur_dp_inflight(struct aur_dp *dp);
+/* time each request from fetch to commit into its queue's lat buckets */
+void aur_dp_set_timing(struct aur_dp *dp, int on);
 
 /* per-I/O: arm (local, tag) with FETCH_REQ */
 int aur_dp_fetch_req(struct aur_dp *dp, unsigned local, uint16_t tag);

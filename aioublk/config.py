@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -68,6 +69,11 @@ class LogSettings:
     file: str | None = None    # append the lines here instead of stderr (absolute)
 
 
+@dataclass(frozen=True)
+class MetricsSettings:
+    listen: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
+
+
 @dataclass
 class DeviceSpec:
     """One ``[[devices]]`` table, checked: everything needed to serve it."""
@@ -111,6 +117,7 @@ class ServeConfig:
     path: str
     logging: LogSettings = field(default_factory=LogSettings)
     devices: list[DeviceSpec] = field(default_factory=list)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
 
 def parse_size(value: int | str) -> int:
@@ -181,8 +188,9 @@ def _trusted(path: str, st: os.stat_result) -> None:
 
 def parse(data: dict[str, Any], path: str, *, base: str) -> ServeConfig:
     """Check parsed TOML; raises _Invalid. ``base`` resolves relative paths."""
-    _known(data, "", ("logging", "devices"))
+    _known(data, "", ("logging", "devices", "metrics"))
     logging = _logging(data.get("logging", {}), base)
+    metrics = _metrics(data.get("metrics", {}))
     raw = data.get("devices")
     if raw is None or raw == []:
         raise _Invalid("devices", "no devices: add a [[devices]] table")
@@ -191,7 +199,7 @@ def parse(data: dict[str, Any], path: str, *, base: str) -> ServeConfig:
                        "[[devices]] table")
     devices = [_device(d, f"devices[{i}]", base) for i, d in enumerate(raw)]
     _no_sharing(devices)
-    return ServeConfig(path, logging, devices)
+    return ServeConfig(path, logging, devices, metrics)
 
 
 # ------------------------------------------------------------------ tables --
@@ -217,6 +225,31 @@ def _logging(raw: Any, base: str) -> LogSettings:
     return LogSettings(level=_choice(raw.get("level", "warning"), f"{at}.level", LEVELS),
                        format=_choice(raw.get("format", "console"), f"{at}.format", FORMATS),
                        stats_interval=interval, file=file)
+
+
+def _metrics(raw: Any) -> MetricsSettings:
+    at = "metrics"
+    _table(raw, at)
+    _known(raw, at, ("listen",))
+    if "listen" not in raw:
+        return MetricsSettings()
+    listen = parse_listen(_str(raw["listen"], f"{at}.listen"), f"{at}.listen")
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise _Invalid(f"{at}.listen", "needs the prometheus-client package: pip install "
+                       "'aioublk[metrics]', or drop [metrics]")
+    return MetricsSettings(listen)
+
+
+def parse_listen(v: str, at: str) -> tuple[str, int]:
+    """(host, port) from "host:port" or "[v6 address]:port"."""
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^:\[\]]+):(\d+)", v.strip())
+    if m is None:
+        raise _Invalid(at, f"{_show(v)} is not host:port: use e.g. \"127.0.0.1:9341\" or "
+                       "\"[::1]:9341\"")
+    host, port = (m[1], int(m[2])) if m[1] else (m[3], int(m[4]))
+    if not 1 <= port <= 65535:
+        raise _Invalid(at, f"port {port} is out of range: use 1..65535")
+    return host, port
 
 
 def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:

@@ -80,6 +80,12 @@ def decode(ud: int) -> tuple[int, int, int, int]:
     return (ud >> 56) & 0x7F, (ud >> 40) & 0xFFFF, (ud >> 16) & 0xFFFF, ud & 0xFFFF
 
 
+#: time every request from fetch to commit on data planes made from now on
+#: (the latency histograms of ``aioublk.metrics``); off, it costs nothing
+#: measurable. Switched by ``metrics.enable_timing``.
+timing = False
+
+
 class DataPlane:
     """A worker's C data plane: made by ``Ring.data_plane``, freed with the ring."""
 
@@ -115,6 +121,9 @@ class DataPlane:
     def inflight(self) -> int:
         """Requests C holds."""
         return int(lib.aur_dp_inflight(self.c))
+
+    def set_timing(self, on: bool) -> None:
+        lib.aur_dp_set_timing(self.c, int(on))
 
     def set_stopping(self, stopping: bool) -> None:
         lib.aur_dp_set_stopping(self.c, int(stopping))

@@ -486,6 +486,22 @@ class Device:
                 row["inflight"] += max(started - ios, 0)
         return [rows[q] for q in sorted(rows)]
 
+    def latency(self) -> dict[int, list[tuple[list[int], int]]]:
+        """Per queue, summed over its workers, per op: the latency buckets
+        and sum (ns) the data planes keep while timing is on (all zero
+        otherwise; see ``aioublk.metrics``)."""
+        out: dict[int, list[tuple[list[int], int]]] = {}
+        for w in self.workers:
+            driver = w.driver
+            if driver is None:
+                continue
+            for q, st in list(driver.stats.items()):
+                mine = st.latency()
+                have = out.setdefault(q, [([0] * len(b), 0) for b, _ in mine])
+                out[q] = [([x + y for x, y in zip(hb, b, strict=True)], hs + s)
+                          for (hb, hs), (b, s) in zip(have, mine, strict=True)]
+        return dict(sorted(out.items()))
+
     @property
     def write_back_error(self) -> Exception | None:
         """Why the target's final write-back failed (data it acknowledged may

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, cast
 
-from aioublk import logs, uapi
+from aioublk import dataplane, logs, uapi
 from aioublk._uring import ffi, lib
 from aioublk.dataplane import EV_IDLE, EV_LOST, EV_RETRY, decode
 from aioublk.lifecycle import Action, Event, Lifecycle, State, Table
@@ -239,6 +239,13 @@ class QueueStats:
     def errors(self) -> int:
         return int(self._c.errors)
 
+    def latency(self) -> list[tuple[list[int], int]]:
+        """Per op (``metrics.OPS``): the log2 buckets' counts and the
+        latencies' sum in ns; read while C adds to them (a bucket may be one
+        request behind another)."""
+        c = self._c
+        return [(list(c.lat[op]), int(c.lat_ns[op])) for op in range(lib.AUR_LAT_OPS)]
+
 
 
 @dataclass
@@ -295,6 +302,7 @@ class Driver:
             "fetch_buf_bytes": cfg.fetch_buf_bytes or 2 * min(cfg.depth, 128),
             "fetch_buf_entries": cfg.fetch_buf_entries or 8, "poll_us": POLL_US,
         }, len(work), self._on_event)
+        self.dp.set_timing(dataplane.timing)
         self._views: list[tuple[Any, Any]] = []  # the C side's views of the queues' memory
         for local, (qm, _tags) in enumerate(work):
             descs = ffi.from_buffer(qm.descs)

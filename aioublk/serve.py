@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from aioublk import logs, notify, stats, uapi
+from aioublk import logs, metrics, notify, stats, uapi
 from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
 from aioublk.device import Control, Device, settled_info, state_name
 from aioublk.kublk_lines import print_device
@@ -80,13 +81,33 @@ async def serve(cfg: ServeConfig) -> int:
         except UblkError as e:
             _report(str(e))
             return 1
+        held: list[_Served] = []
         try:
-            served = await _start_all(cfg, ctrl)
-        finally:
+            # before the devices: it turns on the timing their queues read at start
+            stop_metrics = _start_metrics(cfg, lambda: [s.dev for s in held])
+        except metrics.MetricsError as e:
             ctrl.close()
-        if served is None:
+            _report(f"{cfg.path}: metrics.listen: {e}")
             return 1
-        return await _run(served, stop, systemd, cfg.logging.stats_interval)
+        try:
+            try:
+                served = await _start_all(cfg, ctrl)
+            finally:
+                ctrl.close()
+            if served is None:
+                return 1
+            held.extend(served)
+            return await _run(served, stop, systemd, cfg.logging.stats_interval)
+        finally:
+            stop_metrics()
+
+
+def _start_metrics(cfg: ServeConfig, devices: Callable[[], list[Device]]) -> Callable[[], None]:
+    """The ``[metrics]`` endpoint, if configured; returns what stops it."""
+    if cfg.metrics.listen is None:
+        return lambda: None
+    host, port = cfg.metrics.listen
+    return metrics.start(host, port, devices)
 
 
 async def _start_all(cfg: ServeConfig, ctrl: Control) -> list[_Served] | None:

@@ -36,7 +36,7 @@ LAYERS: list[list[str]] = [
     ["aioublk.worker"],
     ["aioublk.queue"],  # the old names, re-exported; nothing in aioublk imports it
     ["aioublk.device"],
-    ["aioublk.stats", "aioublk.config", "aioublk.udev"],
+    ["aioublk.stats", "aioublk.config", "aioublk.udev", "aioublk.metrics"],
     ["aioublk.kublk_lines", "aioublk.runner"],  # what cli and serve share
     ["aioublk.serve"],
     ["aioublk.cli"],

@@ -1,0 +1,135 @@
+"""Prometheus metrics: serve's ``[metrics] listen`` endpoint, and a
+collector embedders register in their own registry.
+
+- Counters cost nothing on the hot path: the collector reads
+  ``Device.stats()`` (the counters the data plane keeps anyway) when
+  scraped.
+- Latency is timed in C for every request, whichever side served it (every
+  fetch and commit goes through the data plane), into fixed log2 buckets
+  per queue and op; only while ``enable_timing()`` is on (serve turns it on
+  when ``[metrics]`` is configured). The buckets are plain counters read
+  while they move: a scrape may see one bucket a request behind another.
+- The endpoint is ``prometheus_client.start_http_server``'s daemon thread:
+  a scrape then never waits for serve's loop (nor delays it), and the
+  collector only reads memory, which needs no loop.
+
+``prometheus_client`` is the optional extra ``aioublk[metrics]``; this
+module imports it only when a collector or endpoint is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from aioublk import dataplane
+from aioublk._uring import lib
+from aioublk.device import Device
+from aioublk.errors import Error
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
+#: the histograms' ops, in the data plane's order (ublk's op codes 0-5, then the rest)
+OPS = ("read", "write", "flush", "discard", "write_same", "write_zeroes", "other")
+#: the data plane's bucket unit: 1024 ns
+UNIT_NS = 1024
+NR_BUCKETS = int(lib.AUR_LAT_BUCKETS)
+#: bucket b's upper bound in seconds (the last bucket is +Inf)
+BOUNDS = tuple((UNIT_NS << b) / 1e9 for b in range(NR_BUCKETS - 1)) + (float("inf"),)
+INSTALL = "pip install 'aioublk[metrics]'"
+
+
+class MetricsError(Error):
+    """The endpoint cannot start, in one line saying what to do."""
+
+
+def enable_timing(on: bool = True) -> None:
+    """Time requests on devices started from now on (the latency
+    histograms); off by default, when it costs nothing measurable."""
+    dataplane.timing = on
+
+
+def bucket_of(ns: int) -> int:
+    """The bucket a latency of ``ns`` nanoseconds lands in (as C computes it)."""
+    return min((ns // UNIT_NS).bit_length(), NR_BUCKETS - 1)
+
+
+class Collector:
+    """A prometheus_client collector of the devices ``devices()`` returns,
+    read at scrape time. Embedders: ``registry.register(Collector(lambda:
+    [dev]))`` and ``enable_timing()`` before starting the devices."""
+
+    def __init__(self, devices: Callable[[], list[Device]]) -> None:
+        self.devices = devices
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        labels = ["device", "queue"]
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            "ios": CounterMetricFamily("aioublk_requests", "Requests answered", labels=labels),
+            "bytes": CounterMetricFamily("aioublk_bytes", "Bytes read or written",
+                                         labels=labels),
+            "errors": CounterMetricFamily("aioublk_errors", "Requests answered with an error",
+                                          labels=labels),
+            "inflight": GaugeMetricFamily("aioublk_inflight", "Requests in flight",
+                                          labels=labels),
+        }
+        latency = HistogramMetricFamily(
+            "aioublk_latency_seconds", "Request latency, fetch to commit",
+            labels=[*labels, "op"])
+        for dev in self.devices():
+            if dev.info is None:
+                continue
+            dev_id = str(dev.id)
+            for row in dev.stats():
+                for key, family in families.items():
+                    family.add_metric([dev_id, str(row["queue"])], row[key])
+            for q, per_op in dev.latency().items():
+                for op, (buckets, sum_ns) in zip(OPS, per_op, strict=True):
+                    if any(buckets):
+                        latency.add_metric([dev_id, str(q), op], cumulative(buckets),
+                                           sum_ns / 1e9)
+        yield from families.values()
+        yield latency
+
+
+def cumulative(buckets: list[int]) -> list[tuple[str, float]]:
+    """The data plane's buckets as Prometheus's cumulative ``le`` pairs."""
+    out, total = [], 0
+    for bound, n in zip(BOUNDS, buckets, strict=True):
+        total += n
+        out.append(("+Inf" if bound == float("inf") else repr(bound), float(total)))
+    return out
+
+
+def start(host: str, port: int, devices: Callable[[], list[Device]]) -> Callable[[], None]:
+    """Serve ``/metrics`` for ``devices()`` on host:port (a daemon thread) and
+    time requests; returns what stops it. MetricsError if it cannot listen."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise MetricsError(f"metrics need the prometheus-client package: {INSTALL}") from None
+    registry: CollectorRegistry = CollectorRegistry()
+    registry.register(Collector(devices))
+    try:
+        server, thread = start_http_server(port, host, registry)
+    except OSError as e:
+        raise MetricsError(f"cannot listen on {_show(host, port)}: {e.strerror}: pick another "
+                           "port in [metrics] listen, or stop what uses it") from None
+    enable_timing()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    return stop
+
+
+def _show(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
