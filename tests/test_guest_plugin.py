@@ -4,7 +4,8 @@ fails, because a skipped kernel test hides a broken harness or driver.
 Each case runs pytest on a tiny test file in a subprocess, with our plugin:
 with `/dev/ublk-control` made to look present (the tests run in place, as
 they do inside the guest), and through the host's guest proxies with a fake
-"guest" that runs the same pytest on the host."""
+"guest" that runs the same pytest on the host. The plugin reaches a
+project through its pytest11 entry point alone."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def run_pytest(tmp_path: Path, conftest: str = CONFTEST) -> tuple[dict[str, str]
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     report = tmp_path / "report.xml"
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "aioublk.testing.pytest_plugin",
+        [sys.executable, "-m", "pytest",
          "-p", "no:cacheprovider", "--strict-markers", "-rA", f"--junitxml={report}",
          str(tmp_path / "test_tiny.py")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
@@ -171,8 +172,32 @@ def test_in_the_guest_a_guest_tests_tmp_path_goes_when_it_ends(tmp_path: Path) -
     (tmp_path / "test_tmp.py").write_text(TMP_TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "aioublk.testing.pytest_plugin",
+        [sys.executable, "-m", "pytest",
          "-p", "no:cacheprovider", "--strict-markers", "-q", str(tmp_path / "test_tmp.py")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
         env={**os.environ, "AIOUBLK_IN_GUEST": "1", "AIOUBLK_CACHE": str(tmp_path / "cache")})
     assert p.returncode == 0 and "3 passed" in p.stdout, p.stdout + p.stderr
+
+def test_a_project_without_conftest_gets_the_plugin(pytester: pytest.Pytester) -> None:
+    """Installing aioublk is enough: the pytest11 entry point brings the
+    marker (accepted under --strict-markers) and the options."""
+    pytester.makepyfile('''
+        import pytest
+
+        @pytest.mark.guest
+        def test_on_the_driver():
+            pass
+
+        def test_on_the_host():
+            pass
+    ''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--strict-markers",
+                                           "--no-guest")
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["aioublk: 1 guest tests deselected (--no-guest)"])
+    helped = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--help")
+    for option in ("--no-guest", "--guest-timeout"):
+        helped.stdout.fnmatch_lines([f"*{option}*"])
+    marked = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--markers")
+    marked.stdout.fnmatch_lines(["@pytest.mark.guest: *ublk_drv*"])
+

@@ -1,6 +1,10 @@
 """pytest side of the guest harness: `@pytest.mark.guest` tests run under a real ublk kernel.
 
-How it works, and the pytest facts it leans on:
+Registered by aioublk's `pytest11` entry point, so a project that installs
+aioublk gets the `guest` marker and options without a conftest line (naming
+it in `pytest_plugins` or `-p aioublk.testing.pytest_plugin` as well is a
+double registration, which pytest refuses). How it works, and the pytest
+facts it leans on:
 
 - Three situations. With `/dev/ublk-control` present (a host with ublk_drv,
   or inside our guest) guest tests simply run. Inside the guest
