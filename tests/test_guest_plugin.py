@@ -5,7 +5,8 @@ Each case runs pytest on a tiny test file in a subprocess, with our plugin:
 with `/dev/ublk-control` made to look present (the tests run in place, as
 they do inside the guest), and through the host's guest proxies with a fake
 "guest" that runs the same pytest on the host. The plugin reaches a
-project through its pytest11 entry point alone."""
+project through its pytest11 entry point alone; the accelerator choice is
+followed as far as vng's command line, never to a boot."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
+
+from aioublk.testing import guest
+from aioublk.testing.sid import SetupError
 
 CONFTEST = """
 from pathlib import Path
@@ -196,8 +200,31 @@ def test_a_project_without_conftest_gets_the_plugin(pytester: pytest.Pytester) -
     result.assert_outcomes(passed=1, deselected=1)
     result.stdout.fnmatch_lines(["aioublk: 1 guest tests deselected (--no-guest)"])
     helped = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--help")
-    for option in ("--no-guest", "--guest-timeout"):
+    for option in ("--no-guest", "--guest-timeout", "--guest-accel"):
         helped.stdout.fnmatch_lines([f"*{option}*"])
     marked = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--markers")
     marked.stdout.fnmatch_lines(["@pytest.mark.guest: *ublk_drv*"])
+
+def test_the_accelerator_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    def unasked() -> bool:
+        raise AssertionError("a forced choice runs no probe")
+
+    assert guest.use_kvm("kvm", unasked) and not guest.use_kvm("tcg", unasked)
+    assert guest.use_kvm("auto", lambda: True)
+    assert capsys.readouterr().err == ""
+    assert not guest.use_kvm("auto", lambda: False)
+    assert "using TCG" in capsys.readouterr().err  # one line saying so
+    with pytest.raises(SetupError, match="unknown guest accelerator 'hvf'"):
+        guest.use_kvm("hvf", unasked)
+
+
+def test_the_vng_command(tmp_path: Path) -> None:
+    kernel = guest.Kernel("6.20.0-mine", tmp_path / "bzImage")
+    script = tmp_path / "run sh"
+    argv = guest.vng_command("vng", kernel, script, [tmp_path], memory="2G", cpus=4, kvm=False)
+    assert argv == ["vng", f"--run={tmp_path / 'bzImage'}", "--disable-kvm", "--verbose",
+                    "--force-9p", "--memory=2G", "--cpus=4", f"--rwdir={tmp_path}",
+                    f"--exec=sh '{script}'"]
+    kvm = guest.vng_command("vng", kernel, script, [tmp_path], memory="2G", cpus=4, kvm=True)
+    assert kvm == [a for a in argv if a != "--disable-kvm"]
 

@@ -4,8 +4,12 @@ Why and how (every point was seen on a Debian 12 build machine):
 
 - The host kernel has io_uring but no ublk driver, so tests that need
   `/dev/ublk-control` run in a guest. `/dev/kvm` exists but cannot run an
-  ordinary guest (QEMU aborts with "failed to set MSR 0x10a"), hence
-  `--disable-kvm`: TCG software emulation, 11-14x slower for Python code.
+  ordinary guest (QEMU aborts with "failed to set MSR 0x10a"), so whether KVM
+  works is probed, once per process: QEMU starts a stopped `-cpu host` machine
+  (the CPU vng asks for with KVM) and quits at once, about 0.05 s; the MSRs
+  are set at the machine's first reset, before that quit. If the probe fails
+  the guest runs under `--disable-kvm`: TCG software emulation, 11-14x slower
+  for Python code.
 - The kernel is Debian sid's generic amd64 flavour (`cloud-amd64` lacks 9p and
   does not boot under vng). Its release changes over time, so it is resolved
   from `linux-image-amd64`'s dependency, never hard-coded, and only when the
@@ -37,6 +41,7 @@ Why and how (every point was seen on a Debian 12 build machine):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import shutil
@@ -66,6 +71,9 @@ STATUS_TIMEOUT = 124  # like timeout(1)
 STATUS_NO_RESULT = 125  # the guest never wrote a status: boot failure, crash, vng error
 
 
+ACCELS = ("auto", "kvm", "tcg")
+
+
 class Kernel(NamedTuple):
     release: str
     vmlinuz: Path
@@ -73,6 +81,10 @@ class Kernel(NamedTuple):
 
 def default_memory() -> str:
     return os.environ.get("AIOUBLK_GUEST_MEMORY", "4G")
+
+
+def default_accel() -> str:
+    return os.environ.get("AIOUBLK_GUEST_ACCEL", "auto")
 
 
 def _kernels() -> Path:
@@ -178,6 +190,36 @@ def ensure_kernel(refresh: bool = False) -> Kernel:
     return kernel
 
 
+@functools.cache
+def kvm_works() -> bool:
+    """Can QEMU run a KVM guest here? Probed once per process (see the module notes)."""
+    qemu = shutil.which("qemu-system-x86_64")
+    if qemu is None or not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False
+    try:
+        proc = subprocess.run(
+            [qemu, "-accel", "kvm", "-machine", "pc", "-cpu", "host", "-m", "64",
+             "-nodefaults", "-display", "none", "-S", "-monitor", "stdio"],
+            input=b"quit\n", capture_output=True, timeout=20, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def use_kvm(accel: str, probe: Callable[[], bool] = kvm_works) -> bool:
+    """`kvm` and `tcg` are obeyed; `auto` asks the probe and says so when KVM is out."""
+    if accel not in ACCELS:
+        raise SetupError(f"unknown guest accelerator {accel!r}: use one of {', '.join(ACCELS)}")
+    if accel != "auto":
+        return accel == "kvm"
+    if probe():
+        return True
+    progress("KVM cannot run a guest here: using TCG emulation (slower); "
+             "AIOUBLK_GUEST_ACCEL=kvm forces KVM")
+    return False
+
+
 def _vng() -> str:
     """vng next to the running interpreter first: a venv need not be on PATH."""
     beside = Path(sys.executable).with_name("vng")
@@ -244,6 +286,30 @@ def _write_stdout(chunk: bytes) -> None:
     sys.stdout.buffer.flush()
 
 
+def vng_command(
+    vng: str,
+    kernel: Kernel,
+    script: Path,
+    rwdirs: Sequence[Path | str],
+    *,
+    memory: str,
+    cpus: int,
+    kvm: bool,
+) -> list[str]:
+    """vng's argv: boot `kernel`, run `script` with `rwdirs` writable."""
+    return [
+        vng,
+        f"--run={kernel.vmlinuz}",
+        *([] if kvm else ["--disable-kvm"]),
+        "--verbose",
+        "--force-9p",
+        f"--memory={memory}",
+        f"--cpus={cpus}",
+        *(f"--rwdir={Path(d).absolute()}" for d in rwdirs),
+        f"--exec=sh {shlex.quote(str(script))}",
+    ]
+
+
 def run_in_guest(
     argv: Sequence[str],
     rwdirs: Sequence[Path | str] = (),
@@ -253,35 +319,27 @@ def run_in_guest(
     timeout: float = DEFAULT_TIMEOUT,
     cwd: Path | str | None = None,
     on_output: Callable[[bytes], None] = _write_stdout,
+    accel: str = "auto",
 ) -> int:
     """Boot the guest, run argv in `cwd` (default: ours), return argv's exit status.
 
     The output is passed to `on_output` while the VM runs. `rwdirs` are made
     writable in the guest at the same paths. Without a status from the guest
     a one-line reason and the tail of vng's log go to stderr, and the result is
-    STATUS_TIMEOUT or STATUS_NO_RESULT.
+    STATUS_TIMEOUT or STATUS_NO_RESULT. `accel` is auto, kvm or tcg (see
+    `use_kvm`).
     """
     if not argv:
         raise ValueError("run_in_guest needs a command")
     kernel = ensure_kernel()
+    kvm = use_kvm(accel)
     vng = _vng()
     ctl = scratch_dir("runs")
     workdir = Path(cwd or Path.cwd()).absolute()
     script, output, status, log = (ctl / n for n in ("run.sh", "output", "status", "vng.log"))
     script.write_text(_script(argv, _guest_env(env), workdir, ctl))
     output.touch()
-    cmd = [
-        vng,
-        f"--run={kernel.vmlinuz}",
-        "--disable-kvm",
-        "--verbose",
-        "--force-9p",
-        f"--memory={memory}",
-        f"--cpus={cpus}",
-        f"--rwdir={ctl}",
-        *(f"--rwdir={Path(d).absolute()}" for d in rwdirs),
-        f"--exec=sh {shlex.quote(str(script))}",
-    ]
+    cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus, kvm=kvm)
     timed_out = False
     with open(log, "wb") as logf, open(output, "rb") as out:
         proc = subprocess.Popen(
@@ -329,6 +387,8 @@ def main(args: Sequence[str] | None = None) -> int:
         "--memory", default=default_memory(), help="guest RAM (env AIOUBLK_GUEST_MEMORY)"
     )
     runp.add_argument("--cpus", type=int, default=2)
+    runp.add_argument("--accel", choices=ACCELS, default=default_accel(),
+                      help="kvm, tcg, or auto: KVM if a probe boots it (env AIOUBLK_GUEST_ACCEL)")
     runp.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds")
     runp.add_argument(
         "--rwdir", action="append", default=[], help="host folder writable in the guest"
@@ -342,7 +402,8 @@ def main(args: Sequence[str] | None = None) -> int:
         command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
         if not command:
             parser.error("run needs a command: run -- CMD ARGS...")
-        return run_in_guest(command, ns.rwdir, ns.memory, ns.cpus, timeout=ns.timeout)
+        return run_in_guest(command, ns.rwdir, ns.memory, ns.cpus, timeout=ns.timeout,
+                            accel=ns.accel)
     except SetupError as e:
         print(f"aioublk: {e}", file=sys.stderr)
         return 2

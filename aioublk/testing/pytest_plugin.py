@@ -78,6 +78,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=float(os.environ.get("AIOUBLK_GUEST_TIMEOUT", guest.DEFAULT_TIMEOUT)),
         help="seconds for the whole guest run (env AIOUBLK_GUEST_TIMEOUT, default 2400)",
     )
+    group.addoption(
+        "--guest-accel",
+        choices=guest.ACCELS,
+        default=guest.default_accel(),
+        help="kvm, tcg, or auto: KVM if a quick probe runs it (env AIOUBLK_GUEST_ACCEL)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -199,6 +205,7 @@ class GuestRun:
                 timeout=self.config.getoption("guest_timeout"),
                 cwd=self.config.rootpath,
                 on_output=emit,
+                accel=self.config.getoption("guest_accel"),
             )
         except (SetupError, OSError) as e:
             self.problem = f"the guest could not run: {e}"
