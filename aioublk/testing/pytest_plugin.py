@@ -84,6 +84,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=guest.default_accel(),
         help="kvm, tcg, or auto: KVM if a quick probe runs it (env AIOUBLK_GUEST_ACCEL)",
     )
+    group.addoption(
+        "--guest-kernel",
+        metavar="PATH",
+        help="bzImage the guest boots (env AIOUBLK_GUEST_KERNEL; default Debian sid's, cached)",
+    )
+    group.addoption(
+        "--guest-modules",
+        metavar="DIR",
+        help="that kernel's /lib/modules/RELEASE tree (env AIOUBLK_GUEST_MODULES)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -188,7 +198,9 @@ class GuestRun:
 
         start = time.monotonic()
         try:
-            kernel = guest.ensure_kernel()
+            kernel = guest.guest_kernel(
+                self.config.getoption("guest_kernel"), self.config.getoption("guest_modules")
+            )
             n = len(self.nodeids)
             title = f"{n} guest test{'s' * (n != 1)}, one boot of Linux {kernel.release}"
             _sep(tr, title)
@@ -205,6 +217,7 @@ class GuestRun:
                 timeout=self.config.getoption("guest_timeout"),
                 cwd=self.config.rootpath,
                 on_output=emit,
+                kernel=kernel,
                 accel=self.config.getoption("guest_accel"),
             )
         except (SetupError, OSError) as e:
