@@ -1,4 +1,4 @@
-"""Root conftest: the guest harness plugin, and the event loops tests run on."""
+"""Root conftest: pytester, and the event loops tests run on."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import uvloop
 
 from aioublk.ring import Ring
 
-pytest_plugins = ["aioublk.testing.pytest_plugin"]
+pytest_plugins = ["pytester"]  # aioublk.testing comes through its pytest11 entry point
 
 
 def pytest_asyncio_loop_factories(

@@ -4,7 +4,9 @@ fails, because a skipped kernel test hides a broken harness or driver.
 Each case runs pytest on a tiny test file in a subprocess, with our plugin:
 with `/dev/ublk-control` made to look present (the tests run in place, as
 they do inside the guest), and through the host's guest proxies with a fake
-"guest" that runs the same pytest on the host."""
+"guest" that runs the same pytest on the host. The plugin reaches a
+project through its pytest11 entry point alone; the kernel and accelerator
+options are followed as far as vng's command line, never to a boot."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
+
+from aioublk.testing import guest
+from aioublk.testing.sid import SetupError
 
 CONFTEST = """
 from pathlib import Path
@@ -105,7 +110,7 @@ def run_pytest(tmp_path: Path, conftest: str = CONFTEST) -> tuple[dict[str, str]
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     report = tmp_path / "report.xml"
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "aioublk.testing.pytest_plugin",
+        [sys.executable, "-m", "pytest",
          "-p", "no:cacheprovider", "--strict-markers", "-rA", f"--junitxml={report}",
          str(tmp_path / "test_tiny.py")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
@@ -171,8 +176,117 @@ def test_in_the_guest_a_guest_tests_tmp_path_goes_when_it_ends(tmp_path: Path) -
     (tmp_path / "test_tmp.py").write_text(TMP_TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "aioublk.testing.pytest_plugin",
+        [sys.executable, "-m", "pytest",
          "-p", "no:cacheprovider", "--strict-markers", "-q", str(tmp_path / "test_tmp.py")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
         env={**os.environ, "AIOUBLK_IN_GUEST": "1", "AIOUBLK_CACHE": str(tmp_path / "cache")})
     assert p.returncode == 0 and "3 passed" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_project_without_conftest_gets_the_plugin(pytester: pytest.Pytester) -> None:
+    """Installing aioublk is enough: the pytest11 entry point brings the
+    marker (accepted under --strict-markers) and the options."""
+    pytester.makepyfile('''
+        import pytest
+
+        @pytest.mark.guest
+        def test_on_the_driver():
+            pass
+
+        def test_on_the_host():
+            pass
+    ''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--strict-markers",
+                                           "--no-guest")
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["aioublk: 1 guest tests deselected (--no-guest)"])
+    helped = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--help")
+    for option in ("--no-guest", "--guest-timeout", "--guest-accel", "--guest-kernel",
+                   "--guest-modules"):
+        helped.stdout.fnmatch_lines([f"*{option}*"])
+    marked = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--markers")
+    marked.stdout.fnmatch_lines(["@pytest.mark.guest: *ublk_drv*"])
+
+
+def test_the_accelerator_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    def unasked() -> bool:
+        raise AssertionError("a forced choice runs no probe")
+
+    assert guest.use_kvm("kvm", unasked) and not guest.use_kvm("tcg", unasked)
+    assert guest.use_kvm("auto", lambda: True)
+    assert capsys.readouterr().err == ""
+    assert not guest.use_kvm("auto", lambda: False)
+    assert "using TCG" in capsys.readouterr().err  # one line saying so
+    with pytest.raises(SetupError, match="unknown guest accelerator 'hvf'"):
+        guest.use_kvm("hvf", unasked)
+
+
+def fake_bzimage(path: Path, release: str) -> Path:
+    """Just the setup header fields `image_release` reads (x86 boot protocol)."""
+    image = bytearray(0x1000)
+    image[0x202:0x206] = b"HdrS"
+    image[0x20E:0x210] = (0x600 - 0x200).to_bytes(2, "little")
+    name = f"{release} (builder@host) #1 SMP".encode()
+    image[0x600:0x600 + len(name)] = name
+    path.write_bytes(bytes(image))
+    return path
+
+
+def test_a_kernel_of_ones_own_and_its_modules(tmp_path: Path) -> None:
+    image = fake_bzimage(tmp_path / "bzImage", "6.20.0-mine")
+    assert guest.kernel_from(image) == guest.Kernel("6.20.0-mine", image)
+    with pytest.raises(SetupError, match="has no modules.dep"):
+        guest.kernel_from(image, tmp_path)
+    tree = tmp_path / "lib" / "modules" / "6.20.0-mine"
+    tree.mkdir(parents=True)
+    (tree / "modules.dep").touch()
+    assert guest.kernel_from(image, tree).modules == tree
+    # an image inside its own modules tree (sid's cache, a /lib/modules install) brings them
+    inside = fake_bzimage(tree / "vmlinuz", "6.20.0-mine")
+    assert guest.kernel_from(inside).modules == tree
+    (tmp_path / "not-a-kernel").write_bytes(b"\0" * 4096)
+    with pytest.raises(SetupError, match="is not a bzImage"):
+        guest.kernel_from(tmp_path / "not-a-kernel")
+
+
+def test_the_vng_command(tmp_path: Path) -> None:
+    kernel = guest.Kernel("6.20.0-mine", tmp_path / "bzImage")
+    script = tmp_path / "run sh"
+    argv = guest.vng_command("vng", kernel, script, [tmp_path], memory="2G", cpus=4, kvm=False)
+    assert argv == ["vng", f"--run={tmp_path / 'bzImage'}", "--disable-kvm", "--verbose",
+                    "--force-9p", "--memory=2G", "--cpus=4", f"--rwdir={tmp_path}",
+                    f"--exec=sh '{script}'"]
+    kvm = guest.vng_command("vng", kernel, script, [tmp_path], memory="2G", cpus=4, kvm=True)
+    assert kvm == [a for a in argv if a != "--disable-kvm"]
+
+
+FAKE_VNG = """
+from pathlib import Path
+from aioublk.testing import guest, pytest_plugin
+
+pytest_plugin.UBLK_CONTROL = Path("/nonexistent/ublk-control")
+guest._vng = lambda: str(Path(__file__).with_name("vng"))
+"""
+
+
+def test_guest_kernel_and_accel_options_reach_vng(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the whole host side, to a stand-in vng that records its argv
+    (and writes no status, so the guest test fails as a dead guest's would)."""
+    image = fake_bzimage(pytester.path / "bzImage", "6.20.0-mine")
+    pytester.makeconftest(FAKE_VNG)
+    vng = pytester.path / "vng"
+    vng.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {pytester.path / "argv"}\n')
+    vng.chmod(0o755)
+    pytester.makepyfile("import pytest\n\n@pytest.mark.guest\ndef test_k():\n    pass\n")
+    monkeypatch.setenv("AIOUBLK_CACHE", str(pytester.path / "cache"))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--guest-kernel={image}",
+                                           "--guest-accel=tcg")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*one boot of Linux 6.20.0-mine*", "*guest stopped early*"])
+    argv = (pytester.path / "argv").read_text().splitlines()
+    assert argv[:2] == [f"--run={image}", "--disable-kvm"], argv
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--guest-kernel={image}",
+                                  "--guest-accel=kvm")
+    assert "--disable-kvm" not in (pytester.path / "argv").read_text().splitlines()

@@ -4,8 +4,17 @@ Why and how (every point was seen on a Debian 12 build machine):
 
 - The host kernel has io_uring but no ublk driver, so tests that need
   `/dev/ublk-control` run in a guest. `/dev/kvm` exists but cannot run an
-  ordinary guest (QEMU aborts with "failed to set MSR 0x10a"), hence
-  `--disable-kvm`: TCG software emulation, 11-14x slower for Python code.
+  ordinary guest (QEMU aborts with "failed to set MSR 0x10a"), so whether KVM
+  works is probed, once per process: QEMU starts a stopped `-cpu host` machine
+  (the CPU vng asks for with KVM) and quits at once, about 0.05 s; the MSRs
+  are set at the machine's first reset, before that quit. If the probe fails
+  the guest runs under `--disable-kvm`: TCG software emulation, 11-14x slower
+  for Python code.
+- Any bzImage boots instead of sid's (`kernel_from`): its release is read
+  from the image's setup header, and its modules come from the folder given,
+  else the image's own folder when it is a `/lib/modules/$REL` tree (as sid's
+  is in the cache), else the host's `/lib/modules/$REL`; with none, only
+  built-in drivers exist in the guest.
 - The kernel is Debian sid's generic amd64 flavour (`cloud-amd64` lacks 9p and
   does not boot under vng). Its release changes over time, so it is resolved
   from `linux-image-amd64`'s dependency, never hard-coded, and only when the
@@ -37,6 +46,7 @@ Why and how (every point was seen on a Debian 12 build machine):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import shutil
@@ -66,13 +76,21 @@ STATUS_TIMEOUT = 124  # like timeout(1)
 STATUS_NO_RESULT = 125  # the guest never wrote a status: boot failure, crash, vng error
 
 
+ACCELS = ("auto", "kvm", "tcg")
+
+
 class Kernel(NamedTuple):
     release: str
     vmlinuz: Path
+    modules: Path | None = None  # linked at /lib/modules/$REL for the guest; None: leave it
 
 
 def default_memory() -> str:
     return os.environ.get("AIOUBLK_GUEST_MEMORY", "4G")
+
+
+def default_accel() -> str:
+    return os.environ.get("AIOUBLK_GUEST_ACCEL", "auto")
 
 
 def _kernels() -> Path:
@@ -92,12 +110,12 @@ def _cached_kernel() -> Kernel | None:
     modules = _modules_dir(release)
     if not (modules / "vmlinuz").is_file() or not (modules / "modules.dep").is_file():
         return None
-    return Kernel(release, modules / "vmlinuz")
+    return Kernel(release, modules / "vmlinuz", modules)
 
 
-def _link_modules(release: str) -> None:
-    """Make `/lib/modules/$REL` point at the cache, where vng looks for modules."""
-    link, target = Path("/lib/modules") / release, _modules_dir(release)
+def _link_modules(release: str, target: Path) -> None:
+    """Make `/lib/modules/$REL` point at `target`, where vng looks for modules."""
+    link = Path("/lib/modules") / release
     if link.is_symlink() and link.readlink() == target:
         return
     if link.exists() and not link.is_symlink():
@@ -174,8 +192,80 @@ def ensure_kernel(refresh: bool = False) -> Kernel:
                 kernel = _cached_kernel()
                 if kernel is None:
                     raise SetupError(f"kernel {release} unpacked without vmlinuz or modules.dep")
-    _link_modules(kernel.release)
+    _link_modules(kernel.release, _modules_dir(kernel.release))
     return kernel
+
+
+def image_release(vmlinuz: Path) -> str:
+    """The release a bzImage names in its setup header (x86 boot protocol >= 2.00)."""
+    try:
+        with open(vmlinuz, "rb") as f:
+            head = f.read(0x10000)
+    except OSError as e:
+        raise SetupError(f"cannot read kernel {vmlinuz}: {e.strerror}") from None
+    if head[0x202:0x206] != b"HdrS":
+        raise SetupError(f"{vmlinuz} is not a bzImage: pass an x86 kernel image (vmlinuz)")
+    at = 0x200 + int.from_bytes(head[0x20E:0x210], "little")
+    name = head[at:head.find(b"\0", at)].decode(errors="replace").split(" ")[0]
+    if not name:
+        raise SetupError(f"{vmlinuz} names no release in its header: pass another kernel image")
+    return name
+
+
+def kernel_from(vmlinuz: Path | str, modules: Path | str | None = None) -> Kernel:
+    """A kernel of the user's own: the image, and its modules tree if one is found."""
+    image = Path(vmlinuz).absolute()
+    release = image_release(image)
+    if modules is not None:
+        tree = Path(modules).absolute()
+        if not (tree / "modules.dep").is_file():
+            raise SetupError(f"{tree} has no modules.dep: pass a /lib/modules/{release} tree "
+                             f"(run `depmod -b ROOT {release}` on an unpacked one)")
+        return Kernel(release, image, tree)
+    if (image.parent / "modules.dep").is_file() and image.parent.name == release:
+        return Kernel(release, image, image.parent)
+    return Kernel(release, image)  # the host's /lib/modules/$REL, if any, or built-ins only
+
+
+def guest_kernel(vmlinuz: Path | str | None = None, modules: Path | str | None = None) -> Kernel:
+    """The kernel to boot: the one given (or `$AIOUBLK_GUEST_KERNEL`), else sid's, cached."""
+    vmlinuz = vmlinuz or os.environ.get("AIOUBLK_GUEST_KERNEL") or None
+    modules = modules or os.environ.get("AIOUBLK_GUEST_MODULES") or None
+    if vmlinuz is None:
+        if modules is not None:
+            raise SetupError("a modules folder needs its kernel: pass --guest-kernel too")
+        return ensure_kernel()
+    return kernel_from(vmlinuz, modules)
+
+
+@functools.cache
+def kvm_works() -> bool:
+    """Can QEMU run a KVM guest here? Probed once per process (see the module notes)."""
+    qemu = shutil.which("qemu-system-x86_64")
+    if qemu is None or not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False
+    try:
+        proc = subprocess.run(
+            [qemu, "-accel", "kvm", "-machine", "pc", "-cpu", "host", "-m", "64",
+             "-nodefaults", "-display", "none", "-S", "-monitor", "stdio"],
+            input=b"quit\n", capture_output=True, timeout=20, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def use_kvm(accel: str, probe: Callable[[], bool] = kvm_works) -> bool:
+    """`kvm` and `tcg` are obeyed; `auto` asks the probe and says so when KVM is out."""
+    if accel not in ACCELS:
+        raise SetupError(f"unknown guest accelerator {accel!r}: use one of {', '.join(ACCELS)}")
+    if accel != "auto":
+        return accel == "kvm"
+    if probe():
+        return True
+    progress("KVM cannot run a guest here: using TCG emulation (slower); "
+             "AIOUBLK_GUEST_ACCEL=kvm forces KVM")
+    return False
 
 
 def _vng() -> str:
@@ -244,6 +334,30 @@ def _write_stdout(chunk: bytes) -> None:
     sys.stdout.buffer.flush()
 
 
+def vng_command(
+    vng: str,
+    kernel: Kernel,
+    script: Path,
+    rwdirs: Sequence[Path | str],
+    *,
+    memory: str,
+    cpus: int,
+    kvm: bool,
+) -> list[str]:
+    """vng's argv: boot `kernel`, run `script` with `rwdirs` writable."""
+    return [
+        vng,
+        f"--run={kernel.vmlinuz}",
+        *([] if kvm else ["--disable-kvm"]),
+        "--verbose",
+        "--force-9p",
+        f"--memory={memory}",
+        f"--cpus={cpus}",
+        *(f"--rwdir={Path(d).absolute()}" for d in rwdirs),
+        f"--exec=sh {shlex.quote(str(script))}",
+    ]
+
+
 def run_in_guest(
     argv: Sequence[str],
     rwdirs: Sequence[Path | str] = (),
@@ -253,35 +367,30 @@ def run_in_guest(
     timeout: float = DEFAULT_TIMEOUT,
     cwd: Path | str | None = None,
     on_output: Callable[[bytes], None] = _write_stdout,
+    kernel: Kernel | None = None,
+    accel: str = "auto",
 ) -> int:
     """Boot the guest, run argv in `cwd` (default: ours), return argv's exit status.
 
     The output is passed to `on_output` while the VM runs. `rwdirs` are made
     writable in the guest at the same paths. Without a status from the guest
     a one-line reason and the tail of vng's log go to stderr, and the result is
-    STATUS_TIMEOUT or STATUS_NO_RESULT.
+    STATUS_TIMEOUT or STATUS_NO_RESULT. `kernel` defaults to `guest_kernel()`;
+    `accel` is auto, kvm or tcg (see `use_kvm`).
     """
     if not argv:
         raise ValueError("run_in_guest needs a command")
-    kernel = ensure_kernel()
+    kernel = kernel or guest_kernel()
+    if kernel.modules is not None:
+        _link_modules(kernel.release, kernel.modules)
+    kvm = use_kvm(accel)
     vng = _vng()
     ctl = scratch_dir("runs")
     workdir = Path(cwd or Path.cwd()).absolute()
     script, output, status, log = (ctl / n for n in ("run.sh", "output", "status", "vng.log"))
     script.write_text(_script(argv, _guest_env(env), workdir, ctl))
     output.touch()
-    cmd = [
-        vng,
-        f"--run={kernel.vmlinuz}",
-        "--disable-kvm",
-        "--verbose",
-        "--force-9p",
-        f"--memory={memory}",
-        f"--cpus={cpus}",
-        f"--rwdir={ctl}",
-        *(f"--rwdir={Path(d).absolute()}" for d in rwdirs),
-        f"--exec=sh {shlex.quote(str(script))}",
-    ]
+    cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus, kvm=kvm)
     timed_out = False
     with open(log, "wb") as logf, open(output, "rb") as out:
         proc = subprocess.Popen(
@@ -329,6 +438,10 @@ def main(args: Sequence[str] | None = None) -> int:
         "--memory", default=default_memory(), help="guest RAM (env AIOUBLK_GUEST_MEMORY)"
     )
     runp.add_argument("--cpus", type=int, default=2)
+    runp.add_argument("--kernel", help="bzImage to boot (env AIOUBLK_GUEST_KERNEL; default sid's)")
+    runp.add_argument("--modules", help="its /lib/modules/REL tree (env AIOUBLK_GUEST_MODULES)")
+    runp.add_argument("--accel", choices=ACCELS, default=default_accel(),
+                      help="kvm, tcg, or auto: KVM if a probe boots it (env AIOUBLK_GUEST_ACCEL)")
     runp.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds")
     runp.add_argument(
         "--rwdir", action="append", default=[], help="host folder writable in the guest"
@@ -342,7 +455,8 @@ def main(args: Sequence[str] | None = None) -> int:
         command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
         if not command:
             parser.error("run needs a command: run -- CMD ARGS...")
-        return run_in_guest(command, ns.rwdir, ns.memory, ns.cpus, timeout=ns.timeout)
+        return run_in_guest(command, ns.rwdir, ns.memory, ns.cpus, timeout=ns.timeout,
+                            kernel=guest_kernel(ns.kernel, ns.modules), accel=ns.accel)
     except SetupError as e:
         print(f"aioublk: {e}", file=sys.stderr)
         return 2

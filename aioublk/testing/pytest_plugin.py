@@ -1,6 +1,10 @@
 """pytest side of the guest harness: `@pytest.mark.guest` tests run under a real ublk kernel.
 
-How it works, and the pytest facts it leans on:
+Registered by aioublk's `pytest11` entry point, so a project that installs
+aioublk gets the `guest` marker and options without a conftest line (naming
+it in `pytest_plugins` or `-p aioublk.testing.pytest_plugin` as well is a
+double registration, which pytest refuses). How it works, and the pytest
+facts it leans on:
 
 - Three situations. With `/dev/ublk-control` present (a host with ublk_drv,
   or inside our guest) guest tests simply run. Inside the guest
@@ -73,6 +77,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=float,
         default=float(os.environ.get("AIOUBLK_GUEST_TIMEOUT", guest.DEFAULT_TIMEOUT)),
         help="seconds for the whole guest run (env AIOUBLK_GUEST_TIMEOUT, default 2400)",
+    )
+    group.addoption(
+        "--guest-accel",
+        choices=guest.ACCELS,
+        default=guest.default_accel(),
+        help="kvm, tcg, or auto: KVM if a quick probe runs it (env AIOUBLK_GUEST_ACCEL)",
+    )
+    group.addoption(
+        "--guest-kernel",
+        metavar="PATH",
+        help="bzImage the guest boots (env AIOUBLK_GUEST_KERNEL; default Debian sid's, cached)",
+    )
+    group.addoption(
+        "--guest-modules",
+        metavar="DIR",
+        help="that kernel's /lib/modules/RELEASE tree (env AIOUBLK_GUEST_MODULES)",
     )
 
 
@@ -178,7 +198,9 @@ class GuestRun:
 
         start = time.monotonic()
         try:
-            kernel = guest.ensure_kernel()
+            kernel = guest.guest_kernel(
+                self.config.getoption("guest_kernel"), self.config.getoption("guest_modules")
+            )
             n = len(self.nodeids)
             title = f"{n} guest test{'s' * (n != 1)}, one boot of Linux {kernel.release}"
             _sep(tr, title)
@@ -195,6 +217,8 @@ class GuestRun:
                 timeout=self.config.getoption("guest_timeout"),
                 cwd=self.config.rootpath,
                 on_output=emit,
+                kernel=kernel,
+                accel=self.config.getoption("guest_accel"),
             )
         except (SetupError, OSError) as e:
             self.problem = f"the guest could not run: {e}"
