@@ -12,6 +12,7 @@ from aioublk.errors import Error
 from aioublk.extents import ExtentConflict, ExtentTable
 from aioublk.locking import InUse, LockFailed
 from aioublk.logs import LogFileError
+from aioublk.metrics import MetricsError
 from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.qcow2 import Qcow2Error, Qcow2Image
 from aioublk.ring import Ring, current_ring
@@ -43,5 +44,5 @@ __all__ = [
     "Qcow2Image",
     # errors
     "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
-    "LogFileError", "Qcow2Error", "QueueSetupError", "RunDirError", "UblkError",
+    "LogFileError", "MetricsError", "Qcow2Error", "QueueSetupError", "RunDirError", "UblkError",
 ]
