@@ -37,6 +37,7 @@ _DEV_LINE = re.compile(
 _INFO_LINE = re.compile(
     r"^\tmax rq size (\d+) daemon pid (-?\d+) flags 0x([0-9a-f]+) state (\w+)$")
 _QUEUE_LINE = re.compile(r"^\tqueue (\d+): affinity\(((?:\d+ )*)\)$")
+_TARGET_LINE = re.compile(r"^\ttarget: (.+)$")  # aioublk's own, after kublk's
 
 
 @dataclass
@@ -51,10 +52,12 @@ class DevListing:
     flags: int
     state: str
     affinity: list[str]
+    target: str = ""
 
 
 def parse_list(out: str) -> list[DevListing]:
-    """Parse kublk's ``list`` format strictly: any other line is an error."""
+    """Parse kublk's ``list`` format strictly, and aioublk's target line:
+    any other line is an error."""
     devs: list[DevListing] = []
     for line in out.splitlines():
         if not line:
@@ -67,6 +70,8 @@ def parse_list(out: str) -> list[DevListing]:
             d.max_rq, d.pid, d.flags, d.state = (int(m[1]), int(m[2]), int(m[3], 16), m[4])
         elif m := _QUEUE_LINE.match(line):
             devs[-1].affinity.append(m[2])
+        elif m := _TARGET_LINE.match(line):
+            devs[-1].target = m[1]
         else:
             raise AssertionError(f"unexpected list line: {line!r}")
     return devs

@@ -146,7 +146,8 @@ def test_a_user_creates_uses_and_deletes_a_device_of_its_own(udevd: None) -> Non
     assert fio.returncode == 0, fio.stdout + fio.stderr
     listed = as_user(USER, *kernel.CLI, "list", "-n", str(n), cwd=work)
     assert listed.returncode == 0, listed.stderr
-    assert kernel.parse_list(listed.stdout)[0].state == "LIVE"
+    (mine,) = kernel.parse_list(listed.stdout)
+    assert (mine.state, mine.target) == ("LIVE", f"loop file {backing}"), listed.stdout
 
     # another user can neither delete it nor read it
     _one_line_error(as_user(OTHER, *kernel.CLI, "del", "-n", str(n), cwd=work),
