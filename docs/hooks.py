@@ -61,13 +61,16 @@ def cli_reference() -> str:
     return "\n\n".join(out)
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser,
-                                                                 str | None]]:
+def _subcommands(parser: argparse.ArgumentParser, prefix: str = ""
+                 ) -> list[tuple[str, argparse.ArgumentParser, str | None]]:
+    """Each subcommand, then its own ("udev rules"), depth first."""
     found = []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps = {a.dest: a.help for a in action._choices_actions}
-            found += [(name, sub, helps.get(name)) for name, sub in action.choices.items()]
+            for name, sub in action.choices.items():
+                found.append((f"{prefix}{name}", sub, helps.get(name)))
+                found += _subcommands(sub, f"{prefix}{name} ")
     return found
 
 

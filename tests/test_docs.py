@@ -35,9 +35,16 @@ def _page(site: Path, name: str) -> str:
     return html.unescape((site / name / "index.html").read_text())
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    return {name: sub for a in parser._actions if isinstance(a, argparse._SubParsersAction)
-            for name, sub in a.choices.items()}
+def _subcommands(parser: argparse.ArgumentParser, prefix: str = ""
+                 ) -> dict[str, argparse.ArgumentParser]:
+    """Every subcommand, nested ones by their full name ("udev rules")."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                found[prefix + name] = sub
+                found |= _subcommands(sub, f"{prefix}{name} ")
+    return found
 
 
 def test_cli_reference_has_every_option_of_every_subcommand(site: Path) -> None:
@@ -45,7 +52,9 @@ def test_cli_reference_has_every_option_of_every_subcommand(site: Path) -> None:
     text = " ".join(re.sub(r"<[^>]+>", "", page).split())  # help text, Markdown rendered
     parser = cli._parser()
     subs = _subcommands(parser)
-    assert {"add", "recover", "del", "list", "serve"} <= set(subs)
+    assert {"add", "recover", "del", "list", "serve", "udev rules", "udev owner"} <= set(subs)
+    assert {"--opt", "--unprivileged", "--log-file"} <= {
+        o for a in subs["recover"]._actions for o in a.option_strings}
     missing = []
     for name, sub in [("aioublk", parser), *subs.items()]:
         if name != "aioublk" and f"<code>{name}</code>" not in page:
