@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import aioublk
-from aioublk import cli, config
+from aioublk import cli, config, registry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,9 +73,38 @@ def test_cli_reference_has_every_option_of_every_subcommand(site: Path) -> None:
 def test_config_reference_has_every_key(site: Path) -> None:
     page = _page(site, "config")
     keys = {f.name for f in dataclasses.fields(config.LogSettings)} | set(config.DEVICE_KEYS)
+    keys |= {f.name for f in dataclasses.fields(config.MetricsSettings)}
     keys |= {k for options in config.TARGET_OPTIONS.values() for k in options}
+    assert {"listen", "unprivileged"} <= keys
     assert [k for k in sorted(keys) if f"<code>{k}</code>" not in page] == []
     assert [t for t in config.TARGET_OPTIONS if f'target = "{t}"' not in page] == []
+
+
+def _sections(page: str) -> dict[str, str]:
+    """Each h2's text -> the HTML up to the next h2."""
+    parts = re.split(r"<h2 [^>]*>(.*?)</h2>", page)
+    return {re.sub(r"<[^>]+>", "", head).strip(" ¶"): body
+            for head, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def _rows(section: str) -> dict[str, str]:
+    """A table's rows by the key in their first cell."""
+    rows = re.findall(r"<tr>\s*<td><code>([^<]+)</code></td>(.*?)</tr>", section, re.S)
+    return {key: rest for key, rest in rows}
+
+
+def test_config_reference_lists_each_target_option_with_its_flag(site: Path) -> None:
+    sections = _sections(_page(site, "config"))
+    missing = []
+    for name, spec in registry.TARGETS.items():
+        rows = _rows(sections.get(f'[devices.options] for target = "{name}"', ""))
+        for o in spec.options:
+            row = rows.get(o.key)
+            if row is None or f"<code>{o.flag}" not in row or o.help not in row:
+                missing.append(f"{name}.{o.key}")
+    assert missing == []
+    assert "listen" in _rows(sections["[metrics]"])
+    assert "UBLK_F_UNPRIVILEGED_DEV" in _rows(sections["[[devices]]"])["unprivileged"]
 
 
 def test_api_reference_documents_every_public_name(site: Path) -> None:
