@@ -118,7 +118,7 @@ def config_sections() -> list[tuple[str, str, list[str]]]:
         ("[logging]", "optional; how the server logs",
          [f.name for f in dataclasses.fields(config.LogSettings)]),
         ("[metrics]", "optional; a Prometheus endpoint (needs `pip install "
-         "'aioublk[metrics]'`)",
+         "'aioublk[metrics]'`; see [Operating](operating.md#prometheus-metrics))",
          [f.name for f in dataclasses.fields(config.MetricsSettings)]),
         ("[[devices]]", "one per device", list(config.DEVICE_KEYS)),
     ]

@@ -119,3 +119,15 @@ def test_benchmark_results_and_charts_are_on_the_site(site: Path) -> None:
     for png in results.glob("*.png"):
         assert (site / "benchmarks" / png.name).read_bytes() == png.read_bytes()
         assert f'src="../{png.name}"' in _page(site, f"benchmarks/{png.stem}"), png.name
+
+
+def test_operating_page_names_every_metric_and_op(site: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    from aioublk import metrics
+
+    page = _page(site, "operating")
+    names = [f.name + "_total" * (f.type == "counter")
+             for f in metrics.Collector(lambda: []).collect()]
+    assert len(names) == 5
+    assert [n for n in names if f"<code>{n}</code>" not in page] == []
+    assert [op for op in metrics.OPS if op not in page] == []
