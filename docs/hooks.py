@@ -113,7 +113,7 @@ def _default(action: argparse.Action) -> str:
 def config_sections() -> list[tuple[str, str, list[str]]]:
     """(table, what it is, its keys) for each table of a serve config whose keys'
     meanings are the comments of examples/serve.toml; the targets' options are
-    ``target_sections``'."""
+    ``_target_section``'s, from the registry."""
     return [
         ("[logging]", "optional; how the server logs",
          [f.name for f in dataclasses.fields(config.LogSettings)]),
