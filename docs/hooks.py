@@ -3,9 +3,11 @@
 The CLI and config references are written at build time from the objects the
 program itself uses (``aioublk.cli._parser()``, ``aioublk.config``), so they
 cannot drift from it: a page holds a marker (``<!-- cli-reference -->``,
-``<!-- config-reference -->``) that ``on_page_markdown`` replaces. The config
-part is one function, ``config_sections``; point it at another source of keys
-and the page follows.
+``<!-- config-reference -->``) that ``on_page_markdown`` replaces. The
+targets' options come from ``aioublk.registry.TARGETS`` (type, default,
+bounds, flags, help); the other tables' keys from ``config_sections`` and
+their meanings from the comments of ``examples/serve.toml``, the one place
+those are written down.
 
 ``bench/results`` stays where the benchmarks write it; ``on_files`` adds its
 pages and charts to the site under ``benchmarks/`` instead of copying them
@@ -23,7 +25,7 @@ from typing import Any
 from mkdocs.structure.files import File, Files
 
 import aioublk
-from aioublk import cli, config, uapi
+from aioublk import cli, config, registry, uapi
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -61,13 +63,16 @@ def cli_reference() -> str:
     return "\n\n".join(out)
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser,
-                                                                 str | None]]:
+def _subcommands(parser: argparse.ArgumentParser, prefix: str = ""
+                 ) -> list[tuple[str, argparse.ArgumentParser, str | None]]:
+    """Each subcommand, then its own ("udev rules"), depth first."""
     found = []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps = {a.dest: a.help for a in action._choices_actions}
-            found += [(name, sub, helps.get(name)) for name, sub in action.choices.items()]
+            for name, sub in action.choices.items():
+                found.append((f"{prefix}{name}", sub, helps.get(name)))
+                found += _subcommands(sub, f"{prefix}{name} ")
     return found
 
 
@@ -106,41 +111,95 @@ def _default(action: argparse.Action) -> str:
 
 
 def config_sections() -> list[tuple[str, str, list[str]]]:
-    """(table, what it is, its keys) for each table of a serve config: the one place
-    the config reference learns which keys exist."""
-    sections = [
+    """(table, what it is, its keys) for each table of a serve config whose keys'
+    meanings are the comments of examples/serve.toml; the targets' options are
+    ``_target_section``'s, from the registry."""
+    return [
         ("[logging]", "optional; how the server logs",
          [f.name for f in dataclasses.fields(config.LogSettings)]),
+        ("[metrics]", "optional; a Prometheus endpoint (needs `pip install "
+         "'aioublk[metrics]'`; see [Operating](operating.md#prometheus-metrics))",
+         [f.name for f in dataclasses.fields(config.MetricsSettings)]),
         ("[[devices]]", "one per device", list(config.DEVICE_KEYS)),
     ]
-    sections += [(f"[devices.options] for target = \"{kind}\"", f"the {kind} target's options",
-                  list(keys)) for kind, keys in config.TARGET_OPTIONS.items()]
-    return sections
 
 
 def config_reference() -> str:
-    """A table per config section; each key's meaning is its comment in
-    examples/serve.toml, the file that shows every key."""
+    """A table per config section: the general tables' keys with their comment in
+    examples/serve.toml, then each built-in target's options as the registry
+    declares them."""
     comments = _serve_example_comments()
     out = []
     for table, what, keys in config_sections():
         rows = [f"## `{table}`", "", f"{what[0].upper()}{what[1:]}.", "",
                 "| key | meaning |", "| --- | --- |"]
         for key in keys:
-            rows.append(f"| `{key}` | {_text(_meaning(comments, table, key))} |")
+            meaning = _meaning(comments, table, key)
+            if not meaning:
+                raise ValueError(f"config key {table} {key} has no meaning: add a comment "
+                                 f"to it in {SERVE_EXAMPLE.relative_to(ROOT)}")
+            rows.append(f"| `{key}` | {_text(meaning)} |")
         out.append("\n".join(rows))
+    out += [_target_section(spec) for spec in registry.TARGETS.values()]
     return "\n\n".join(out)
 
 
+def _target_section(spec: registry.TargetSpec) -> str:
+    """The target's options: type, default, bounds, command-line spelling, help."""
+    rows = [f"## `[devices.options]` for `target = \"{spec.name}\"`", "",
+            f"The {spec.name} target's options. On the command line "
+            f"(`add -t {spec.name}`) each is its flag or `--opt KEY=VALUE`.", "",
+            "| key | type | default | bounds | command line | meaning |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for o in spec.options:
+        spellings = [f"`FILE{' ...' if o.type == registry.PATHS else ''}`"] \
+            if o.key == spec.files else []
+        spellings += [f"`{f}{' 0|1' if o.zero_one else ''}`" for f in o.flags] \
+            or [f"`--opt {o.key}`"]
+        rows.append(f"| `{o.key}` | {o.type} | {_option_default(o)} | {_bounds(o)} | "
+                    f"{', '.join(spellings)} | {_text(o.help)} |")
+    return "\n".join(rows)
+
+
+def _option_default(o: registry.Option) -> str:
+    if o.required:
+        return "required"
+    if o.default_help:
+        return _text(o.default_help) if " " in o.default_help else f"`{o.default_help}`"
+    if o.default is None:
+        return ""
+    if isinstance(o.default, bool):
+        return f"`{str(o.default).lower()}`"
+    return f"`{list(o.default)}`" if isinstance(o.default, tuple) else f"`{o.default}`"
+
+
+def _bounds(o: registry.Option) -> str:
+    """Bounds and choices as the config checks them (``config._option``)."""
+    if o.choices:
+        return " \\| ".join(f"`{c}`" for c in o.choices)
+    show = _size_text if o.type == registry.SIZE else str
+    if o.type == registry.PATHS:
+        parts = [f"{o.lo} to {o.hi} paths" if o.lo is not None else ""]
+    elif o.lo is not None and o.hi is not None:
+        parts = [f"{show(o.lo)}..{show(o.hi)}"]
+    else:
+        parts = [f"≥ {show(o.lo)}" if o.lo is not None else ""]
+    parts += ["a power of two"] * o.power_of_two + ["whole 512-byte sectors"] * o.sectors
+    parts += ["no path twice"] * o.distinct + ["must exist"] * (o.type in (registry.PATH,
+                                                                          registry.PATHS))
+    return _text(", ".join(p for p in parts if p))
+
+
+def _size_text(n: int) -> str:
+    """``n`` bytes in the largest unit that divides it (65536: 64K)."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
 def _meaning(comments: dict[tuple[str, str], list[str]], table: str, key: str) -> str:
-    """A key's comment; for a target option, the one that names the target
-    ("loop: ...", "null and fault_inject: ...") when several targets share the key."""
-    name = table.split()[0].strip("[]")
-    found = comments.get((name, key), [])
-    kind = re.search(r'target = "(.*)"', table)
-    if kind:
-        named = [c for c in found if kind.group(1) in c.split(":")[0]]
-        found = named or found
+    found = comments.get((table.strip("[]"), key), [])
     return found[0] if found else ""
 
 
@@ -150,7 +209,8 @@ def _serve_example_comments() -> dict[tuple[str, str], list[str]]:
     section: str = ""
     current: list[str] | None = None
     for line in SERVE_EXAMPLE.read_text().splitlines():
-        head = re.match(r"\s*\[\[?([\w.]+)\]\]?\s*(?:#\s?(.*))?$", line)
+        # "[table]", "[[table]]", or commented out, "# [metrics]": an optional table
+        head = re.match(r"\s*(?:#\s*)?\[\[?([\w.]+)\]\]?\s*(?:#\s?(.*))?$", line)
         key = re.match(r"\s*(?:#\s*)?(\w+)\s*=.*?#\s?(.*)$", line)  # "# key = ..." too
         more = re.match(r"\s+#\s?(.*)$", line)
         if head:
