@@ -6,6 +6,7 @@ import asyncio
 import errno
 import mmap
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,59 @@ async def test_example_kv_target_with_the_server_on_the_tests_loop(tmp_path: Pat
                     break
                 await asyncio.sleep(0.05)
             assert server.open_connections == 0
+
+
+_APP = '''
+import asyncio, mmap, os
+from aioublk import Device, Geometry, Target
+
+class Disk(Target):
+    name = "appdisk"
+
+    def __init__(self):
+        self.data = bytearray(8 << 20)
+        self.geometry = Geometry(size=8 << 20)
+
+    async def read(self, offset, buf):
+        if offset >= 4 << 20:
+            raise ValueError("boom")  # the library logs it: where does it go?
+        buf[:] = self.data[offset:offset + len(buf)]
+
+    async def write(self, offset, buf, fua=False):
+        self.data[offset:offset + len(buf)] = buf
+
+def io(path):
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    m = mmap.mmap(-1, 4096)
+    m[:] = b"x" * 4096
+    os.pwritev(fd, [m], 0)
+    os.preadv(fd, [m], 0)
+    assert m[:] == b"x" * 4096
+    try:
+        os.preadv(fd, [m], 4 << 20)
+        raise SystemExit("the failing read succeeded")
+    except OSError:
+        pass
+    os.close(fd)
+
+async def main():
+    async with Device(Disk(), queues=1) as dev:
+        await asyncio.get_running_loop().run_in_executor(None, io, dev.path)
+
+asyncio.run(main())
+'''
+
+
+async def test_an_embedding_application_sees_nothing_printed(tmp_path: Path) -> None:
+    """An application that never configured logging: a device started,
+    served (a target error included) and stopped writes nothing to its
+    stdout or stderr: the library's records go to the stdlib loggers,
+    which have no handler until the application adds one."""
+    script = tmp_path / "app.py"
+    script.write_text(_APP)
+    app = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(app.communicate(), 300)
+    assert app.returncode == 0, err.decode()
+    assert (out, err) == (b"", b"")
