@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import typing
 import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -408,7 +409,22 @@ def _custom_options(kind: str, raw: dict[str, Any], at: str) -> dict[str, Any]:
         sig.bind(**raw)
     except TypeError as e:
         raise _Invalid(at, f"{e}: match {kind}'s keyword arguments") from None
-    return dict(raw)
+    return _sized(_custom_class(kind), raw, at)
+
+
+def _sized(cls: type, raw: dict[str, Any], at: str) -> dict[str, Any]:
+    """A string given for an ``int`` argument is a size ("64M"), as sizes
+    are everywhere else: the command line's ``--opt`` reads "64M" as a
+    string, and a config may quote one."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: nothing to go by
+        return dict(raw)
+    out = dict(raw)
+    for name, v in raw.items():
+        if hints.get(name) is int and isinstance(v, str):
+            out[name] = _size(v, f"{at}.{name}", 0)
+    return out
 
 
 def _paths(v: Any, at: str, base: str, kind: str, o: registry.Option) -> list[str]:

@@ -72,6 +72,11 @@ def test_custom_target_takes_typed_opt_values() -> None:
     assert (t.size, t.label, t.on, t.parts, t.human) == (1 << 20, "a b", True, [1, 2], "64M")
 
 
+def test_a_size_string_for_an_int_argument_is_a_size() -> None:
+    t = _make("-t", f"{__name__}:Custom", "--opt", "size=64M")
+    assert isinstance(t, Custom) and t.size == 64 << 20
+
+
 def test_builtin_options_by_config_key(tmp_path: Path) -> None:
     t = _make("-t", "null", "--opt", "size=64M")
     assert t.geometry.size == 64 << 20
@@ -99,6 +104,9 @@ def test_builtin_options_by_config_key(tmp_path: Path) -> None:
     (["-t", "stripe", "--opt", "chunk_size=12288", "a", "b"],
      "--opt chunk_size: 12288 is not a power of two: use 4096, 8192, ... 524288"),
     (["-t", "null", "--opt", "size"], "--opt 'size' is not KEY=VALUE: write e.g. --opt size=64M"),
+    (["-t", f"{__name__}:Custom", "--opt", "size=lots"],
+     '--opt size: "lots" is not a size: use bytes, or a number with K, M, G or T (powers of '
+     '1024; KB, KiB... too), e.g. "64M"'),
     (["-t", "loop", "--opt", "file=x", "y"],
      "the loop target's backing file is given twice: as FILE and as --opt file; drop one"),
     (["-t", "fault_inject", "--delay_us", "-1"], "--delay_us -1 is negative"),
