@@ -153,7 +153,12 @@ def _build_target(kind: str, options: dict[str, Any], read_only: bool) -> Target
     if spec is not None:
         return spec.build(options, read_only)
     if ":" in kind:
-        return _custom_class(kind)(**options)
+        try:
+            return _custom_class(kind)(**options)
+        except (TypeError, ValueError) as e:  # the target's own checks, in one line
+            shown = ", ".join(f"{k}={v!r}" for k, v in options.items())
+            raise UblkError(f"{kind}({shown}) failed: {type(e).__name__}: {e}: check its "
+                            "options") from None
     raise UblkError(f"unknown target type '{kind}': use one of {', '.join(BUILTIN_TARGETS)} "
                     "or pkg.module:Class")
 

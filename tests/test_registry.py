@@ -77,6 +77,20 @@ def test_a_size_string_for_an_int_argument_is_a_size() -> None:
     assert isinstance(t, Custom) and t.size == 64 << 20
 
 
+class Picky(Target):
+    def __init__(self, size: int) -> None:
+        if size % 4096:
+            raise ValueError(f"size {size} is not a multiple of 4096")
+        self.geometry = Geometry(size=size)
+
+
+def test_a_custom_constructor_refusing_its_options_is_one_line() -> None:
+    with pytest.raises(UblkError) as e:
+        _make("-t", f"{__name__}:Picky", "--opt", "size=1000")
+    assert str(e.value) == (f"{__name__}:Picky(size=1000) failed: ValueError: size 1000 is "
+                            "not a multiple of 4096: check its options")
+
+
 def test_builtin_options_by_config_key(tmp_path: Path) -> None:
     t = _make("-t", "null", "--opt", "size=64M")
     assert t.geometry.size == 64 << 20
