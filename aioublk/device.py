@@ -300,6 +300,20 @@ async def _open_char(path: str, unprivileged: bool = False) -> int:
             await asyncio.sleep(0.05)
 
 
+async def _until_ours(path: str) -> None:
+    """An unprivileged device is live once START_DEV returns, but its disk
+    is root's until udev hands it over: wait for that, so that whoever was
+    told the device is ready can open it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _UDEV_WAIT
+    while not os.access(path, os.R_OK | os.W_OK):
+        if loop.time() > deadline:
+            log.warning("udev has not given the disk to us: is the rule installed? "
+                        "(aioublk udev rules)", path=path)
+            return
+        await asyncio.sleep(0.05)
+
+
 class Device:
     """A ublk block device served by this process.
 
@@ -394,6 +408,8 @@ class Device:
                     raise _fail(f"END_USER_RECOVERY of device {info.dev_id}", res)
             else:
                 await ctrl.start_dev(info.dev_id, os.getpid())
+                if info.flags & uapi.Feature.UNPRIVILEGED_DEV:
+                    await _until_ours(self.path)
             self.info = await ctrl.get_info(info.dev_id)
         except BaseException:
             # a failed recovery leaves the device QUIESCED for another try
