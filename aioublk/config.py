@@ -21,8 +21,8 @@ import json
 import math
 import os
 import re
-import typing
 import tomllib
+import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -422,7 +422,7 @@ def _sized(cls: type, raw: dict[str, Any], at: str) -> dict[str, Any]:
     are everywhere else: the command line's ``--opt`` reads "64M" as a
     string, and a config may quote one."""
     try:
-        hints = typing.get_type_hints(cls.__init__)
+        hints = typing.get_type_hints(cls.__init__)  # type: ignore[misc]
     except Exception:  # noqa: BLE001 - unresolvable annotations: nothing to go by
         return dict(raw)
     out = dict(raw)
