@@ -255,7 +255,9 @@ sys.exit(serve.main(sys.argv[1]))
 @pytest.mark.parametrize("args,expect", [
     (["-t", "null", "-g"], {"get_data": True}),
     (["-t", "null", "--get_data"], {"get_data": True}),
-    (["-t", "null"], {"get_data": False}),
+    (["-t", "null", "-s", "1G"], {"size": 1 << 30}),
+    (["-t", "fault_inject", "--size", "1073741824"], {"size": 1 << 30}),
+    (["-t", "null"], {"get_data": False, "size": 250 << 30}),
 ])
 def test_kublk_spellings_parse(args: list[str], expect: dict[str, object]) -> None:
     """kublk's long and short spellings, for add and for recover alike
