@@ -257,7 +257,10 @@ sys.exit(serve.main(sys.argv[1]))
     (["-t", "null", "--get_data"], {"get_data": True}),
     (["-t", "null", "-s", "1G"], {"size": 1 << 30}),
     (["-t", "fault_inject", "--size", "1073741824"], {"size": 1 << 30}),
-    (["-t", "null"], {"get_data": False, "size": 250 << 30}),
+    (["-t", "null", "--zero_copy"], {"zero_copy": True}),
+    (["-t", "null", "--user_copy"], {"user_copy": True}),
+    (["-t", "null", "--no_ublk_fixed_fd"], {"no_ublk_fixed_fd": True}),
+    (["-t", "null"], {"get_data": False, "size": 250 << 30, "no_ublk_fixed_fd": False}),
 ])
 def test_kublk_spellings_parse(args: list[str], expect: dict[str, object]) -> None:
     """kublk's long and short spellings, for add and for recover alike
@@ -280,7 +283,7 @@ def test_get_data_asks_for_need_get_data_on_the_per_io_path() -> None:
 
 @pytest.mark.parametrize("args,message", [
     (["-g", "-u"], "-g/--get_data and copy mode user_copy conflict"),
-    (["-g", "-z"], "-g/--get_data and copy mode zero_copy conflict"),
+    (["-g", "--zero_copy"], "-g/--get_data and copy mode zero_copy conflict"),
     (["-g", "--auto_zc"], "-g/--get_data and copy mode auto_zc conflict"),
     (["-g", "-b"], "-g/--get_data needs the per-I/O path (batch I/O has no NEED_GET_DATA "
      "command): drop -b/--batch"),
