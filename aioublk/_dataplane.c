@@ -16,7 +16,11 @@
  * when the unregister is, so the commit never overtakes it) and in -u mode
  * (two steps through the tag's buffer: a write's data is read from
  * /dev/ublkcN first, then written to the backend; a read's data is read
- * from the backend first, then written to /dev/ublkcN). Everything else
+ * from the backend first, then written to /dev/ublkcN). With
+ * UBLK_F_NEED_GET_DATA (-g, per-I/O path, copy mode) a write's fetch
+ * completes with UBLK_IO_RES_NEED_GET_DATA: C asks for the data with
+ * UBLK_IO_NEED_GET_DATA on the tag's buffer, and that command's completion
+ * is the request, served like any other by C or Python. Everything else
  * (flush, discard, zeroes, FUA, a map miss, a stopping worker) goes to
  * Python as it arrived. A backend result that is not the full piece (short, EINVAL from
  * O_DIRECT, EAGAIN, an error) sends the whole request to Python once every
@@ -62,6 +66,7 @@ _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
 
 #define DP_MAX_PIECES 64
 
+#define UBLK_IO_RES_NEED_GET_DATA 1
 #define UBLK_OP_READ 0
 #define UBLK_OP_WRITE 1
 #define UBLK_F_FUA (1U << 13)
@@ -822,6 +827,15 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
         dp_rw_done(dp, o, ud, cqe->res);
         return;
     case AUR_DP_EV_IO:
+        if (cqe->res == UBLK_IO_RES_NEED_GET_DATA) {
+            /* -g: a write's data is not in the buffer yet; the kernel copies
+               it on this command, whose completion (res 0) is the request */
+            int err = dp_io_cmd(dp, DP_LOCAL(ud), DP_TAG(ud), dp->s.op_need_get_data, 0);
+
+            if (err < 0)
+                dp_emit(o, ud, err, cqe->flags);
+            return;
+        }
         if (cqe->res == 0 && !dp->stopping) {
             dp->q[DP_LOCAL(ud)].counts->started++;
             dp_clock_start(dp, DP_LOCAL(ud), DP_TAG(ud));

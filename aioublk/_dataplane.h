@@ -34,7 +34,7 @@ struct aur_dp_setup {
     unsigned depth;
     uint32_t max_io;
     uint32_t op_fetch_req, op_commit_and_fetch, op_fetch_io_cmds, op_commit_io_cmds;
-    uint32_t op_register_buf, op_unregister_buf;
+    uint32_t op_register_buf, op_unregister_buf, op_need_get_data;
     unsigned fetch_buf_bytes, fetch_buf_entries;
     unsigned poll_us;       /* wait this long in C for more work before Python's turn */
 };

@@ -117,13 +117,20 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                        help="require UBLK_F_BATCH_IO (default: use it when the kernel has it)")
     batch.add_argument("--no-batch", dest="batch", action="store_false",
                        help="use the per-I/O FETCH/COMMIT path")
-    add.add_argument("-z", dest="zero_copy", action="store_true",
+    add.add_argument("-z", "--zero_copy", dest="zero_copy", action="store_true",
                      help="zero copy (UBLK_F_SUPPORT_ZERO_COPY)")
     add.add_argument("--auto_zc", action="store_true", help="UBLK_F_AUTO_BUF_REG")
     add.add_argument("--auto_zc_fallback", action="store_true",
                      help="with --auto_zc: register by hand when the kernel cannot")
-    add.add_argument("-u", dest="user_copy", action="store_true",
+    add.add_argument("-u", "--user_copy", dest="user_copy", action="store_true",
                      help="user copy (UBLK_F_USER_COPY)")
+    add.add_argument("-g", "--get_data", dest="get_data", action="store_true",
+                     help="a write's data is fetched (UBLK_IO_NEED_GET_DATA) only when the "
+                     "server asks, before the target runs (UBLK_F_NEED_GET_DATA; per-I/O "
+                     "path, default copy mode)")
+    add.add_argument("--no_ublk_fixed_fd", action="store_true",
+                     help="accepted for kublk's scripts: aioublk never registers /dev/ublkcN "
+                     "as a fixed file, so its commands always go on the plain fd")
     add.add_argument("--nthreads", type=int, default=0,
                      help="number of worker threads (default: 0, one per queue)")
     add.add_argument("--per_io_tasks", action="store_true",
@@ -552,7 +559,8 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
                         "modes: pick one")
     cfg = DeviceConfig(dev_id=args.dev_id, queues=args.queues, depth=args.depth, flags=flags,
                        batch=args.batch, copy=modes[0] if modes else CopyMode.COPY,
-                       auto_zc_fallback=args.auto_zc_fallback, nthreads=args.nthreads,
+                       auto_zc_fallback=args.auto_zc_fallback, get_data=args.get_data,
+                       nthreads=args.nthreads,
                        per_io_tasks=args.per_io_tasks, recovery=args.recovery,
                        recovery_fail_io=args.recovery_fail_io,
                        recovery_reissue=args.recovery_reissue, unprivileged=args.unprivileged)

@@ -43,7 +43,7 @@ BLOCK_SIZES = (512, 1024, 2048, 4096)
 #: constructor's keyword arguments)
 TARGET_OPTIONS = {name: spec.keys() for name, spec in registry.TARGETS.items()}
 DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fallback",
-               "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
+               "get_data", "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
                "physical_block_size", "read_only", "force_share", "unprivileged", "options")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
@@ -281,6 +281,7 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
         depth=_int(raw.get("depth", 128), key("depth"), 1, uapi.MAX_QUEUE_DEPTH),
         batch=batch, copy=copy,
         auto_zc_fallback=_bool(raw.get("auto_zc_fallback", False), key("auto_zc_fallback")),
+        get_data=_bool(raw.get("get_data", False), key("get_data")),
         nthreads=_int(raw.get("nthreads", 0), key("nthreads"), 0, 64),
         per_io_tasks=_bool(raw.get("per_io_tasks", False), key("per_io_tasks")),
         recovery=recovery != "none", recovery_reissue=recovery == "reissue",
@@ -289,6 +290,13 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
     if cfg.auto_zc_fallback and copy is not CopyMode.AUTO_ZC:
         raise _Invalid(key("auto_zc_fallback"), "needs copy = \"auto_zc\": set it, or drop "
                        "auto_zc_fallback")
+    if cfg.get_data and copy is not CopyMode.COPY:
+        raise _Invalid(key("get_data"), f"conflicts with copy = \"{copy.value}\" (the kernel "
+                       "fetches a write's data only into the server's own buffer): set copy = "
+                       "\"copy\", or drop get_data")
+    if cfg.get_data and batch:
+        raise _Invalid(key("get_data"), "conflicts with batch = true (batch I/O has no "
+                       "NEED_GET_DATA command): set batch = false or \"auto\"")
     if cfg.per_io_tasks and batch:
         raise _Invalid(key("per_io_tasks"), "conflicts with batch = true (per-I/O tasks are "
                        "a per-I/O path feature): set batch = false or \"auto\"")

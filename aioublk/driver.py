@@ -299,6 +299,7 @@ class Driver:
             "op_commit_io_cmds": uapi.IoCmd.COMMIT_IO_CMDS,
             "op_register_buf": uapi.IoCmd.REGISTER_IO_BUF,
             "op_unregister_buf": uapi.IoCmd.UNREGISTER_IO_BUF,
+            "op_need_get_data": uapi.IoCmd.NEED_GET_DATA,
             "fetch_buf_bytes": cfg.fetch_buf_bytes or 2 * min(cfg.depth, 128),
             "fetch_buf_entries": cfg.fetch_buf_entries or 8, "poll_us": POLL_US,
         }, len(work), self._on_event)

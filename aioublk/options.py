@@ -74,6 +74,9 @@ class DeviceConfig:
     batch: bool | None = None
     copy: CopyMode = CopyMode.COPY
     auto_zc_fallback: bool = False  # with AUTO_ZC: register by hand when the kernel cannot
+    #: UBLK_F_NEED_GET_DATA (kublk -g): a write's data is copied into the tag's
+    #: buffer only once the server asks (UBLK_IO_NEED_GET_DATA), not at fetch
+    get_data: bool = False
     nthreads: int = 0            # worker threads; 0 = one per queue
     per_io_tasks: bool = False   # per-I/O path: spread each queue's tags over the workers
     one_loop: bool = False       # every queue on one thread (targets that need it set it)
@@ -112,6 +115,13 @@ class DeviceConfig:
                             "per-I/O path feature (use --nthreads alone with batch)")
         if self.auto_zc_fallback and self.copy is not CopyMode.AUTO_ZC:
             raise UblkError("--auto_zc_fallback needs --auto_zc")
+        if self.get_data and self.copy is not CopyMode.COPY:
+            raise UblkError(f"-g/--get_data and copy mode {self.copy.value} conflict (the "
+                            "kernel drops UBLK_F_NEED_GET_DATA with -z, --auto_zc and -u): "
+                            "pick one")
+        if self.get_data and self.batch:
+            raise UblkError("-g/--get_data needs the per-I/O path (batch I/O has no "
+                            "NEED_GET_DATA command): drop -b/--batch")
         if self.recovery_reissue and self.recovery_fail_io:
             raise UblkError("-i 1 (reissue) and -e 1 (fail I/O) are different recovery modes: "
                             "pick one")
@@ -159,13 +169,15 @@ class DeviceConfig:
         if self.batch and self.depth < 2:
             raise UblkError("batch I/O needs a queue depth of 2 or more (ublk_drv refuses "
                             "depth 1 with UBLK_F_BATCH_IO): raise -d or drop -b")
-        auto = has_batch and not self.per_io_tasks and self.depth >= 2
+        auto = has_batch and not self.per_io_tasks and not self.get_data and self.depth >= 2
         batch = auto if self.batch is None else self.batch
         nthreads = self.threads()
         if not batch and nthreads != self.queues and not self.spread(batch):
             raise UblkError(f"--nthreads {nthreads} differs from -q {self.queues}: add "
                             "--per_io_tasks, or use batch I/O (-b)")
         flags = self.flags | self.copy.flags | self.recovery_flags
+        if self.get_data:
+            flags |= uapi.Feature.NEED_GET_DATA
         if self.unprivileged:
             flags |= uapi.Feature.UNPRIVILEGED_DEV
         if flags & uapi.Feature.USER_RECOVERY and features & uapi.Feature.QUIESCE:

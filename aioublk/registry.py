@@ -88,7 +88,7 @@ class TargetSpec:
 
 
 _DEVICE_SIZE = Option("size", SIZE, "bytes the device serves", default=250 << 30,
-                      default_help="250G", lo=512, sectors=True)
+                      default_help="250G", flags=("-s", "--size"), lo=512, sectors=True)
 _BUFFERED = Option("buffered", BOOL, "do not use O_DIRECT on the backing files", default=False,
                    flags=("--buffered",), arg="direct", negate=True)
 

@@ -248,3 +248,58 @@ sys.exit(serve.main(sys.argv[1]))
     assert p.returncode == 0, p.stderr
     assert p.stderr == f"aioublk: logs: {tmp_path / 'serve.log'}\n"
     assert "serving line" in (tmp_path / "serve.log").read_text()
+
+
+# -- kublk's add/recover options (issue #15: flag parity) ------------------------
+
+@pytest.mark.parametrize("args,expect", [
+    (["-t", "null", "-g"], {"get_data": True}),
+    (["-t", "null", "--get_data"], {"get_data": True}),
+    (["-t", "null", "-s", "1G"], {"size": 1 << 30}),
+    (["-t", "fault_inject", "--size", "1073741824"], {"size": 1 << 30}),
+    (["-t", "null", "--zero_copy"], {"zero_copy": True}),
+    (["-t", "null", "--user_copy"], {"user_copy": True}),
+    (["-t", "null", "--no_ublk_fixed_fd"], {"no_ublk_fixed_fd": True}),
+    (["-t", "null"], {"get_data": False, "size": 250 << 30, "no_ublk_fixed_fd": False}),
+])
+def test_kublk_spellings_parse(args: list[str], expect: dict[str, object]) -> None:
+    """kublk's long and short spellings, for add and for recover alike
+    (recover parses only what is given)."""
+    added = vars(cli._parser().parse_args(["add", *args]))
+    assert {k: added[k] for k in expect} == expect
+    recovered = vars(cli._parser().parse_args(["recover", "-n", "0", *args]))
+    assert {k: recovered[k] for k in expect if k in recovered} == \
+        {k: v for k, v in expect.items() if k in recovered}
+
+
+def test_get_data_asks_for_need_get_data_on_the_per_io_path() -> None:
+    from aioublk import uapi
+
+    cfg = cli.device_config(cli._parser().parse_args(["add", "-t", "null", "-g"]))
+    assert cfg.get_data
+    batch, flags = cfg.resolve(uapi.Feature.BATCH_IO | uapi.Feature.NEED_GET_DATA)
+    assert not batch and flags == uapi.Feature.NEED_GET_DATA
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-g", "-u"], "-g/--get_data and copy mode user_copy conflict"),
+    (["-g", "--zero_copy"], "-g/--get_data and copy mode zero_copy conflict"),
+    (["-g", "--auto_zc"], "-g/--get_data and copy mode auto_zc conflict"),
+    (["-g", "-b"], "-g/--get_data needs the per-I/O path (batch I/O has no NEED_GET_DATA "
+     "command): drop -b/--batch"),
+])
+def test_get_data_refusals_are_one_line(args: list[str], message: str) -> None:
+    from aioublk.options import UblkError
+
+    with pytest.raises(UblkError) as e:
+        cli.device_config(cli._parser().parse_args(["add", "-t", "null", *args]))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_get_data_on_a_kernel_without_it_is_one_line() -> None:
+    from aioublk.options import UblkError
+
+    cfg = cli.device_config(cli._parser().parse_args(["add", "-t", "null", "-g"]))
+    with pytest.raises(UblkError, match="does not support UBLK_F_NEED_GET_DATA"):
+        cfg.resolve(0)
+

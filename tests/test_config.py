@@ -113,6 +113,19 @@ options = { size = 1073741824, delay_us = 0 }
     assert fault.config.per_io_tasks and fault.config.nthreads == 2
 
 
+def test_get_data_is_a_device_setting_on_the_per_io_path(cfg: Path) -> None:
+    """kublk's -g as a config key: UBLK_F_NEED_GET_DATA asked of the kernel,
+    and "auto" batch settles on the per-I/O path (batch has no get-data)."""
+    from aioublk import uapi
+
+    cfg.write_text(NULL + "get_data = true\n")
+    (null,) = load("config.toml").devices
+    assert null.config.get_data and null.config.batch is None
+    everything = ~0 & ((1 << 64) - 1)
+    batch, flags = null.config.resolve(everything)
+    assert not batch and flags & uapi.Feature.NEED_GET_DATA
+
+
 def test_targets_are_built_with_the_device_settings(cfg: Path) -> None:
     cfg.write_text("""
 [[devices]]
@@ -390,6 +403,12 @@ MISTAKES = [
      'config.toml: devices[0].auto_zc_fallback: needs copy = "auto_zc"'),
     (NULL + "per_io_tasks = true\nbatch = true\n",
      "config.toml: devices[0].per_io_tasks: conflicts with batch = true"),
+    (NULL + 'get_data = true\ncopy = "user_copy"\n',
+     'config.toml: devices[0].get_data: conflicts with copy = "user_copy"'),
+    (NULL + "get_data = true\nbatch = true\n",
+     "config.toml: devices[0].get_data: conflicts with batch = true (batch I/O has no "
+     "NEED_GET_DATA command)"),
+    (NULL + 'get_data = "yes"\n', 'config.toml: devices[0].get_data: "yes" is a string'),
     (NULL + "id = 3\n" + NULL + "id = 3\n",
      "config.toml: devices[1].id: 3 is also the id of devices[0]: pick another id"),
     (LOOP + NULL + '[[devices]]\ntarget = "qcow2"\noptions = { image = "a.img" }\n',

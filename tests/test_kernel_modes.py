@@ -107,6 +107,8 @@ def test_copy_modes_on_stripe_and_null(mode: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("args,message", [
     (["-b", "--auto_zc", "-q", "1", "--nthreads", "2"], "--auto_zc with batch"),
     (["--no-batch", "-q", "1", "--nthreads", "2"], "--nthreads 2 differs from -q 1"),
+    (["-g", "-b"], "-g/--get_data needs the per-I/O path"),
+    (["-g", "-u"], "-g/--get_data and copy mode user_copy conflict"),
 ])
 def test_cli_refuses_combinations(args: list[str], message: str) -> None:
     p = cli("add", "-t", "null", *args, check=False)
