@@ -108,12 +108,15 @@ class Ring:
         cq_entries: int = 0,
         flags: int = 0,
         sqe128: bool = False,
+        cqe32: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
         bind_thread: bool = False,
     ) -> None:
         self.loop = loop or asyncio.get_running_loop()
         if sqe128:
             flags |= lib.IORING_SETUP_SQE128
+        if cqe32:  # the reap copies each CQE's first 16 bytes: res and flags
+            flags |= lib.IORING_SETUP_CQE32
         self._r = ffi.new("struct aur *")
         ret = lib.aur_init(self._r, entries, cq_entries, flags)
         if ret < 0:
