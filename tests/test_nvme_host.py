@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import Device, DeviceConfig, UblkError, registry
+from aioublk import Device, DeviceConfig, Error, UblkError, cli, registry
 from aioublk.options import CopyMode
 from aioublk.targets import nvme
 from aioublk.targets.nvme import CMD, NvmeError, NvmeTarget
@@ -156,3 +156,16 @@ def test_zero_copy_is_refused_in_one_line(tmp_path: Path) -> None:
     for mode in (CopyMode.ZERO_COPY, CopyMode.AUTO_ZC):
         with pytest.raises(UblkError, match="^target nvme cannot serve zero-copy modes"):
             Device(target, DeviceConfig(copy=mode))
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "the nvme target needs exactly one NVMe generic char device, got 0"),
+    (["/dev/ng0n1", "/dev/ng0n2"],
+     "the nvme target needs exactly one NVMe generic char device, got 2"),
+    (["/nonexistent/ng0n1"], "NVMe device /nonexistent/ng0n1: No such file or directory"),
+])
+def test_add_t_nvme_refuses_in_one_line(argv: list[str], message: str) -> None:
+    args = cli._parser().parse_args(["add", "-t", "nvme", *argv])
+    with pytest.raises(Error) as e:
+        cli.make_target(args)
+    assert str(e.value) == message
