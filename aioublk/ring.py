@@ -354,10 +354,13 @@ class Ring:
         return await self._op(lib.IORING_OP_NOP, -1)
 
     async def uring_cmd(self, fd: int, cmd_op: int, cmd: bytes, *, keep: Any = None,
-                        addr: int = 0) -> int:
-        """A URING_CMD; returns the raw (possibly negative) result."""
+                        addr: int = 0, cmd_flags: int = 0, buf_index: int = 0) -> int:
+        """A URING_CMD; returns the raw (possibly negative) result. With
+        ``IORING_URING_CMD_FIXED`` in ``cmd_flags`` the command's data is
+        registered buffer ``buf_index`` (NVMe passthrough in zero copy)."""
         fut: asyncio.Future[int] = self.loop.create_future()
-        self.prep_cmd(fd, cmd_op, cmd, addr=addr, handler=fut, keep=keep)
+        self.prep_cmd(fd, cmd_op, cmd, addr=addr, cmd_flags=cmd_flags, buf_index=buf_index,
+                      handler=fut, keep=keep)
         return await fut
 
     async def cancel(self, user_data: int, *, any_op: bool = False) -> int:

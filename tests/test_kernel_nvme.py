@@ -49,7 +49,8 @@ def test_the_device_has_the_namespace_geometry() -> None:
         delete(dev.dev_id)
 
 
-@pytest.mark.parametrize("copy", [[], ["-u"]], ids=["copy", "user_copy"])
+@pytest.mark.parametrize("copy", [[], ["-u"], ["-z"], ["--auto_zc"]],
+                         ids=["copy", "user_copy", "zero_copy", "auto_zc"])
 def test_fio_verify(copy: list[str], tmp_path: Path) -> None:
     dev = add("-t", "nvme", NG, "-q", "2", *copy)
     try:
@@ -141,8 +142,6 @@ def test_discard_and_write_zeroes() -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["-z", NG], "target nvme cannot serve zero-copy modes"),
-    (["--auto_zc", NG], "target nvme cannot serve zero-copy modes"),
     ([BLOCK], f"{BLOCK} is not a character device"),
     (["/dev/null"], "/dev/null is not an NVMe generic char device"),
     ([], "the nvme target needs exactly one NVMe generic char device, got 0"),

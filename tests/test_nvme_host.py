@@ -1,6 +1,7 @@
 """The nvme target on the host, no NVMe device: the passthrough commands it
-builds (byte for byte, as linux/nvme_ioctl.h lays them out), the geometry it
-reads from a fake sysfs, and its one-line refusals."""
+builds (byte for byte, as linux/nvme_ioctl.h lays them out) and issues (on a
+recording ring), the geometry it reads from a fake sysfs, and its one-line
+refusals."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import Device, DeviceConfig, Error, UblkError, cli, registry
-from aioublk.options import CopyMode
+from aioublk import Error, FixedBuf, cli, registry
+from aioublk._uring import lib
+from aioublk.ring import buffer_address
 from aioublk.targets import nvme
 from aioublk.targets.nvme import CMD, NvmeError, NvmeTarget
 
@@ -149,13 +151,55 @@ def test_registered_as_add_t_nvme() -> None:
         spec.build({"device": "/nonexistent/ng0n1"})
 
 
-def test_zero_copy_is_refused_in_one_line(tmp_path: Path) -> None:
-    """No fixed-buffer passthrough yet: -z and --auto_zc are refused."""
+class FakeRing:
+    """Records the passthrough commands a target issues; each succeeds."""
+
+    def __init__(self) -> None:
+        self.cmds: list[tuple[int, dict[str, int]]] = []
+
+    async def uring_cmd(self, fd: int, cmd_op: int, cmd: bytes, *, keep: object = None,
+                        addr: int = 0, cmd_flags: int = 0, buf_index: int = 0) -> int:
+        assert cmd_op == nvme.NVME_URING_CMD_IO
+        self.cmds.append((cmd_flags, fields(cmd) | {"buf_index": buf_index}))
+        return 0
+
+
+def served_by(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[NvmeTarget, FakeRing]:
     target = NvmeTarget.__new__(NvmeTarget)
     target.geometry = nvme.geometry_from_sysfs(fake_block(tmp_path))
-    for mode in (CopyMode.ZERO_COPY, CopyMode.AUTO_ZC):
-        with pytest.raises(UblkError, match="^target nvme cannot serve zero-copy modes"):
-            Device(target, DeviceConfig(copy=mode))
+    target.ns = nvme.Namespace("/dev/ng0n1", -1, 1, 4096)
+    ring = FakeRing()
+    monkeypatch.setattr(nvme, "current_ring", lambda: ring)
+    return target, ring
+
+
+@pytest.mark.asyncio
+async def test_zero_copy_commands_name_the_registered_buffer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-z/--auto_zc: the data is buffer `index` of the ring's table, `addr`
+    the offset inside it."""
+    target, ring = served_by(tmp_path, monkeypatch)
+    await target.read(8192, FixedBuf(5, 4096, 16384))
+    await target.write(0, FixedBuf(6, 0, 4096))
+    fixed = lib.IORING_URING_CMD_FIXED
+    assert [(f, c["opcode"], c["buf_index"], c["addr"], c["data_len"], c["cdw10"], c["cdw12"])
+            for f, c in ring.cmds] == [(fixed, 0x02, 5, 4096, 16384, 2, 3),
+                                       (fixed, 0x01, 6, 0, 4096, 0, 0)]
+
+
+@pytest.mark.asyncio
+async def test_copy_mode_commands_point_at_the_buffer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, ring = served_by(tmp_path, monkeypatch)
+    buf = memoryview(bytearray(8192))
+    await target.write(4096, buf, fua=True)  # write back without FUA: write, then flush
+    await target.discard(0, 1 << 20)
+    await target.write_zeroes(0, 2 * nvme.MAX_NLB * 4096)
+    assert [(f, c["opcode"]) for f, c in ring.cmds] == [(0, 0x01), (0, 0x00), (0, 0x09),
+                                                        (0, 0x08), (0, 0x08)]
+    write = ring.cmds[0][1]
+    assert (write["addr"], write["data_len"], write["cdw10"], write["cdw12"]) == \
+        (buffer_address(buf), 8192, 1, 1)
 
 
 @pytest.mark.parametrize(("argv", "message"), [

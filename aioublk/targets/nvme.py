@@ -15,11 +15,13 @@ request is never split: the device's largest I/O is one command's.
 
 Copy modes: the default and ``-u`` hand the target the request in memory,
 which the command's ``addr`` points at. Zero copy (``-z``, ``--auto_zc``)
-would need ``IORING_URING_CMD_FIXED`` against the ublk request's registered
-buffer; not done yet, so the device refuses those modes (``fixed_buffers``
-stays False). The C data plane does not serve this target either (``map`` is
-None): every request is a coroutine or a ``start_read``/``start_write``
-fast-path CQE handler.
+hands it a ``FixedBuf``, the ublk request's pages in the ring's buffer
+table: the command then carries ``IORING_URING_CMD_FIXED`` with that index,
+and its ``addr`` is the offset inside that buffer (a kernel-registered
+buffer starts at address 0), so the controller moves the data straight to
+or from the request's pages. The C data plane does not serve this target
+(``map`` is None): every request is a coroutine or a
+``start_read``/``start_write`` fast-path CQE handler.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from aioublk._uring import lib
 from aioublk.errors import Error
 from aioublk.ring import Handler, buffer_address, current_ring
-from aioublk.target import Done, Geometry, Target
+from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target
 
 
 def _iowr(type_: str, nr: int, size: int) -> int:
@@ -196,6 +199,7 @@ class Namespace:
 class NvmeTarget(Target):
     name = "nvme"
     big_ring_entries = True
+    fixed_buffers = True
 
     def __init__(self, path: str, *, read_only: bool = False,
                  sys_root: Path = Path("/sys")) -> None:
@@ -213,22 +217,30 @@ class NvmeTarget(Target):
         self.geometry = geometry_from_sysfs(block, read_only)
         self.ns = Namespace(path, fd, nsid, self.geometry.logical_block_size)
 
-    async def _cmd(self, cmd: bytes, keep: object = None) -> None:
-        res = await current_ring().uring_cmd(self.ns.fd, NVME_URING_CMD_IO, cmd, keep=keep)
+    async def _cmd(self, cmd: bytes, keep: object = None, fixed: FixedBuf | None = None) -> None:
+        res = await current_ring().uring_cmd(
+            self.ns.fd, NVME_URING_CMD_IO, cmd, keep=keep,
+            cmd_flags=lib.IORING_URING_CMD_FIXED if fixed is not None else 0,
+            buf_index=fixed.index if fixed is not None else 0)
         if res:
             raise _failed(res)
 
-    def _rw(self, opcode: int, offset: int, buf: memoryview, fua: bool = False) -> bytes:
+    def _rw(self, opcode: int, offset: int, buf: Buffer, fua: bool = False) -> bytes:
         ns = self.ns
-        return rw_command(opcode, ns.nsid, ns.lba(offset), len(buf) // ns.lbs,
-                          buffer_address(buf), len(buf), fua)
+        addr = buf.offset if isinstance(buf, FixedBuf) else buffer_address(buf)
+        return rw_command(opcode, ns.nsid, ns.lba(offset), len(buf) // ns.lbs, addr, len(buf),
+                          fua)
 
-    async def read(self, offset: int, buf: memoryview) -> None:
-        await self._cmd(self._rw(OP_READ, offset, buf), buf)
+    async def _transfer(self, opcode: int, offset: int, buf: Buffer, fua: bool = False) -> None:
+        fixed = buf if isinstance(buf, FixedBuf) else None
+        await self._cmd(self._rw(opcode, offset, buf, fua), None if fixed else buf, fixed)
 
-    async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
+    async def read(self, offset: int, buf: Buffer) -> None:
+        await self._transfer(OP_READ, offset, buf)
+
+    async def write(self, offset: int, buf: Buffer, fua: bool = False) -> None:
         fua = fua and self.geometry.volatile_cache
-        await self._cmd(self._rw(OP_WRITE, offset, buf, fua and self.geometry.fua), buf)
+        await self._transfer(OP_WRITE, offset, buf, fua and self.geometry.fua)
         if fua and not self.geometry.fua:
             await self.flush()
 
