@@ -22,6 +22,17 @@ buffer starts at address 0), so the controller moves the data straight to
 or from the request's pages. The C data plane does not serve this target
 (``map`` is None): every request is a coroutine or a
 ``start_read``/``start_write`` fast-path CQE handler.
+
+What the data plane would need to serve reads and writes in C: a map kind
+(``dataplane.Passthrough(fd, nsid, lba_shift)``, ``AUR_MAP_NVME``) whose
+resolve gives one piece (a request is one command, as here); in
+``dp_queue_pieces`` an ``aur_prep_cmd`` with ``NVME_URING_CMD_IO`` and the
+72-byte command built in C (as ``rw_command``), with
+``IORING_URING_CMD_FIXED`` and the tag's buffer index in the zero-copy modes
+(the register/unregister links stay as they are); and in ``dp_rw_done``
+success as a result of 0 rather than the byte count, a positive result (an
+NVMe status) as -EIO. Its reap already walks 32-byte CQEs (liburing steps by
+the ring's CQE size) and copies the 16 bytes it reads.
 """
 
 from __future__ import annotations
