@@ -213,3 +213,16 @@ def test_add_t_nvme_refuses_in_one_line(argv: list[str], message: str) -> None:
     with pytest.raises(Error) as e:
         cli.make_target(args)
     assert str(e.value) == message
+
+
+@pytest.mark.asyncio
+async def test_io_not_in_whole_namespace_blocks_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config may give the device a smaller logical_block_size than the
+    namespace's: such a request fails rather than reach the wrong LBA."""
+    target, ring = served_by(tmp_path, monkeypatch)
+    with pytest.raises(OSError, match="whole 4096-byte NVMe blocks"):
+        await target.read(512, memoryview(bytearray(4096)))
+    with pytest.raises(OSError, match="whole 4096-byte NVMe blocks"):
+        await target.write(0, memoryview(bytearray(512)))
+    assert ring.cmds == []

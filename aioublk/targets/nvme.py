@@ -238,6 +238,8 @@ class NvmeTarget(Target):
 
     def _rw(self, opcode: int, offset: int, buf: Buffer, fua: bool = False) -> bytes:
         ns = self.ns
+        if (offset | len(buf)) % ns.lbs:  # a config's smaller logical_block_size
+            raise OSError(errno.EINVAL, f"I/O not in whole {ns.lbs}-byte NVMe blocks")
         addr = buf.offset if isinstance(buf, FixedBuf) else buffer_address(buf)
         return rw_command(opcode, ns.nsid, ns.lba(offset), len(buf) // ns.lbs, addr, len(buf),
                           fua)
@@ -256,6 +258,8 @@ class NvmeTarget(Target):
             await self.flush()
 
     def _start(self, opcode: int, offset: int, buf: memoryview, done: Done) -> bool:
+        if (offset | len(buf)) % self.ns.lbs:
+            return False  # the coroutine fails it
         current_ring().prep_cmd(self.ns.fd, NVME_URING_CMD_IO, self._rw(opcode, offset, buf),
                                 handler=_answer(len(buf), done), keep=buf)
         return True
