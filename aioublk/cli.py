@@ -518,8 +518,8 @@ def make_target(args: argparse.Namespace) -> Target:
                             f"--opt {fed.key}; drop one")
     elif fed is not None and fed.type == registry.PATH:
         if len(files) != 1:
-            what = "image" if fed.what == "image" else "backing"
-            raise UblkError(f"the {name} target needs exactly one {what} file, got "
+            what = "image file" if fed.what == "image" else fed.what
+            raise UblkError(f"the {name} target needs exactly one {what}, got "
                             f"{len(files)}")
         options[fed.key] = files[0]
     elif fed is not None:

@@ -117,6 +117,10 @@ TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
         Option("backing_format", CHOICE, "the format of backing files whose image records "
                "none (never guessed)", flags=("--backing-format",), choices=("raw", "qcow2")),
     ), files="image", read_only=True),
+    TargetSpec("nvme", "aioublk.targets.nvme:NvmeTarget", (
+        Option("device", PATH, "the NVMe namespace's generic char device (/dev/ngXnY)",
+               arg="*", required=True, what="NVMe generic char device"),
+    ), files="device", read_only=True),
     TargetSpec("fault_inject", "aioublk.targets.fault_inject:FaultInjectTarget", (
         _DEVICE_SIZE,
         Option("delay_us", INT, "hold each request this many microseconds", default=0,

@@ -108,12 +108,15 @@ class Ring:
         cq_entries: int = 0,
         flags: int = 0,
         sqe128: bool = False,
+        cqe32: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
         bind_thread: bool = False,
     ) -> None:
         self.loop = loop or asyncio.get_running_loop()
         if sqe128:
             flags |= lib.IORING_SETUP_SQE128
+        if cqe32:  # the reap copies each CQE's first 16 bytes: res and flags
+            flags |= lib.IORING_SETUP_CQE32
         self._r = ffi.new("struct aur *")
         ret = lib.aur_init(self._r, entries, cq_entries, flags)
         if ret < 0:
@@ -351,10 +354,13 @@ class Ring:
         return await self._op(lib.IORING_OP_NOP, -1)
 
     async def uring_cmd(self, fd: int, cmd_op: int, cmd: bytes, *, keep: Any = None,
-                        addr: int = 0) -> int:
-        """A URING_CMD; returns the raw (possibly negative) result."""
+                        addr: int = 0, cmd_flags: int = 0, buf_index: int = 0) -> int:
+        """A URING_CMD; returns the raw (possibly negative) result. With
+        ``IORING_URING_CMD_FIXED`` in ``cmd_flags`` the command's data is
+        registered buffer ``buf_index`` (NVMe passthrough in zero copy)."""
         fut: asyncio.Future[int] = self.loop.create_future()
-        self.prep_cmd(fd, cmd_op, cmd, addr=addr, handler=fut, keep=keep)
+        self.prep_cmd(fd, cmd_op, cmd, addr=addr, cmd_flags=cmd_flags, buf_index=buf_index,
+                      handler=fut, keep=keep)
         return await fut
 
     async def cancel(self, user_data: int, *, any_op: bool = False) -> int:

@@ -230,6 +230,9 @@ class Target:
     geometry: Geometry
     fixed_buffers = False  # True: read/write also accept a FixedBuf (zero copy)
     one_loop = False  # True: every queue of a device is served from one thread's loop
+    #: True: the queue rings have 128-byte SQEs and 32-byte CQEs, what an
+    #: NVMe passthrough command (``IORING_OP_URING_CMD``) needs
+    big_ring_entries = False
 
     async def read(self, offset: int, buf: memoryview) -> None:
         """Fill all of ``buf`` with the device's bytes at ``offset``."""

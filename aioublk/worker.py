@@ -86,6 +86,7 @@ class Worker:
         ring = Ring(
             max(2 * depth, 64), cq_entries=max(8 * depth, 256),
             flags=queue_ring_flags(), bind_thread=True,
+            sqe128=self.target.big_ring_entries, cqe32=self.target.big_ring_entries,
         )
         stop = self._stop = asyncio.get_running_loop().create_future()
         if self._finish:

@@ -260,6 +260,21 @@ def test_the_vng_command(tmp_path: Path) -> None:
     assert kvm == [a for a in argv if a != "--disable-kvm"]
 
 
+def test_the_vng_command_adds_an_nvme_controller(tmp_path: Path) -> None:
+    kernel = guest.Kernel("6.20.0-mine", tmp_path / "bzImage")
+    script = tmp_path / "run.sh"
+    plain = guest.vng_command("vng", kernel, script, [], memory="2G", cpus=4, kvm=True)
+    argv = guest.vng_command("vng", kernel, script, [], memory="2G", cpus=4, kvm=True,
+                             nvme=tmp_path / "nvme.img")
+    # vng takes QEMU's options last, and runs them through a shell
+    assert argv == [*plain, f"--qemu-opts=-drive file={tmp_path / 'nvme.img'},if=none,id=nvm,"
+                    "format=raw -device nvme,serial=aioublk0,drive=nvm"]
+    spaced = guest.vng_command("vng", kernel, script, [], memory="2G", cpus=4, kvm=True,
+                               nvme=tmp_path / "a b.img")
+    assert spaced[-1] == (f"--qemu-opts=-drive 'file={tmp_path / 'a b.img'},if=none,id=nvm,"
+                          "format=raw' -device nvme,serial=aioublk0,drive=nvm")
+
+
 FAKE_VNG = """
 from pathlib import Path
 from aioublk.testing import guest, pytest_plugin
@@ -287,6 +302,10 @@ def test_guest_kernel_and_accel_options_reach_vng(
     result.stdout.fnmatch_lines(["*one boot of Linux 6.20.0-mine*", "*guest stopped early*"])
     argv = (pytester.path / "argv").read_text().splitlines()
     assert argv[:2] == [f"--run={image}", "--disable-kvm"], argv
+    drive = argv[-1].removeprefix("--qemu-opts=-drive file=").partition(",")[0]
+    assert argv[-1].endswith("-device nvme,serial=aioublk0,drive=nvm"), argv
+    backing = os.stat(drive)  # kept with the run's folder: the guest left no status
+    assert (backing.st_size, backing.st_blocks) == (guest.NVME_BYTES, 0)  # sparse
     pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--guest-kernel={image}",
                                   "--guest-accel=kvm")
     assert "--disable-kvm" not in (pytester.path / "argv").read_text().splitlines()

@@ -204,3 +204,18 @@ async def test_many_task_work_items_from_one_wakeup(ring: Ring) -> None:
         futs.append(fut)
     done = await asyncio.wait_for(asyncio.gather(*futs), timeout=10)
     assert done == [-errno.ETIME] * 200
+
+
+async def test_cqe32_ring_reaps_res_and_flags(datafile: int) -> None:
+    """A ring of 32-byte CQEs (NVMe passthrough) still hands each completion's
+    result to its awaiter: the reap walks the CQ at the ring's CQE size."""
+    big = Ring(8, sqe128=True, cqe32=True)
+    try:
+        assert big.flags & lib.IORING_SETUP_CQE32
+        assert await big.uring_cmd(datafile, 0, bytes(80)) == -errno.EOPNOTSUPP
+        buf = bytearray(4096)
+        await big.write(datafile, b"x" * 4096, 0)
+        assert await big.read(datafile, buf, 0) == 4096 and buf == b"x" * 4096
+        assert [await big.nop() for _ in range(20)] == [0] * 20
+    finally:
+        big.close()

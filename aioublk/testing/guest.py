@@ -38,6 +38,11 @@ Why and how (every point was seen on a Debian 12 build machine):
   time instead of 13 s.
 - vng rejects a space-separated option value that starts with a dash: every
   option is passed in its `--opt=value` form.
+- Every boot has an emulated NVMe controller (QEMU's `-device nvme`) with one
+  namespace, /dev/nvme0n1 and its generic char device /dev/ng0n1, for the
+  nvme target's tests: a sparse file of NVME_BYTES in the run's scratch
+  folder backs it, gone with the folder. vng hands `--qemu-opts` to QEMU
+  through a shell, so the drive's path is quoted for one.
 - The guest's `python3` on PATH is Debian's: the host interpreter's folder
   (a venv's `bin` works) is put first on the guest's PATH, and callers pass
   `sys.executable` explicitly anyway.
@@ -74,6 +79,7 @@ DEFAULT_TIMEOUT = 40 * 60.0
 FORWARDED_ENV = ("PYTHONPATH", "PYTHONWARNINGS", "CI", "LANG", "LC_ALL", "TERM", "COLUMNS")
 STATUS_TIMEOUT = 124  # like timeout(1)
 STATUS_NO_RESULT = 125  # the guest never wrote a status: boot failure, crash, vng error
+NVME_BYTES = 512 << 20  # the emulated NVMe namespace (a sparse file on the host)
 
 
 ACCELS = ("auto", "kvm", "tcg")
@@ -343,8 +349,12 @@ def vng_command(
     memory: str,
     cpus: int,
     kvm: bool,
+    nvme: Path | None = None,
 ) -> list[str]:
-    """vng's argv: boot `kernel`, run `script` with `rwdirs` writable."""
+    """vng's argv: boot `kernel`, run `script` with `rwdirs` writable, and
+    an NVMe controller whose namespace is the file `nvme`."""
+    drive = shlex.quote(f"file={Path(nvme).absolute()},if=none,id=nvm,format=raw") \
+        if nvme is not None else ""
     return [
         vng,
         f"--run={kernel.vmlinuz}",
@@ -355,6 +365,8 @@ def vng_command(
         f"--cpus={cpus}",
         *(f"--rwdir={Path(d).absolute()}" for d in rwdirs),
         f"--exec=sh {shlex.quote(str(script))}",
+        *([f"--qemu-opts=-drive {drive} -device nvme,serial=aioublk0,drive=nvm"]
+          if nvme is not None else []),
     ]
 
 
@@ -390,7 +402,11 @@ def run_in_guest(
     script, output, status, log = (ctl / n for n in ("run.sh", "output", "status", "vng.log"))
     script.write_text(_script(argv, _guest_env(env), workdir, ctl))
     output.touch()
-    cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus, kvm=kvm)
+    nvme = ctl / "nvme.img"
+    with open(nvme, "wb") as f:
+        f.truncate(NVME_BYTES)
+    cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus, kvm=kvm,
+                      nvme=nvme)
     timed_out = False
     with open(log, "wb") as logf, open(output, "rb") as out:
         proc = subprocess.Popen(

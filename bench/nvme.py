@@ -1,0 +1,216 @@
+"""The nvme target (io_uring passthrough) beside the loop target on the block path, in one
+guest run (issue #15).
+
+    python -m bench.nvme [--runtime 5] [--rounds 1] [--quick]
+
+On the guest's emulated NVMe namespace (``aioublk.testing.guest`` gives every boot
+one: /dev/nvme0n1, its generic char device /dev/ng0n1) four ways of doing the same
+I/O, fio 4k randread and randwrite at iodepth 64:
+
+1. ``aioublk add -t nvme /dev/ng0n1``: ublk, then NVMe passthrough commands;
+2. ``aioublk add -t loop /dev/nvme0n1``: ublk, then the block layer;
+3. fio straight on /dev/ng0n1 with ``ioengine=io_uring_cmd``: passthrough's ceiling;
+4. fio straight on /dev/nvme0n1 with ``ioengine=io_uring``: the block path's.
+
+Both aioublk devices have 1 queue of depth 128 and are added once per round for
+both workloads; their order swaps every round. The namespace is written in full
+first, so reads hit data, not holes. The issue's goal: nvme / loop ≥ 1.1.
+
+The guest only writes JSON; the host turns it into ``bench/results/nvme.md``,
+``.json`` and ``nvme.png`` (matplotlib: ``pip install -e .[bench]``). Absolute
+numbers under software emulation mean little; the ratios are the result.
+``--quick`` (one workload, 2 s runs) is a smoke test of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from bench.modes import (
+    RAMP,
+    _device_runs,
+    _fio,
+    _fmt,
+    _footer,
+    _median,
+    _notes,
+    _run,
+    publish,
+    run_guest,
+)
+
+NG, BLOCK = "/dev/ng0n1", "/dev/nvme0n1"
+READ, WRITE = "4k randread qd64", "4k randwrite qd64"
+
+
+class Way(NamedTuple):
+    """One way to reach the namespace: an aioublk device (its add flags) or fio alone."""
+
+    label: str
+    add: list[str]        # aioublk add flags besides -q/-d; empty: fio on `path` directly
+    path: str = ""
+    fio: tuple[str, ...] = ()  # fio flags after the common ones (they override them)
+
+
+WAYS: dict[str, Way] = {
+    "nvme": Way("aioublk -t nvme (passthrough)", ["-t", "nvme", NG]),
+    "loop": Way("aioublk -t loop (block path)", ["-t", "loop", BLOCK]),
+    "ng": Way("fio io_uring_cmd on /dev/ng0n1", [], NG,
+              ("--ioengine=io_uring_cmd", "--cmd_type=nvme", "--direct=0")),
+    "block": Way("fio io_uring on /dev/nvme0n1", [], BLOCK),
+}
+
+
+class Ratio(NamedTuple):
+    label: str
+    num: str
+    den: str
+    target: float | None
+
+
+RATIOS = [
+    Ratio("nvme / loop (the goal)", "nvme", "loop", 1.1),
+    Ratio("nvme / its ceiling (fio on ng0n1)", "nvme", "ng", None),
+    Ratio("loop / its ceiling (fio on nvme0n1)", "loop", "block", None),
+    Ratio("passthrough / block path, fio alone", "ng", "block", None),
+]
+
+
+def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
+    """Runs in the guest; rewrites `out` after every way so a crash keeps what was done."""
+    aioublk = [sys.executable, "-m", "aioublk"]
+    workloads = [READ] if quick else [READ, WRITE]
+    start = time.monotonic()
+    release, _ = _run(["uname", "-r"], timeout=10)
+    runs: list[dict[str, object]] = []
+    data: dict[str, object] = {
+        "kernel": release.strip(), "cpus": os.cpu_count(),
+        "guest": os.environ.get("AIOUBLK_IN_GUEST") == "1", "runtime": runtime, "ramp": RAMP,
+        "rounds": rounds, "quick": quick, "complete": False, "runs": runs,
+    }
+    _, err = _run(["fio", "--name=fill", f"--filename={BLOCK}", "--rw=write", "--bs=1M",
+                   "--direct=1", "--ioengine=io_uring", "--iodepth=8"], timeout=1800)
+    print(f"namespace filled: {err or 'ok'}", flush=True)
+    for r in range(rounds):
+        names = list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]
+        for name in names:
+            way = WAYS[name]
+            if way.add:
+                done = _device_runs(aioublk, [*way.add, "-q", "1", "-d", "128"], workloads,
+                                    runtime, [])
+            else:
+                done = [(w, *_fio(way.path, w, runtime, list(way.fio))) for w in workloads]
+            for w, iops, e in done:
+                runs.append({"round": r + 1, "device": name, "workload": w,
+                             "server": name, "iops": iops, "error": e})
+                shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {e}"
+                print(f"[{time.monotonic() - start:4.0f} s] round {r + 1}: {name:6} {w:17} "
+                      f"{shown}", flush=True)
+            out.write_text(json.dumps(data))
+    data["complete"] = True
+    out.write_text(json.dumps(data))
+
+
+def ratios(data: dict[str, object]) -> list[tuple[Ratio, str, float | None]]:
+    """Each ratio of medians, per workload the run measured."""
+    runs = data["runs"]
+    assert isinstance(runs, list)
+    table = []
+    for w in (READ, WRITE):
+        for r in RATIOS:
+            a, b = (_median(runs, n, workload=w) for n in (r.num, r.den))
+            if a is not None or b is not None:
+                table.append((r, w, a / b if a is not None and b else None))
+    return table
+
+
+def report(data: dict[str, object], command: str) -> str:
+    runs = data["runs"]
+    assert isinstance(runs, list)
+    setup = ("One guest run: QEMU, emulated NVMe controller over a sparse file on the host"
+             if data["guest"] else "One run on the host")
+    lines = [
+        "# -t nvme (io_uring passthrough) vs -t loop on the block path (issue #15)", "",
+        f"{setup}, {data['cpus']} CPUs, Linux {data['kernel']}. fio O_DIRECT, "
+        f"{data['runtime']} s per workload after {data['ramp']} s ramp; median of "
+        f"{data['rounds']} round(s). aioublk devices: 1 queue, depth 128, copy mode. Under "
+        "emulation the absolute IOPS mean little: **the ratios are the result**.",
+    ]
+    lines += _notes(data, "4k randread only, one round")
+    lines += ["", "| way | " + " | ".join(w for w in (READ, WRITE)) + " |",
+              "| --- | ---: | ---: |"]
+    for name, way in WAYS.items():
+        lines.append(f"| {way.label} | " + " | ".join(
+            _fmt(_median(runs, name, workload=w)) for w in (READ, WRITE)) + " |")
+    lines += ["", "| ratio | workload | value | target | met |",
+              "| --- | --- | ---: | ---: | --- |"]
+    for r, w, value in ratios(data):
+        met = "—" if r.target is None or value is None else "yes" if value >= r.target else "no"
+        target = f"≥ {r.target}" if r.target else "—"
+        lines.append(f"| {r.label} | {w} | {_fmt(value, '.2f')} | {target} | {met} |")
+    errors: dict[str, str] = {}
+    for x in runs:
+        if x["error"]:
+            errors.setdefault(f"`{x['device']}`", str(x["error"]))
+    return "\n".join(lines + _footer(errors, "way", "nvme.png", command))
+
+
+def plot(data: dict[str, object], path: Path) -> None:
+    """One bar per ratio, the goal drawn across its bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = ratios(data)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(bars) + 2), 5))
+    for i, (r, _w, value) in enumerate(bars):
+        ok = r.target is None or (value is not None and value >= r.target)
+        ax.bar(i, value or 0, 0.6, color="tab:green" if ok else "tab:red", alpha=0.8)
+        if r.target is not None:
+            ax.hlines(r.target, i - 0.4, i + 0.4, color="black", linewidth=2)
+    ax.set_xticks(range(len(bars)), [f"{r.label}\n{w}" for r, w, _ in bars], rotation=30,
+                  ha="right", fontsize=7)
+    ax.set_ylabel("IOPS ratio (black line: goal)")
+    ax.set_title(f"-t nvme vs -t loop and their ceilings, Linux {data['kernel']}", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="smoke test: randread, 2 s runs")
+    ap.add_argument("--report", metavar="JSON",
+                    help="only write the report again from a run's results/nvme.json")
+    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    runtime = ns.runtime or (2 if ns.quick else 5)
+    command = shlex.join([".venv/bin/python", "-m", "bench.nvme", f"--runtime={runtime}",
+                          f"--rounds={ns.rounds}", *(["--quick"] if ns.quick else [])])
+    if ns.report:
+        data = json.loads(Path(ns.report).read_text())
+        return publish("nvme", data, report(data, command), plot, 0)
+    if ns.inner:  # (run_guest passes a kublk: this benchmark has no use for it)
+        inner(runtime, ns.rounds, ns.quick, Path(ns.inner[1]))
+        return 0
+    options = [f"--runtime={runtime}", f"--rounds={ns.rounds}",
+               *(["--quick"] if ns.quick else [])]
+    fio_runs = ns.rounds * len(WAYS) * (1 if ns.quick else 2)
+    code, data = run_guest("bench.nvme", options,
+                           timeout=1800 + ns.rounds * 400 + fio_runs * (runtime + RAMP + 30))
+    if data is None:
+        return 1
+    return publish("nvme", data, report(data, command), plot, code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
