@@ -310,6 +310,7 @@ def _script(argv: Sequence[str], env: Mapping[str, str], cwd: Path, ctl: Path) -
 exec >{q(str(ctl / "output"))} 2>&1 </dev/null
 modprobe ublk_drv || echo "aioublk guest: modprobe ublk_drv failed"
 modprobe nbd 2>/dev/null
+modprobe nvme 2>/dev/null  # the emulated controller; no udev here loads it
 {exports}cd {q(str(cwd))} && {shlex.join(argv)}
 echo $? >{q(str(ctl / "status.tmp"))}
 mv {q(str(ctl / "status.tmp"))} {q(str(ctl / "status"))}
