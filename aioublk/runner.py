@@ -20,15 +20,15 @@ from typing import Any
 
 from aioublk import logs, stats, uapi
 from aioublk.device import Device
-from aioublk.options import DeviceConfig, UblkError
-from aioublk.qcow2 import Qcow2Error
+from aioublk.errors import Error
+from aioublk.options import DeviceConfig
 from aioublk.target import Target
-from aioublk.targets import BackingError
 
 log = logs.get_logger("aioublk.runner")
 
-#: errors that explain themselves in one line; anything else gets its type name
-ONE_LINE_ERRORS = (UblkError, BackingError, Qcow2Error, OSError)
+#: errors that explain themselves in one line (every aioublk.Error, whichever
+#: target raised it); anything else gets its type name
+ONE_LINE_ERRORS = (Error, OSError)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
