@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import kernel
-from tests.kernel import add, cli, delete, fio, run
+from tests.kernel import add, cli, delete, fio, parse_list, run
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 
@@ -41,7 +41,8 @@ def test_the_device_has_the_namespace_geometry() -> None:
         lbs = _queue("logical_block_size")
         assert dev.block_size == lbs
         assert dev.sectors * 512 == int((SYSFS / "size").read_text()) * 512 // lbs * lbs
-        assert "nvme" in dev.target
+        (listed,) = parse_list(cli("list", "-n", str(dev.dev_id)).stdout)
+        assert listed.target == f"nvme file {NG}", listed
         ublk = Path(f"/sys/block/ublkb{dev.dev_id}/queue")
         assert int((ublk / "logical_block_size").read_text()) == lbs
         assert int((ublk / "max_hw_sectors_kb").read_text()) <= _queue("max_hw_sectors_kb")
