@@ -23,12 +23,12 @@ from aioublk.device import Device
 from aioublk.options import DeviceConfig, UblkError
 from aioublk.qcow2 import Qcow2Error
 from aioublk.target import Target
-from aioublk.targets import BackingError
+from aioublk.targets import BackingError, NbdError
 
 log = logs.get_logger("aioublk.runner")
 
 #: errors that explain themselves in one line; anything else gets its type name
-ONE_LINE_ERRORS = (UblkError, BackingError, Qcow2Error, OSError)
+ONE_LINE_ERRORS = (UblkError, BackingError, Qcow2Error, NbdError, OSError)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from aioublk.cli import main as cli_main
 from aioublk.target import QueueContext, setup_queue, teardown_queue
 from aioublk.targets.nbd import NbdError, NbdTarget
 
@@ -328,3 +329,8 @@ def test_missing_export_is_one_line(qemu_nbd: Server) -> None:
     msg = str(e.value)
     assert "nope" in msg and "\n" not in msg
 
+
+def test_cli_add_unreachable_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["add", "-t", "nbd", "nbd://127.0.0.1:1/exp"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aioublk: NBD server nbd://127.0.0.1:1/exp:") and err.count("\n") == 1
