@@ -264,7 +264,7 @@ def test_parse_size_refuses(text: str) -> None:
         parse_size(True)
 
 
-@pytest.mark.parametrize("name", ["null", "loop", "stripe", "qcow2", "serve"])
+@pytest.mark.parametrize("name", ["null", "loop", "stripe", "qcow2", "serve", "serve-nbd"])
 def test_examples_load(name: str, tmp_path: Path) -> None:
     """Every example is valid once the files it names exist."""
     example = shutil.copy(EXAMPLES / f"{name}.toml", tmp_path)
