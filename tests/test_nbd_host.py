@@ -334,3 +334,71 @@ def test_cli_add_unreachable_is_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert cli_main(["add", "-t", "nbd", "nbd://127.0.0.1:1/exp"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("aioublk: NBD server nbd://127.0.0.1:1/exp:") and err.count("\n") == 1
+
+
+def _certificates(where: Path, server: bool) -> Path:
+    """A test CA and, signed by it, a client (and a server) certificate, in
+    the layout libnbd and nbdkit read."""
+    where.mkdir()
+    templates = {"ca": "cn = Test CA\nca\ncert_signing_key\n",
+                 "server": "cn = localhost\ndns_name = localhost\nip_address = 127.0.0.1\n"
+                           "tls_www_server\nencryption_key\nsigning_key\n",
+                 "client": "cn = client\ntls_www_client\nencryption_key\nsigning_key\n"}
+    for name, text in templates.items():
+        (where / f"{name}.info").write_text(text + "expiration_days = 2\n")
+
+    def certtool(*args: str) -> None:
+        subprocess.run(["certtool", *args], check=True, capture_output=True, cwd=where)
+
+    certtool("--generate-privkey", "--outfile", "ca-key.pem")
+    certtool("--generate-self-signed", "--load-privkey", "ca-key.pem", "--template",
+             "ca.info", "--outfile", "ca-cert.pem")
+    for who in ("server", "client") if server else ("client",):
+        certtool("--generate-privkey", "--outfile", f"{who}-key.pem")
+        certtool("--generate-certificate", "--load-ca-certificate", "ca-cert.pem",
+                 "--load-ca-privkey", "ca-key.pem", "--load-privkey", f"{who}-key.pem",
+                 "--template", f"{who}.info", "--outfile", f"{who}-cert.pem")
+    return where
+
+
+@pytest.mark.skipif(shutil.which("certtool") is None, reason="needs certtool (gnutls-bin)")
+@pytest.mark.asyncio
+async def test_tls_with_a_test_ca(tmp_path: Path) -> None:
+    certs = _certificates(tmp_path / "certs", server=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kit = subprocess.Popen(["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(port), "--tls=require",
+                            f"--tls-certificates={certs}", "memory", f"size={SIZE}"],
+                           stderr=subprocess.DEVNULL)
+    uri = f"nbds://localhost:{port}/"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port)).close()
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        t = NbdTarget(uri, tls_certificates=str(certs))
+        q = await _attached(t)
+        try:
+            data = bytearray(os.urandom(8192))
+            await t.write(0, memoryview(data), fua=True)
+            out = bytearray(8192)
+            await t.read(0, memoryview(out))
+            assert out == data
+        finally:
+            await teardown_queue(t, q)
+        with pytest.raises(NbdError, match="nbd_connect_uri: .*server requires TLS") as e:
+            NbdTarget(uri.replace("nbds:", "nbd:"))
+        wrong = _certificates(tmp_path / "wrong", server=False)
+        with pytest.raises(NbdError, match="certificate verification") as e:
+            NbdTarget(uri, tls_certificates=str(wrong))
+        assert "\n" not in str(e.value)
+        with pytest.raises(NbdError, match="no ca-cert.pem"):
+            NbdTarget(uri, tls_certificates=str(tmp_path))
+    finally:
+        kit.kill()
+        kit.wait()

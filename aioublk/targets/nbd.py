@@ -293,6 +293,12 @@ class NbdTarget(Target):
     def __init__(self, uri: str, *, tls_certificates: str | None = None,
                  reconnect_timeout: int = 30, read_only: bool = False) -> None:
         self.ffi, self.lib = _lib()
+        if tls_certificates is not None and not os.path.isfile(
+                os.path.join(tls_certificates, "ca-cert.pem")):
+            # libnbd would go on without verifying the server: refuse a mistyped directory
+            raise NbdError(f"TLS certificates {tls_certificates}: no ca-cert.pem there: give "
+                           "the directory holding ca-cert.pem, client-cert.pem and "
+                           "client-key.pem")
         self.uri, self.tls_certificates = uri, tls_certificates
         self.reconnect_timeout = reconnect_timeout
         lib = self.lib
@@ -310,6 +316,7 @@ class NbdTarget(Target):
             sizes = [self._flag(h, self._block_size(k))
                      for k in (lib.LIBNBD_SIZE_MINIMUM, lib.LIBNBD_SIZE_PREFERRED,
                                lib.LIBNBD_SIZE_MAXIMUM)]
+            lib.nbd_shutdown(h, 0)  # a clean goodbye: servers log a dropped connection
         finally:
             lib.nbd_close(h)
         self.read_only = read_only or export_ro
