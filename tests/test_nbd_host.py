@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import importlib
 import importlib.util
 import os
 import shutil
@@ -402,3 +403,19 @@ async def test_tls_with_a_test_ca(tmp_path: Path) -> None:
     finally:
         kit.kill()
         kit.wait()
+
+
+def test_without_libnbd_the_target_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """aioublk installs without libnbd (no _nbd extension); -t nbd then says
+    what to install, in one line."""
+    real = importlib.import_module
+
+    def no_nbd(name: str, package: str | None = None) -> object:
+        if name == "aioublk.targets._nbd":
+            raise ModuleNotFoundError(name)
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", no_nbd)
+    with pytest.raises(NbdError, match="install libnbd-dev") as e:
+        NbdTarget("nbd://127.0.0.1/exp")
+    assert "\n" not in str(e.value)
