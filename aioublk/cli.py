@@ -182,8 +182,10 @@ def _add_target_options(add: argparse.ArgumentParser) -> None:
     fed = [(t.name, f) for t in specs if (f := t.option(t.files)) is not None]
     one = [name for name, f in fed if f.type == registry.PATH]
     many = [f"{name} {f.lo} to {f.hi}" for name, f in fed if f.type == registry.PATHS]
+    named = [f"; {name} its {f.what}" for name, f in fed if f.type == registry.STR]
     add.add_argument("files", nargs="*", metavar="FILE",
-                     help=f"backing files: {' and '.join(one)} take one, {', '.join(many)}")
+                     help=f"backing files: {' and '.join(one)} take one, {', '.join(many)}"
+                     f"{''.join(named)}")
     add.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                      help="a target option by its config key (repeatable): the only way to "
                      "give a pkg.module:Class target its keyword arguments; VALUE is read as "
@@ -516,7 +518,7 @@ def make_target(args: argparse.Namespace) -> Target:
         if files:
             raise UblkError(f"the {name} target's {fed.what} is given twice: as FILE and as "
                             f"--opt {fed.key}; drop one")
-    elif fed is not None and fed.type == registry.PATH:
+    elif fed is not None and fed.type in (registry.PATH, registry.STR):
         if len(files) != 1:
             what = "image file" if fed.what == "image" else fed.what
             raise UblkError(f"the {name} target needs exactly one {what}, got "

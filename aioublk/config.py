@@ -379,7 +379,8 @@ def _options(kind: str, raw: Any, at: str, base: str, partial: bool = False) -> 
             out[o.key] = _option(o, raw[o.key], f"{at}.{o.key}", base, kind)
         elif o.required and not partial:
             need = (f"a list of {o.lo} to {o.hi} {o.what}s" if o.type == registry.PATHS
-                    else f"the path of its {o.what}")
+                    else f"the path of its {o.what}" if o.type == registry.PATH
+                    else f"its {o.what}")
             raise _Invalid(f"{at}.{o.key}", f"missing: the {kind} target needs {need}")
     return out
 

@@ -121,6 +121,17 @@ TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
         Option("device", PATH, "the NVMe namespace's generic char device (/dev/ngXnY)",
                arg="*", required=True, what="NVMe generic char device"),
     ), files="device", read_only=True),
+    TargetSpec("nbd", "aioublk.targets.nbd:NbdTarget", (
+        Option("uri", STR, "the NBD export: nbd://HOST[:PORT]/EXPORT, "
+               "nbd+unix:///EXPORT?socket=PATH, or nbds://... for TLS", arg="*",
+               required=True, what="NBD URI"),
+        Option("tls_certificates", PATH, "directory of the TLS CA, client certificate and "
+               "key (ca-cert.pem, client-cert.pem, client-key.pem) for nbds:// URIs",
+               flags=("--tls-certificates",), what="certificate directory"),
+        Option("reconnect_timeout", INT, "seconds a lost server's requests are held while "
+               "reconnecting, before they fail with EIO", default=30, default_help="30",
+               flags=("--reconnect-timeout",), lo=0),
+    ), files="uri", read_only=True),
     TargetSpec("fault_inject", "aioublk.targets.fault_inject:FaultInjectTarget", (
         _DEVICE_SIZE,
         Option("delay_us", INT, "hold each request this many microseconds", default=0,

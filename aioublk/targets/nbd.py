@@ -1,0 +1,430 @@
+"""The nbd target: the device's bytes live on an NBD server (qemu-nbd,
+qemu-storage-daemon, nbdkit and its plugins), reached through libnbd.
+
+Why libnbd rather than the protocol over the queue's ring: it is the NBD
+project's maintained client (handshake, structured replies, block-size
+constraints, TLS through gnutls), and its asynchronous API fits a queue's
+loop as it is: one socket fd, a readiness direction, and commands pipelined
+on it with no thread. Each request is a coroutine awaiting a future; the
+fd is watched with ``add_reader`` (always) and ``add_writer`` (while libnbd
+has bytes to send), and after each ``nbd_aio_notify_*`` the completions the
+C side recorded are reaped in bulk and resolve their futures.
+
+Connections: one per queue loop when the server advertises multi-conn (its
+connections then share one consistent cache, so a flush on one covers
+writes made on another); otherwise one connection, and the device serves
+all its queues from one loop (``one_loop``), as the kernel's own client must.
+
+A server that goes away: a loop's requests in flight and new ones are held,
+not failed, while it reconnects with exponential backoff (0.1 s doubling up
+to 5 s) for ``reconnect_timeout`` seconds; then they fail with EIO. Held
+requests are sent again on the new connection: NBD commands are idempotent
+(a write sent twice stores the same bytes). A request after giving up starts
+a new round. Each state change is one log line.
+
+Fast zero is never sent: a kernel write-zeroes request cannot say "only if
+fast" (REQ_NOUNMAP becomes NBD's NO_HOLE), as in the kernel's own client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import importlib
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from aioublk import logs
+from aioublk.errors import Error
+from aioublk.target import Geometry, QueueContext, Target, current_queue
+
+log = logs.get_logger("aioublk.nbd")
+
+#: a command's errno when its connection went away, not the server's answer
+_LOST = frozenset({errno.ENOTCONN, errno.ESHUTDOWN, errno.ECONNRESET, errno.EPIPE})
+_FIRST_DELAY, _MAX_DELAY = 0.1, 5.0
+_REAP = 64
+
+#: sends one command: (handle, completion queue, request id) -> cookie, or -1
+Issue = Callable[[Any, Any, int], int]
+
+
+class NbdError(Error):
+    """The NBD server or export cannot be used, in one line."""
+
+
+def _lib() -> tuple[Any, Any]:
+    """(ffi, lib) of the libnbd binding, built only where libnbd-dev was."""
+    try:
+        mod: Any = importlib.import_module("aioublk.targets._nbd")
+    except ImportError:
+        raise NbdError("the nbd target needs libnbd: install libnbd-dev (Debian) and "
+                       "reinstall aioublk (scripts/setup)") from None
+    return mod.ffi, mod.lib
+
+
+def _why(ffi: Any, lib: Any) -> str:
+    """libnbd's last error on this thread."""
+    msg = lib.nbd_get_error()
+    return ffi.string(msg).decode(errors="replace") if msg != ffi.NULL else "unknown error"
+
+
+class _Cmd:
+    """One command, sent again after a reconnection until it is answered.
+    ``buf`` (the request's buffer as cffi holds it) is released when it is:
+    a cffi buffer view left to the garbage collector in a cycle with what it
+    views can be freed after it, and crashes the interpreter."""
+
+    __slots__ = ("issue", "fut", "buf")
+
+    def __init__(self, issue: Issue, fut: asyncio.Future[None], buf: Any) -> None:
+        self.issue, self.fut, self.buf = issue, fut, buf
+
+    def finish(self, ffi: Any, error: OSError | None = None) -> None:
+        if self.buf is not None:
+            ffi.release(self.buf)
+            self.buf = None
+        if self.fut.done():
+            return
+        if error is None:
+            self.fut.set_result(None)
+        else:
+            self.fut.set_exception(error)
+
+
+class _Link:
+    """One loop's connection to the server, kept up: while it is down its
+    requests wait in ``held``."""
+
+    def __init__(self, target: NbdTarget, loop: asyncio.AbstractEventLoop, worker: int) -> None:
+        self.t, self.loop, self.worker = target, loop, worker
+        self.ffi, self.lib = target.ffi, target.lib
+        self.h: Any = None           # the libnbd handle, None while down
+        self.up = False              # h is connected and takes commands
+        self.nbd_fd = -1             # libnbd's socket, which it closes when the link dies
+        self.fd = -1                 # the loop watches a dup of it: never closed behind its back
+        self.writing = False
+        self.q = self.lib.anbd_q_new()
+        self.done = self.ffi.new("struct anbd_done[]", _REAP)
+        self.ids = itertools.count(1)
+        self.pending: dict[int, _Cmd] = {}
+        self.held: list[_Cmd] = []
+        self.ready: asyncio.Future[None] | None = None
+        self.reconnecting: asyncio.Task[None] | None = None
+        self.why = ""
+
+    # ------------------------------------------------------- connecting --
+
+    async def connect(self) -> None:
+        """A new handle, connected; raises NbdError naming the server's refusal."""
+        lib = self.lib
+        h = self.t.new_handle()
+        self.why = ""
+        if lib.nbd_aio_connect_uri(h, self.t.uri.encode()) == -1:
+            why = _why(self.ffi, lib)
+            lib.nbd_close(h)
+            raise NbdError(f"NBD server {self.t.uri}: {why}")
+        self.h, self.ready = h, self.loop.create_future()
+        try:
+            self._progress()
+            await self.ready
+            self.t.check_same(h)
+        except BaseException:
+            self._drop()
+            raise
+        self.up = True
+
+    def _progress(self) -> None:
+        """After libnbd did something: reap completions, follow its fd and
+        direction, notice a connection made or lost."""
+        lib, h = self.lib, self.h
+        dead = bool(lib.nbd_aio_is_dead(h) or lib.nbd_aio_is_closed(h))
+        self._reap(dead)
+        if dead:
+            if self.ready is not None and not self.ready.done():
+                self.ready.set_exception(NbdError(
+                    f"NBD server {self.t.uri}: {self.why or 'connection closed'}"))
+            elif self.up:
+                self._lost()
+            return
+        if self.ready is not None and not self.ready.done() and lib.nbd_aio_is_ready(h):
+            self.ready.set_result(None)
+        fd = lib.nbd_aio_get_fd(h)
+        if fd != self.nbd_fd:  # connecting to the next address of a host makes a new socket
+            self._unwatch()
+            if fd >= 0:
+                self.nbd_fd, self.fd = fd, os.dup(fd)
+                self.loop.add_reader(self.fd, self._notify, lib.nbd_aio_notify_read)
+        writing = fd >= 0 and bool(lib.nbd_aio_get_direction(h) & lib.LIBNBD_AIO_DIRECTION_WRITE)
+        if writing != self.writing:
+            self.writing = writing
+            if writing:
+                self.loop.add_writer(self.fd, self._notify, lib.nbd_aio_notify_write)
+            else:
+                self.loop.remove_writer(self.fd)
+
+    def _notify(self, notify: Callable[[Any], int]) -> None:
+        if self.h is None:
+            return
+        if notify(self.h) == -1:
+            self.why = _why(self.ffi, self.lib)
+        self._progress()
+
+    def _unwatch(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            if self.writing:
+                self.loop.remove_writer(self.fd)
+            os.close(self.fd)
+        self.fd, self.nbd_fd, self.writing = -1, -1, False
+
+    def _drop(self) -> None:
+        """Close the handle; its commands still in flight are held."""
+        self._unwatch()
+        h, self.h, self.up = self.h, None, False
+        if h is not None:
+            self.lib.nbd_close(h)  # runs the callbacks of what was in flight
+            self._reap(True)
+
+    def _reap(self, lost: bool) -> None:
+        lib = self.lib
+        while n := lib.anbd_reap(self.q, self.done, _REAP):
+            for i in range(n):
+                d = self.done[i]
+                cmd = self.pending.pop(d.id, None)
+                if cmd is None:
+                    continue
+                if not d.error:
+                    cmd.finish(self.ffi)
+                elif (lost or d.error in _LOST) and not cmd.fut.done():
+                    self.held.append(cmd)
+                else:
+                    cmd.finish(self.ffi, OSError(d.error, f"NBD server: "
+                                                 f"{os.strerror(d.error)}"))
+
+    # --------------------------------------------------- losing it ------
+
+    def _lost(self) -> None:
+        log.warning("NBD connection lost", uri=self.t.uri, worker=self.worker,
+                    error=self.why or "connection closed", held=len(self.pending))
+        self._drop()
+        self._reconnect_soon()
+
+    def _reconnect_soon(self) -> None:
+        if self.reconnecting is None or self.reconnecting.done():
+            self.reconnecting = self.loop.create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        start = self.loop.time()
+        deadline = start + self.t.reconnect_timeout
+        delay = _FIRST_DELAY
+        for attempt in itertools.count(1):
+            log.info("NBD reconnecting", uri=self.t.uri, worker=self.worker, attempt=attempt)
+            try:
+                await asyncio.wait_for(self.connect(), max(0.1, deadline - self.loop.time()))
+                break
+            except (NbdError, TimeoutError) as e:
+                error = str(e) or "timed out"
+            if self.loop.time() + delay >= deadline:
+                log.error("NBD server gave no connection: requests fail", uri=self.t.uri,
+                          worker=self.worker, attempts=attempt, error=error,
+                          seconds=self.t.reconnect_timeout)
+                self._fail_held(f"NBD server {self.t.uri} lost")
+                return
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _MAX_DELAY)
+        log.info("NBD reconnected", uri=self.t.uri, worker=self.worker, attempts=attempt,
+                 seconds=round(self.loop.time() - start, 3), resent=len(self.held))
+        held, self.held = self.held, []
+        for cmd in held:
+            if cmd.fut.done():  # its request was cancelled meanwhile
+                cmd.finish(self.ffi)
+            else:
+                self._submit(cmd)
+
+    def _fail_held(self, why: str) -> None:
+        held, self.held = self.held, []
+        for cmd in held:
+            cmd.finish(self.ffi, OSError(errno.EIO, why))
+
+    # --------------------------------------------------- requests -------
+
+    async def run(self, issue: Issue, buf: Any = None) -> None:
+        """Send one command and wait for its answer (holding it while down)."""
+        cmd = _Cmd(issue, self.loop.create_future(), buf)
+        self._submit(cmd)
+        await cmd.fut
+
+    def _submit(self, cmd: _Cmd) -> None:
+        if not self.up:
+            self.held.append(cmd)
+            self._reconnect_soon()
+            return
+        rid = next(self.ids)
+        self.pending[rid] = cmd
+        if cmd.issue(self.h, self.q, rid) == -1:
+            self.pending.pop(rid, None)
+            err = self.lib.nbd_get_errno() or errno.EIO
+            if self.lib.nbd_aio_is_ready(self.h) or self.lib.nbd_aio_is_processing(self.h):
+                cmd.finish(self.ffi, OSError(err, _why(self.ffi, self.lib)))
+            else:
+                self.held.append(cmd)
+        self._progress()
+
+    async def close(self) -> None:
+        if self.reconnecting is not None:
+            self.reconnecting.cancel()
+            await asyncio.wait([self.reconnecting])
+        if self.h is not None and self.up:
+            self.lib.nbd_shutdown(self.h, 0)
+        self._drop()
+        self._fail_held("the NBD target is closing")
+        self.lib.anbd_q_free(self.q)
+
+
+class NbdTarget(Target):
+    """A device in front of the NBD export at ``uri`` (nbd://host:port/export,
+    nbd+unix:///export?socket=PATH, nbds://... with ``tls_certificates``)."""
+
+    name = "nbd"
+
+    def __init__(self, uri: str, *, tls_certificates: str | None = None,
+                 reconnect_timeout: int = 30, read_only: bool = False) -> None:
+        self.ffi, self.lib = _lib()
+        if tls_certificates is not None and not os.path.isfile(
+                os.path.join(tls_certificates, "ca-cert.pem")):
+            # libnbd would go on without verifying the server: refuse a mistyped directory
+            raise NbdError(f"TLS certificates {tls_certificates}: no ca-cert.pem there: give "
+                           "the directory holding ca-cert.pem, client-cert.pem and "
+                           "client-key.pem")
+        self.uri, self.tls_certificates = uri, tls_certificates
+        self.reconnect_timeout = reconnect_timeout
+        lib = self.lib
+        h = self.new_handle()
+        try:
+            if lib.nbd_connect_uri(h, uri.encode()) == -1:
+                raise NbdError(f"NBD server {uri}: {_why(self.ffi, lib)}")
+            self.size = self._flag(h, lib.nbd_get_size)
+            export_ro = bool(self._flag(h, lib.nbd_is_read_only))
+            self.can_flush = bool(self._flag(h, lib.nbd_can_flush))
+            self.can_fua = bool(self._flag(h, lib.nbd_can_fua))
+            self.can_trim = bool(self._flag(h, lib.nbd_can_trim))
+            self.can_zero = bool(self._flag(h, lib.nbd_can_zero))
+            self.multi_conn = bool(self._flag(h, lib.nbd_can_multi_conn))
+            sizes = [self._flag(h, self._block_size(k))
+                     for k in (lib.LIBNBD_SIZE_MINIMUM, lib.LIBNBD_SIZE_PREFERRED,
+                               lib.LIBNBD_SIZE_MAXIMUM)]
+            lib.nbd_shutdown(h, 0)  # a clean goodbye: servers log a dropped connection
+        finally:
+            lib.nbd_close(h)
+        self.read_only = read_only or export_ro
+        self.one_loop = not self.multi_conn
+        self.geometry = _geometry(self.size, *sizes, read_only=self.read_only,
+                                  flush=self.can_flush, fua=self.can_fua,
+                                  trim=self.can_trim and not self.read_only,
+                                  zero=self.can_zero and not self.read_only)
+
+    def new_handle(self) -> Any:
+        """A libnbd handle set up as every connection of this target is."""
+        lib = self.lib
+        h = lib.nbd_create()
+        if h == self.ffi.NULL:
+            raise NbdError(f"libnbd: {_why(self.ffi, lib)}")
+        lib.nbd_set_request_structured_replies(h, True)
+        lib.nbd_set_request_block_size(h, True)
+        lib.nbd_set_uri_allow_transports(h, lib.LIBNBD_ALLOW_TRANSPORT_TCP
+                                         | lib.LIBNBD_ALLOW_TRANSPORT_UNIX)
+        lib.nbd_set_uri_allow_tls(h, lib.LIBNBD_TLS_ALLOW)
+        if self.tls_certificates is not None and lib.nbd_set_tls_certificates(
+                h, self.tls_certificates.encode()) == -1:
+            why = _why(self.ffi, lib)
+            lib.nbd_close(h)
+            raise NbdError(f"TLS certificates {self.tls_certificates}: {why}")
+        return h
+
+    def _flag(self, h: Any, get: Callable[[Any], int]) -> int:
+        value = get(h)
+        if value == -1:
+            raise NbdError(f"NBD server {self.uri}: {_why(self.ffi, self.lib)}")
+        return value
+
+    def _block_size(self, kind: int) -> Callable[[Any], int]:
+        return lambda h: int(self.lib.nbd_get_block_size(h, kind))
+
+    def check_same(self, h: Any) -> None:
+        """A reconnection must find the export the device was made from."""
+        size = self.lib.nbd_get_size(h)
+        if size != self.size:
+            raise NbdError(f"NBD export {self.uri} is now {size} bytes, not {self.size}")
+
+    # ------------------------------------------------------- per loop ---
+
+    async def queue_setup(self, q: QueueContext) -> None:
+        link = _Link(self, q.loop, q.worker)
+        try:
+            await link.connect()
+        except BaseException:
+            await link.close()
+            raise
+        q.state["nbd"] = link
+        log.info("NBD connected", uri=self.uri, worker=q.worker, multi_conn=self.multi_conn)
+
+    async def queue_teardown(self, q: QueueContext) -> None:
+        link: _Link | None = q.state.pop("nbd", None)
+        if link is not None:
+            await link.close()
+
+    def _link(self) -> _Link:
+        link: _Link = current_queue().state["nbd"]
+        return link
+
+    # ------------------------------------------------------- requests ---
+
+    async def read(self, offset: int, buf: memoryview) -> None:
+        b, n, lib = self.ffi.from_buffer(buf), len(buf), self.lib
+        await self._link().run(lambda h, q, i: lib.anbd_pread(h, q, b, n, offset, i, 0), b)
+
+    async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
+        if self.read_only:
+            raise OSError(errno.EROFS, f"NBD export {self.uri} is read-only")
+        b, n, lib = self.ffi.from_buffer(buf), len(buf), self.lib
+        flags = lib.LIBNBD_CMD_FLAG_FUA if fua and self.can_fua else 0
+        await self._link().run(lambda h, q, i: lib.anbd_pwrite(h, q, b, n, offset, i, flags), b)
+        if fua and not self.can_fua:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if self.can_flush:
+            lib = self.lib
+            await self._link().run(lambda h, q, i: lib.anbd_flush(h, q, i, 0))
+
+    async def discard(self, offset: int, length: int) -> None:
+        if not self.can_trim or self.read_only:
+            raise OSError(errno.EOPNOTSUPP, f"NBD export {self.uri} cannot trim")
+        lib = self.lib
+        await self._link().run(lambda h, q, i: lib.anbd_trim(h, q, length, offset, i, 0))
+
+    async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
+        if not self.can_zero or self.read_only:
+            raise OSError(errno.EOPNOTSUPP, f"NBD export {self.uri} cannot write zeroes")
+        lib = self.lib
+        flags = 0 if unmap else lib.LIBNBD_CMD_FLAG_NO_HOLE
+        await self._link().run(lambda h, q, i: lib.anbd_zero(h, q, length, offset, i, flags))
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), "uri": self.uri, "multi_conn": self.multi_conn}
+
+
+def _geometry(size: int, minimum: int, preferred: int, maximum: int, *, read_only: bool,
+              flush: bool, fua: bool, trim: bool, zero: bool) -> Geometry:
+    """The server's block-size constraints (0: not advertised) as the
+    kernel's: its minimum is the logical block (512 to 4096), its preferred
+    size the physical block and optimal I/O, its maximum the largest request."""
+    lbs = min(max(512, minimum), 4096)
+    pbs = min(max(lbs, preferred or 4096), 64 << 10)
+    return Geometry(size=size - size % lbs, logical_block_size=lbs, physical_block_size=pbs,
+                    io_min=lbs, io_opt=pbs, max_io_size=min(maximum or 32 << 20, 32 << 20),
+                    volatile_cache=flush, fua=fua, read_only=read_only, discard=trim,
+                    discard_granularity=pbs, write_zeroes=zero)

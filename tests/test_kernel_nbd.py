@@ -1,0 +1,145 @@
+"""The nbd target against the real driver, through the CLI, in front of
+qemu-nbd, qemu-storage-daemon and nbdkit on unix sockets in the guest."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.kernel import add, delete, fio, make_file
+
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
+
+MiB = 1 << 20
+SIZE = 256 * MiB
+
+
+class Server:
+    """An NBD server on a unix socket, killable and restartable."""
+
+    def __init__(self, argv: list[str], sock: Path, export: str) -> None:
+        self.argv, self.sock, self.export = argv, sock, export
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        self.sock.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:  # its socket file exists before it listens
+            with socket.socket(socket.AF_UNIX) as s:
+                try:
+                    s.connect(str(self.sock))
+                    return self
+                except (FileNotFoundError, ConnectionRefusedError):
+                    pass
+            assert self.proc.poll() is None, f"{self.argv[0]} exited"
+            assert time.monotonic() < deadline, f"{self.argv[0]}: no socket"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    @property
+    def uri(self) -> str:
+        return f"nbd+unix:///{self.export}?socket={self.sock}"
+
+
+def _server(kind: str, tmp_path: Path) -> tuple[Server, Path | None]:
+    sock = tmp_path / f"{kind}.sock"
+    if kind == "nbdkit":
+        return Server(["nbdkit", "-f", "-U", str(sock), "memory", f"size={SIZE}"], sock,
+                      ""), None
+    disk = make_file(tmp_path / "disk.raw", SIZE)
+    if kind == "qemu-nbd":
+        return Server(["qemu-nbd", "-f", "raw", "-x", "disk", "-t", "-k", str(sock),
+                       str(disk)], sock, "disk"), disk
+    return Server(["qemu-storage-daemon",
+                   "--blockdev", f"driver=file,node-name=disk,filename={disk}",
+                   "--nbd-server", f"addr.type=unix,addr.path={sock}",
+                   "--export", "type=nbd,id=exp,node-name=disk,name=disk,writable=on"],
+                  sock, "disk"), disk
+
+
+@pytest.fixture(params=["qemu-nbd", "qemu-storage-daemon", "nbdkit"])
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Server, Path | None]]:
+    s, disk = _server(request.param, tmp_path)
+    yield s.start(), disk
+    s.kill()
+
+
+def _export(s: Server, tmp_path: Path, offset: int, length: int) -> bytes:
+    """The export's bytes as another NBD client reads them."""
+    out = tmp_path / "export.raw"
+    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "raw", s.uri, str(out)],
+                   check=True, capture_output=True)
+    with open(out, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+def test_fio_verify_and_data_in_the_export(server: tuple[Server, Path | None],
+                                           tmp_path: Path) -> None:
+    s, disk = server
+    dev = add("-t", "nbd", s.uri, "-q", "1")
+    path = f"/dev/ublkb{dev.dev_id}"
+    job = fio(path, tmp_path, "--rw=randwrite", "--bs=8k", "--iodepth=32", "--size=64M",
+              "--verify=crc32c", "--verify_fatal=1", "--do_verify=1")
+    assert job["write"]["io_bytes"] == 64 * MiB  # type: ignore[index]
+    data = os.urandom(MiB)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, 100 * MiB)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    delete(dev.dev_id)
+    if disk is not None:
+        with open(disk, "rb") as f:
+            f.seek(100 * MiB)
+            assert f.read(MiB) == data
+    assert _export(s, tmp_path, 100 * MiB, MiB) == data
+
+
+def test_two_queues_with_multi_conn(tmp_path: Path) -> None:
+    s, _disk = _server("qemu-storage-daemon", tmp_path)
+    s.start()
+    try:
+        dev = add("-t", "nbd", s.uri, "-q", "2")
+        assert dev.queues == 2
+        job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randwrite", "--bs=4k",
+                  "--iodepth=32", "--size=64M", "--numjobs=2", "--verify=crc32c",
+                  "--verify_fatal=1", "--do_verify=1", "--group_reporting")
+        assert job["error"] == 0
+        delete(dev.dev_id)
+    finally:
+        s.kill()
+
+
+def test_server_killed_and_restarted_under_fio(tmp_path: Path) -> None:
+    s, _disk = _server("qemu-storage-daemon", tmp_path)
+    s.start()
+    try:
+        dev = add("-t", "nbd", s.uri, "-q", "1", "--reconnect-timeout", "30")
+        cmd = ["fio", "--name=t", f"--filename=/dev/ublkb{dev.dev_id}", "--ioengine=io_uring",
+               "--direct=1", "--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=32M",
+               "--verify=crc32c", "--verify_fatal=1", "--do_verify=1", "--loops=4"]
+        fio_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, cwd=tmp_path)
+        time.sleep(2)
+        s.kill()
+        time.sleep(2)
+        s.start()
+        out, err = fio_proc.communicate(timeout=180)
+        assert fio_proc.returncode == 0, f"fio failed: {err}\n{out}"
+        delete(dev.dev_id)
+    finally:
+        s.kill()
