@@ -27,7 +27,8 @@ from aioublk.target import (
     Target,
     current_queue,
 )
-from aioublk.targets import BackingError, LoopTarget, NullTarget, StripeTarget
+from aioublk.targets import BackingError, LoopTarget, NbdError, NullTarget, StripeTarget
+from aioublk.targets.nvme import NvmeError
 from aioublk.targets.qcow2 import Qcow2Target
 
 __all__ = [
@@ -44,5 +45,5 @@ __all__ = [
     "Qcow2Image",
     # errors
     "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
-    "LogFileError", "MetricsError", "Qcow2Error", "QueueSetupError", "RunDirError", "UblkError",
+    "LogFileError", "MetricsError", "NbdError", "NvmeError", "Qcow2Error", "QueueSetupError", "RunDirError", "UblkError",
 ]
