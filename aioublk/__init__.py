@@ -45,5 +45,6 @@ __all__ = [
     "Qcow2Image",
     # errors
     "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
-    "LogFileError", "MetricsError", "NbdError", "NvmeError", "Qcow2Error", "QueueSetupError", "RunDirError", "UblkError",
+    "LogFileError", "MetricsError", "NbdError", "NvmeError", "Qcow2Error", "QueueSetupError",
+    "RunDirError", "UblkError",
 ]
