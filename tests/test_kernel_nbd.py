@@ -116,7 +116,8 @@ def test_two_queues_with_multi_conn(tmp_path: Path) -> None:
         dev = add("-t", "nbd", s.uri, "-q", "2")
         assert dev.queues == 2
         job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randwrite", "--bs=4k",
-                  "--iodepth=32", "--size=64M", "--numjobs=2", "--verify=crc32c",
+                  "--iodepth=32", "--size=32M", "--offset_increment=32M", "--numjobs=2",
+                  "--verify=crc32c",
                   "--verify_fatal=1", "--do_verify=1", "--group_reporting")
         assert job["error"] == 0
         delete(dev.dev_id)
