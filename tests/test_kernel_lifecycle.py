@@ -222,7 +222,9 @@ def test_recover_refuses_another_size_or_file(tmp_path: Path) -> None:
         log = tmp_path / f"{other.name}.log"
         with pytest.raises(AssertionError, match="failed"):
             start_server(["-n", str(dev.dev_id), *add_args, str(other)], log, cmd="recover")
-        lines = log.read_text().splitlines()
+        # recover says first that the file given replaces the recorded one
+        notice, *lines = log.read_text().splitlines()
+        assert notice == f"aioublk: recover: {other} overrides the recorded {first}", notice
         assert len(lines) == 1 and lines[0].startswith("aioublk: ") and message in lines[0], lines
         assert state(dev.dev_id) == "QUIESCED"
     new = start_server(["-n", str(dev.dev_id), *add_args, str(first)], tmp_path / "second.log",
