@@ -286,8 +286,18 @@ def _record(args: argparse.Namespace) -> dict[str, Any]:
             options[dest] = os.path.abspath(value)
         elif isinstance(value, list):
             options[dest] = [os.path.abspath(v) for v in value]
-    return {"target": args.target, "files": [os.path.abspath(f) for f in args.files],
+    return {"target": args.target, "files": _absolute_files(args.target, args.files),
             "options": options}
+
+
+def _absolute_files(target: str | None, files: list[str]) -> list[str]:
+    """FILE arguments as a daemon (which runs in /) opens them: paths made
+    absolute, but not what is no path (nbd's URI, which abspath would mangle)."""
+    spec = registry.TARGETS.get(target or "")
+    option = spec.option(spec.files) if spec is not None and spec.files else None
+    if option is not None and option.type not in (registry.PATH, registry.PATHS):
+        return list(files)
+    return [os.path.abspath(f) for f in files]
 
 
 def _spelled(dest: str, value: Any) -> str:
@@ -326,7 +336,8 @@ def _as_recorded(args: argparse.Namespace) -> None:
         if given.get("target", recorded["target"]) != recorded["target"]:
             del recorded["files"]  # the other target's
     if "files" in given:
-        given["files"] = [os.path.abspath(f) for f in given["files"]]
+        given["files"] = _absolute_files(given.get("target", recorded.get("target")),
+                                         given["files"])
     overrides = [f"{_spelled(dest, value)} overrides the recorded "
                  f"{_spelled(dest, recorded[dest])}"
                  for dest, value in given.items()

@@ -170,16 +170,16 @@ class GoalRow(NamedTuple):
     target: float
 
 
-def _paired(runs: list[dict[str, object]], device: str, workload: str) -> float | None:
-    """The median over rounds of aioublk / kublk within a round: both sides
+def _paired(runs: list[dict[str, object]], device: str, workload: str,
+            num: str = "aioublk", den: str = "kublk") -> float | None:
+    """The median over rounds of num / den (servers) within a round: both sides
     ran minutes apart there, so drift between rounds (the host's load moved
     kublk's loop reads from 10.7k to 16.2k IOPS in one run) cancels out."""
     by_round: dict[object, dict[object, float]] = {}
     for x in runs:
         if x["device"] == device and x["workload"] == workload and x["iops"] is not None:
             by_round.setdefault(x["round"], {})[x["server"]] = float(x["iops"])  # type: ignore[arg-type]
-    ratios = [r["aioublk"] / r["kublk"] for r in by_round.values()
-              if r.get("kublk") and "aioublk" in r]
+    ratios = [r[num] / r[den] for r in by_round.values() if r.get(den) and num in r]
     return statistics.median(ratios) if ratios else None
 
 

@@ -48,6 +48,10 @@ WORKLOADS: dict[str, tuple[list[str], str]] = {
     "4k randwrite qd64": (["--rw=randwrite", "--bs=4k", "--iodepth=64"], "write"),
     "128k read qd16": (["--rw=read", "--bs=128k", "--iodepth=16"], "read"),
 }
+#: workloads other benchmarks run that bench.modes does not
+MORE_WORKLOADS: dict[str, tuple[list[str], str]] = {
+    "128k write qd16": (["--rw=write", "--bs=128k", "--iodepth=16"], "write"),
+}
 SCALING_WORKLOAD = "4k randread qd64"
 SCALING_FIO = ["--numjobs=2", "--group_reporting"]
 RAMP = 1
@@ -69,7 +73,7 @@ def _run(cmd: list[str], timeout: float) -> tuple[str, str | None]:
 
 def _fio(dev: str, workload: str, runtime: int,
          extra: list[str]) -> tuple[float | None, str | None]:
-    args, side = WORKLOADS[workload]
+    args, side = WORKLOADS[workload] if workload in WORKLOADS else MORE_WORKLOADS[workload]
     out, err = _run(["fio", "--name=w", f"--filename={dev}", "--ioengine=io_uring", "--direct=1",
                      *args, *extra, "--time_based", f"--runtime={runtime}",
                      f"--ramp_time={RAMP}", "--output-format=json"],

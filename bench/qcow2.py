@@ -217,12 +217,13 @@ class NbdServer:
 class AioublkServer:
     name = "aioublk"
 
-    def __init__(self) -> None:
+    def __init__(self, add_args: tuple[str, ...] = ("-t", "qcow2", "-q", "1")) -> None:
         self.cmd = [sys.executable, "-m", "aioublk"]
+        self.add_args = add_args  # before the image (bench.nbd: -t nbd, the URI after)
         self.dev_id: str | None = None
 
     def attach(self, image: str) -> tuple[str | None, str | None]:
-        dev_id, err = _add(self.cmd, ["-t", "qcow2", "-q", "1", image])
+        dev_id, err = _add(self.cmd, [*self.add_args, image])
         if dev_id is None:
             return None, err
         self.dev_id = dev_id

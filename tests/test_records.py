@@ -52,6 +52,18 @@ def test_record_round_trip(run_dir: Path, tmp_path: Path,
     stats.remove_record(3)  # (gone already: nothing to say)
 
 
+def test_an_nbd_uri_is_recorded_as_given(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A URI is no path: made absolute it would be ``CWD/nbd+unix:/disk?...``
+    and ``recover -n ID`` alone could not reach the server."""
+    monkeypatch.chdir(tmp_path)
+    uri = "nbd+unix:///disk?socket=/run/qsd.sock"
+    record = recorded_add(["-t", "nbd", "-r", "1", uri])
+    assert record["files"] == [uri]
+    assert cli._absolute_files("nbd", [uri]) == [uri]
+    assert cli._absolute_files("loop", ["d.img"]) == [str(tmp_path / "d.img")]
+
+
 def test_record_is_not_read_through_a_symlink(run_dir: Path, tmp_path: Path) -> None:
     recorded_add(["-t", "null"])
     planted = tmp_path / "planted.json"

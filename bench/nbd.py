@@ -1,0 +1,359 @@
+"""-t nbd beside the kernel's own NBD client, against the same server, in one guest run
+(issue #14).
+
+    python -m bench.nbd [--runtime 5] [--rounds 2] [--quick]
+
+qemu-storage-daemon exports a 1 GiB raw file in the guest's RAM (tmpfs, filled
+with data first so reads do not hit holes), over a unix socket and over TCP
+127.0.0.1, a fresh daemon for each client (neither inherits the other's state).
+Two clients, each with one connection and depth 128 (nbd.ko's own), the I/O
+scheduler set to ``none`` on both devices:
+
+1. ``aioublk add -t nbd URI -q 1 -d 128``: ublk, then libnbd on the queue's loop;
+2. the kernel's nbd.ko: through ``nbd-client`` where the guest has it (it hands
+   nbd.ko a socket connected to the daemon), else ``qemu-nbd -c /dev/nbdN URI``,
+   where qemu-nbd is itself an NBD client of the daemon and serves nbd.ko over a
+   socket pair: one hop more than aioublk's, which the report says.
+
+fio io_uring O_DIRECT: 4k randread and randwrite at iodepth 64, 128k sequential
+read and write at iodepth 16. Who goes first swaps every round; the goal is
+aioublk / kernel ≥ 1 on the paired ratio (each round's own ratio, then the
+median), as in ``bench.dataplane``.
+
+The guest only writes JSON; the host turns it into ``bench/results/nbd.md``,
+``.json`` and ``nbd.png`` (matplotlib: ``pip install -e .[bench]``). Absolute
+numbers under software emulation mean little; the ratios are the result.
+``--quick`` (unix socket only, 4k randread, 2 s runs) is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from bench.dataplane import _met, _paired, _ratio
+from bench.modes import (
+    BACKING_SIZE,
+    RAMP,
+    _fio,
+    _fmt,
+    _footer,
+    _median,
+    _notes,
+    _run,
+    publish,
+    run_guest,
+)
+from bench.qcow2 import AioublkServer, NbdServer, _free_nbd, _image_folder
+
+CLIENTS = ("kernel", "aioublk")
+TRANSPORTS = ("unix", "tcp")
+PORT = 10809
+WORKLOADS = ["4k randread qd64", "4k randwrite qd64", "128k read qd16", "128k write qd16"]
+QUICK = {"transports": ["unix"], "workloads": ["4k randread qd64"]}
+TARGET = 1.0  # aioublk / kernel at least
+
+
+class Export(NamedTuple):
+    """One transport's daemon: how each client names it."""
+
+    uri: str                 # libnbd's and qemu-nbd's
+    nbd_client: list[str]    # nbd-client's HOST [PORT] (before the device)
+    address: str | tuple[str, int]  # the daemon is up once this accepts a connection
+    family: socket.AddressFamily
+
+
+def _export(transport: str, folder: str) -> Export:
+    if transport == "unix":
+        sock = os.path.join(folder, "qsd.sock")
+        return Export(f"nbd+unix:///disk?socket={sock}", ["-unix", sock], sock,
+                      socket.AF_UNIX)
+    return Export(f"nbd://127.0.0.1:{PORT}/disk", ["127.0.0.1", str(PORT)],
+                  ("127.0.0.1", PORT), socket.AF_INET)
+
+
+def _start_daemon(transport: str, exp: Export, disk: str) -> tuple[subprocess.Popen[bytes] | None,
+                                                                   str | None]:
+    """qemu-storage-daemon exporting `disk` writable as "disk"; (process, None) once it
+    accepts connections, else (None, error)."""
+    addr = (f"addr.type=unix,addr.path={exp.address}" if transport == "unix"
+            else f"addr.type=inet,addr.host=127.0.0.1,addr.port={PORT}")
+    log = Path(disk).with_suffix(".log")
+    with open(log, "wb") as err_file:  # (a pipe nobody reads could fill and stall it)
+        proc = subprocess.Popen(
+            ["qemu-storage-daemon", "--blockdev", f"driver=file,node-name=disk,filename={disk}",
+             "--nbd-server", addr,
+             "--export", "type=nbd,id=exp,node-name=disk,name=disk,writable=on"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = log.read_text(errors="replace").strip()[-300:]
+            return None, f"qemu-storage-daemon exit {proc.returncode}: {err}"
+        with socket.socket(exp.family) as s:
+            try:
+                s.connect(exp.address)
+                return proc, None
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    return None, "qemu-storage-daemon: not listening after 60 s"
+
+
+def _stop_daemon(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class KernelClient(NbdServer):
+    """nbd.ko on the export: nbd-client where installed, else qemu-nbd -c (one more hop).
+    Detached as bench.qcow2's (``qemu-nbd -d`` disconnects any /dev/nbdN)."""
+
+    def __init__(self) -> None:
+        super().__init__("")
+        self.tool = "nbd-client" if shutil.which("nbd-client") else "qemu-nbd -c"
+        self.name = "kernel"
+
+    def attach_export(self, exp: Export) -> tuple[str | None, str | None]:
+        dev = _free_nbd()
+        if dev is None:
+            return None, "no free /dev/nbdN (is nbd.ko loaded?)"
+        if self.tool == "nbd-client":
+            cmd = ["nbd-client", *exp.nbd_client, dev, "-N", "disk"]
+        else:
+            cmd = ["qemu-nbd", "-f", "raw", "-c", dev, exp.uri]
+        _, err = _run(cmd, timeout=120)
+        if err:
+            return None, f"{self.tool} {err}"
+        self.dev = dev
+        return dev, None
+
+
+def _no_scheduler(dev: str) -> None:
+    """Both devices without an I/O scheduler: nbd.ko and ublk may differ in their default."""
+    path = Path(f"/sys/block/{os.path.basename(dev)}/queue/scheduler")
+    try:
+        path.write_text("none")
+    except OSError as e:
+        print(f"  {dev}: scheduler left as {path.read_text().strip()} ({e.strerror})",
+              flush=True)
+
+
+def _client_runs(client: str, exp: Export, workloads: list[str],
+                 runtime: int) -> list[tuple[str, float | None, str | None]]:
+    """Attach one client to the export, run each workload on it, detach."""
+    side: KernelClient | AioublkServer
+    if client == "kernel":
+        side = KernelClient()
+        dev, err = side.attach_export(exp)
+    else:
+        side = AioublkServer(("-t", "nbd", "-q", "1", "-d", "128"))
+        dev, err = side.attach(exp.uri)
+    if dev is None:
+        return [(w, None, err) for w in workloads]
+    runs = []
+    try:
+        _no_scheduler(dev)
+        for w in workloads:
+            iops, err = _fio(dev, w, runtime, [])
+            runs.append((w, iops, err))
+    finally:
+        err = side.detach()
+        if err:
+            print(f"  detaching {client} from {dev} failed: {err}", flush=True)
+    return runs
+
+
+def _fill(disk: str) -> str | None:
+    """Data in every block of the export's file, so reads are not of holes."""
+    _, err = _run(["fio", "--name=fill", f"--filename={disk}", "--rw=write", "--bs=1M",
+                   f"--size={BACKING_SIZE}", "--ioengine=psync", "--refill_buffers"],
+                  timeout=1800)
+    return err
+
+
+def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
+    """Runs in the guest; rewrites `out` after every client so a crash keeps what was done."""
+    transports = QUICK["transports"] if quick else list(TRANSPORTS)
+    workloads = QUICK["workloads"] if quick else WORKLOADS
+    start = time.monotonic()
+    release, _ = _run(["uname", "-r"], timeout=10)
+    qsd, _ = _run(["qemu-storage-daemon", "--version"], timeout=30)
+    _run(["modprobe", "nbd"], timeout=60)  # the harness loads it already
+    folder = _image_folder(BACKING_SIZE)
+    disk = os.path.join(str(folder["path"]), "disk.raw")
+    runs: list[dict[str, object]] = []
+    data: dict[str, object] = {
+        "kernel": release.strip(), "cpus": os.cpu_count(),
+        "guest": os.environ.get("AIOUBLK_IN_GUEST") == "1", "runtime": runtime, "ramp": RAMP,
+        "rounds": rounds, "quick": quick, "storage": folder,
+        "qemu_storage_daemon": qsd.splitlines()[0] if qsd else None,
+        "kernel_client": KernelClient().tool, "complete": False, "runs": runs,
+    }
+    data["fill_error"] = fill_err = _fill(disk)
+    print(f"export file {disk} ({folder['fs']}) filled: {fill_err or 'ok'}", flush=True)
+    for r in range(rounds):
+        for transport in transports:
+            exp = _export(transport, str(folder["path"]))
+            # who goes first swaps every round: drift over the run then favours neither
+            for client in CLIENTS if r % 2 == 0 else CLIENTS[::-1]:
+                proc, err = _start_daemon(transport, exp, disk)
+                done = (_client_runs(client, exp, workloads, runtime) if proc is not None
+                        else [(w, None, err) for w in workloads])
+                if proc is not None:
+                    _stop_daemon(proc)
+                for w, iops, e in done:
+                    runs.append({"round": r + 1, "device": transport, "workload": w,
+                                 "server": client, "iops": iops, "error": e})
+                    shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {e}"
+                    print(f"[{time.monotonic() - start:4.0f} s] round {r + 1}: {transport:4} "
+                          f"{w:17} {client:7} {shown}", flush=True)
+                out.write_text(json.dumps(data))
+    data["complete"] = True
+    out.write_text(json.dumps(data))
+
+
+class Row(NamedTuple):
+    transport: str
+    workload: str
+    kernel: float | None  # median IOPS
+    aioublk: float | None
+    ratio: float | None  # of the medians
+    paired: float | None  # the median of each round's aioublk / kernel
+
+
+def rows(data: dict[str, object]) -> list[Row]:
+    """Each transport and workload the run measured."""
+    runs = data["runs"]
+    assert isinstance(runs, list)
+    table = []
+    for t in TRANSPORTS:
+        for w in WORKLOADS:
+            if any(x["device"] == t and x["workload"] == w for x in runs):
+                k, a = (_median(runs, c, device=t, workload=w) for c in CLIENTS)
+                table.append(Row(t, w, k, a, _ratio(a, k),
+                                 _paired(runs, t, w, num="aioublk", den="kernel")))
+    return table
+
+
+def report(data: dict[str, object], command: str) -> str:
+    runs = data["runs"]
+    assert isinstance(runs, list)
+    setup = ("One guest run: QEMU TCG software emulation (no KVM), 4 GiB RAM" if data["guest"]
+             else "One run on the host")
+    tool = data.get("kernel_client")
+    hop = ("`nbd-client` hands nbd.ko a socket connected to the daemon" if tool == "nbd-client"
+           else "no `nbd-client` in the guest, so `qemu-nbd -f raw -c /dev/nbdN URI`: qemu-nbd "
+           "is an NBD client of the daemon and serves nbd.ko over a socket pair, **one hop "
+           "more** than aioublk's")
+    storage = data.get("storage")
+    where = (f"`{storage['path']}` ({storage['fs']})" if isinstance(storage, dict)
+             else "guest RAM")
+    lines = [
+        "# -t nbd vs the kernel's NBD client, same server (issue #14)", "",
+        f"{setup}, {data['cpus']} CPUs, Linux {data['kernel']}. "
+        f"{data.get('qemu_storage_daemon') or 'qemu-storage-daemon'} exports a 1 GiB raw "
+        f"file in {where}, filled with data, over a unix socket and over TCP 127.0.0.1. "
+        "Clients: `aioublk add -t nbd URI -q 1 -d 128`, and nbd.ko (depth 128, one "
+        f"connection): {hop}. Scheduler `none` on both devices. fio with io_uring, "
+        f"O_DIRECT, {data['runtime']} s per workload after {data['ramp']} s ramp; median of "
+        f"{data['rounds']} round(s), the kernel first in odd rounds and aioublk first in "
+        "even ones. Under emulation the absolute IOPS mean little: **the ratios are the "
+        "result**.",
+    ]
+    lines += _notes(data, "unix socket, 4k randread, one round")
+    lines += ["", "IOPS are medians over the rounds. **aioublk / kernel** divides those "
+              "medians; **paired** is the median over the rounds of each round's own ratio "
+              "(the two ran back to back): the goal is judged on it.",
+              "", "| transport | workload | kernel IOPS | aioublk IOPS | aioublk / kernel "
+              "| paired | goal | met |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines += [f"| {r.transport} | {r.workload} | {_fmt(r.kernel)} | {_fmt(r.aioublk)} "
+              f"| {_fmt(r.ratio, '.2f')} | {_fmt(r.paired, '.2f')} | ≥ {TARGET} "
+              f"| {_met(r.paired, TARGET)} |" for r in rows(data)]
+    errors: dict[str, str] = {}
+    for x in runs:
+        if x["error"]:
+            errors.setdefault(f"{x['server']} `{x['device']}`", str(x["error"]))
+    return "\n".join(lines + _footer(errors, "client/transport", "nbd.png", command))
+
+
+def plot(data: dict[str, object], path: Path) -> None:
+    """One bar per transport and workload, the goal drawn across: green met, red not."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = rows(data)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(table) + 2), 5))
+    top = 1.2
+    for i, r in enumerate(table):
+        ok = r.paired is not None and r.paired >= TARGET
+        ax.bar(i, r.paired or 0, 0.6, color="tab:green" if ok else "tab:red", alpha=0.8)
+        ax.annotate("n/a" if r.paired is None else f"{r.paired:.2f}", (i, r.paired or 0),
+                    xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                    fontsize=8)
+        top = max(top, (r.paired or 0) + 0.2)
+    ax.axhline(TARGET, color="black", linewidth=1)
+    ax.set_xticks(range(len(table)), [f"{r.transport}\n{r.workload}" for r in table],
+                  rotation=30, ha="right", fontsize=8)
+    ax.set_ylim(0, top)
+    ax.set_ylabel("aioublk / kernel IOPS, paired by round (line: goal)")
+    ax.set_title(f"-t nbd vs nbd.ko ({data.get('kernel_client')}), qemu-storage-daemon\n"
+                 f"Linux {data['kernel']}, median of {data['rounds']} round(s)", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _command(runtime: int, rounds: int, quick: bool) -> str:
+    return shlex.join([".venv/bin/python", "-m", "bench.nbd", f"--runtime={runtime}",
+                       f"--rounds={rounds}", *(["--quick"] if quick else [])])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: unix socket, 4k randread, 2 s runs")
+    ap.add_argument("--report", metavar="JSON",
+                    help="only write the report again from a run's results/nbd.json")
+    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    runtime = ns.runtime or (2 if ns.quick else 5)
+    if ns.report:
+        data = json.loads(Path(ns.report).read_text())
+        return publish("nbd", data, report(data, _command(data["runtime"], data["rounds"],
+                                                          data["quick"])), plot, 0)
+    if ns.inner:  # (run_guest passes a kublk: this benchmark has no use for it)
+        inner(runtime, ns.rounds, ns.quick, Path(ns.inner[1]))
+        return 0
+    options = [f"--runtime={runtime}", f"--rounds={ns.rounds}",
+               *(["--quick"] if ns.quick else [])]
+    attaches = ns.rounds * len(CLIENTS) * (1 if ns.quick else len(TRANSPORTS))
+    fio_runs = attaches * (1 if ns.quick else len(WORKLOADS))
+    code, data = run_guest("bench.nbd", options,
+                           timeout=1800 + attaches * 180 + fio_runs * (runtime + RAMP + 30))
+    if data is None:
+        return 1
+    return publish("nbd", data, report(data, _command(runtime, ns.rounds, ns.quick)), plot,
+                   code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
