@@ -17,7 +17,16 @@ from aioublk.options import CopyMode, DeviceConfig, UblkError
 from aioublk.target import Geometry
 from aioublk.targets.zoned import ZonedError, ZonedTarget
 from aioublk.targets.zones import (
-    CLOSED, CONVENTIONAL, EMPTY, EXP_OPEN, FULL, IMP_OPEN, NOT_WP, SEQUENTIAL, ZoneTable)
+    CLOSED,
+    CONVENTIONAL,
+    EMPTY,
+    EXP_OPEN,
+    FULL,
+    IMP_OPEN,
+    NOT_WP,
+    SEQUENTIAL,
+    ZoneTable,
+)
 
 Z = 8  # sectors per zone in the tables below
 
