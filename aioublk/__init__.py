@@ -30,13 +30,14 @@ from aioublk.target import (
 from aioublk.targets import BackingError, LoopTarget, NbdError, NullTarget, StripeTarget
 from aioublk.targets.nvme import NvmeError
 from aioublk.targets.qcow2 import Qcow2Target
+from aioublk.targets.zoned import ZonedError, ZonedTarget
 
 __all__ = [
     # devices
     "Control", "CopyMode", "Device", "DeviceConfig",
     # targets
     "Buffer", "Done", "FixedBuf", "Geometry", "QueueContext", "Target", "current_queue",
-    "LoopTarget", "NullTarget", "Qcow2Target", "StripeTarget",
+    "LoopTarget", "NullTarget", "Qcow2Target", "StripeTarget", "ZonedTarget",
     # the data plane
     "ExtentTable", "Extents", "Linear", "Map", "Null", "Striped",
     # I/O
@@ -46,5 +47,5 @@ __all__ = [
     # errors
     "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
     "LogFileError", "MetricsError", "NbdError", "NvmeError", "Qcow2Error", "QueueSetupError",
-    "RunDirError", "UblkError",
+    "RunDirError", "UblkError", "ZonedError",
 ]

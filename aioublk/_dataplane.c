@@ -71,6 +71,7 @@ _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
 #define UBLK_OP_WRITE 1
 #define UBLK_F_FUA (1U << 13)
 #define UBLK_F_NEED_REG_BUF (1U << 17)
+#define UBLK_BATCH_F_HAS_ZONE_LBA (1U << 0)
 #define UBLK_BATCH_F_HAS_BUF_ADDR (1U << 1)
 #define UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK (1U << 2)
 /* -u: where a request's data is on /dev/ublkcN (64-bit: the queue id sits at bit 41) */
@@ -98,6 +99,8 @@ struct dp_tag {
     uint8_t lat_op;      /* timing: the op's histogram */
     uint32_t len;
     uint64_t t0;         /* timing: CLOCK_MONOTONIC ns at fetch; 0: not timed */
+    uint8_t has_lba;     /* zoned: the next commit carries zone_lba */
+    uint64_t zone_lba;   /* zoned: where a zone append landed, in sectors */
     uint32_t *ids;       /* DP_MAX_PIECES extent ids */
     struct dp_piece *pieces;  /* -u: DP_MAX_PIECES */
 };
@@ -183,8 +186,9 @@ struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
         return NULL;
     dp->r = r;
     dp->s = *s;
-    dp->elem_bytes = 8 + (s->mode == AUR_DP_COPY ? 8 : 0);
+    dp->elem_bytes = 8 + (s->mode == AUR_DP_COPY ? 8 : 0) + (s->zoned ? 8 : 0);
     dp->batch_flags = (s->mode == AUR_DP_COPY ? UBLK_BATCH_F_HAS_BUF_ADDR : 0) |
+        (s->zoned ? UBLK_BATCH_F_HAS_ZONE_LBA : 0) |
         (s->mode == AUR_DP_AUTO_ZC && s->auto_zc_fallback ?
          UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK : 0);
     /* the most records one CQE can produce: a fetch's tags, and itself */
@@ -328,12 +332,14 @@ static uint64_t dp_io_addr(struct aur_dp *dp, unsigned local, uint16_t tag)
 static int dp_io_cmd(struct aur_dp *dp, unsigned local, uint16_t tag, uint32_t op, int32_t res)
 {
     uint64_t sqe_addr = 0;
+    struct dp_tag *t = dp_tag(dp, local, tag);
 
     if (dp->s.mode == AUR_DP_AUTO_ZC)
-        sqe_addr = dp_tag(dp, local, tag)->buf_index |
-            (dp->s.auto_zc_fallback ? (1U << 16) : 0);
+        sqe_addr = t->buf_index | (dp->s.auto_zc_fallback ? (1U << 16) : 0);
+    /* a zone append's sector goes where a fetch's buffer address would
+       (the union's zone_append_lba; zoned devices have no buffer address) */
     return aur_prep_ublk_io(dp->r, dp->s.char_fd, op, dp->q[local].q_id, tag, res,
-                            dp_io_addr(dp, local, tag), sqe_addr, 0,
+                            t->has_lba ? t->zone_lba : dp_io_addr(dp, local, tag), sqe_addr, 0,
                             DP_UD(AUR_DP_EV_IO, local, tag, 0));
 }
 
@@ -446,7 +452,10 @@ static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t
     if (dp->batch_flags & UBLK_BATCH_F_HAS_BUF_ADDR) {
         addr = dp_io_addr(dp, local, tag);
         memcpy(e + 8, &addr, 8);
+        e += 8;
     }
+    if (dp->batch_flags & UBLK_BATCH_F_HAS_ZONE_LBA)
+        memcpy(e + 8, &q->tags[tag].zone_lba, 8);
     q->nr_elems++;
 }
 
@@ -454,6 +463,7 @@ static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t
 static int dp_commit(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
 {
     struct aur_dp_counts *c = dp->q[local].counts;
+    int ret;
 
     if (dp->q[local].tags[tag].t0)
         dp_clock_stop(c, &dp->q[local].tags[tag]);
@@ -464,9 +474,19 @@ static int dp_commit(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t re
         c->errors++;
     if (dp->s.batch) {
         dp_add_elem(dp, local, tag, res);
-        return 0;
+        ret = 0;
+    } else {
+        ret = dp_io_cmd(dp, local, tag, dp->s.op_commit_and_fetch, res);
     }
-    return dp_io_cmd(dp, local, tag, dp->s.op_commit_and_fetch, res);
+    dp->q[local].tags[tag].has_lba = 0;
+    dp->q[local].tags[tag].zone_lba = 0;
+    return ret;
+}
+
+void aur_dp_zone_lba(struct aur_dp *dp, unsigned local, uint16_t tag, uint64_t lba)
+{
+    dp->q[local].tags[tag].has_lba = 1;
+    dp->q[local].tags[tag].zone_lba = lba;
 }
 
 int aur_dp_answer(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)

@@ -30,6 +30,7 @@ struct aur_dp_setup {
     int batch;
     int mode;               /* AUR_DP_* */
     int auto_zc_fallback;
+    int zoned;              /* UBLK_F_ZONED: commits carry a zone append's sector */
     unsigned nr_queues;     /* the worker's queues, in its order ("local") */
     unsigned depth;
     uint32_t max_io;
@@ -77,6 +78,8 @@ int aur_dp_fetch_io_cmds(struct aur_dp *dp, unsigned local);
 /* Python's answer to a request: COMMIT_AND_FETCH_REQ, or an element of the
    queue's next COMMIT_IO_CMDS */
 int aur_dp_answer(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res);
+/* the sector a zone append landed at, sent with the tag's next answer (zoned) */
+void aur_dp_zone_lba(struct aur_dp *dp, unsigned local, uint16_t tag, uint64_t lba);
 /* queue the COMMIT_IO_CMDS of what was answered since the last one */
 int aur_dp_flush(struct aur_dp *dp);
 /* the elements queue `local` has for its next commit (bytes copied; tests) */

@@ -171,6 +171,8 @@ class BatchDriver(Driver):
             flags |= F_HAS_BUF_ADDR
         if self.mode is CopyMode.AUTO_ZC and cfg.auto_zc_fallback:
             flags |= F_AUTO_BUF_REG_FALLBACK
+        if cfg.zoned:  # (the data plane's commits carry it too)
+            flags |= F_HAS_ZONE_LBA
         self.flags = flags
         self.queues = [qm for qm, _tags in worker.spec.work]
         for local in range(len(self.queues)):

@@ -163,8 +163,13 @@ def _add_target_options(add: argparse.ArgumentParser) -> None:
             if not o.flags or o.key in seen:
                 continue
             seen.add(o.key)
-            users = "/".join(t.name for t in specs if o in t.options)
+            same = [(t.name, t.option(o.key)) for t in specs if t.option(o.key) is not None]
+            users = "/".join(name for name, _o in same)
             default = f" (default: {o.default_help})" if o.default_help else ""
+            shared_default = len({u.default for _name, u in same if u is not None}) == 1
+            if not shared_default:  # each target's own default, applied by its class
+                default = " (default: " + ", ".join(
+                    f"{name} {u.default_help}" for name, u in same if u is not None) + ")"
             kw: dict[str, Any] = {"dest": o.key, "help": f"{users}: {o.help}{default}"}
             if o.type == registry.BOOL:
                 kw |= ({"type": _flag01, "default": False, "metavar": "0|1"} if o.zero_one
@@ -175,12 +180,13 @@ def _add_target_options(add: argparse.ArgumentParser) -> None:
                 kw |= {"choices": o.choices}
             else:
                 kw |= {"type": {registry.SIZE: _size, registry.INT: int}.get(o.type, str),
-                       "default": o.default}
+                       "default": o.default if shared_default else None}
                 if o.type == registry.SIZE:
                     kw["metavar"] = "SIZE"
             add.add_argument(*o.flags, **kw)
     fed = [(t.name, f) for t in specs if (f := t.option(t.files)) is not None]
-    one = [name for name, f in fed if f.type == registry.PATH]
+    one = [name + ("" if f.required else " (or none)") for name, f in fed
+           if f.type == registry.PATH]
     many = [f"{name} {f.lo} to {f.hi}" for name, f in fed if f.type == registry.PATHS]
     named = [f"; {name} its {f.what}" for name, f in fed if f.type == registry.STR]
     add.add_argument("files", nargs="*", metavar="FILE",
@@ -530,11 +536,12 @@ def make_target(args: argparse.Namespace) -> Target:
             raise UblkError(f"the {name} target's {fed.what} is given twice: as FILE and as "
                             f"--opt {fed.key}; drop one")
     elif fed is not None and fed.type in (registry.PATH, registry.STR):
-        if len(files) != 1:
+        if len(files) > 1 or (fed.required and not files):
             what = "image file" if fed.what == "image" else fed.what
-            raise UblkError(f"the {name} target needs exactly one {what}, got "
-                            f"{len(files)}")
-        options[fed.key] = files[0]
+            need = "exactly one" if fed.required else "at most one"
+            raise UblkError(f"the {name} target needs {need} {what}, got {len(files)}")
+        if files:
+            options[fed.key] = files[0]
     elif fed is not None:
         options[fed.key] = files
     options |= target_options(name, opts, at="--opt", base=os.getcwd())

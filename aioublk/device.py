@@ -28,7 +28,7 @@ from typing import Any
 
 from aioublk import logs, uapi
 from aioublk.driver import QueueMem, WorkerSpec
-from aioublk.options import DeviceConfig, UblkError, layout
+from aioublk.options import CopyMode, DeviceConfig, UblkError, layout
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import QueueSetupError, Target
 from aioublk.worker import Worker
@@ -330,6 +330,11 @@ class Device:
                 raise UblkError(f"target {target.name} serves all queues from one thread: "
                                 "drop --nthreads")
             self.config = replace(self.config, one_loop=True)
+        if target.geometry.zone_size and not self.config.zoned:
+            # the kernel returns a zone append's sector only with -u or -z; the
+            # default copy mode becomes -u, the others are refused in validate
+            copy = CopyMode.USER_COPY if self.config.copy is CopyMode.COPY else self.config.copy
+            self.config = replace(self.config, zoned=True, copy=copy)
         self.config.validate()
         if self.config.copy.fixed and not target.fixed_buffers:
             raise UblkError(f"target {target.name} cannot serve zero-copy modes (-z, "

@@ -40,12 +40,26 @@ GRACE_SECONDS = 2.0
 
 _READ, _WRITE, _FLUSH, _DISCARD, _WRITE_ZEROES = (
     uapi.Op.READ, uapi.Op.WRITE, uapi.Op.FLUSH, uapi.Op.DISCARD, uapi.Op.WRITE_ZEROES)
+_ZONE_APPEND, _REPORT_ZONES = uapi.Op.ZONE_APPEND, uapi.Op.REPORT_ZONES
+#: the ops whose data the server reads from the request / writes into it
+_DATA_IN = (_WRITE, _ZONE_APPEND)
+_DATA_OUT = (_READ, _REPORT_ZONES)
+#: zone operations without data: the target's method for each
+_ZONE_OPS = {uapi.Op.ZONE_OPEN: "zone_open", uapi.Op.ZONE_CLOSE: "zone_close",
+             uapi.Op.ZONE_FINISH: "zone_finish", uapi.Op.ZONE_RESET: "zone_reset"}
+
+
+def data_bytes(op_flags: int, nr: int) -> int:
+    """The bytes of a request's data: a zone report's ``nr`` counts zones."""
+    return nr * uapi.BLK_ZONE.size if op_flags & 0xFF == _REPORT_ZONES else nr << 9
 
 
 async def serve_request(target: Target, op_flags: int, nr_sectors: int, start_sector: int,
-                        buf: Buffer, *, q: int = -1, tag: int = -1) -> int:
+                        buf: Buffer, *, q: int = -1, tag: int = -1,
+                        append_at: Callable[[int], None] | None = None) -> int:
     """Run one request on the target; returns the result for the kernel
-    (bytes for read/write, 0 for the others, -errno on failure)."""
+    (bytes for read/write, 0 for the others, -errno on failure). A zone
+    append's sector goes to ``append_at``, for the commit."""
     op = op_flags & 0xFF
     offset = start_sector << 9
     length = nr_sectors << 9
@@ -67,13 +81,37 @@ async def serve_request(target: Target, op_flags: int, nr_sectors: int, start_se
         if op == _WRITE_ZEROES:
             await target.write_zeroes(offset, length, not op_flags & uapi.IO_F_NOUNMAP)
             return 0
-        return -errno.EOPNOTSUPP
+        return await _serve_zoned(target, op, op_flags, nr_sectors, offset, buf, append_at)
     except OSError as e:
         return -(e.errno or errno.EIO)
     except Exception:
         log.exception("target raised: request failed with EIO", q=q, tag=tag, op=op,
                       offset=offset, length=length)
         return -errno.EIO
+
+
+async def _serve_zoned(target: Target, op: int, op_flags: int, nr: int, offset: int,
+                       buf: Buffer, append_at: Callable[[int], None] | None) -> int:
+    """The zoned device's own ops (``UBLK_F_ZONED``); others: EOPNOTSUPP."""
+    if op == _ZONE_APPEND:
+        length = nr << 9
+        at = await target.zone_append(offset, cast(memoryview, buf[:length]),
+                                      bool(op_flags & uapi.IO_F_FUA))
+        if append_at is not None:
+            append_at(at >> 9)
+        return length
+    if op == _REPORT_ZONES:
+        length = data_bytes(op_flags, nr)
+        await target.report_zones(offset, cast(memoryview, buf[:length]))
+        return length
+    if op == uapi.Op.ZONE_RESET_ALL:
+        await target.zone_reset_all()
+        return 0
+    name = _ZONE_OPS.get(op)  # type: ignore[call-overload]
+    if name is None:
+        return -errno.EOPNOTSUPP
+    await getattr(target, name)(offset)
+    return 0
 
 
 class QueueMem:
@@ -123,6 +161,9 @@ class IoPath:
         self.fast = mode is CopyMode.COPY and not self.debug and (
             type(target).start_read is not Target.start_read
             or type(target).start_write is not Target.start_write)
+        #: zoned: where a zone append's sector goes for its commit (q_id, tag,
+        #: sector); the driver sets it
+        self.zone_lba: Callable[[int, int, int], None] | None = None
 
     def start(self, qm: QueueMem, tag: int, done: Done) -> bool:
         """The target's task-free path (``Target.start_read``/``start_write``),
@@ -152,11 +193,12 @@ class IoPath:
     def _serve(self, qm: QueueMem, tag: int, index: int) -> Coroutine[Any, Any, int]:
         op_flags, nr, sector, _addr = qm.unpack(tag * 24)
         mode = self.mode
-        if mode is CopyMode.COPY or op_flags & 0xFF not in (_READ, _WRITE):
+        op = op_flags & 0xFF
+        if mode is CopyMode.USER_COPY and (op in _DATA_IN or op in _DATA_OUT):
+            return self._user_copy(qm, tag, op_flags, nr, sector)
+        if mode is CopyMode.COPY or op not in (_READ, _WRITE):
             return serve_request(self.target, op_flags, nr, sector,
                                  qm.views[tag] if qm.views else _NO_DATA, q=qm.q_id, tag=tag)
-        if mode is CopyMode.USER_COPY:
-            return self._user_copy(qm, tag, op_flags, nr, sector)
         if mode is CopyMode.ZERO_COPY or op_flags & uapi.IO_F_NEED_REG_BUF:
             return self._registered(qm, tag, index, op_flags, nr, sector)
         return serve_request(self.target, op_flags, nr, sector, FixedBuf(index, 0, nr << 9),
@@ -164,15 +206,18 @@ class IoPath:
 
     async def _user_copy(self, qm: QueueMem, tag: int, op_flags: int, nr: int,
                          sector: int) -> int:
-        length = nr << 9
-        view = qm.views[tag][:length]
+        op = op_flags & 0xFF
+        view = qm.views[tag][:data_bytes(op_flags, nr)]
         pos = uapi.user_copy_offset(qm.q_id, tag)
+        append_at = None
+        if op == _ZONE_APPEND and self.zone_lba is not None:
+            append_at = partial(self.zone_lba, qm.q_id, tag)
         try:
-            if op_flags & 0xFF == _WRITE and not await self._char_io(self.ring.read, view, pos):
+            if op in _DATA_IN and not await self._char_io(self.ring.read, view, pos):
                 return -errno.EIO
             res = await serve_request(self.target, op_flags, nr, sector, view, q=qm.q_id,
-                                      tag=tag)
-            if op_flags & 0xFF == _READ and res > 0 and not await self._char_io(
+                                      tag=tag, append_at=append_at)
+            if op in _DATA_OUT and res > 0 and not await self._char_io(
                     self.ring.write, view[:res], pos):
                 return -errno.EIO
             return res
@@ -291,7 +336,8 @@ class Driver:
         work = worker.spec.work
         self.dp = ring.data_plane({
             "char_fd": worker.char_fd, "batch": int(batch), "mode": path.mode.data_plane,
-            "auto_zc_fallback": int(cfg.auto_zc_fallback), "nr_queues": len(work),
+            "auto_zc_fallback": int(cfg.auto_zc_fallback), "zoned": int(cfg.zoned),
+            "nr_queues": len(work),
             "depth": cfg.depth, "max_io": cfg.max_io_size,
             "op_fetch_req": uapi.IoCmd.FETCH_REQ,
             "op_commit_and_fetch": uapi.IoCmd.COMMIT_AND_FETCH_REQ,
@@ -314,6 +360,9 @@ class Driver:
             lib.aur_dp_queue(self.dp.c, local, qm.q_id, descs, bufs, self.dp.counts + local)
         self.stats = {qm.q_id: QueueStats(self.dp.counts[local])
                       for local, (qm, _tags) in enumerate(work)}
+        if cfg.zoned:
+            self._local = {qm.q_id: local for local, (qm, _tags) in enumerate(work)}
+            path.zone_lba = self._zone_lba
         if path.debug:  # -v logs each request: they all take the coroutine path
             self.w.log.debug("data plane off: every request is served in Python")
         else:
@@ -409,6 +458,10 @@ class Driver:
                                "kernel", tag=tag)
             return False
         return True
+
+    def _zone_lba(self, q_id: int, tag: int, sector: int) -> None:
+        """A zone append's sector, for the commit of its request."""
+        lib.aur_dp_zone_lba(self.dp.c, self._local[q_id], tag, sector)
 
     def commit(self, local: int, tag: int, res: int) -> None:
         """Python's answer to a request, queued in C for the end of this turn."""

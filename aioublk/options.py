@@ -92,6 +92,8 @@ class DeviceConfig:
     #: UBLK_F_UNPRIVILEGED_DEV: made by a user without CAP_SYS_ADMIN, who then
     #: owns it (its nodes are handed over by the udev rule, ``aioublk udev``)
     unprivileged: bool = False
+    #: UBLK_F_ZONED: the target is zoned (set from it, like one_loop); needs user copy
+    zoned: bool = False
 
     #: device flags a caller may pass in ``flags``; the rest come from the options
     SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
@@ -130,6 +132,9 @@ class DeviceConfig:
                             "copy, auto buffer registration and user copy (-z, --auto_zc, -u) "
                             "for unprivileged devices (drop it, or drop --unprivileged and "
                             "run as root)")
+        if self.zoned and self.copy is not CopyMode.USER_COPY:
+            raise UblkError(f"a zoned device and copy mode {self.copy.value} conflict: aioublk "
+                            "serves zoned devices with user copy only (-u)")
         if self.unprivileged and self.recovery_flags:
             raise UblkError("user recovery (-r/-e/-i) needs root: the kernel drops it for "
                             "unprivileged devices (drop it, or drop --unprivileged and run as "
@@ -180,6 +185,8 @@ class DeviceConfig:
             flags |= uapi.Feature.NEED_GET_DATA
         if self.unprivileged:
             flags |= uapi.Feature.UNPRIVILEGED_DEV
+        if self.zoned:
+            flags |= uapi.Feature.ZONED
         if flags & uapi.Feature.USER_RECOVERY and features & uapi.Feature.QUIESCE:
             flags |= uapi.Feature.QUIESCE  # as kublk: lets ``quiesce`` hand over the device
         if self.auto_zc_fallback:

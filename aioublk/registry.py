@@ -132,6 +132,21 @@ TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
                "reconnecting, before they fail with EIO", default=30, default_help="30",
                flags=("--reconnect-timeout",), lo=0),
     ), files="uri", read_only=True),
+    TargetSpec("zoned", "aioublk.targets.zoned:ZonedTarget", (
+        Option("file", PATH, "the backing file (created if missing; zone states go to "
+               "FILE.zones); none: zones in memory", what="backing file"),
+        Option("size", SIZE, "bytes the device serves (whole zones)", default=1 << 30,
+               default_help="1G", flags=("-s", "--size"), lo=4096, sectors=True),
+        Option("zone_size", SIZE, "bytes per zone, a power of two", default=64 << 20,
+               default_help="64M", flags=("--zone_size",), lo=4096, power_of_two=True),
+        Option("conv_zones", INT, "how many zones, from the first, are conventional",
+               default=0, flags=("--conv_zones",), lo=0),
+        Option("max_open_zones", INT, "the most zones open at once (0: no limit)", default=0,
+               flags=("--max_open_zones",), lo=0),
+        Option("max_active_zones", INT, "the most zones open or closed at once (0: no limit)",
+               default=0, flags=("--max_active_zones",), lo=0),
+        _BUFFERED,
+    ), files="file"),
     TargetSpec("fault_inject", "aioublk.targets.fault_inject:FaultInjectTarget", (
         _DEVICE_SIZE,
         Option("delay_us", INT, "hold each request this many microseconds", default=0,

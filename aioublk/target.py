@@ -14,6 +14,15 @@ of a memoryview: the request's pages registered in the queue ring's buffer
 table, reachable only by io_uring fixed-buffer reads and writes. A target
 that can work that way sets ``fixed_buffers = True``.
 
+Zoned devices (``UBLK_F_ZONED``): a target whose ``geometry.zone_size`` is
+set gets the zone operations as well: ``report_zones`` fills the request's
+buffer with ``struct blk_zone`` entries (``uapi.pack_zones``),
+``zone_append`` writes at its zone's write pointer and returns the byte
+offset the data went to (sent back to the kernel with the commit), and
+``zone_open``/``close``/``finish``/``reset``/``reset_all`` change a zone's
+state. Writes must land at the write pointer of sequential zones: the target
+refuses the others with EIO. Such a device is served with user copy (``-u``).
+
 Errors: raise ``OSError`` (its errno is returned to the kernel) or anything
 else (the request fails with EIO and a log line; the queue keeps serving).
 """
@@ -51,6 +60,11 @@ class Geometry:
     write_zeroes: bool = False
     dma_alignment: int | None = None
     segment: tuple[int, int, int] | None = None
+    #: zoned: bytes per zone (a power of two; 0: not zoned) and the open and
+    #: active zone limits (0: none)
+    zone_size: int = 0
+    max_open_zones: int = 0
+    max_active_zones: int = 0
 
     def params(self, max_io_buf_bytes: int) -> uapi.Params:
         """The ``ublk_params`` for this geometry, capped by the kernel's
@@ -86,6 +100,9 @@ class Geometry:
             discard=discard,
             dma_alignment=self.dma_alignment,
             segment=self.segment,
+            chunk_sectors=self.zone_size >> 9,
+            zoned=(self.max_open_zones, self.max_active_zones,
+                   min(max_bytes, self.zone_size) >> 9) if self.zone_size else None,
         )
 
 
@@ -269,6 +286,31 @@ class Target:
 
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
         raise OSError(errno.EOPNOTSUPP, "write_zeroes not supported")
+
+    async def report_zones(self, offset: int, buf: memoryview) -> None:
+        """Zoned: fill ``buf`` with ``len(buf) // 64`` ``struct blk_zone``
+        entries from the zone holding ``offset``, zeros past the last zone."""
+        raise OSError(errno.EOPNOTSUPP, "report_zones not supported")
+
+    async def zone_append(self, offset: int, buf: memoryview, fua: bool = False) -> int:
+        """Zoned: store ``buf`` at the write pointer of the zone holding
+        ``offset``; returns the byte offset it went to."""
+        raise OSError(errno.EOPNOTSUPP, "zone_append not supported")
+
+    async def zone_open(self, offset: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "zone_open not supported")
+
+    async def zone_close(self, offset: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "zone_close not supported")
+
+    async def zone_finish(self, offset: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "zone_finish not supported")
+
+    async def zone_reset(self, offset: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "zone_reset not supported")
+
+    async def zone_reset_all(self) -> None:
+        raise OSError(errno.EOPNOTSUPP, "zone_reset_all not supported")
 
     def configure(self, device_flags: int) -> None:
         """Called once before the first request (at start and at recovery)

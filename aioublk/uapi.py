@@ -128,6 +128,14 @@ class Op(enum.IntEnum):
     DISCARD = 3
     WRITE_SAME = 4
     WRITE_ZEROES = 5
+    ZONE_OPEN = 10
+    ZONE_CLOSE = 11
+    ZONE_FINISH = 12
+    ZONE_APPEND = 13
+    ZONE_RESET_ALL = 14
+    ZONE_RESET = 15
+    #: ``nr_sectors`` holds the number of zones; the data is ``struct blk_zone``s
+    REPORT_ZONES = 18
 
 
 def op_name(op_flags: int) -> str:
@@ -232,6 +240,7 @@ class DevInfo:
 PARAM_TYPE_BASIC = 1 << 0
 PARAM_TYPE_DISCARD = 1 << 1
 PARAM_TYPE_DEVT = 1 << 2
+PARAM_TYPE_ZONED = 1 << 3
 PARAM_TYPE_DMA_ALIGN = 1 << 4
 PARAM_TYPE_SEGMENT = 1 << 5
 
@@ -271,6 +280,8 @@ class Params:
     dma_alignment: int | None = None
     segment: tuple[int, int, int] | None = None  # boundary_mask max_seg_size max_segs
     devt: tuple[int, int, int, int] = field(default=(0, 0, 0, 0))
+    #: ``ublk_param_zoned``: max_open_zones max_active_zones max_zone_append_sectors
+    zoned: tuple[int, int, int] | None = None
     types: int = 0
 
     def pack(self) -> bytes:
@@ -283,6 +294,10 @@ class Params:
         if self.dma_alignment is not None:
             types |= PARAM_TYPE_DMA_ALIGN
             dma = self.dma_alignment
+        zoned = (0, 0, 0)
+        if self.zoned is not None:
+            types |= PARAM_TYPE_ZONED
+            zoned = self.zoned
         seg = (0, 0, 0)
         if self.segment is not None:
             types |= PARAM_TYPE_SEGMENT
@@ -294,7 +309,7 @@ class Params:
                         self.chunk_sectors, self.dev_sectors, self.virt_boundary_mask),
             _DISCARD.pack(*discard, 0),
             _DEVT.pack(0, 0, 0, 0),
-            _ZONED.pack(0, 0, 0),
+            _ZONED.pack(*zoned),
             _DMA.pack(dma),
             bytes(_SEG_PAD),
             _SEG.pack(*seg),
@@ -311,7 +326,9 @@ class Params:
         disc = _DISCARD.unpack_from(data, off)
         off += _DISCARD.size
         devt = _DEVT.unpack_from(data, off)
-        off += _DEVT.size + _ZONED.size
+        off += _DEVT.size
+        zoned = _ZONED.unpack_from(data, off)
+        off += _ZONED.size
         (dma,) = _DMA.unpack_from(data, off)
         off += _DMA.size + _SEG_PAD
         seg = _SEG.unpack_from(data, off)
@@ -322,5 +339,36 @@ class Params:
             discard=tuple(disc[:5]) if types & PARAM_TYPE_DISCARD else None,
             dma_alignment=dma if types & PARAM_TYPE_DMA_ALIGN else None,
             segment=tuple(seg) if types & PARAM_TYPE_SEGMENT else None,
-            devt=devt, types=types,
+            devt=devt, zoned=tuple(zoned) if types & PARAM_TYPE_ZONED else None, types=types,
         )
+
+
+# ---------------------------------------------------------------- zones --
+
+#: ``struct blk_zone`` (linux/blkzoned.h): start len wp (sectors), type cond
+#: non_seq reset, 4 reserved, capacity (sectors), 24 reserved
+BLK_ZONE = struct.Struct("=QQQBBBB4xQ24x")  # 64
+
+ZONE_TYPE_CONVENTIONAL = 1
+ZONE_TYPE_SEQWRITE_REQ = 2
+
+ZONE_COND_NOT_WP = 0x0
+ZONE_COND_EMPTY = 0x1
+ZONE_COND_IMP_OPEN = 0x2
+ZONE_COND_EXP_OPEN = 0x3
+ZONE_COND_CLOSED = 0x4
+ZONE_COND_FULL = 0xE
+
+
+def pack_zones(zones: list[tuple[int, int, int, int, int, int]], buf: memoryview) -> None:
+    """Fill ``buf`` with ``struct blk_zone`` entries, one per (start, len,
+    wp, type, cond, capacity), all in sectors; zeros after the last one (a
+    zero-length zone tells the kernel the report ends there)."""
+    size = BLK_ZONE.size
+    end = 0
+    for i, (start, length, wp, ztype, cond, capacity) in enumerate(zones):
+        if (i + 1) * size > len(buf):
+            raise ValueError(f"{len(zones)} zones do not fit in {len(buf)} bytes")
+        BLK_ZONE.pack_into(buf, i * size, start, length, wp, ztype, cond, 0, 0, capacity)
+        end = (i + 1) * size
+    buf[end:] = bytes(len(buf) - end)

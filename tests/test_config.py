@@ -363,7 +363,7 @@ MISTAKES = [
      '"allow_backing"?)'),
     # required options, files
     ("[[devices]]\nqueues = 1\n", "config.toml: devices[0].target: missing: set it to one of "
-     'null, loop, stripe, qcow2, nvme, nbd, fault_inject or "pkg.module:Class"'),
+     'null, loop, stripe, qcow2, nvme, nbd, zoned, fault_inject or "pkg.module:Class"'),
     ('[[devices]]\ntarget = "loop"\n', "config.toml: devices[0].options.file: missing: the loop "
      "target needs the path of its backing file"),
     ('[[devices]]\ntarget = "qcow2"\n', "config.toml: devices[0].options.image: missing"),
@@ -382,7 +382,7 @@ MISTAKES = [
      "config.toml: devices[0].options.files[1]: TMP/nope.img does not exist"),
     # targets
     ('[[devices]]\ntarget = "nul"\n', 'config.toml: devices[0].target: unknown target "nul" '
-     '(did you mean "null"?): use null, loop, stripe, qcow2, nvme, nbd, fault_inject or '
+     '(did you mean "null"?): use null, loop, stripe, qcow2, nvme, nbd, zoned, fault_inject or '
      '"pkg.module:Class"'),
     ("[[devices]]\ntarget = 1\n", "config.toml: devices[0].target: 1 is an integer"),
     ('[[devices]]\ntarget = "no_such_module_xyz:Disk"\n', "config.toml: devices[0].target: "

@@ -21,6 +21,7 @@ PROBE = r"""
 #include <stddef.h>
 #include <sys/ioctl.h>
 #include <linux/ublk_cmd.h>
+#include <linux/blkzoned.h>
 #define S(t) printf("\"sizeof %s\": %zu,\n", #t, sizeof(struct t))
 #define O(t, f) printf("\"offsetof %s.%s\": %zu,\n", #t, #f, offsetof(struct t, f))
 #define V(x) printf("\"%s\": %llu,\n", #x, (unsigned long long)(x))
@@ -28,7 +29,8 @@ int main(void) {
     printf("{\n");
     S(ublksrv_ctrl_cmd); S(ublksrv_ctrl_dev_info); S(ublksrv_io_desc); S(ublksrv_io_cmd);
     S(ublk_params); S(ublk_param_basic); S(ublk_param_discard); S(ublk_param_segment);
-    S(ublk_batch_io); S(ublk_elem_header);
+    S(ublk_batch_io); S(ublk_elem_header); S(ublk_param_zoned); S(blk_zone);
+    O(blk_zone, wp); O(blk_zone, type); O(blk_zone, cond); O(blk_zone, capacity);
     O(ublk_params, basic); O(ublk_params, discard); O(ublk_params, devt);
     O(ublk_params, zoned); O(ublk_params, dma); O(ublk_params, seg);
     O(ublk_params, integrity);
@@ -55,7 +57,10 @@ def kernel_abi() -> dict[str, int]:
     ops += [f"V(UBLK_F_{f.name});" for f in uapi.Feature]
     ops += ["V(UBLK_IO_F_FUA);", "V(UBLK_IO_F_NOUNMAP);", "V(UBLKSRV_IO_BUF_OFFSET);",
             "V(UBLK_MAX_QUEUE_DEPTH);", "V(UBLK_PARAM_TYPE_DMA_ALIGN);",
-            "V(UBLK_PARAM_TYPE_SEGMENT);", "V(UBLK_ATTR_VOLATILE_CACHE);"]
+            "V(UBLK_PARAM_TYPE_SEGMENT);", "V(UBLK_ATTR_VOLATILE_CACHE);",
+            "V(UBLK_PARAM_TYPE_ZONED);", "V(BLK_ZONE_TYPE_SEQWRITE_REQ);",
+            "V(BLK_ZONE_COND_CLOSED);", "V(BLK_ZONE_COND_FULL);"]
+    ops += [f"V(UBLK_IO_OP_{op.name});" for op in uapi.Op]
     build = cache_dir() / "uapi-probe"
     build.mkdir(exist_ok=True)
     src = build / "probe.c"
@@ -94,6 +99,22 @@ def test_params_layout(kernel_abi: dict[str, int]) -> None:
     disc = kernel_abi["offsetof ublk_params.discard"]
     assert int.from_bytes(raw[disc + 4:disc + 8], "little") == 4096
     assert uapi.Params.unpack(raw).segment == (4095, 65536, 7)
+
+
+def test_zoned_layout(kernel_abi: dict[str, int]) -> None:
+    assert kernel_abi["sizeof blk_zone"] == uapi.BLK_ZONE.size
+    assert [kernel_abi[f"offsetof blk_zone.{f}"] for f in ("wp", "type", "cond", "capacity")] \
+        == [16, 24, 25, 32]
+    assert kernel_abi["UBLK_PARAM_TYPE_ZONED"] == uapi.PARAM_TYPE_ZONED
+    assert kernel_abi["BLK_ZONE_TYPE_SEQWRITE_REQ"] == uapi.ZONE_TYPE_SEQWRITE_REQ
+    assert kernel_abi["BLK_ZONE_COND_CLOSED"] == uapi.ZONE_COND_CLOSED
+    assert kernel_abi["BLK_ZONE_COND_FULL"] == uapi.ZONE_COND_FULL
+    for op in uapi.Op:
+        assert kernel_abi[f"UBLK_IO_OP_{op.name}"] == op, op
+    raw = uapi.Params(dev_sectors=1 << 20, chunk_sectors=2048, zoned=(4, 6, 256)).pack()
+    off = kernel_abi["offsetof ublk_params.zoned"]
+    assert [int.from_bytes(raw[off + i:off + i + 4], "little") for i in (0, 4, 8)] == [4, 6, 256]
+    assert kernel_abi["sizeof ublk_param_zoned"] == 32
 
 
 def test_dev_info_layout(kernel_abi: dict[str, int]) -> None:
