@@ -96,9 +96,9 @@ def test_fio_verify_and_data_in_the_export(server: tuple[Server, Path | None],
     s, disk = server
     dev = add("-t", "nbd", s.uri, "-q", "1")
     path = f"/dev/ublkb{dev.dev_id}"
-    job = fio(path, tmp_path, "--rw=randwrite", "--bs=8k", "--iodepth=32", "--size=64M",
+    job = fio(path, tmp_path, "--rw=randwrite", "--bs=8k", "--iodepth=32", "--size=24M",
               "--verify=crc32c", "--verify_fatal=1", "--do_verify=1")
-    assert job["write"]["io_bytes"] == 64 * MiB  # type: ignore[index]
+    assert job["write"]["io_bytes"] == 24 * MiB  # type: ignore[index]
     data = os.urandom(MiB)
     fd = os.open(path, os.O_WRONLY)
     try:
@@ -121,7 +121,7 @@ def test_two_queues_with_multi_conn(tmp_path: Path) -> None:
         dev = add("-t", "nbd", s.uri, "-q", "2")
         assert dev.queues == 2
         job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randwrite", "--bs=4k",
-                  "--iodepth=32", "--size=32M", "--offset_increment=32M", "--numjobs=2",
+                  "--iodepth=32", "--size=12M", "--offset_increment=12M", "--numjobs=2",
                   "--verify=crc32c",
                   "--verify_fatal=1", "--do_verify=1", "--group_reporting")
         assert job["error"] == 0
@@ -136,8 +136,8 @@ def test_server_killed_and_restarted_under_fio(tmp_path: Path) -> None:
     try:
         dev = add("-t", "nbd", s.uri, "-q", "1", "--reconnect-timeout", "30")
         cmd = ["fio", "--name=t", f"--filename=/dev/ublkb{dev.dev_id}", "--ioengine=io_uring",
-               "--direct=1", "--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=32M",
-               "--verify=crc32c", "--verify_fatal=1", "--do_verify=1", "--loops=4"]
+               "--direct=1", "--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=16M",
+               "--verify=crc32c", "--verify_fatal=1", "--do_verify=1", "--loops=2"]
         fio_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, cwd=tmp_path)
         time.sleep(2)
@@ -161,10 +161,10 @@ def test_recovery_survives_a_restart_of_both_servers(tmp_path: Path) -> None:
     try:
         dev = start_server(["-t", "nbd", s.uri, "-q", "1", "-r", "1"], tmp_path / "first.log")
         path = f"/dev/ublkb{dev.dev_id}"
-        job_args = ["--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=32M",
+        job_args = ["--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=12M",
                     "--verify=crc32c", "--verify_fatal=1"]
         job = fio(path, tmp_path, *job_args, "--do_verify=0")
-        assert job["write"]["io_bytes"] == 32 * MiB  # type: ignore[index]
+        assert job["write"]["io_bytes"] == 12 * MiB  # type: ignore[index]
         os.kill(dev.pid, signal.SIGKILL)
         assert reap(dev.pid) == -signal.SIGKILL
         wait_state(dev.dev_id, "QUIESCED")
@@ -174,7 +174,7 @@ def test_recovery_survives_a_restart_of_both_servers(tmp_path: Path) -> None:
         assert (new.dev_id, new.state) == (dev.dev_id, "LIVE") and new.pid != dev.pid
         # the same job with the same seed: fio regenerates what it wrote and compares
         job = fio(path, tmp_path, *job_args, "--verify_only")
-        assert job["read"]["io_bytes"] == 32 * MiB  # type: ignore[index]
+        assert job["read"]["io_bytes"] == 12 * MiB  # type: ignore[index]
         delete(dev.dev_id)
         assert reap(new.pid) == 0, tail(tmp_path / "second.log")
     finally:
