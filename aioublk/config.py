@@ -408,8 +408,9 @@ def _option(o: registry.Option, v: Any, at: str, base: str, kind: str) -> Any:
 
 def _custom_options(kind: str, raw: dict[str, Any], at: str) -> dict[str, Any]:
     """Passed through as keyword arguments; checked against the constructor."""
+    cls = _custom_class(kind)
     try:
-        sig = inspect.signature(_custom_class(kind))
+        sig = inspect.signature(cls)
     except (TypeError, ValueError):
         return dict(raw)  # no signature to check against (a C type, say)
     params = sig.parameters
@@ -423,7 +424,7 @@ def _custom_options(kind: str, raw: dict[str, Any], at: str) -> dict[str, Any]:
         sig.bind(**raw)
     except TypeError as e:
         raise _Invalid(at, f"{e}: match {kind}'s keyword arguments") from None
-    return _sized(_custom_class(kind), raw, at)
+    return _sized(cls, raw, at)
 
 
 def _sized(cls: type, raw: dict[str, Any], at: str) -> dict[str, Any]:
