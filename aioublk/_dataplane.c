@@ -16,7 +16,9 @@
  * when the unregister is, so the commit never overtakes it) and in -u mode
  * (two steps through the tag's buffer: a write's data is read from
  * /dev/ublkcN first, then written to the backend; a read's data is read
- * from the backend first, then written to /dev/ublkcN). With
+ * from the backend first, then written to /dev/ublkcN). The backend I/O is
+ * a read or write of a file, or (AUR_MAP_NVME) one NVMe passthrough command
+ * to a namespace's char device, whose success is a result of 0. With
  * UBLK_F_NEED_GET_DATA (-g, per-I/O path, copy mode) a write's fetch
  * completes with UBLK_IO_RES_NEED_GET_DATA: C asks for the data with
  * UBLK_IO_NEED_GET_DATA on the tag's buffer, and that command's completion
@@ -45,6 +47,7 @@
  */
 
 #include <time.h>
+#include <linux/nvme_ioctl.h>
 
 _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
                AUR_LAT_OPS * AUR_LAT_BUCKETS * sizeof(uint64_t), "lat's shape");
@@ -136,6 +139,8 @@ struct aur_dp {
     uint64_t base, chunk;
     struct aur_ext *ext;
     unsigned ext_shift;
+    uint32_t nsid;          /* AUR_MAP_NVME */
+    unsigned lba_shift;
     int stopping, sealed, timing;
     unsigned inflight;
     unsigned served;        /* requests C took, ever (wraps) */
@@ -311,6 +316,18 @@ int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_sh
     dp->ext = t;
     dp->ext_shift = granule_shift;
     dp->map = AUR_MAP_EXTENTS;
+    return 0;
+}
+
+int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift)
+{
+    if (dp->r->sqe_size < 128 || lba_shift < 9 || lba_shift > 16)
+        return -EINVAL;
+    dp->fds[0] = fd;
+    dp->nr_fds = 1;
+    dp->nsid = nsid;
+    dp->lba_shift = lba_shift;
+    dp->map = AUR_MAP_NVME;
     return 0;
 }
 
@@ -580,6 +597,11 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
             pos += ep[i].len;
         }
         return (unsigned)got;
+    case AUR_MAP_NVME:  /* one command, in whole blocks, at most 2^16 of them */
+        if (((off | len) & ((1u << dp->lba_shift) - 1)) || (len >> dp->lba_shift) > 65536)
+            return 0;
+        p[0] = (struct dp_piece){ dp->fds[0], len, off, 0 };
+        return 1;
     }
     return 0;
 }
@@ -607,6 +629,34 @@ static int dp_zc_link(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint1
     return ret;
 }
 
+static int dp_zero_copy(const struct aur_dp *dp)
+{
+    return dp->s.mode == AUR_DP_ZERO_COPY || dp->s.mode == AUR_DP_AUTO_ZC;
+}
+
+/* A piece as one NVMe read or write: in the zero-copy modes the request's
+   pages are the buffer-table slot (a kernel-registered buffer starts at
+   address 0, so addr is the offset in it), else the tag's buffer. */
+static int dp_nvme_rw(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
+                      const struct dp_piece *p, uint64_t ud)
+{
+    uint64_t lba = p->host_off >> dp->lba_shift;
+    int zc = dp_zero_copy(dp);
+    struct nvme_uring_cmd cmd = {
+        .opcode = t->write ? 0x01 : 0x02,
+        .nsid = dp->nsid,
+        .addr = zc ? p->buf_off : (uint64_t)(uintptr_t)(dp_buf(dp, local, tag) + p->buf_off),
+        .data_len = p->len,
+        .cdw10 = (uint32_t)lba,
+        .cdw11 = (uint32_t)(lba >> 32),
+        .cdw12 = (p->len >> dp->lba_shift) - 1,
+    };
+
+    return aur_prep_cmd(dp->r, p->fd, NVME_URING_CMD_IO, &cmd, sizeof(cmd), 0, 0,
+                        zc ? IORING_URING_CMD_FIXED : 0, zc ? t->buf_index : 0,
+                        dp->s.mode == AUR_DP_ZERO_COPY ? IOSQE_IO_HARDLINK : 0, ud);
+}
+
 /* The backend I/O of pieces p[0..n), each one more pending piece; a piece
    the ring cannot take marks the request bad and stops there. */
 static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
@@ -619,7 +669,9 @@ static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
         uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
         int op, ret;
 
-        if (dp->s.mode == AUR_DP_ZERO_COPY || dp->s.mode == AUR_DP_AUTO_ZC) {
+        if (dp->map == AUR_MAP_NVME) {
+            ret = dp_nvme_rw(dp, t, local, tag, &p[i], ud);
+        } else if (dp_zero_copy(dp)) {
             op = t->write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
             ret = aur_prep(dp->r, op, p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0,
                            t->buf_index,
@@ -733,6 +785,15 @@ static int dp_then(struct aur_dp *dp, unsigned local, uint16_t tag)
     return 0;
 }
 
+/* A piece's result when it all moved: its bytes, or 0 for a passthrough
+   command (a positive result there is the controller's status). */
+static int32_t dp_full(const struct aur_dp *dp, uint64_t ud)
+{
+    if (DP_KIND(ud) == DP_K_RW && dp->map == AUR_MAP_NVME)
+        return 0;
+    return (int32_t)(DP_AUX(ud) << 9);
+}
+
 static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t res)
 {
     unsigned local = DP_LOCAL(ud);
@@ -742,8 +803,8 @@ static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
     if (DP_KIND(ud) == DP_K_REG) {
         if (DP_AUX(ud) && res < 0 && !t->bad)  /* (an unregister's result changes nothing) */
             t->bad = res;
-    } else if (res != (int32_t)(DP_AUX(ud) << 9) && !t->bad) {
-        t->bad = res < 0 ? res : -EIO;
+    } else if (res != dp_full(dp, ud) && !t->bad) {
+        t->bad = res < 0 ? res : -EIO;  /* (a positive NVMe status too) */
     }
     if (--t->pending)
         return;

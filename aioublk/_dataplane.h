@@ -16,6 +16,7 @@
 #define AUR_MAP_LINEAR 2
 #define AUR_MAP_STRIPED 3
 #define AUR_MAP_EXTENTS 4
+#define AUR_MAP_NVME 5     /* NVMe passthrough: one NVME_URING_CMD_IO per request */
 
 /* copy modes C serves in */
 #define AUR_DP_COPY 0
@@ -63,6 +64,9 @@ int aur_dp_map_null(struct aur_dp *dp);
 int aur_dp_map_linear(struct aur_dp *dp, int fd, uint64_t base);
 int aur_dp_map_striped(struct aur_dp *dp, const int *fds, unsigned n, uint64_t chunk);
 int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_shift);
+/* the namespace `nsid` behind generic char device fd, blocks of 1 << lba_shift
+   bytes; the ring must have 128-byte SQEs */
+int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift);
 
 void aur_dp_set_stopping(struct aur_dp *dp, int stopping);
 void aur_dp_set_sealed(struct aur_dp *dp, int sealed);

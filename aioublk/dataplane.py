@@ -11,6 +11,9 @@ A target that knows where a request's bytes are returns a **map** from
 - ``Extents(table)``: an ``ExtentTable`` the target fills and invalidates as
   it learns and changes its mapping (qcow2; any target whose layout is a
   table). A request the table does not wholly cover is a miss.
+- ``Passthrough(fd, nsid, block_size)``: the device is NVMe namespace
+  ``nsid`` behind generic char device ``fd``; each request is one
+  ``NVME_URING_CMD_IO`` (the nvme target; its ring has 128-byte SQEs).
 
 Each queue worker serves, in C and with the GIL released, every READ and
 non-FUA WRITE its map resolves, from the fetch to the commit. What the map
@@ -67,7 +70,18 @@ class Extents:
     table: ExtentTable
 
 
-Map = Null | Linear | Striped | Extents
+@dataclass(frozen=True, slots=True)
+class Passthrough:
+    """The device is NVMe namespace ``nsid`` of ``fd`` (``/dev/ngXnY``),
+    ``block_size``-byte blocks from LBA 0; a request not in whole blocks is
+    a miss."""
+
+    fd: int
+    nsid: int
+    block_size: int
+
+
+Map = Null | Linear | Striped | Extents | Passthrough
 
 #: the kinds of record the data plane hands to Python (bits 56..62 of user_data)
 EV_IO, EV_FETCH, EV_TAG, EV_RETRY, EV_COMMIT, EV_LOST, EV_IDLE = (
@@ -111,6 +125,8 @@ class DataPlane:
         elif isinstance(m, Extents):
             ret = lib.aur_dp_map_extents(self.c, m.table.cdata,
                                          m.table.granule.bit_length() - 1)
+        elif isinstance(m, Passthrough):
+            ret = lib.aur_dp_map_nvme(self.c, m.fd, m.nsid, m.block_size.bit_length() - 1)
         else:
             raise TypeError(f"not a data-plane map: {m!r}")
         if ret < 0:

@@ -1,5 +1,6 @@
 """The C data plane against the real driver: mapped requests served without
-Python on both queue paths and in every copy mode, and the ways a
+Python on both queue paths and in every copy mode (files, stripes and NVMe
+passthrough), and the ways a
 request falls back to the coroutines (O_DIRECT refusing it, a file system
 without O_DIRECT). The lifecycle tests (kill -9, recover, quiesce, delete
 under fio) run on the data plane too: it is the default for null, loop and
@@ -20,6 +21,7 @@ import pytest
 from aioublk.options import CopyMode
 from aioublk.target import Target
 from aioublk.targets import LoopTarget, StripeTarget
+from aioublk.targets.nvme import NvmeTarget
 from tests.kernel import fio, make_file, run, served
 from tests.test_kernel_targets import sectors_4k
 
@@ -42,6 +44,8 @@ def _concat(paths: list[str]) -> Target:
 def make(kind: str, tmp_path: Path) -> Target:
     if kind == "loop":
         return LoopTarget(str(make_file(tmp_path / "loop.img", 128 * MiB)))
+    if kind == "nvme":  # the emulated namespace every guest boots with
+        return NvmeTarget("/dev/ng0n1")
     files = [str(make_file(tmp_path / f"f{i}.img", 64 * MiB)) for i in range(2)]
     return StripeTarget(files) if kind == "stripe" else _concat(files)
 
@@ -78,7 +82,8 @@ COPY, AUTO_ZC, ZC, UC = CopyMode.COPY, CopyMode.AUTO_ZC, CopyMode.ZERO_COPY, Cop
     ("loop", False, AUTO_ZC), ("stripe", True, COPY), ("stripe", False, AUTO_ZC),
     ("loop", True, ZC), ("stripe", False, ZC), ("concat", False, COPY),
     ("concat", True, COPY), ("loop", True, UC), ("loop", False, UC), ("stripe", True, UC),
-    ("concat", False, UC)],
+    ("concat", False, UC), ("nvme", True, COPY), ("nvme", False, ZC), ("nvme", True, AUTO_ZC),
+    ("nvme", False, UC)],
     ids=lambda v: {True: "batch", False: "per-io"}.get(v, getattr(v, "value", v)))
 def test_mapped_requests_never_reach_python(kind: str, batch: bool, copy: CopyMode,
                                             tmp_path: Path) -> None:

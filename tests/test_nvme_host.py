@@ -12,7 +12,8 @@ import pytest
 
 from aioublk import Error, FixedBuf, cli, registry
 from aioublk._uring import lib
-from aioublk.ring import buffer_address
+from aioublk.dataplane import Passthrough
+from aioublk.ring import Ring, buffer_address
 from aioublk.targets import nvme
 from aioublk.targets.nvme import CMD, NvmeError, NvmeTarget
 
@@ -226,3 +227,28 @@ async def test_io_not_in_whole_namespace_blocks_fails(
     with pytest.raises(OSError, match="whole 4096-byte NVMe blocks"):
         await target.write(0, memoryview(bytearray(512)))
     assert ring.cmds == []
+
+
+def test_reads_and_writes_are_the_data_planes(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    target, _ = served_by(tmp_path, monkeypatch)
+    assert target.map() == Passthrough(-1, 1, 4096)
+
+
+@pytest.mark.parametrize("sqe128", [False, True], ids=["64-byte", "128-byte"])
+@pytest.mark.asyncio
+async def test_the_data_plane_takes_passthrough_only_on_a_ring_of_big_sqes(sqe128: bool) -> None:
+    """An NVMe command does not fit a 64-byte SQE: C refuses the map there
+    rather than writing past it."""
+    ring = Ring(8, sqe128=sqe128, cqe32=sqe128)
+    try:
+        dp = ring.data_plane({"char_fd": -1, "nr_queues": 1, "depth": 1, "max_io": 4096}, 1,
+                             lambda ud, res, flags: None)
+        if sqe128:
+            dp.set_map(Passthrough(-1, 1, 4096))
+            assert dp.map == Passthrough(-1, 1, 4096)
+        else:
+            with pytest.raises(OSError, match="refused Passthrough"):
+                dp.set_map(Passthrough(-1, 1, 4096))
+    finally:
+        ring.close()

@@ -19,20 +19,12 @@ hands it a ``FixedBuf``, the ublk request's pages in the ring's buffer
 table: the command then carries ``IORING_URING_CMD_FIXED`` with that index,
 and its ``addr`` is the offset inside that buffer (a kernel-registered
 buffer starts at address 0), so the controller moves the data straight to
-or from the request's pages. The C data plane does not serve this target
-(``map`` is None): every request is a coroutine or a
-``start_read``/``start_write`` fast-path CQE handler.
-
-What the data plane would need to serve reads and writes in C: a map kind
-(``dataplane.Passthrough(fd, nsid, lba_shift)``, ``AUR_MAP_NVME``) whose
-resolve gives one piece (a request is one command, as here); in
-``dp_queue_pieces`` an ``aur_prep_cmd`` with ``NVME_URING_CMD_IO`` and the
-72-byte command built in C (as ``rw_command``), with
-``IORING_URING_CMD_FIXED`` and the tag's buffer index in the zero-copy modes
-(the register/unregister links stay as they are); and in ``dp_rw_done``
-success as a result of 0 rather than the byte count, a positive result (an
-NVMe status) as -EIO. Its reap already walks 32-byte CQEs (liburing steps by
-the ring's CQE size) and copies the 16 bytes it reads.
+or from the request's pages. The C data plane serves reads and
+non-FUA writes (``map`` is ``Passthrough``): it builds the same command in
+C, with the fixed-buffer flag and the tag's slot in the zero-copy modes, and
+counts a result of 0 as the whole transfer. Everything else, and anything C
+hands back, is a coroutine or a ``start_read``/``start_write`` fast-path CQE
+handler.
 """
 
 from __future__ import annotations
@@ -47,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aioublk._uring import lib
+from aioublk.dataplane import Passthrough
 from aioublk.errors import Error
 from aioublk.ring import Handler, buffer_address, current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target
@@ -227,6 +220,9 @@ class NvmeTarget(Target):
                             "NVMe namespace's generic char device, e.g. /dev/ng0n1") from None
         self.geometry = geometry_from_sysfs(block, read_only)
         self.ns = Namespace(path, fd, nsid, self.geometry.logical_block_size)
+
+    def map(self) -> Passthrough:
+        return Passthrough(self.ns.fd, self.ns.nsid, self.ns.lbs)
 
     async def _cmd(self, cmd: bytes, keep: object = None, fixed: FixedBuf | None = None) -> None:
         res = await current_ring().uring_cmd(
