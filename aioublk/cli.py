@@ -550,6 +550,10 @@ def make_target(args: argparse.Namespace) -> Target:
             raise UblkError(f"the {name} target's {fed.what} is given twice: as FILE and as "
                             f"--opt {fed.key}; drop one")
     elif fed is not None and fed.type in (registry.PATH, registry.STR):
+        second = spec.option(spec.second_file) if spec.second_file else None
+        if second is not None and len(files) == 2:  # (kublk's loop: the metadata file)
+            options[second.key] = files[1]
+            files = files[:1]
         if len(files) > 1 or (fed.required and not files):
             what = "image file" if fed.what == "image" else fed.what
             need = "exactly one" if fed.required else "at most one"

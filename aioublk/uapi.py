@@ -307,6 +307,10 @@ class Integrity:
         """Bytes of metadata that go with ``data_bytes`` of data."""
         return (data_bytes >> self.interval_exp) * self.metadata_size
 
+    def metadata_bytes_to_data(self, meta_bytes: int) -> int:
+        """Bytes of data that ``meta_bytes`` of metadata cover (whole intervals)."""
+        return meta_bytes // self.metadata_size << self.interval_exp
+
 
 @dataclass
 class Params:

@@ -3,6 +3,8 @@ refusals, the flags and params they ask for."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from aioublk import cli, uapi
@@ -76,3 +78,73 @@ def test_recover_takes_the_integrity_options_again() -> None:
     recovered = vars(cli._parser().parse_args(["recover", "-n", "0", *args]))
     assert (recovered["metadata_size"], recovered["pi_offset"], recovered["csum_type"],
             recovered["integrity_reftag"]) == (64, 56, "t10dif", True)
+
+
+def test_loop_takes_the_metadata_file_as_second_file(tmp_path: Path) -> None:
+    from aioublk.targets.loop import LoopTarget
+
+    data, meta = tmp_path / "data", tmp_path / "meta"
+    data.write_bytes(bytes(1 << 20))
+    meta.write_bytes(bytes(8 * 1024))  # 8 bytes per sector: metadata for 512K of data
+    args = cli._parser().parse_args(["add", "-t", "loop", "--buffered", str(data), str(meta)])
+    target = cli.make_target(args)
+    try:
+        assert isinstance(target, LoopTarget)
+        assert target.meta is not None and target.meta.path == str(meta)
+        integrity = uapi.Integrity(8, csum_type=uapi.PI_CSUM["t10dif"])
+        target.use_integrity(integrity, fresh=True)
+        # as big as both files allow, and advertised with the metadata format
+        assert target.geometry.size == 512 << 10
+        assert target.geometry.params(1 << 20).integrity == integrity
+        # a new device's metadata is 0xFF: the block layer does not check it
+        assert meta.read_bytes() == b"\xff" * (8 * 1024)
+    finally:
+        target.close()
+
+
+def test_recovering_keeps_the_metadata(tmp_path: Path) -> None:
+    from aioublk.targets.loop import LoopTarget
+
+    (tmp_path / "data").write_bytes(bytes(1 << 20))
+    (tmp_path / "meta").write_bytes(b"\x12" * 4096)
+    target = LoopTarget(str(tmp_path / "data"), direct=False,
+                        metadata_file=str(tmp_path / "meta"))
+    try:
+        target.use_integrity(uapi.Integrity(8), fresh=False)
+        assert (tmp_path / "meta").read_bytes() == b"\x12" * 4096
+    finally:
+        target.close()
+
+
+def test_loop_without_metadata_file_is_one_line(tmp_path: Path) -> None:
+    from aioublk.targets.backing import BackingError
+    from aioublk.targets.loop import LoopTarget
+
+    (tmp_path / "data").write_bytes(bytes(1 << 20))
+    target = LoopTarget(str(tmp_path / "data"), direct=False)
+    try:
+        with pytest.raises(BackingError, match="needs a second FILE, the metadata file"):
+            target.use_integrity(uapi.Integrity(8), fresh=True)
+    finally:
+        target.close()
+
+
+def test_a_target_without_metadata_is_refused() -> None:
+    from aioublk.device import Device
+    from aioublk.target import Geometry, Target
+
+    class Plain(Target):
+        name = "plain"
+        geometry = Geometry(size=1 << 20)
+
+    with pytest.raises(UblkError, match="target plain keeps no integrity metadata: drop "):
+        Device(Plain(), _config("-u", "--metadata_size", "8"))
+
+
+@pytest.mark.asyncio
+async def test_null_reads_metadata_the_block_layer_skips() -> None:
+    from aioublk.targets.null import NullTarget
+
+    meta = memoryview(bytearray(16))
+    await NullTarget(1 << 20).read(0, memoryview(bytearray(1024)), meta=meta)
+    assert bytes(meta) == b"\xff" * 16
