@@ -552,6 +552,9 @@ def make_target(args: argparse.Namespace) -> Target:
     elif fed is not None and fed.type in (registry.PATH, registry.STR):
         second = spec.option(spec.second_file) if spec.second_file else None
         if second is not None and len(files) == 2:  # (kublk's loop: the metadata file)
+            if not getattr(args, "metadata_size", 0):
+                raise UblkError(f"the {name} target's second FILE is its {second.what}: add "
+                                "-u --metadata_size N, or drop it")
             options[second.key] = files[1]
             files = files[:1]
         if len(files) > 1 or (fed.required and not files):

@@ -86,7 +86,8 @@ def test_loop_takes_the_metadata_file_as_second_file(tmp_path: Path) -> None:
     data, meta = tmp_path / "data", tmp_path / "meta"
     data.write_bytes(bytes(1 << 20))
     meta.write_bytes(bytes(8 * 1024))  # 8 bytes per sector: metadata for 512K of data
-    args = cli._parser().parse_args(["add", "-t", "loop", "--buffered", str(data), str(meta)])
+    args = cli._parser().parse_args(["add", "-t", "loop", "--buffered", "-u",
+                                     "--metadata_size", "8", str(data), str(meta)])
     target = cli.make_target(args)
     try:
         assert isinstance(target, LoopTarget)
@@ -148,3 +149,13 @@ async def test_null_reads_metadata_the_block_layer_skips() -> None:
     meta = memoryview(bytearray(16))
     await NullTarget(1 << 20).read(0, memoryview(bytearray(1024)), meta=meta)
     assert bytes(meta) == b"\xff" * 16
+
+
+def test_a_metadata_file_without_metadata_size_is_one_line(tmp_path: Path) -> None:
+    for f in ("data", "meta"):
+        (tmp_path / f).write_bytes(bytes(4096))
+    args = cli._parser().parse_args(["add", "-t", "loop", str(tmp_path / "data"),
+                                     str(tmp_path / "meta")])
+    with pytest.raises(UblkError, match="loop target's second FILE is its metadata file: add "
+                       "-u --metadata_size N, or drop it"):
+        cli.make_target(args)
