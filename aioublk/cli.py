@@ -42,7 +42,7 @@ from aioublk._version import __version__
 from aioublk.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.device import Control, Device
 from aioublk.kublk_lines import device_ids, dump, print_device, target_line
-from aioublk.options import CopyMode, DeviceConfig, UblkError
+from aioublk.options import CopyMode, DeviceConfig, UblkError, integrity
 from aioublk.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.target import Target
 
@@ -128,6 +128,20 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="a write's data is fetched (UBLK_IO_NEED_GET_DATA) only when the "
                      "server asks, before the target runs (UBLK_F_NEED_GET_DATA; per-I/O "
                      "path, default copy mode)")
+    add.add_argument("--metadata_size", type=int, default=0, metavar="N",
+                     help="integrity: N bytes of metadata per 512-byte sector "
+                     "(UBLK_F_INTEGRITY; needs -u)")
+    add.add_argument("--pi_offset", type=int, default=0, metavar="N",
+                     help="integrity: where the PI tuple starts in the metadata (default: 0)")
+    add.add_argument("--csum_type", choices=tuple(c for c in uapi.PI_CSUM if c != "none"),
+                     default="none", help="integrity: the PI tuple's checksum (default: none, "
+                     "metadata without PI)")
+    add.add_argument("--tag_size", type=int, default=0, metavar="N",
+                     help="integrity: bytes of application tag (default: 0)")
+    add.add_argument("--integrity_capable", action="store_true",
+                     help="integrity: the device checks PI itself (device_is_integrity_capable)")
+    add.add_argument("--integrity_reftag", action="store_true",
+                     help="integrity: the PI carries a reference tag (T10 type 1)")
     add.add_argument("--no_ublk_fixed_fd", action="store_true",
                      help="accepted for kublk's scripts: aioublk never registers /dev/ublkcN "
                      "as a fixed file, so its commands always go on the plain fd")
@@ -536,6 +550,13 @@ def make_target(args: argparse.Namespace) -> Target:
             raise UblkError(f"the {name} target's {fed.what} is given twice: as FILE and as "
                             f"--opt {fed.key}; drop one")
     elif fed is not None and fed.type in (registry.PATH, registry.STR):
+        second = spec.option(spec.second_file) if spec.second_file else None
+        if second is not None and len(files) == 2:  # (kublk's loop: the metadata file)
+            if not getattr(args, "metadata_size", 0):
+                raise UblkError(f"the {name} target's second FILE is its {second.what}: add "
+                                "-u --metadata_size N, or drop it")
+            options[second.key] = files[1]
+            files = files[:1]
         if len(files) > 1 or (fed.required and not files):
             what = "image file" if fed.what == "image" else fed.what
             need = "exactly one" if fed.required else "at most one"
@@ -583,7 +604,12 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
                        nthreads=args.nthreads,
                        per_io_tasks=args.per_io_tasks, recovery=args.recovery,
                        recovery_fail_io=args.recovery_fail_io,
-                       recovery_reissue=args.recovery_reissue, unprivileged=args.unprivileged)
+                       recovery_reissue=args.recovery_reissue, unprivileged=args.unprivileged,
+                       integrity=integrity(args.metadata_size, pi_offset=args.pi_offset,
+                                           csum_type=args.csum_type,
+                                           capable=args.integrity_capable,
+                                           reftag=args.integrity_reftag,
+                                           tag_size=args.tag_size))
     cfg.validate()
     return cfg
 

@@ -336,6 +336,9 @@ class Device:
             copy = CopyMode.USER_COPY if self.config.copy is CopyMode.COPY else self.config.copy
             self.config = replace(self.config, zoned=True, copy=copy)
         self.config.validate()
+        if self.config.integrity is not None and not target.metadata:
+            raise UblkError(f"target {target.name} keeps no integrity metadata: drop "
+                            "--metadata_size and the other integrity options")
         if self.config.copy.fixed and not target.fixed_buffers:
             raise UblkError(f"target {target.name} cannot serve zero-copy modes (-z, "
                             "--auto_zc): it needs the data in memory; use the default copy "
@@ -377,9 +380,13 @@ class Device:
                 raise UblkError("--unprivileged is for users without CAP_SYS_ADMIN: as root "
                                 "the kernel makes a privileged device anyway (leave it out)")
             if recover:
+                if cfg.integrity is not None:
+                    self.target.use_integrity(cfg.integrity, fresh=False)
                 self.info = await self._begin_recovery(ctrl, features)
             else:
                 self.batch, flags = cfg.resolve(features)
+                if cfg.integrity is not None:  # (the target sizes itself: before ADD_DEV)
+                    self.target.use_integrity(cfg.integrity, fresh=True)
                 want = uapi.DevInfo(
                     nr_hw_queues=cfg.queues, queue_depth=cfg.depth,
                     max_io_buf_bytes=cfg.max_io_size,

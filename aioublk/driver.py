@@ -56,21 +56,31 @@ def data_bytes(op_flags: int, nr: int) -> int:
 
 async def serve_request(target: Target, op_flags: int, nr_sectors: int, start_sector: int,
                         buf: Buffer, *, q: int = -1, tag: int = -1,
-                        append_at: Callable[[int], None] | None = None) -> int:
+                        append_at: Callable[[int], None] | None = None,
+                        meta: memoryview | None = None) -> int:
     """Run one request on the target; returns the result for the kernel
     (bytes for read/write, 0 for the others, -errno on failure). A zone
-    append's sector goes to ``append_at``, for the commit."""
+    append's sector goes to ``append_at``, for the commit; a request's
+    integrity metadata, if any, goes to read/write as ``meta``."""
     op = op_flags & 0xFF
     offset = start_sector << 9
     length = nr_sectors << 9
     try:
         # (a FixedBuf only reaches targets that declared fixed_buffers)
         if op == _READ:
-            await target.read(offset, cast(memoryview, buf[:length]))
+            if meta is not None:
+                await target.read(offset, cast(memoryview, buf[:length]),
+                                  meta=meta)  # type: ignore[call-arg]
+            else:
+                await target.read(offset, cast(memoryview, buf[:length]))
             return length
         if op == _WRITE:
-            await target.write(offset, cast(memoryview, buf[:length]),
-                               bool(op_flags & uapi.IO_F_FUA))
+            fua = bool(op_flags & uapi.IO_F_FUA)
+            if meta is not None:
+                await target.write(offset, cast(memoryview, buf[:length]), fua,
+                                   meta=meta)  # type: ignore[call-arg]
+            else:
+                await target.write(offset, cast(memoryview, buf[:length]), fua)
             return length
         if op == _FLUSH:
             await target.flush()
@@ -164,6 +174,8 @@ class IoPath:
         #: zoned: where a zone append's sector goes for its commit (q_id, tag,
         #: sector); the driver sets it
         self.zone_lba: Callable[[int, int, int], None] | None = None
+        #: UBLK_F_INTEGRITY: the metadata format (the driver sets it)
+        self.integrity: uapi.Integrity | None = None
 
     def start(self, qm: QueueMem, tag: int, done: Done) -> bool:
         """The target's task-free path (``Target.start_read``/``start_write``),
@@ -212,13 +224,24 @@ class IoPath:
         append_at = None
         if op == _ZONE_APPEND and self.zone_lba is not None:
             append_at = partial(self.zone_lba, qm.q_id, tag)
+        meta = None
+        if op_flags & uapi.IO_F_INTEGRITY and self.integrity is not None:
+            # small (a few bytes per sector) and rare: a buffer per request
+            meta = memoryview(bytearray(self.integrity.meta_bytes(len(view))))
+        meta_pos = uapi.user_copy_offset(qm.q_id, tag, integrity=True)
         try:
             if op in _DATA_IN and not await self._char_io(self.ring.read, view, pos):
                 return -errno.EIO
+            if meta is not None and op in _DATA_IN and not await self._char_io(
+                    self.ring.read, meta, meta_pos):
+                return -errno.EIO
             res = await serve_request(self.target, op_flags, nr, sector, view, q=qm.q_id,
-                                      tag=tag, append_at=append_at)
+                                      tag=tag, append_at=append_at, meta=meta)
             if op in _DATA_OUT and res > 0 and not await self._char_io(
                     self.ring.write, view[:res], pos):
+                return -errno.EIO
+            if meta is not None and op in _DATA_OUT and res > 0 and not await self._char_io(
+                    self.ring.write, meta, meta_pos):
                 return -errno.EIO
             return res
         except OSError as e:
@@ -363,8 +386,11 @@ class Driver:
         if cfg.zoned:
             self._local = {qm.q_id: local for local, (qm, _tags) in enumerate(work)}
             path.zone_lba = self._zone_lba
+        path.integrity = cfg.integrity
         if path.debug:  # -v logs each request: they all take the coroutine path
             self.w.log.debug("data plane off: every request is served in Python")
+        elif cfg.integrity is not None:  # C moves no metadata: every request comes to Python
+            self.w.log.debug("data plane off: integrity metadata is served in Python")
         else:
             self.dp.set_map(worker.target.map())
         #: live, stopping, drained, sealed: see lifecycle.py

@@ -61,6 +61,37 @@ class CopyMode(enum.Enum):
 
 
 
+def integrity(metadata_size: int = 0, *, pi_offset: int = 0, csum_type: str = "none",
+              capable: bool = False, reftag: bool = False,
+              tag_size: int = 0) -> uapi.Integrity | None:
+    """kublk's integrity options as ``ublk_param_integrity`` (None without
+    ``--metadata_size``), refused in one line where ublk_drv would refuse
+    them with a bare EINVAL. One interval per 512-byte sector, as kublk."""
+    if not metadata_size:
+        if capable or reftag or pi_offset or csum_type != "none" or tag_size:
+            raise UblkError("integrity options need --metadata_size N: give the bytes of "
+                            "metadata per 512-byte sector")
+        return None
+    for name, value in (("--metadata_size", metadata_size), ("--pi_offset", pi_offset),
+                        ("--tag_size", tag_size)):
+        if not 0 <= value <= 255:
+            raise UblkError(f"{name} {value} out of range: use 0..255")
+    csum = uapi.PI_CSUM.get(csum_type)
+    if csum is None:
+        raise UblkError(f"--csum_type {csum_type} is unknown: use ip, t10dif or nvme")
+    tuple_size = uapi.PI_TUPLE_SIZE[csum]
+    if pi_offset + tuple_size > metadata_size:
+        what = f"a {tuple_size}-byte {csum_type} PI tuple at --pi_offset {pi_offset}" \
+            if tuple_size else f"--pi_offset {pi_offset}"
+        raise UblkError(f"{what} does not fit in --metadata_size {metadata_size}: raise "
+                        f"--metadata_size to {pi_offset + tuple_size} or more")
+    if reftag and not csum:
+        raise UblkError("--integrity_reftag needs a PI tuple: add --csum_type t10dif (or ip, "
+                        "nvme)")
+    flags = (uapi.PI_CAP_INTEGRITY if capable else 0) | (uapi.PI_CAP_REFTAG if reftag else 0)
+    return uapi.Integrity(metadata_size, 9, pi_offset, csum, tag_size, flags)
+
+
 @dataclass
 class DeviceConfig:
     """What a device is created with (kublk's add options)."""
@@ -94,6 +125,9 @@ class DeviceConfig:
     unprivileged: bool = False
     #: UBLK_F_ZONED: the target is zoned (set from it, like one_loop); needs user copy
     zoned: bool = False
+    #: UBLK_F_INTEGRITY (kublk --metadata_size...; see ``integrity``): each
+    #: request's metadata goes to the target with its data; needs user copy
+    integrity: uapi.Integrity | None = None
 
     #: device flags a caller may pass in ``flags``; the rest come from the options
     SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
@@ -135,6 +169,9 @@ class DeviceConfig:
         if self.zoned and self.copy is not CopyMode.USER_COPY:
             raise UblkError(f"a zoned device and copy mode {self.copy.value} conflict: aioublk "
                             "serves zoned devices with user copy only (-u)")
+        if self.integrity is not None and self.copy is not CopyMode.USER_COPY:
+            raise UblkError(f"--metadata_size and copy mode {self.copy.value} conflict: the "
+                            "kernel moves integrity data only by user copy: add -u")
         if self.unprivileged and self.recovery_flags:
             raise UblkError("user recovery (-r/-e/-i) needs root: the kernel drops it for "
                             "unprivileged devices (drop it, or drop --unprivileged and run as "
@@ -187,6 +224,8 @@ class DeviceConfig:
             flags |= uapi.Feature.UNPRIVILEGED_DEV
         if self.zoned:
             flags |= uapi.Feature.ZONED
+        if self.integrity is not None:
+            flags |= uapi.Feature.INTEGRITY
         if flags & uapi.Feature.USER_RECOVERY and features & uapi.Feature.QUIESCE:
             flags |= uapi.Feature.QUIESCE  # as kublk: lets ``quiesce`` hand over the device
         if self.auto_zc_fallback:

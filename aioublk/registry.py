@@ -58,6 +58,7 @@ class TargetSpec:
     cls: str
     options: tuple[Option, ...]
     files: str = ""               # the option FILE arguments fill ("": none)
+    second_file: str = ""         # the option a second FILE fills (loop: integrity metadata)
     read_only: bool = False       # the constructor takes read_only=
 
     def option(self, key: str) -> Option | None:
@@ -98,7 +99,10 @@ TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
         Option("file", PATH, "the backing file or block device", arg="*",
                required=True, what="backing file"),
         _BUFFERED,
-    ), files="file", read_only=True),
+        Option("metadata_file", PATH, "with --metadata_size: the file keeping the integrity "
+               "metadata, metadata_size bytes per 512-byte sector (the second FILE, as "
+               "kublk's)", what="metadata file"),
+    ), files="file", second_file="metadata_file", read_only=True),
     TargetSpec("stripe", "aioublk.targets.stripe:StripeTarget", (
         Option("files", PATHS, "the backing files, striped in this order", arg="*", lo=2, hi=4,
                distinct=True, required=True, what="backing file"),

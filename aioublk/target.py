@@ -23,6 +23,18 @@ offset the data went to (sent back to the kernel with the commit), and
 state. Writes must land at the write pointer of sequential zones: the target
 refuses the others with EIO. Such a device is served with user copy (``-u``).
 
+Integrity (``UBLK_F_INTEGRITY``, kublk's ``--metadata_size``...): a target
+that keeps metadata sets ``metadata = True``. ``use_integrity`` tells it the
+format before the device is added (the default puts it in the geometry, to
+be advertised; override it to size the device by where the metadata goes);
+then each READ or WRITE carrying metadata gets it as ``meta=``, a memoryview
+of ``integrity.meta_bytes(len(buf))`` bytes, ``metadata_size`` per interval
+of data in order: a write stores it with the data, a read fills it with what
+was stored. The block layer generates and verifies the PI in it; what a
+target never wrote should read back as 0xFF bytes, which the block layer
+does not check. Such a device is served with user copy (``-u``), in Python:
+the C data plane does not serve it.
+
 Errors: raise ``OSError`` (its errno is returned to the kernel) or anything
 else (the request fails with EIO and a log line; the queue keeps serving).
 """
@@ -33,7 +45,7 @@ import asyncio
 import errno
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aioublk import logs, uapi
@@ -65,6 +77,8 @@ class Geometry:
     zone_size: int = 0
     max_open_zones: int = 0
     max_active_zones: int = 0
+    #: UBLK_F_INTEGRITY: the metadata format the device advertises
+    integrity: uapi.Integrity | None = None
 
     def params(self, max_io_buf_bytes: int) -> uapi.Params:
         """The ``ublk_params`` for this geometry, capped by the kernel's
@@ -103,6 +117,7 @@ class Geometry:
             chunk_sectors=self.zone_size >> 9,
             zoned=(self.max_open_zones, self.max_active_zones,
                    min(max_bytes, self.zone_size) >> 9) if self.zone_size else None,
+            integrity=self.integrity,
         )
 
 
@@ -250,14 +265,26 @@ class Target:
     #: True: the queue rings have 128-byte SQEs and 32-byte CQEs, what an
     #: NVMe passthrough command (``IORING_OP_URING_CMD``) needs
     big_ring_entries = False
+    #: True: the target keeps integrity metadata: ``read``/``write`` take
+    #: ``meta=`` (see the module's notes)
+    metadata = False
 
     async def read(self, offset: int, buf: memoryview) -> None:
-        """Fill all of ``buf`` with the device's bytes at ``offset``."""
+        """Fill all of ``buf`` with the device's bytes at ``offset`` (and,
+        with ``metadata``, ``meta=`` with their metadata when given)."""
         raise OSError(errno.EOPNOTSUPP, "read not supported")
 
     async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
-        """Store ``buf`` at ``offset`` (durably before returning if ``fua``)."""
+        """Store ``buf`` at ``offset`` (durably before returning if ``fua``;
+        with ``metadata``, ``meta=`` too when given)."""
         raise OSError(errno.EOPNOTSUPP, "write not supported")
+
+    def use_integrity(self, integrity: uapi.Integrity, *, fresh: bool) -> None:
+        """Before the device is added (``fresh``) or recovered: it has
+        ``integrity``'s metadata. The default advertises it; a target that
+        stores metadata sizes itself here, and may initialise the store
+        when ``fresh`` (never when recovering: it holds the data's PI)."""
+        self.geometry = replace(self.geometry, integrity=integrity)
 
     def map(self) -> Map | None:
         """Where the device's data lives, for the C data plane (see

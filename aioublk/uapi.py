@@ -149,6 +149,8 @@ def op_name(op_flags: int) -> str:
 IO_F_FUA = 1 << 13
 IO_F_NOUNMAP = 1 << 15
 IO_F_NEED_REG_BUF = 1 << 17
+#: the request carries an integrity (metadata) buffer (``UBLK_F_INTEGRITY``)
+IO_F_INTEGRITY = 1 << 18
 
 IO_RES_OK = 0
 IO_RES_NEED_GET_DATA = 1
@@ -178,9 +180,15 @@ def desc_mmap_offset(q_id: int, page_size: int = 4096) -> int:
     return q_id * desc_area_size(MAX_QUEUE_DEPTH, page_size)
 
 
-def user_copy_offset(q_id: int, tag: int) -> int:
-    """pread/pwrite offset on /dev/ublkcN for a request's data (USER_COPY)."""
-    return IO_BUF_OFFSET + ((q_id << QID_OFF) | (tag << TAG_OFF))
+#: ORed into a user-copy offset: the request's integrity buffer, not its data
+IO_INTEGRITY_FLAG = 1 << 62
+
+
+def user_copy_offset(q_id: int, tag: int, integrity: bool = False) -> int:
+    """pread/pwrite offset on /dev/ublkcN for a request's data (USER_COPY),
+    or with ``integrity`` its metadata (offsets in metadata bytes)."""
+    pos = IO_BUF_OFFSET + ((q_id << QID_OFF) | (tag << TAG_OFF))
+    return pos | IO_INTEGRITY_FLAG if integrity else pos
 
 
 # ---------------------------------------------------------------- structs --
@@ -243,6 +251,15 @@ PARAM_TYPE_DEVT = 1 << 2
 PARAM_TYPE_ZONED = 1 << 3
 PARAM_TYPE_DMA_ALIGN = 1 << 4
 PARAM_TYPE_SEGMENT = 1 << 5
+PARAM_TYPE_INTEGRITY = 1 << 6
+
+#: ``ublk_param_integrity.flags`` (``LBMD_PI_CAP_*``, linux/fs.h)
+PI_CAP_INTEGRITY = 1 << 0  # the device itself checks PI (sysfs device_is_integrity_capable)
+PI_CAP_REFTAG = 1 << 1     # the PI carries a reference tag (T10 type 1)
+#: ``ublk_param_integrity.csum_type`` (``LBMD_PI_CSUM_*``): name -> value
+PI_CSUM = {"none": 0, "ip": 1, "t10dif": 2, "nvme": 4}
+#: bytes of one PI tuple per checksum type (ublk_drv's pi_tuple_size)
+PI_TUPLE_SIZE = {0: 0, 1: 8, 2: 8, 4: 16}
 
 ATTR_READ_ONLY = 1 << 0
 ATTR_ROTATIONAL = 1 << 1
@@ -260,6 +277,39 @@ _SEG = struct.Struct("=QIH2x")  # 16
 _INTEGRITY = struct.Struct("=IHBBBBB5x")  # 16
 PARAMS_SIZE = (_HDR.size + _BASIC.size + _DISCARD.size + _DEVT.size + _ZONED.size
                + _DMA.size + _SEG_PAD + _SEG.size + _INTEGRITY.size)
+
+
+@dataclass(frozen=True)
+class Integrity:
+    """``struct ublk_param_integrity``: ``metadata_size`` bytes per
+    ``1 << interval_exp`` bytes of data, a PI tuple of ``csum_type``
+    (``PI_CSUM``) at ``pi_offset`` in them, ``tag_size`` bytes of tag."""
+
+    metadata_size: int
+    interval_exp: int = 9
+    pi_offset: int = 0
+    csum_type: int = 0
+    tag_size: int = 0
+    flags: int = 0               # PI_CAP_*
+    max_segments: int = 0        # 0: no limit
+
+    def pack(self) -> bytes:
+        return _INTEGRITY.pack(self.flags, self.max_segments, self.interval_exp,
+                               self.metadata_size, self.pi_offset, self.csum_type,
+                               self.tag_size)
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview, offset: int = 0) -> Integrity:
+        flags, segs, exp, size, pi_offset, csum, tag = _INTEGRITY.unpack_from(data, offset)
+        return cls(size, exp, pi_offset, csum, tag, flags, segs)
+
+    def meta_bytes(self, data_bytes: int) -> int:
+        """Bytes of metadata that go with ``data_bytes`` of data."""
+        return (data_bytes >> self.interval_exp) * self.metadata_size
+
+    def metadata_bytes_to_data(self, meta_bytes: int) -> int:
+        """Bytes of data that ``meta_bytes`` of metadata cover (whole intervals)."""
+        return meta_bytes // self.metadata_size << self.interval_exp
 
 
 @dataclass
@@ -282,6 +332,7 @@ class Params:
     devt: tuple[int, int, int, int] = field(default=(0, 0, 0, 0))
     #: ``ublk_param_zoned``: max_open_zones max_active_zones max_zone_append_sectors
     zoned: tuple[int, int, int] | None = None
+    integrity: Integrity | None = None
     types: int = 0
 
     def pack(self) -> bytes:
@@ -302,6 +353,10 @@ class Params:
         if self.segment is not None:
             types |= PARAM_TYPE_SEGMENT
             seg = self.segment
+        integrity = b"\0" * _INTEGRITY.size
+        if self.integrity is not None:
+            types |= PARAM_TYPE_INTEGRITY
+            integrity = self.integrity.pack()
         return b"".join((
             _HDR.pack(PARAMS_SIZE, types),
             _BASIC.pack(self.attrs, self.logical_bs_shift, self.physical_bs_shift,
@@ -313,7 +368,7 @@ class Params:
             _DMA.pack(dma),
             bytes(_SEG_PAD),
             _SEG.pack(*seg),
-            _INTEGRITY.pack(0, 0, 0, 0, 0, 0, 0),
+            integrity,
         ))
 
     @classmethod
@@ -332,6 +387,8 @@ class Params:
         (dma,) = _DMA.unpack_from(data, off)
         off += _DMA.size + _SEG_PAD
         seg = _SEG.unpack_from(data, off)
+        off += _SEG.size
+        integrity = Integrity.unpack(data, off) if types & PARAM_TYPE_INTEGRITY else None
         return cls(
             dev_sectors=sectors, logical_bs_shift=lbs, physical_bs_shift=pbs,
             io_opt_shift=opt, io_min_shift=mn, max_sectors=max_sectors, attrs=attrs,
@@ -339,7 +396,8 @@ class Params:
             discard=tuple(disc[:5]) if types & PARAM_TYPE_DISCARD else None,
             dma_alignment=dma if types & PARAM_TYPE_DMA_ALIGN else None,
             segment=tuple(seg) if types & PARAM_TYPE_SEGMENT else None,
-            devt=devt, zoned=tuple(zoned) if types & PARAM_TYPE_ZONED else None, types=types,
+            devt=devt, zoned=tuple(zoned) if types & PARAM_TYPE_ZONED else None,
+            integrity=integrity, types=types,
         )
 
 

@@ -22,6 +22,7 @@ PROBE = r"""
 #include <sys/ioctl.h>
 #include <linux/ublk_cmd.h>
 #include <linux/blkzoned.h>
+#include <linux/fs.h>
 #define S(t) printf("\"sizeof %s\": %zu,\n", #t, sizeof(struct t))
 #define O(t, f) printf("\"offsetof %s.%s\": %zu,\n", #t, #f, offsetof(struct t, f))
 #define V(x) printf("\"%s\": %llu,\n", #x, (unsigned long long)(x))
@@ -33,7 +34,10 @@ int main(void) {
     O(blk_zone, wp); O(blk_zone, type); O(blk_zone, cond); O(blk_zone, capacity);
     O(ublk_params, basic); O(ublk_params, discard); O(ublk_params, devt);
     O(ublk_params, zoned); O(ublk_params, dma); O(ublk_params, seg);
-    O(ublk_params, integrity);
+    O(ublk_params, integrity); S(ublk_param_integrity);
+    O(ublk_param_integrity, max_integrity_segments); O(ublk_param_integrity, interval_exp);
+    O(ublk_param_integrity, metadata_size); O(ublk_param_integrity, pi_offset);
+    O(ublk_param_integrity, csum_type); O(ublk_param_integrity, tag_size);
     O(ublksrv_ctrl_dev_info, flags); O(ublksrv_ctrl_dev_info, ublksrv_pid);
     O(ublksrv_ctrl_cmd, data); O(ublksrv_ctrl_cmd, addr);
     %OPS%
@@ -59,7 +63,11 @@ def kernel_abi() -> dict[str, int]:
             "V(UBLK_MAX_QUEUE_DEPTH);", "V(UBLK_PARAM_TYPE_DMA_ALIGN);",
             "V(UBLK_PARAM_TYPE_SEGMENT);", "V(UBLK_ATTR_VOLATILE_CACHE);",
             "V(UBLK_PARAM_TYPE_ZONED);", "V(BLK_ZONE_TYPE_SEQWRITE_REQ);",
-            "V(BLK_ZONE_COND_CLOSED);", "V(BLK_ZONE_COND_FULL);"]
+            "V(BLK_ZONE_COND_CLOSED);", "V(BLK_ZONE_COND_FULL);",
+            "V(UBLK_PARAM_TYPE_INTEGRITY);", "V(UBLK_IO_F_INTEGRITY);",
+            "V(UBLKSRV_IO_INTEGRITY_FLAG);", "V(LBMD_PI_CAP_INTEGRITY);",
+            "V(LBMD_PI_CAP_REFTAG);", "V(LBMD_PI_CSUM_NONE);", "V(LBMD_PI_CSUM_IP);",
+            "V(LBMD_PI_CSUM_CRC16_T10DIF);", "V(LBMD_PI_CSUM_CRC64_NVME);"]
     ops += [f"V(UBLK_IO_OP_{op.name});" for op in uapi.Op]
     build = cache_dir() / "uapi-probe"
     build.mkdir(exist_ok=True)
@@ -117,6 +125,30 @@ def test_zoned_layout(kernel_abi: dict[str, int]) -> None:
     assert kernel_abi["sizeof ublk_param_zoned"] == 32
 
 
+def test_integrity_layout(kernel_abi: dict[str, int]) -> None:
+    assert kernel_abi["sizeof ublk_param_integrity"] == 16
+    assert [kernel_abi[f"offsetof ublk_param_integrity.{f}"] for f in (
+        "max_integrity_segments", "interval_exp", "metadata_size", "pi_offset", "csum_type",
+        "tag_size")] == [4, 6, 7, 8, 9, 10]
+    assert kernel_abi["UBLK_PARAM_TYPE_INTEGRITY"] == uapi.PARAM_TYPE_INTEGRITY
+    assert kernel_abi["UBLK_IO_F_INTEGRITY"] == uapi.IO_F_INTEGRITY
+    assert kernel_abi["UBLKSRV_IO_INTEGRITY_FLAG"] == uapi.IO_INTEGRITY_FLAG
+    assert kernel_abi["LBMD_PI_CAP_INTEGRITY"] == uapi.PI_CAP_INTEGRITY
+    assert kernel_abi["LBMD_PI_CAP_REFTAG"] == uapi.PI_CAP_REFTAG
+    for name, csum in (("NONE", "none"), ("IP", "ip"), ("CRC16_T10DIF", "t10dif"),
+                       ("CRC64_NVME", "nvme")):
+        assert kernel_abi[f"LBMD_PI_CSUM_{name}"] == uapi.PI_CSUM[csum]
+    integrity = uapi.Integrity(64, 9, 56, uapi.PI_CSUM["t10dif"], 2,
+                               uapi.PI_CAP_INTEGRITY | uapi.PI_CAP_REFTAG)
+    raw = uapi.Params(dev_sectors=8, integrity=integrity).pack()
+    assert int.from_bytes(raw[4:8], "little") & uapi.PARAM_TYPE_INTEGRITY
+    off = kernel_abi["offsetof ublk_params.integrity"]
+    assert int.from_bytes(raw[off:off + 4], "little") == 3
+    assert raw[off + 6:off + 11] == bytes([9, 64, 56, 2, 2])
+    assert uapi.Params.unpack(raw).integrity == integrity
+    assert uapi.Params.unpack(uapi.Params(dev_sectors=8).pack()).integrity is None
+
+
 def test_dev_info_layout(kernel_abi: dict[str, int]) -> None:
     info = uapi.DevInfo(nr_hw_queues=3, queue_depth=64, dev_id=9, ublksrv_pid=4242,
                         flags=0x8040)
@@ -164,5 +196,12 @@ def test_desc_mmap_offsets() -> None:
     assert uapi.desc_area_size(128) == 4096
     assert uapi.desc_mmap_offset(1) == 4096 * 24
     assert uapi.user_copy_offset(1, 2) == 0x8000_0000 | (1 << 41) | (2 << 25)
+    assert uapi.user_copy_offset(1, 2, integrity=True) == uapi.user_copy_offset(1, 2) | 1 << 62
+
+
+def test_integrity_meta_bytes() -> None:
+    # one metadata_size chunk per protection interval, as kublk's ublk_integrity_len
+    assert uapi.Integrity(64).meta_bytes(1 << 20) == 128 << 10
+    assert uapi.Integrity(8, interval_exp=12).meta_bytes(8192) == 16
 
 

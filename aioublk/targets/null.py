@@ -1,7 +1,8 @@
 """The null target: reads return whatever is in the buffer, writes vanish.
 
 Like kublk's null target it is a measure of the framework's own cost: no
-backend I/O, 250 GiB by default.
+backend I/O, 250 GiB by default. With integrity metadata it keeps none: a
+read's metadata is all 0xFF, which the block layer does not verify.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from aioublk.target import Buffer, Done, Geometry, Target
 class NullTarget(Target):
     name = "null"
     fixed_buffers = True
+    metadata = True
 
     def __init__(self, size: int = 250 << 30) -> None:
         self.geometry = Geometry(size=size, dma_alignment=4095,
@@ -21,10 +23,12 @@ class NullTarget(Target):
     def map(self) -> Map:
         return Null()
 
-    async def read(self, offset: int, buf: Buffer) -> None:
-        return None
+    async def read(self, offset: int, buf: Buffer, meta: memoryview | None = None) -> None:
+        if meta is not None:
+            meta[:] = b"\xff" * len(meta)
 
-    async def write(self, offset: int, buf: Buffer, fua: bool = False) -> None:
+    async def write(self, offset: int, buf: Buffer, fua: bool = False,
+                    meta: memoryview | None = None) -> None:
         return None
 
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
