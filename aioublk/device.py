@@ -239,9 +239,6 @@ class Control:
         buf = bytearray(uapi.SHMEM_BUF_REG.pack(addr, length, flags, 0))
         return await self.cmd(uapi.Cmd.REG_BUF, dev_id, buf=buf)
 
-    async def unreg_buf(self, dev_id: int, index: int) -> int:
-        return await self.cmd(uapi.Cmd.UNREG_BUF, dev_id, data=index)
-
     async def del_dev(self, dev_id: int) -> int:
         res = await self.cmd(uapi.Cmd.DEL_DEV, dev_id)
         if res >= 0:
@@ -519,14 +516,11 @@ class Device:
         self.log.info("shared buffer registered", path=path, index=res, bytes=size,
                       read_only=read_only)
 
-    async def _unregister_shared(self, ctrl: Control, dev_id: int, unregister: bool) -> None:
-        """Drop our mappings; on a device that lives on (quiesced, detached)
-        unregister them first, so that the next server can register its own."""
-        for index in list(self._shared):
-            if unregister:
-                res = await ctrl.unreg_buf(dev_id, index)
-                if res < 0 and res != -errno.ENODEV:
-                    log.warning("UNREG_BUF failed", dev=dev_id, index=index, res=res)
+    def _unmap_shared(self) -> None:
+        """Drop our mappings once the queues have ended. The registrations
+        stay, as kublk leaves them: DEL_DEV frees them, and unregistering
+        freezes the queue, which a quiesced device's held requests may
+        never let happen."""
         self._shared.clear()
         for m in self._shared_maps:
             try:
@@ -656,7 +650,7 @@ class Device:
             if not stop or not w.ready.is_set():
                 w.request_finish()
         await self.wait()
-        await self._unregister_shared(ctrl, dev_id, unregister=not delete)
+        self._unmap_shared()
         for m in self.mems:
             m.close()
         self.mems = []
