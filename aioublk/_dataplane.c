@@ -23,8 +23,9 @@
  * completes with UBLK_IO_RES_NEED_GET_DATA: C asks for the data with
  * UBLK_IO_NEED_GET_DATA on the tag's buffer, and that command's completion
  * is the request, served like any other by C or Python. Everything else
- * (flush, discard, zeroes, FUA, a map miss, a stopping worker) goes to
- * Python as it arrived. A backend result that is not the full piece (short, EINVAL from
+ * (flush, discard, zeroes, FUA, a map miss, a stopping worker, a request
+ * whose data is in a --shmem_zc shared buffer) goes to Python as it
+ * arrived. A backend result that is not the full piece (short, EINVAL from
  * O_DIRECT, EAGAIN, an error) sends the whole request to Python once every
  * piece of it has completed: C never answers anything but full success, and
  * a buffer is never handed back while a piece may still write it.
@@ -74,6 +75,7 @@ _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
 #define UBLK_OP_WRITE 1
 #define UBLK_F_FUA (1U << 13)
 #define UBLK_F_NEED_REG_BUF (1U << 17)
+#define UBLK_F_SHMEM_ZC (1U << 19)
 #define UBLK_BATCH_F_HAS_ZONE_LBA (1U << 0)
 #define UBLK_BATCH_F_HAS_BUF_ADDR (1U << 1)
 #define UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK (1U << 2)
@@ -738,6 +740,10 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
         dp_complete(dp, o, local, tag, (int32_t)len);
         return 1;
     }
+    /* --shmem_zc: the data is in a shared buffer, not where the mode puts it;
+       Python serves it there (null, above, has no data to move) */
+    if (d->op_flags & UBLK_F_SHMEM_ZC)
+        return 0;
     n = dp_resolve(dp, t, off, len, write, p);
     if (!n)
         return 0;

@@ -142,6 +142,14 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="integrity: the device checks PI itself (device_is_integrity_capable)")
     add.add_argument("--integrity_reftag", action="store_true",
                      help="integrity: the PI carries a reference tag (T10 type 1)")
+    add.add_argument("--shmem_zc", action="store_true",
+                     help="shared-memory zero copy (UBLK_F_SHMEM_ZC): a request whose pages lie "
+                     "in a registered shared buffer (--htlb) is served in it, uncopied")
+    add.add_argument("--htlb", metavar="FILE", default=None,
+                     help="with --shmem_zc: map FILE (on hugetlbfs; clients map it too) and "
+                     "register it as the shared buffer")
+    add.add_argument("--rdonly_shmem_buf", action="store_true",
+                     help="with --htlb: map and register it read-only (only writes match)")
     add.add_argument("--no_ublk_fixed_fd", action="store_true",
                      help="accepted for kublk's scripts: aioublk never registers /dev/ublkcN "
                      "as a fixed file, so its commands always go on the plain fd")
@@ -292,7 +300,7 @@ def _create_defaults() -> dict[str, Any]:
 #: the id is the record's name, --foreground is how one command runs
 _NOT_RECORDED = ("target", "files", "dev_id", "foreground")
 #: options naming files, recorded absolute (a daemon runs in /)
-_PATH_OPTIONS = ("log_file", "allow_backing")
+_PATH_OPTIONS = ("log_file", "allow_backing", "htlb")
 
 
 def _record(args: argparse.Namespace) -> dict[str, Any]:
@@ -609,7 +617,10 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
                                            csum_type=args.csum_type,
                                            capable=args.integrity_capable,
                                            reftag=args.integrity_reftag,
-                                           tag_size=args.tag_size))
+                                           tag_size=args.tag_size),
+                       shmem_zc=args.shmem_zc,  # (--htlb absolute: a daemon runs in /)
+                       htlb=os.path.abspath(args.htlb) if args.htlb else None,
+                       rdonly_shmem_buf=args.rdonly_shmem_buf)
     cfg.validate()
     return cfg
 

@@ -44,7 +44,8 @@ BLOCK_SIZES = (512, 1024, 2048, 4096)
 TARGET_OPTIONS = {name: spec.keys() for name, spec in registry.TARGETS.items()}
 DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fallback",
                "get_data", "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
-               "physical_block_size", "read_only", "force_share", "unprivileged", "options")
+               "physical_block_size", "read_only", "force_share", "unprivileged", "shmem_zc",
+               "htlb", "rdonly_shmem_buf", "options")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 #: how a size may be written, for error messages
@@ -286,7 +287,10 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
         per_io_tasks=_bool(raw.get("per_io_tasks", False), key("per_io_tasks")),
         recovery=recovery != "none", recovery_reissue=recovery == "reissue",
         recovery_fail_io=recovery == "fail_io",
-        unprivileged=_bool(raw.get("unprivileged", False), key("unprivileged")))
+        unprivileged=_bool(raw.get("unprivileged", False), key("unprivileged")),
+        shmem_zc=_bool(raw.get("shmem_zc", False), key("shmem_zc")),
+        htlb=_existing(raw["htlb"], key("htlb"), base) if "htlb" in raw else None,
+        rdonly_shmem_buf=_bool(raw.get("rdonly_shmem_buf", False), key("rdonly_shmem_buf")))
     if cfg.auto_zc_fallback and copy is not CopyMode.AUTO_ZC:
         raise _Invalid(key("auto_zc_fallback"), "needs copy = \"auto_zc\": set it, or drop "
                        "auto_zc_fallback")

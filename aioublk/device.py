@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import mmap
 import os
 from dataclasses import replace
 from typing import Any
@@ -232,6 +233,12 @@ class Control:
     async def end_user_recovery(self, dev_id: int, pid: int) -> int:
         return await self.cmd(uapi.Cmd.END_USER_RECOVERY, dev_id, data=pid)
 
+    async def reg_buf(self, dev_id: int, addr: int, length: int, flags: int = 0) -> int:
+        """REG_BUF: pin ``length`` bytes of our mapping at ``addr``; the
+        buffer's index, or -errno."""
+        buf = bytearray(uapi.SHMEM_BUF_REG.pack(addr, length, flags, 0))
+        return await self.cmd(uapi.Cmd.REG_BUF, dev_id, buf=buf)
+
     async def del_dev(self, dev_id: int) -> int:
         res = await self.cmd(uapi.Cmd.DEL_DEV, dev_id)
         if res >= 0:
@@ -350,6 +357,10 @@ class Device:
         self._ctrl: Control | None = None
         self._char_fd = -1
         self._stopped = False
+        #: --shmem_zc: our mappings of the registered shared buffers, by index
+        #: (every QueueMem holds the dict, to find an IO_F_SHMEM_ZC request's data)
+        self._shared: dict[int, memoryview] = {}
+        self._shared_maps: list[mmap.mmap] = []
 
     @property
     def id(self) -> int:
@@ -422,6 +433,8 @@ class Device:
                 await ctrl.start_dev(info.dev_id, os.getpid())
                 if info.flags & uapi.Feature.UNPRIVILEGED_DEV:
                     await _until_ours(self.path)
+            if self.config.htlb:
+                await self._register_shared(ctrl, info.dev_id, self.config.htlb)
             self.info = await ctrl.get_info(info.dev_id)
         except BaseException:
             # a failed recovery leaves the device QUIESCED for another try
@@ -476,6 +489,53 @@ class Device:
             raise _fail(f"START_USER_RECOVERY of device {dev_id}", res)
         return info
 
+    async def _register_shared(self, ctrl: Control, dev_id: int, path: str) -> None:
+        """--htlb: map the file the clients map too and register it, after
+        START_DEV as kublk does (the kernel freezes the queue to add it).
+        Requests match it from then on; until then they take the copy mode."""
+        read_only = self.config.rdonly_shmem_buf
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise UblkError(f"--htlb {path}: {e.strerror}: give an existing file (on "
+                            "hugetlbfs) that the clients map too") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise UblkError(f"--htlb {path} is empty: size it first, e.g. fallocate -l "
+                                f"4M {path}")
+            prot = mmap.PROT_READ | (0 if read_only else mmap.PROT_WRITE)
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)
+        except OSError as e:
+            raise UblkError(f"--htlb {path}: mapping it failed: {e.strerror} (are there "
+                            "enough huge pages? see /proc/sys/vm/nr_hugepages)") from None
+        finally:
+            os.close(fd)
+        flags = uapi.SHMEM_BUF_READ_ONLY if read_only else 0
+        res = await ctrl.reg_buf(dev_id, buffer_address(m), size, flags)
+        if res < 0:
+            m.close()
+            raise UblkError(f"registering --htlb {path} ({size} bytes) with the kernel failed: "
+                            f"{os.strerror(-res)} (errno {-res}); its size must be a multiple "
+                            "of the page size, at most 4 GiB")
+        self._shared_maps.append(m)
+        self._shared[res] = memoryview(m)
+        self.log.info("shared buffer registered", path=path, index=res, bytes=size,
+                      read_only=read_only)
+
+    def _unmap_shared(self) -> None:
+        """Drop our mappings once the queues have ended. The registrations
+        stay, as kublk leaves them: DEL_DEV frees them, and unregistering
+        freezes the queue, which a quiesced device's held requests may
+        never let happen."""
+        self._shared.clear()
+        for m in self._shared_maps:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a straggling view; the mapping goes with the process
+        self._shared_maps = []
+
     def _start_workers(self, info: uapi.DevInfo) -> None:
         cfg = self.config
         # what the kernel granted (queues are capped at the CPU count)
@@ -485,6 +545,8 @@ class Device:
         nthreads = wcfg.threads() if self.batch or spread else info.nr_hw_queues
         self.mems = [QueueMem(self._char_fd, q, info.queue_depth, info.max_io_buf_bytes,
                               cfg.copy) for q in range(info.nr_hw_queues)]
+        for m in self.mems:
+            m.shared = self._shared
         plan = layout(info.nr_hw_queues, info.queue_depth, nthreads, batch=self.batch,
                       per_io_tasks=spread)
         prepared: set[int] = set()
@@ -595,6 +657,7 @@ class Device:
             if not stop or not w.ready.is_set():
                 w.request_finish()
         await self.wait()
+        self._unmap_shared()
         for m in self.mems:
             m.close()
         self.mems = []

@@ -126,7 +126,8 @@ async def _serve_zoned(target: Target, op: int, op_flags: int, nr: int, offset: 
 
 class QueueMem:
     """One hardware queue's memory, shared by the workers that serve it: the
-    kernel's read-only request descriptors and (copy modes) one buffer per tag."""
+    kernel's read-only request descriptors, (copy modes) one buffer per tag
+    and the device's registered shared buffers (``--shmem_zc``), by index."""
 
     def __init__(self, char_fd: int, q_id: int, depth: int, max_io: int, mode: CopyMode) -> None:
         self.q_id = q_id
@@ -143,6 +144,8 @@ class QueueMem:
             view = memoryview(self.bufs)
             self.views = [view[t * max_io:(t + 1) * max_io] for t in range(depth)]
         self.unpack = partial(uapi.IO_DESC.unpack_from, self.descs)
+        #: the device fills it (one dict for all its queues) as it registers them
+        self.shared: dict[int, memoryview] = {}
 
     def close(self) -> None:
         self.views.clear()
@@ -184,6 +187,8 @@ class IoPath:
             return False
         op_flags, nr, sector, _addr = qm.unpack(tag * 24)
         op = op_flags & 0xFF
+        if op_flags & uapi.IO_F_SHMEM_ZC:
+            return False
         if op == _READ:
             return self.target.start_read(sector << 9, qm.views[tag][:nr << 9], done)
         if op == _WRITE and not op_flags & uapi.IO_F_FUA:
@@ -203,9 +208,11 @@ class IoPath:
         return res
 
     def _serve(self, qm: QueueMem, tag: int, index: int) -> Coroutine[Any, Any, int]:
-        op_flags, nr, sector, _addr = qm.unpack(tag * 24)
+        op_flags, nr, sector, addr = qm.unpack(tag * 24)
         mode = self.mode
         op = op_flags & 0xFF
+        if op_flags & uapi.IO_F_SHMEM_ZC:  # whatever the mode: the data is in our mapping
+            return self._shared(qm, tag, op_flags, nr, sector, addr)
         if mode is CopyMode.USER_COPY and (op in _DATA_IN or op in _DATA_OUT):
             return self._user_copy(qm, tag, op_flags, nr, sector)
         if mode is CopyMode.COPY or op not in (_READ, _WRITE):
@@ -246,6 +253,22 @@ class IoPath:
             return res
         except OSError as e:
             return -(e.errno or errno.EIO)
+
+    async def _shared(self, qm: QueueMem, tag: int, op_flags: int, nr: int, sector: int,
+                      addr: int) -> int:
+        """--shmem_zc: the request's data is at (index, offset) of a shared
+        buffer we registered; the kernel copies nothing either way."""
+        index, offset = uapi.shmem_zc_place(addr)
+        buf = qm.shared.get(index)
+        length = nr << 9
+        if buf is None or offset + length > len(buf):
+            log.warning("SHMEM_ZC request outside the registered buffers", q=qm.q_id, tag=tag,
+                        index=index, offset=offset, length=length)
+            return -errno.EFAULT
+        if buf.readonly and (op_flags & 0xFF) in _DATA_OUT:
+            return -errno.EFAULT  # (a read-only buffer only matches writes)
+        return await serve_request(self.target, op_flags, nr, sector,
+                                   buf[offset:offset + length], q=qm.q_id, tag=tag)
 
     async def _char_io(self, op: Callable[[int, Any, int], Awaitable[int]], view: memoryview,
                        pos: int) -> bool:

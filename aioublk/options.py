@@ -128,6 +128,14 @@ class DeviceConfig:
     #: UBLK_F_INTEGRITY (kublk --metadata_size...; see ``integrity``): each
     #: request's metadata goes to the target with its data; needs user copy
     integrity: uapi.Integrity | None = None
+    #: UBLK_F_SHMEM_ZC (kublk --shmem_zc): a request whose pages lie in a
+    #: registered shared buffer arrives by reference (index, offset) and is
+    #: served in the server's own mapping of it; the others as the copy mode says
+    shmem_zc: bool = False
+    #: (--htlb FILE) the shared buffer: a hugetlbfs file the clients map too
+    htlb: str | None = None
+    #: (--rdonly_shmem_buf) map and register it read-only: only writes match
+    rdonly_shmem_buf: bool = False
 
     #: device flags a caller may pass in ``flags``; the rest come from the options
     SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
@@ -176,6 +184,15 @@ class DeviceConfig:
             raise UblkError("user recovery (-r/-e/-i) needs root: the kernel drops it for "
                             "unprivileged devices (drop it, or drop --unprivileged and run as "
                             "root)")
+        if self.htlb and not self.shmem_zc:
+            raise UblkError("--htlb needs --shmem_zc (the kernel registers shared buffers only "
+                            "on a device added with UBLK_F_SHMEM_ZC): add it")
+        if self.rdonly_shmem_buf and not self.htlb:
+            raise UblkError("--rdonly_shmem_buf needs --htlb FILE: it says how that buffer is "
+                            "registered")
+        if self.shmem_zc and self.zoned:
+            raise UblkError("a zoned device and --shmem_zc conflict: aioublk serves zoned "
+                            "devices with user copy only (drop --shmem_zc)")
         if (self.fetch_buf_bytes and (self.fetch_buf_bytes % 2
                                       or not 2 <= self.fetch_buf_bytes <= 4096)) \
                 or self.fetch_buf_entries & (self.fetch_buf_entries - 1) \
@@ -226,6 +243,8 @@ class DeviceConfig:
             flags |= uapi.Feature.ZONED
         if self.integrity is not None:
             flags |= uapi.Feature.INTEGRITY
+        if self.shmem_zc:
+            flags |= uapi.Feature.SHMEM_ZC
         if flags & uapi.Feature.USER_RECOVERY and features & uapi.Feature.QUIESCE:
             flags |= uapi.Feature.QUIESCE  # as kublk: lets ``quiesce`` hand over the device
         if self.auto_zc_fallback:

@@ -52,6 +52,10 @@ class Cmd(enum.IntEnum):
     UPDATE_SIZE = _iowr(0x15)
     QUIESCE_DEV = _iowr(0x16)
     TRY_STOP_DEV = _iowr(0x17)
+    #: UBLK_F_SHMEM_ZC: pin a shared mapping (``SHMEM_BUF_REG`` at addr); the
+    #: result is the buffer's index
+    REG_BUF = _iowr(0x18)
+    UNREG_BUF = _iowr(0x19)  # data[0]: the index
 
 
 class IoCmd(enum.IntEnum):
@@ -151,6 +155,9 @@ IO_F_NOUNMAP = 1 << 15
 IO_F_NEED_REG_BUF = 1 << 17
 #: the request carries an integrity (metadata) buffer (``UBLK_F_INTEGRITY``)
 IO_F_INTEGRITY = 1 << 18
+#: the request's data is in a registered shared buffer: ``addr`` holds its
+#: index and offset (``shmem_zc_place``), and the kernel copies nothing
+IO_F_SHMEM_ZC = 1 << 19
 
 IO_RES_OK = 0
 IO_RES_NEED_GET_DATA = 1
@@ -197,6 +204,17 @@ CTRL_CMD = struct.Struct("=IHHQQHHI")  # dev_id queue_id len addr data0 path_len
 IO_CMD = struct.Struct("=HHiQ")  # q_id tag result addr
 BATCH_IO = struct.Struct("=HHHBBQ")  # q_id flags nr_elem elem_bytes rsvd rsvd2
 ELEM_HEADER = struct.Struct("=HHi")  # tag buf_index result
+
+
+#: ``struct ublk_shmem_buf_reg``: addr len flags reserved (REG_BUF's payload)
+SHMEM_BUF_REG = struct.Struct("=QQII")
+#: pin without write access: only writes can then match the buffer
+SHMEM_BUF_READ_ONLY = 1 << 0
+
+
+def shmem_zc_place(addr: int) -> tuple[int, int]:
+    """(buffer index, byte offset) of an ``IO_F_SHMEM_ZC`` request's ``addr``."""
+    return (addr >> 32) & 0xFFFF, addr & 0xFFFF_FFFF
 
 
 def ctrl_cmd(dev_id: int, *, queue_id: int = CTRL_QUEUE_NONE, length: int = 0,

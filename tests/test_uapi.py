@@ -40,6 +40,8 @@ int main(void) {
     O(ublk_param_integrity, csum_type); O(ublk_param_integrity, tag_size);
     O(ublksrv_ctrl_dev_info, flags); O(ublksrv_ctrl_dev_info, ublksrv_pid);
     O(ublksrv_ctrl_cmd, data); O(ublksrv_ctrl_cmd, addr);
+    S(ublk_shmem_buf_reg); O(ublk_shmem_buf_reg, len); O(ublk_shmem_buf_reg, flags);
+    V(ublk_shmem_zc_addr(0xbeef, 0xdeadbeefu));
     %OPS%
     printf("\"end\": 0}\n");
     return 0;
@@ -67,7 +69,8 @@ def kernel_abi() -> dict[str, int]:
             "V(UBLK_PARAM_TYPE_INTEGRITY);", "V(UBLK_IO_F_INTEGRITY);",
             "V(UBLKSRV_IO_INTEGRITY_FLAG);", "V(LBMD_PI_CAP_INTEGRITY);",
             "V(LBMD_PI_CAP_REFTAG);", "V(LBMD_PI_CSUM_NONE);", "V(LBMD_PI_CSUM_IP);",
-            "V(LBMD_PI_CSUM_CRC16_T10DIF);", "V(LBMD_PI_CSUM_CRC64_NVME);"]
+            "V(LBMD_PI_CSUM_CRC16_T10DIF);", "V(LBMD_PI_CSUM_CRC64_NVME);",
+            "V(UBLK_IO_F_SHMEM_ZC);", "V(UBLK_SHMEM_BUF_READ_ONLY);"]
     ops += [f"V(UBLK_IO_OP_{op.name});" for op in uapi.Op]
     build = cache_dir() / "uapi-probe"
     build.mkdir(exist_ok=True)
@@ -181,6 +184,24 @@ def test_constants(kernel_abi: dict[str, int]) -> None:
     assert kernel_abi["UBLKSRV_IO_BUF_OFFSET"] == uapi.IO_BUF_OFFSET
     assert kernel_abi["UBLK_MAX_QUEUE_DEPTH"] == uapi.MAX_QUEUE_DEPTH
     assert kernel_abi["UBLK_ATTR_VOLATILE_CACHE"] == uapi.ATTR_VOLATILE_CACHE
+
+
+def test_shmem_buf_reg_layout(kernel_abi: dict[str, int]) -> None:
+    assert kernel_abi["sizeof ublk_shmem_buf_reg"] == uapi.SHMEM_BUF_REG.size == 24
+    raw = uapi.SHMEM_BUF_REG.pack(0x7F00_0000_0000, 4 << 20, uapi.SHMEM_BUF_READ_ONLY, 0)
+    off = kernel_abi["offsetof ublk_shmem_buf_reg.len"]
+    assert int.from_bytes(raw[off:off + 8], "little") == 4 << 20
+    off = kernel_abi["offsetof ublk_shmem_buf_reg.flags"]
+    assert int.from_bytes(raw[off:off + 4], "little") == uapi.SHMEM_BUF_READ_ONLY
+    assert kernel_abi["UBLK_SHMEM_BUF_READ_ONLY"] == uapi.SHMEM_BUF_READ_ONLY
+    assert kernel_abi["UBLK_IO_F_SHMEM_ZC"] == uapi.IO_F_SHMEM_ZC
+
+
+def test_shmem_zc_place(kernel_abi: dict[str, int]) -> None:
+    addr = kernel_abi["ublk_shmem_zc_addr(0xbeef, 0xdeadbeefu)"]
+    assert uapi.shmem_zc_place(addr) == (0xBEEF, 0xDEADBEEF)
+    # bits 48-63 are reserved: they never leak into the index
+    assert uapi.shmem_zc_place(0xFFFF_0001_0000_1000) == (1, 0x1000)
 
 
 def test_feature_names_cover_every_known_bit() -> None:
