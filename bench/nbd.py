@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from bench.dataplane import _met, _paired, _ratio
 from bench.modes import (
@@ -159,10 +159,23 @@ def _client_runs(client: str, exp: Export, workloads: list[str],
     side: KernelClient | AioublkServer
     if client == "kernel":
         side = KernelClient()
-        dev, err = side.attach_export(exp)
+        attached = side.attach_export(exp)
     else:
         side = AioublkServer(("-t", "nbd", "-q", "1", "-d", "128"))
-        dev, err = side.attach(exp.uri)
+        attached = side.attach(exp.uri)
+    return workload_runs(client, side, attached, workloads, runtime)
+
+
+class Detachable(Protocol):
+    def detach(self) -> str | None: ...
+
+
+def workload_runs(client: str, side: Detachable, attached: tuple[str | None, str | None],
+                  workloads: list[str],
+                  runtime: int) -> list[tuple[str, float | None, str | None]]:
+    """Each workload on the device ``attached`` gave as (device, error), then ``side``
+    detached (bench.rbd's clients too)."""
+    dev, err = attached
     if dev is None:
         return [(w, None, err) for w in workloads]
     runs = []

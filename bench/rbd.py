@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.modes import RAMP, _fio, _footer, _notes, _run, publish, run_guest
-from bench.nbd import QUICK, WORKLOADS, Row, _no_scheduler, plot_ratios, rows, table
+from bench.modes import RAMP, _footer, _notes, _run, publish, run_guest
+from bench.nbd import QUICK, WORKLOADS, Row, plot_ratios, rows, table, workload_runs
 from bench.qcow2 import AioublkServer
 
 IMAGE, IMAGE_MIB = "rbd/bench", 512
@@ -65,20 +65,7 @@ def _client_runs(client: str, conf: str, workloads: list[str],
     side: RbdNbd | AioublkServer = (
         RbdNbd(conf) if client == "rbd-nbd"
         else AioublkServer(("-t", "rbd", "--rbd-conf", conf, "-q", "1", "-d", "128")))
-    dev, err = side.attach(IMAGE)
-    if dev is None:
-        return [(w, None, err) for w in workloads]
-    runs = []
-    try:
-        _no_scheduler(dev)
-        for w in workloads:
-            iops, err = _fio(dev, w, runtime, [])
-            runs.append((w, iops, err))
-    finally:
-        err = side.detach()
-        if err:
-            print(f"  detaching {client} from {dev} failed: {err}", flush=True)
-    return runs
+    return workload_runs(client, side, side.attach(IMAGE), workloads, runtime)
 
 
 def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
