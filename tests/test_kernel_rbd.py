@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,34 +22,19 @@ pytestmark = [
 ]
 
 MiB = 1 << 20
-SIZE = 128 * MiB
+RBD_IMAGE_SIZE = 128 * MiB
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with Cluster() as c:
-        yield c
-
-
-@pytest.fixture
-def image(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    name = f"rbd/{request.node.name.replace('[', '-').strip(']')}"
-    cluster.rbd("create", "--size", f"{SIZE // MiB}M", name)
-    yield name
-    cluster.rbd("snap", "purge", name)
-    cluster.rbd("rm", "--no-progress", name)
-
-
-def _add(cluster: Cluster, spec: str, *args: str) -> tuple[int, str]:
-    dev = add("-t", "rbd", spec, "--rbd-conf", cluster.conf, "-q", "2", *args)
+def _add(ceph: Cluster, spec: str, *args: str) -> tuple[int, str]:
+    dev = add("-t", "rbd", spec, "--rbd-conf", ceph.conf, "-q", "2", *args)
     return dev.dev_id, f"/dev/ublkb{dev.dev_id}"
 
 
-def _exported(cluster: Cluster, spec: str, tmp_path: Path, offset: int, length: int) -> bytes:
+def _exported(ceph: Cluster, spec: str, tmp_path: Path, offset: int, length: int) -> bytes:
     """The image's bytes as another librbd client reads them."""
     out = tmp_path / "export.raw"
     out.unlink(missing_ok=True)
-    cluster.rbd("export", "--no-progress", spec, str(out))
+    ceph.rbd("export", "--no-progress", spec, str(out))
     with open(out, "rb") as f:
         f.seek(offset)
         return f.read(length)
@@ -65,9 +49,9 @@ def _pwrite(path: str, data: bytes, offset: int) -> None:
         os.close(fd)
 
 
-def test_fio_verify_and_data_in_the_image(cluster: Cluster, image: str,
+def test_fio_verify_and_data_in_the_image(ceph: Cluster, rbd_image: str,
                                           tmp_path: Path) -> None:
-    dev_id, path = _add(cluster, image)
+    dev_id, path = _add(ceph, rbd_image)
     assert run("blockdev", "--getss", path).strip() == "512"
     job = fio(path, tmp_path, "--rw=randwrite", "--bs=8k", "--iodepth=32", "--size=16M",
               "--verify=crc32c", "--verify_fatal=1", "--do_verify=1")
@@ -75,17 +59,17 @@ def test_fio_verify_and_data_in_the_image(cluster: Cluster, image: str,
     data = os.urandom(MiB)
     _pwrite(path, data, 100 * MiB)
     delete(dev_id)
-    assert _exported(cluster, image, tmp_path, 100 * MiB, MiB) == data
+    assert _exported(ceph, rbd_image, tmp_path, 100 * MiB, MiB) == data
 
 
-def test_a_snapshot_is_read_only(cluster: Cluster, image: str, tmp_path: Path) -> None:
+def test_a_snapshot_is_read_only(ceph: Cluster, rbd_image: str, tmp_path: Path) -> None:
     old = os.urandom(MiB)
-    dev_id, path = _add(cluster, image)
+    dev_id, path = _add(ceph, rbd_image)
     _pwrite(path, old, 0)
-    cluster.rbd("snap", "create", f"{image}@before")
+    ceph.rbd("snap", "create", f"{rbd_image}@before")
     _pwrite(path, os.urandom(MiB), 0)
     delete(dev_id)
-    dev_id, path = _add(cluster, f"{image}@before")
+    dev_id, path = _add(ceph, f"{rbd_image}@before")
     try:
         assert run("blockdev", "--getro", path).strip() == "1"
         with open(path, "rb") as f:
@@ -95,21 +79,21 @@ def test_a_snapshot_is_read_only(cluster: Cluster, image: str, tmp_path: Path) -
         delete(dev_id)
 
 
-def _used(cluster: Cluster, spec: str) -> int:
-    images = json.loads(cluster.rbd("du", "--format", "json", spec))["images"]
+def _used(ceph: Cluster, spec: str) -> int:
+    images = json.loads(ceph.rbd("du", "--format", "json", spec))["images"]
     return int(images[0]["used_size"])
 
 
-def test_discard_frees_the_image_objects(cluster: Cluster, image: str,
+def test_discard_frees_the_image_objects(ceph: Cluster, rbd_image: str,
                                          tmp_path: Path) -> None:
-    dev_id, path = _add(cluster, image)
+    dev_id, path = _add(ceph, rbd_image)
     try:
         fio(path, tmp_path, "--rw=write", "--bs=1M", "--iodepth=8", "--size=32M")
         run("sync")
-        before = _used(cluster, image)
+        before = _used(ceph, rbd_image)
         assert before >= 32 * MiB
         run("blkdiscard", "-o", "0", "-l", str(32 * MiB), path)
-        assert _used(cluster, image) < before
+        assert _used(ceph, rbd_image) < before
     finally:
         delete(dev_id)
 
@@ -119,10 +103,10 @@ def test_discard_frees_the_image_objects(cluster: Cluster, image: str,
     ("nopool/img", "Ceph pool 'nopool': no such pool"),
     ("rbd/{image}@nosnap", "has no snapshot 'nosnap'"),
 ])
-def test_bad_input_is_one_line_and_leaves_no_device(cluster: Cluster, image: str, spec: str,
+def test_bad_input_is_one_line_and_leaves_no_device(ceph: Cluster, rbd_image: str, spec: str,
                                                     says: str) -> None:
-    p = cli("add", "-t", "rbd", spec.format(image=image.split("/")[1]), "--rbd-conf",
-            cluster.conf, check=False)
+    p = cli("add", "-t", "rbd", spec.format(image=rbd_image.split("/")[1]), "--rbd-conf",
+            ceph.conf, check=False)
     assert p.returncode == 1 and says in p.stderr and p.stderr.count("\n") == 1, p.stderr
     assert not listing()
 

@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -29,27 +29,12 @@ pytestmark = [
                        reason="needs ceph-mon and ceph-osd (scripts/setup installs them)"),
 ]
 
-SIZE = 16 << 20
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with Cluster() as c:
-        yield c
-
-
-@pytest.fixture
-def image(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    name = f"rbd/{request.node.name.replace('[', '-').strip(']')}"
-    cluster.rbd("create", "--size", f"{SIZE >> 20}M", name)
-    yield name
-    cluster.rbd("snap", "purge", name)
-    cluster.rbd("rm", "--no-progress", name)
+SIZE = RBD_IMAGE_SIZE = 16 << 20
 
 
 @pytest_asyncio.fixture
-async def attached(cluster: Cluster, image: str) -> AsyncIterator[RbdTarget]:
-    t = RbdTarget(image, conf=cluster.conf)
+async def attached(ceph: Cluster, rbd_image: str) -> AsyncIterator[RbdTarget]:
+    t = RbdTarget(rbd_image, conf=ceph.conf)
     q = QueueContext(0, (0,), asyncio.get_running_loop())
     await setup_queue(t, q)
     try:
@@ -59,20 +44,20 @@ async def attached(cluster: Cluster, image: str) -> AsyncIterator[RbdTarget]:
         t.close()
 
 
-def _export(cluster: Cluster, spec: str, tmp_path: Path) -> bytes:
+def _export(ceph: Cluster, spec: str, tmp_path: Path) -> bytes:
     out = tmp_path / "export.raw"
     out.unlink(missing_ok=True)
-    cluster.rbd("export", "--no-progress", spec, str(out))
+    ceph.rbd("export", "--no-progress", spec, str(out))
     return out.read_bytes()
 
 
-def _used(cluster: Cluster, spec: str) -> int:
-    images = json.loads(cluster.rbd("du", "--format", "json", spec))["images"]
+def _used(ceph: Cluster, spec: str) -> int:
+    images = json.loads(ceph.rbd("du", "--format", "json", spec))["images"]
     return int(images[0]["used_size"])
 
 
-def test_geometry(cluster: Cluster, image: str) -> None:
-    t = RbdTarget(image, conf=cluster.conf)
+def test_geometry(ceph: Cluster, rbd_image: str) -> None:
+    t = RbdTarget(rbd_image, conf=ceph.conf)
     try:
         g = t.geometry
         assert (g.size, g.logical_block_size, g.io_opt) == (SIZE, 512, 4 << 20)
@@ -83,7 +68,7 @@ def test_geometry(cluster: Cluster, image: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_round_trip(cluster: Cluster, attached: RbdTarget, tmp_path: Path) -> None:
+async def test_round_trip(ceph: Cluster, attached: RbdTarget, tmp_path: Path) -> None:
     """Write (plain, FUA, fast path), read, flush, zero; compare with rbd export."""
     t = attached
     data = bytearray(os.urandom(256 << 10))
@@ -101,7 +86,7 @@ async def test_round_trip(cluster: Cluster, attached: RbdTarget, tmp_path: Path)
     assert results == [8192, 8192] and fast == data[:8192]
     await t.write_zeroes(128 << 10, 16 << 10)
     await t.flush()
-    raw = _export(cluster, t.spec, tmp_path)
+    raw = _export(ceph, t.spec, tmp_path)
     assert raw[64 << 10:128 << 10] == data[:64 << 10]
     assert raw[128 << 10:144 << 10] == bytes(16 << 10)
     assert raw[144 << 10:320 << 10] == data[80 << 10:]
@@ -109,15 +94,15 @@ async def test_round_trip(cluster: Cluster, attached: RbdTarget, tmp_path: Path)
 
 
 @pytest.mark.asyncio
-async def test_discard_frees_objects(cluster: Cluster, attached: RbdTarget) -> None:
+async def test_discard_frees_objects(ceph: Cluster, attached: RbdTarget) -> None:
     t = attached
     await asyncio.gather(*(t.write(off, memoryview(os.urandom(1 << 20)))
                            for off in range(0, 8 << 20, 1 << 20)))
     await t.flush()
-    before = _used(cluster, t.spec)
+    before = _used(ceph, t.spec)
     await t.discard(0, 8 << 20)
     await t.flush()
-    assert _used(cluster, t.spec) < before
+    assert _used(ceph, t.spec) < before
     out = bytearray(1 << 20)
     await t.read(4 << 20, memoryview(out))
     assert out == bytes(1 << 20)
@@ -135,19 +120,19 @@ async def test_many_in_flight(attached: RbdTarget) -> None:
 
 
 @pytest.mark.asyncio
-async def test_snapshot_is_read_only(cluster: Cluster, image: str) -> None:
+async def test_snapshot_is_read_only(ceph: Cluster, rbd_image: str) -> None:
     old = os.urandom(8192)
-    t = RbdTarget(image, conf=cluster.conf)
+    t = RbdTarget(rbd_image, conf=ceph.conf)
     q = QueueContext(0, (0,), asyncio.get_running_loop())
     await setup_queue(t, q)
     try:
         await t.write(0, memoryview(old), fua=True)
-        cluster.rbd("snap", "create", f"{image}@s1")
+        ceph.rbd("snap", "create", f"{rbd_image}@s1")
         await t.write(0, memoryview(os.urandom(8192)), fua=True)
     finally:
         await teardown_queue(t, q)
         t.close()
-    s = RbdTarget(f"{image}@s1", conf=cluster.conf)
+    s = RbdTarget(f"{rbd_image}@s1", conf=ceph.conf)
     q = QueueContext(0, (0,), asyncio.get_running_loop())
     await setup_queue(s, q)
     try:
@@ -171,16 +156,16 @@ def _one_line(spec: str, says: str, **kw: object) -> None:
     assert says in msg and "\n" not in msg, msg
 
 
-def test_missing_pool(cluster: Cluster) -> None:
-    _one_line("nopool/img", "Ceph pool 'nopool': no such pool", conf=cluster.conf)
+def test_missing_pool(ceph: Cluster) -> None:
+    _one_line("nopool/img", "Ceph pool 'nopool': no such pool", conf=ceph.conf)
 
 
-def test_missing_image(cluster: Cluster) -> None:
-    _one_line("rbd/nope", "RBD image rbd/nope: no such image", conf=cluster.conf)
+def test_missing_image(ceph: Cluster) -> None:
+    _one_line("rbd/nope", "RBD image rbd/nope: no such image", conf=ceph.conf)
 
 
-def test_missing_snapshot(cluster: Cluster, image: str) -> None:
-    _one_line(f"{image}@nosnap", "has no snapshot 'nosnap'", conf=cluster.conf)
+def test_missing_snapshot(ceph: Cluster, rbd_image: str) -> None:
+    _one_line(f"{rbd_image}@nosnap", "has no snapshot 'nosnap'", conf=ceph.conf)
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
@@ -189,8 +174,8 @@ def test_missing_config_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("spec", ["img", "rbd/", "/img", "rbd/img@", "rbd/a/b"])
-def test_bad_spec(cluster: Cluster, spec: str) -> None:
-    _one_line(spec, "write it POOL/IMAGE", conf=cluster.conf)
+def test_bad_spec(ceph: Cluster, spec: str) -> None:
+    _one_line(spec, "write it POOL/IMAGE", conf=ceph.conf)
 
 
 def test_unreachable_cluster(tmp_path: Path) -> None:
@@ -200,8 +185,8 @@ def test_unreachable_cluster(tmp_path: Path) -> None:
     _one_line("rbd/img", "is it up and reachable", conf=str(conf), timeout=1)
 
 
-def test_cli_add_missing_image_is_one_line(cluster: Cluster,
+def test_cli_add_missing_image_is_one_line(ceph: Cluster,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["add", "-t", "rbd", "rbd/nope", "--rbd-conf", cluster.conf]) == 1
+    assert cli_main(["add", "-t", "rbd", "rbd/nope", "--rbd-conf", ceph.conf]) == 1
     err = capsys.readouterr().err
     assert err.startswith("aioublk: RBD image rbd/nope: no such image") and err.count("\n") == 1

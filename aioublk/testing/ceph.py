@@ -6,8 +6,8 @@ temporary directory that ``stop`` removes.
 No manager: pool creation, ``rbd create``, I/O, snapshots and ``rbd du``
 (which walks the image's objects itself) need only the monitor and the OSD.
 
-    with Cluster() as c:            # c.conf is its ceph.conf
-        c.rbd("create", "--size", "64M", "rbd/img")
+    with Cluster() as c, c.image("img", 64 << 20) as spec:   # c.conf: its ceph.conf
+        ...
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 #: bytes of the OSD's in-memory store
@@ -124,6 +126,18 @@ osd max object namespace len = 64
         if out.returncode:
             raise RuntimeError(f"{' '.join(argv)}: {out.stderr.strip() or out.returncode}")
         return out.stdout
+
+    @contextmanager
+    def image(self, name: str, size: int) -> Iterator[str]:
+        """A new image ``rbd/NAME`` of ``size`` bytes (whole MiB) as its spec;
+        removed after, with its snapshots."""
+        spec = f"{POOL}/{name}"
+        self.rbd("create", "--size", f"{size >> 20}M", spec)
+        try:
+            yield spec
+        finally:
+            self.rbd("snap", "purge", "--no-progress", spec)
+            self.rbd("rm", "--no-progress", spec)
 
     def start(self, timeout: float = 300) -> None:
         """Make and start the monitor and the OSD, then the ``rbd`` pool."""
