@@ -1,7 +1,8 @@
 """Only here because cffi's extension hook (cffi_modules) has no pyproject key.
 
-The nbd target's extension is built only where libnbd's header is: without
-it aioublk still installs, and ``-t nbd`` says what to install."""
+The nbd and rbd targets' extensions are built only where libnbd's and
+librbd's headers are: without them aioublk still installs, and ``-t nbd`` or
+``-t rbd`` says what to install."""
 
 import os
 
@@ -10,5 +11,7 @@ from setuptools import setup
 modules = ["aioublk/_uring_build.py:ffibuilder", "aioublk/qcow2/_zstd_build.py:ffibuilder"]
 if os.path.exists("/usr/include/libnbd.h"):
     modules.append("aioublk/targets/_nbd_build.py:ffibuilder")
+if os.path.exists("/usr/include/rbd/librbd.h"):
+    modules.append("aioublk/targets/_rbd_build.py:ffibuilder")
 
 setup(cffi_modules=modules)

@@ -27,7 +27,14 @@ from aioublk.target import (
     Target,
     current_queue,
 )
-from aioublk.targets import BackingError, LoopTarget, NbdError, NullTarget, StripeTarget
+from aioublk.targets import (
+    BackingError,
+    LoopTarget,
+    NbdError,
+    NullTarget,
+    RbdError,
+    StripeTarget,
+)
 from aioublk.targets.nvme import NvmeError
 from aioublk.targets.qcow2 import Qcow2Target
 from aioublk.targets.zoned import ZonedError, ZonedTarget
@@ -47,5 +54,5 @@ __all__ = [
     # errors
     "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
     "LogFileError", "MetricsError", "NbdError", "NvmeError", "Qcow2Error", "QueueSetupError",
-    "RunDirError", "UblkError", "ZonedError",
+    "RbdError", "RunDirError", "UblkError", "ZonedError",
 ]

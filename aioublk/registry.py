@@ -136,6 +136,15 @@ TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
                "reconnecting, before they fail with EIO", default=30, default_help="30",
                flags=("--reconnect-timeout",), lo=0),
     ), files="uri", read_only=True),
+    TargetSpec("rbd", "aioublk.targets.rbd:RbdTarget", (
+        Option("image", STR, "the RBD image: POOL/IMAGE, or POOL/IMAGE@SNAPSHOT (read-only)",
+               arg="*", required=True, what="RBD image"),
+        Option("conf", PATH, "the Ceph cluster's config file", default="/etc/ceph/ceph.conf",
+               default_help="/etc/ceph/ceph.conf", flags=("--rbd-conf",),
+               what="Ceph config file"),
+        Option("id", STR, "the Ceph client id (client.ID's keyring)", default="admin",
+               default_help="admin", flags=("--rbd-id",), arg="client_id"),
+    ), files="image", read_only=True),
     TargetSpec("zoned", "aioublk.targets.zoned:ZonedTarget", (
         Option("file", PATH, "the backing file (created if missing; zone states go to "
                "FILE.zones); none: zones in memory", what="backing file"),

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from bench.dataplane import _met, _paired, _ratio
 from bench.modes import (
@@ -159,10 +159,23 @@ def _client_runs(client: str, exp: Export, workloads: list[str],
     side: KernelClient | AioublkServer
     if client == "kernel":
         side = KernelClient()
-        dev, err = side.attach_export(exp)
+        attached = side.attach_export(exp)
     else:
         side = AioublkServer(("-t", "nbd", "-q", "1", "-d", "128"))
-        dev, err = side.attach(exp.uri)
+        attached = side.attach(exp.uri)
+    return workload_runs(client, side, attached, workloads, runtime)
+
+
+class Detachable(Protocol):
+    def detach(self) -> str | None: ...
+
+
+def workload_runs(client: str, side: Detachable, attached: tuple[str | None, str | None],
+                  workloads: list[str],
+                  runtime: int) -> list[tuple[str, float | None, str | None]]:
+    """Each workload on the device ``attached`` gave as (device, error), then ``side``
+    detached (bench.rbd's clients too)."""
+    dev, err = attached
     if dev is None:
         return [(w, None, err) for w in workloads]
     runs = []
@@ -236,18 +249,30 @@ class Row(NamedTuple):
     paired: float | None  # the median of each round's aioublk / kernel
 
 
-def rows(data: dict[str, object]) -> list[Row]:
-    """Each transport and workload the run measured."""
+def rows(data: dict[str, object], transports: tuple[str, ...] = TRANSPORTS,
+         clients: tuple[str, str] = CLIENTS) -> list[Row]:
+    """Each transport and workload the run measured; ``clients``: (the peer, aioublk)."""
     runs = data["runs"]
     assert isinstance(runs, list)
     table = []
-    for t in TRANSPORTS:
+    for t in transports:
         for w in WORKLOADS:
             if any(x["device"] == t and x["workload"] == w for x in runs):
-                k, a = (_median(runs, c, device=t, workload=w) for c in CLIENTS)
+                k, a = (_median(runs, c, device=t, workload=w) for c in clients)
                 table.append(Row(t, w, k, a, _ratio(a, k),
-                                 _paired(runs, t, w, num="aioublk", den="kernel")))
+                                 _paired(runs, t, w, num=clients[1], den=clients[0])))
     return table
+
+
+def table(table_rows: list[Row], first: str, peer: str) -> list[str]:
+    """The ratio table's lines: ``first`` heads the rows' transport column, ``peer``
+    names the other client (bench.rbd's too)."""
+    return [f"| {first} | workload | {peer} IOPS | aioublk IOPS | aioublk / {peer} "
+            "| paired | goal | met |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+            *(f"| {r.transport} | {r.workload} | {_fmt(r.kernel)} | {_fmt(r.aioublk)} "
+              f"| {_fmt(r.ratio, '.2f')} | {_fmt(r.paired, '.2f')} | ≥ {TARGET} "
+              f"| {_met(r.paired, TARGET)} |" for r in table_rows)]
 
 
 def report(data: dict[str, object], command: str) -> str:
@@ -279,12 +304,7 @@ def report(data: dict[str, object], command: str) -> str:
     lines += ["", "IOPS are medians over the rounds. **aioublk / kernel** divides those "
               "medians; **paired** is the median over the rounds of each round's own ratio "
               "(the two ran back to back): the goal is judged on it.",
-              "", "| transport | workload | kernel IOPS | aioublk IOPS | aioublk / kernel "
-              "| paired | goal | met |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    lines += [f"| {r.transport} | {r.workload} | {_fmt(r.kernel)} | {_fmt(r.aioublk)} "
-              f"| {_fmt(r.ratio, '.2f')} | {_fmt(r.paired, '.2f')} | ≥ {TARGET} "
-              f"| {_met(r.paired, TARGET)} |" for r in rows(data)]
+              "", *table(rows(data), "transport", "kernel")]
     errors: dict[str, str] = {}
     for x in runs:
         if x["error"]:
@@ -294,12 +314,18 @@ def report(data: dict[str, object], command: str) -> str:
 
 def plot(data: dict[str, object], path: Path) -> None:
     """One bar per transport and workload, the goal drawn across: green met, red not."""
+    plot_ratios(rows(data), path, "aioublk / kernel IOPS, paired by round (line: goal)",
+                f"-t nbd vs nbd.ko ({data.get('kernel_client')}), qemu-storage-daemon\n"
+                f"Linux {data['kernel']}, median of {data['rounds']} round(s)")
+
+
+def plot_ratios(table: list[Row], path: Path, ylabel: str, title: str) -> None:
+    """The paired ratio of each row as a bar, TARGET drawn across (bench.rbd's too)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = rows(data)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(table) + 2), 5))
     top = 1.2
     for i, r in enumerate(table):
@@ -313,9 +339,8 @@ def plot(data: dict[str, object], path: Path) -> None:
     ax.set_xticks(range(len(table)), [f"{r.transport}\n{r.workload}" for r in table],
                   rotation=30, ha="right", fontsize=8)
     ax.set_ylim(0, top)
-    ax.set_ylabel("aioublk / kernel IOPS, paired by round (line: goal)")
-    ax.set_title(f"-t nbd vs nbd.ko ({data.get('kernel_client')}), qemu-storage-daemon\n"
-                 f"Linux {data['kernel']}, median of {data['rounds']} round(s)", fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
 import uvloop
 
 from aioublk.ring import Ring
+
+if TYPE_CHECKING:
+    from aioublk.testing.ceph import Cluster
 
 pytest_plugins = ["pytester"]  # aioublk.testing comes through its pytest11 entry point
 
@@ -45,3 +49,20 @@ def no_devices_left() -> Iterator[None]:
     left = kernel.listing()
     kernel.delete_all()
     assert not left, f"devices left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def ceph() -> Iterator[Cluster]:
+    """A throwaway one-node Ceph cluster, started once per test module using it."""
+    from aioublk.testing.ceph import Cluster
+
+    with Cluster() as c:
+        yield c
+
+
+@pytest.fixture
+def rbd_image(ceph: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A new image named after the test, of the module's ``RBD_IMAGE_SIZE`` bytes."""
+    with ceph.image(request.node.name.replace("[", "-").strip("]"),
+                    request.module.RBD_IMAGE_SIZE) as spec:
+        yield spec

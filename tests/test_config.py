@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import serve
+from aioublk import registry, serve
 from aioublk.config import ConfigError, build_target, load, parse_size
 from aioublk.options import CopyMode
 from aioublk.qcow2 import Qcow2Error
@@ -264,7 +264,8 @@ def test_parse_size_refuses(text: str) -> None:
         parse_size(True)
 
 
-@pytest.mark.parametrize("name", ["null", "loop", "stripe", "qcow2", "serve", "serve-nbd"])
+@pytest.mark.parametrize("name", ["null", "loop", "stripe", "qcow2", "serve", "serve-nbd",
+                                  "serve-rbd"])
 def test_examples_load(name: str, tmp_path: Path) -> None:
     """Every example is valid once the files it names exist."""
     example = shutil.copy(EXAMPLES / f"{name}.toml", tmp_path)
@@ -272,7 +273,9 @@ def test_examples_load(name: str, tmp_path: Path) -> None:
         devices = tomllib.load(f)["devices"]
     for d in devices:
         o = d.get("options", {})
-        for p in [o[k] for k in ("file", "image") if k in o] + o.get("files", []):
+        paths = [o[x.key] for x in registry.TARGETS[d["target"]].options
+                 if x.key in o and x.type == registry.PATH]
+        for p in paths + o.get("files", []):
             (tmp_path / p).write_bytes(b"\0" * MiB)
     c = load(str(example))
     assert [d.target for d in c.devices] == [d["target"] for d in devices]
@@ -363,7 +366,7 @@ MISTAKES = [
      '"allow_backing"?)'),
     # required options, files
     ("[[devices]]\nqueues = 1\n", "config.toml: devices[0].target: missing: set it to one of "
-     'null, loop, stripe, qcow2, nvme, nbd, zoned, fault_inject or "pkg.module:Class"'),
+     'null, loop, stripe, qcow2, nvme, nbd, rbd, zoned, fault_inject or "pkg.module:Class"'),
     ('[[devices]]\ntarget = "loop"\n', "config.toml: devices[0].options.file: missing: the loop "
      "target needs the path of its backing file"),
     ('[[devices]]\ntarget = "qcow2"\n', "config.toml: devices[0].options.image: missing"),
@@ -382,8 +385,8 @@ MISTAKES = [
      "config.toml: devices[0].options.files[1]: TMP/nope.img does not exist"),
     # targets
     ('[[devices]]\ntarget = "nul"\n', 'config.toml: devices[0].target: unknown target "nul" '
-     '(did you mean "null"?): use null, loop, stripe, qcow2, nvme, nbd, zoned, fault_inject or '
-     '"pkg.module:Class"'),
+     '(did you mean "null"?): use null, loop, stripe, qcow2, nvme, nbd, rbd, zoned, '
+     'fault_inject or "pkg.module:Class"'),
     ("[[devices]]\ntarget = 1\n", "config.toml: devices[0].target: 1 is an integer"),
     ('[[devices]]\ntarget = "no_such_module_xyz:Disk"\n', "config.toml: devices[0].target: "
      "cannot import 'no_such_module_xyz' (ModuleNotFoundError: No module named"),

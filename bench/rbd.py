@@ -1,0 +1,179 @@
+"""-t rbd beside rbd-nbd, on the same Ceph cluster, in one guest run (issue #14).
+
+    python -m bench.rbd [--runtime 5] [--rounds 2] [--quick]
+
+A throwaway one-node cluster (``aioublk.testing.ceph``: one monitor, one memstore
+OSD on 127.0.0.1, so the image lives in the guest's RAM) holds a 512 MiB image,
+written in full first so reads are not of absent objects. Two librbd clients of
+it, one at a time (each takes the image's exclusive lock), scheduler ``none``:
+
+1. ``aioublk add -t rbd rbd/bench -q 1 -d 128``: ublk, then librbd's asynchronous
+   calls on the queue's loop;
+2. ``rbd-nbd map rbd/bench``: librbd in rbd-nbd's threads, served to nbd.ko over a
+   socket pair (Ceph's own userspace block device).
+
+fio io_uring O_DIRECT: bench.nbd's workloads (4k randread and randwrite at iodepth
+64, 128k sequential read and write at iodepth 16). Who goes first swaps every
+round; the goal is aioublk / rbd-nbd ≥ 1 on the paired ratio. The guest only
+writes JSON; the host writes ``bench/results/rbd.md``, ``.json`` and ``rbd.png``.
+``--quick`` (4k randread, 2 s runs) is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from bench.modes import RAMP, _footer, _notes, _run, publish, run_guest
+from bench.nbd import QUICK, WORKLOADS, Row, plot_ratios, rows, table, workload_runs
+from bench.qcow2 import AioublkServer
+
+IMAGE, IMAGE_MIB = "rbd/bench", 512
+CLIENTS = ("rbd-nbd", "aioublk")
+DEVICE = "rbd"  # the one "transport" of bench.nbd's rows
+
+
+class RbdNbd:
+    """``rbd-nbd map`` of the image, unmapped by ``detach``."""
+
+    def __init__(self, conf: str) -> None:
+        self.conf = conf
+        self.dev: str | None = None
+
+    def attach(self, image: str) -> tuple[str | None, str | None]:
+        out, err = _run(["rbd-nbd", "map", "-c", self.conf, image], timeout=300)
+        if err:
+            return None, f"rbd-nbd map {err}"
+        self.dev = out.strip().splitlines()[-1]
+        return self.dev, None
+
+    def detach(self) -> str | None:
+        assert self.dev is not None
+        _, err = _run(["rbd-nbd", "unmap", "-c", self.conf, self.dev], timeout=120)
+        self.dev = None
+        return err
+
+
+def _client_runs(client: str, conf: str, workloads: list[str],
+                 runtime: int) -> list[tuple[str, float | None, str | None]]:
+    """Attach one client to the image, run each workload on it, detach."""
+    side: RbdNbd | AioublkServer = (
+        RbdNbd(conf) if client == "rbd-nbd"
+        else AioublkServer(("-t", "rbd", "--rbd-conf", conf, "-q", "1", "-d", "128")))
+    return workload_runs(client, side, side.attach(IMAGE), workloads, runtime)
+
+
+def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
+    """Runs in the guest; rewrites `out` after every client so a crash keeps what was done."""
+    from aioublk.testing.ceph import Cluster
+
+    workloads = QUICK["workloads"] if quick else WORKLOADS
+    start = time.monotonic()
+    release, _ = _run(["uname", "-r"], timeout=10)
+    version, _ = _run(["rbd", "--version"], timeout=30)
+    _run(["modprobe", "nbd"], timeout=60)
+    runs: list[dict[str, object]] = []
+    data: dict[str, object] = {
+        "kernel": release.strip(), "cpus": os.cpu_count(),
+        "guest": os.environ.get("AIOUBLK_IN_GUEST") == "1", "runtime": runtime, "ramp": RAMP,
+        "rounds": rounds, "quick": quick, "ceph": version.strip(), "complete": False,
+        "runs": runs,
+    }
+    with Cluster(memstore_bytes=(IMAGE_MIB + 512) << 20) as cluster:
+        data["cluster_start_seconds"] = round(cluster.startup_seconds, 1)
+        cluster.rbd("create", "--size", f"{IMAGE_MIB}M", IMAGE)
+        cluster.rbd("bench", "--io-type", "write", "--io-size", "4M", "--io-pattern", "seq",
+                    "--io-total", f"{IMAGE_MIB}M", IMAGE, timeout=1800)
+        print(f"cluster up in {data['cluster_start_seconds']} s, {IMAGE} written", flush=True)
+        for r in range(rounds):
+            # who goes first swaps every round: drift over the run then favours neither
+            for client in CLIENTS if r % 2 == 0 else CLIENTS[::-1]:
+                for w, iops, e in _client_runs(client, cluster.conf, workloads, runtime):
+                    runs.append({"round": r + 1, "device": DEVICE, "workload": w,
+                                 "server": client, "iops": iops, "error": e})
+                    shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {e}"
+                    print(f"[{time.monotonic() - start:4.0f} s] round {r + 1}: {w:17} "
+                          f"{client:7} {shown}", flush=True)
+                out.write_text(json.dumps(data))
+    data["complete"] = True
+    out.write_text(json.dumps(data))
+
+
+def _rows(data: dict[str, object]) -> list[Row]:
+    return rows(data, (DEVICE,), CLIENTS)
+
+
+def report(data: dict[str, object], command: str) -> str:
+    runs = data["runs"]
+    assert isinstance(runs, list)
+    setup = ("One guest run: QEMU TCG software emulation (no KVM), 4 GiB RAM" if data["guest"]
+             else "One run on the host")
+    lines = [
+        "# -t rbd vs rbd-nbd, same Ceph cluster (issue #14)", "",
+        f"{setup}, {data['cpus']} CPUs, Linux {data['kernel']}, {data['ceph']}. A one-node "
+        f"cluster (one monitor, one memstore OSD, up in {data.get('cluster_start_seconds')} "
+        f"s) holds `{IMAGE}`, {IMAGE_MIB} MiB written in full. Clients, one at a time: "
+        "`aioublk add -t rbd rbd/bench -q 1 -d 128`, and `rbd-nbd map` (librbd in its "
+        "threads, nbd.ko over a socket pair). Scheduler `none` on both. fio with io_uring, "
+        f"O_DIRECT, {data['runtime']} s per workload after {data['ramp']} s ramp; median of "
+        f"{data['rounds']} round(s), rbd-nbd first in odd rounds. Under emulation the "
+        "absolute IOPS mean little: **the ratios are the result**.",
+    ]
+    lines += _notes(data, "4k randread, one round")
+    lines += ["", "IOPS are medians over the rounds; **paired** is the median of each "
+              "round's own ratio: the goal is judged on it.", "",
+              *table(_rows(data), "cluster", "rbd-nbd")]
+    errors: dict[str, str] = {}
+    for x in runs:
+        if x["error"]:
+            errors.setdefault(str(x["server"]), str(x["error"]))
+    return "\n".join(lines + _footer(errors, "client", "rbd.png", command))
+
+
+def plot(data: dict[str, object], path: Path) -> None:
+    plot_ratios(_rows(data), path, "aioublk / rbd-nbd IOPS, paired by round (line: goal)",
+                f"-t rbd vs rbd-nbd, one-node memstore cluster\nLinux {data['kernel']}, "
+                f"median of {data['rounds']} round(s)")
+
+
+def _command(runtime: int, rounds: int, quick: bool) -> str:
+    return shlex.join([".venv/bin/python", "-m", "bench.rbd", f"--runtime={runtime}",
+                       f"--rounds={rounds}", *(["--quick"] if quick else [])])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="smoke test: 4k randread, 2 s runs")
+    ap.add_argument("--report", metavar="JSON",
+                    help="only write the report again from a run's results/rbd.json")
+    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    runtime = ns.runtime or (2 if ns.quick else 5)
+    if ns.report:
+        data = json.loads(Path(ns.report).read_text())
+        return publish("rbd", data, report(data, _command(data["runtime"], data["rounds"],
+                                                          data["quick"])), plot, 0)
+    if ns.inner:  # (run_guest passes a kublk: this benchmark has no use for it)
+        inner(runtime, ns.rounds, ns.quick, Path(ns.inner[1]))
+        return 0
+    options = [f"--runtime={runtime}", f"--rounds={ns.rounds}",
+               *(["--quick"] if ns.quick else [])]
+    attaches = ns.rounds * len(CLIENTS)
+    fio_runs = attaches * (1 if ns.quick else len(WORKLOADS))
+    code, data = run_guest("bench.rbd", options,
+                           timeout=1800 + attaches * 180 + fio_runs * (runtime + RAMP + 30))
+    if data is None:
+        return 1
+    return publish("rbd", data, report(data, _command(runtime, ns.rounds, ns.quick)), plot,
+                   code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
