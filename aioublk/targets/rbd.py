@@ -12,7 +12,10 @@ them from one loop (``one_loop``): two handles on one image in one process
 would pass its exclusive lock back and forth on every write.
 
 FUA is a write then a flush. Connecting, the pool, the image and the
-snapshot are checked when the target is made, each failure one line.
+snapshot are checked when the target is made, each failure one line; that
+probe's connection is shut at once, and the image is opened again by the
+first queue, in the process that serves it: librados's threads do not
+survive the fork of ``add``'s daemon.
 """
 
 from __future__ import annotations
@@ -74,14 +77,14 @@ class RbdTarget(Target):
         self.ioctx: Any = None
         self.image: Any = None
         self.efd = -1
-        try:
+        self.timeout = timeout
+        try:  # a probe: the image is opened again where it is served
             self._open(timeout)
             info = self.ffi.new("rbd_image_info_t *")
             self._check(self.lib.rbd_stat(self.image, info, self.ffi.sizeof(info[0])), "stat")
             self.size, self.object_size = int(info.size), int(info.obj_size)
-        except BaseException:
-            self.close()
-            raise
+        finally:
+            self._shut()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.queues = 0
         self.ids = itertools.count(1)
@@ -146,7 +149,7 @@ class RbdTarget(Target):
         if r < 0:
             raise RbdError(f"RBD image {self.spec}: {what}: {os.strerror(-r)}")
 
-    def close(self) -> None:
+    def _shut(self) -> None:
         if self.image is not None:
             self.lib.rbd_close(self.image)
             self.image = None
@@ -156,6 +159,9 @@ class RbdTarget(Target):
         if self.cluster is not None:
             self.lib.rados_shutdown(self.cluster)
             self.cluster = None
+
+    def close(self) -> None:
+        self._shut()
         if self.efd >= 0:
             os.close(self.efd)
             self.efd = -1
@@ -168,13 +174,23 @@ class RbdTarget(Target):
         self.queues += 1
         if self.loop is not None:
             return
+        self.loop = q.loop
+        try:
+            await q.loop.run_in_executor(None, self._open, self.timeout)
+        except BaseException:
+            self.loop = None
+            self.queues -= 1
+            self._shut()
+            raise
         efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         r = self.lib.rbd_set_image_notification(self.image, efd, self.lib.EVENT_TYPE_EVENTFD)
         if r < 0:
             os.close(efd)
             self.queues -= 1
+            self.loop = None
+            self._shut()
             self._check(r, "completion notification")
-        self.efd, self.loop = efd, q.loop
+        self.efd = efd
         q.loop.add_reader(efd, self._reap)
         log.info("RBD image open", image=self.spec, size=self.size, read_only=self.read_only)
 
@@ -184,8 +200,9 @@ class RbdTarget(Target):
             return
         self.loop.remove_reader(self.efd)
         self.loop = None
-        # the eventfd stays open: librbd keeps writing to it until the image closes
-        # (close() below, after every queue stopped)
+        self._shut()  # (librbd writes the eventfd until the image is closed: close it after)
+        os.close(self.efd)
+        self.efd = -1
 
     def _reap(self) -> None:
         try:
