@@ -69,6 +69,10 @@ class Geometry:
     rotational: bool = False
     discard: bool = False
     discard_granularity: int = 4096
+    #: the longest discard the kernel may send (0: the largest I/O). A
+    #: discard moves no data: a backend that frees whole objects or extents
+    #: only when it sees them whole wants it long
+    max_discard_size: int = 0
     write_zeroes: bool = False
     dma_alignment: int | None = None
     segment: tuple[int, int, int] | None = None
@@ -99,7 +103,7 @@ class Geometry:
             discard = (
                 0,
                 self.discard_granularity if self.discard else 0,
-                max_sect if self.discard else 0,
+                (self.max_discard_size >> 9 or max_sect) if self.discard else 0,
                 max_sect if self.write_zeroes else 0,
                 1 if self.discard else 0,
             )

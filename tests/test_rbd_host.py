@@ -63,6 +63,9 @@ def test_geometry(ceph: Cluster, rbd_image: str) -> None:
         assert (g.size, g.logical_block_size, g.io_opt) == (SIZE, 512, 4 << 20)
         assert g.volatile_cache and g.fua and g.discard and g.write_zeroes
         assert not g.read_only and t.one_loop
+        # a discard reaches librbd whole (1 GiB), not cut to the 1 MiB of a data I/O:
+        # only a whole object's discard frees it
+        assert g.params(1 << 20).discard == (0, 4096, (1 << 30) >> 9, (1 << 20) >> 9, 1)
     finally:
         t.close()
 

@@ -95,7 +95,8 @@ class RbdTarget(Target):
             size=self.size - self.size % 512, logical_block_size=512, physical_block_size=4096,
             io_min=512, io_opt=io_opt, max_io_size=min(io_opt, 4 << 20), volatile_cache=True,
             fua=True, read_only=self.read_only, discard=not self.read_only,
-            discard_granularity=4096, write_zeroes=not self.read_only)
+            discard_granularity=4096, max_discard_size=1 << 30,  # whole objects freed
+            write_zeroes=not self.read_only)
 
     # ------------------------------------------------------- opening ----
 
