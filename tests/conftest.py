@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,6 @@ def ceph() -> Iterator[Cluster]:
 @pytest.fixture
 def rbd_image(ceph: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A new image named after the test, of the module's ``RBD_IMAGE_SIZE`` bytes."""
-    with ceph.image(request.node.name.replace("[", "-").strip("]"),
+    with ceph.image(re.sub(r"[^A-Za-z0-9_]+", "-", request.node.name).strip("-"),
                     request.module.RBD_IMAGE_SIZE) as spec:
         yield spec
