@@ -79,9 +79,9 @@ def test_null_with_a_read_only_buffer(tmp_path: Path, htlb: Path) -> None:
 @pytest.mark.parametrize("mode", [[], ["-z"], ["--auto_zc"], ["-u"], ["--no-batch"]],
                          ids=["copy", "zero_copy", "auto_zc", "user_copy", "per_io"])
 def test_loop_verify_in_the_shared_buffer(tmp_path: Path, htlb: Path, mode: list[str]) -> None:
-    backing = make_file(tmp_path / "loop.img", 128 * MiB)
+    backing = make_file(tmp_path / "loop.img", 64 * MiB)
     d = add("-t", "loop", "--shmem_zc", "--htlb", str(htlb), *mode, str(backing))
-    fio_on(f"/dev/ublkb{d.dev_id}", tmp_path, htlb, "--rw=randwrite", "--size=128M",
+    fio_on(f"/dev/ublkb{d.dev_id}", tmp_path, htlb, "--rw=randwrite", "--size=32M",
            "--verify=crc32c", "--verify_fatal=1", "--do_verify=1")
     delete(d.dev_id)
 
@@ -96,7 +96,7 @@ def test_loop_file_system_verify(tmp_path: Path, htlb: Path) -> None:
     subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True)
     subprocess.run(["mount", dev, str(mnt)], check=True)
     try:
-        fio_on(str(mnt / "testfile"), tmp_path, htlb, "--rw=randwrite", "--size=128M",
+        fio_on(str(mnt / "testfile"), tmp_path, htlb, "--rw=randwrite", "--size=32M",
                "--verify=crc32c", "--verify_fatal=1", "--do_verify=1")
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
