@@ -16,7 +16,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -294,6 +294,42 @@ async def test_server_restarted_requests_complete(qemu_nbd: Server, disk: Path) 
         await t.read(0, memoryview(out))
         await t.flush()
         assert out == data[0]
+        assert disk.read_bytes()[:8 * 4096] == b"".join(data)
+    finally:
+        await teardown_queue(t, q)
+
+
+def _fast(start: Callable[[int, memoryview, Callable[[int], None]], bool], offset: int,
+          buf: bytearray) -> asyncio.Future[int]:
+    """A fast-path request (start_read/start_write) as a future of its result."""
+    fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    assert start(offset, memoryview(buf), fut.set_result)
+    return fut
+
+
+@pytest.mark.asyncio
+async def test_fast_path_requests_are_held_across_a_restart(qemu_nbd: Server,
+                                                            disk: Path) -> None:
+    """start_write/start_read (no coroutine per request) answer with the byte
+    count, and are held and resent like the coroutines' when the server
+    comes back."""
+    t = NbdTarget(qemu_nbd.uri(), reconnect_timeout=20)
+    q = await _attached(t)
+    try:
+        assert qemu_nbd.proc is not None
+        qemu_nbd.proc.send_signal(signal.SIGSTOP)
+        data = [bytearray(os.urandom(4096)) for _ in range(8)]
+        writes = [_fast(t.start_write, i * 4096, d) for i, d in enumerate(data)]
+        await asyncio.sleep(0.2)
+        qemu_nbd.kill()
+        await asyncio.sleep(0.5)
+        assert not any(w.done() for w in writes)
+        qemu_nbd.start()
+        assert await asyncio.wait_for(asyncio.gather(*writes), 20) == [4096] * 8
+        out = bytearray(8 * 4096)
+        assert await _fast(t.start_read, 0, out) == len(out)
+        assert out == b"".join(data)
+        await t.flush()
         assert disk.read_bytes()[:8 * 4096] == b"".join(data)
     finally:
         await teardown_queue(t, q)

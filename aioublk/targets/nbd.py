@@ -38,7 +38,7 @@ from typing import Any
 
 from aioublk import logs
 from aioublk.errors import Error
-from aioublk.target import Geometry, QueueContext, Target, current_queue
+from aioublk.target import Done, Geometry, QueueContext, Target, current_queue
 
 log = logs.get_logger("aioublk.nbd")
 
@@ -72,26 +72,36 @@ def _why(ffi: Any, lib: Any) -> str:
 
 
 class _Cmd:
-    """One command, sent again after a reconnection until it is answered.
-    ``buf`` (the request's buffer as cffi holds it) is released when it is:
-    a cffi buffer view left to the garbage collector in a cycle with what it
-    views can be freed after it, and crashes the interpreter."""
+    """One command, sent again after a reconnection until it is answered:
+    a coroutine's (``fut``) or a fast-path request's (``done`` gets ``n``
+    or -errno, once). ``buf`` (the request's buffer as cffi holds it) is
+    released when it is answered: a cffi buffer view left to the garbage
+    collector in a cycle with what it views can be freed after it, and
+    crashes the interpreter."""
 
-    __slots__ = ("issue", "fut", "buf")
+    __slots__ = ("issue", "buf", "fut", "done", "n")
 
-    def __init__(self, issue: Issue, fut: asyncio.Future[None], buf: Any) -> None:
-        self.issue, self.fut, self.buf = issue, fut, buf
+    def __init__(self, issue: Issue, buf: Any, fut: asyncio.Future[None] | None = None,
+                 done: Done | None = None, n: int = 0) -> None:
+        self.issue, self.buf, self.fut, self.done, self.n = issue, buf, fut, done, n
+
+    @property
+    def abandoned(self) -> bool:
+        """Its coroutine was cancelled: nobody waits for the answer."""
+        return self.fut is not None and self.fut.done()
 
     def finish(self, ffi: Any, error: OSError | None = None) -> None:
         if self.buf is not None:
             ffi.release(self.buf)
             self.buf = None
-        if self.fut.done():
-            return
-        if error is None:
-            self.fut.set_result(None)
-        else:
-            self.fut.set_exception(error)
+        if self.done is not None:
+            done, self.done = self.done, None
+            done(self.n if error is None else -(error.errno or errno.EIO))
+        elif self.fut is not None and not self.fut.done():
+            if error is None:
+                self.fut.set_result(None)
+            else:
+                self.fut.set_exception(error)
 
 
 class _Link:
@@ -198,7 +208,7 @@ class _Link:
                     continue
                 if not d.error:
                     cmd.finish(self.ffi)
-                elif (lost or d.error in _LOST) and not cmd.fut.done():
+                elif (lost or d.error in _LOST) and not cmd.abandoned:
                     self.held.append(cmd)
                 else:
                     cmd.finish(self.ffi, OSError(d.error, f"NBD server: "
@@ -239,7 +249,7 @@ class _Link:
                  seconds=round(self.loop.time() - start, 3), resent=len(self.held))
         held, self.held = self.held, []
         for cmd in held:
-            if cmd.fut.done():  # its request was cancelled meanwhile
+            if cmd.abandoned:  # its request was cancelled meanwhile
                 cmd.finish(self.ffi)
             else:
                 self._submit(cmd)
@@ -253,9 +263,13 @@ class _Link:
 
     async def run(self, issue: Issue, buf: Any = None) -> None:
         """Send one command and wait for its answer (holding it while down)."""
-        cmd = _Cmd(issue, self.loop.create_future(), buf)
-        self._submit(cmd)
-        await cmd.fut
+        fut = self.loop.create_future()
+        self._submit(_Cmd(issue, buf, fut))
+        await fut
+
+    def start(self, issue: Issue, buf: Any, n: int, done: Done) -> None:
+        """Send one command of the fast path: ``done(n)`` when answered."""
+        self._submit(_Cmd(issue, buf, done=done, n=n))
 
     def _submit(self, cmd: _Cmd) -> None:
         if not self.up:
@@ -381,6 +395,19 @@ class NbdTarget(Target):
         return link
 
     # ------------------------------------------------------- requests ---
+
+    def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
+        b, n, lib = self.ffi.from_buffer(buf), len(buf), self.lib
+        self._link().start(lambda h, q, i: lib.anbd_pread(h, q, b, n, offset, i, 0), b, n, done)
+        return True
+
+    def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
+        if self.read_only:
+            return False  # the coroutine refuses it
+        b, n, lib = self.ffi.from_buffer(buf), len(buf), self.lib
+        self._link().start(lambda h, q, i: lib.anbd_pwrite(h, q, b, n, offset, i, 0), b, n,
+                           done)
+        return True
 
     async def read(self, offset: int, buf: memoryview) -> None:
         b, n, lib = self.ffi.from_buffer(buf), len(buf), self.lib
