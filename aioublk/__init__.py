@@ -13,7 +13,7 @@ from aioublk.extents import ExtentConflict, ExtentTable
 from aioublk.locking import InUse, LockFailed
 from aioublk.logs import LogFileError
 from aioublk.metrics import MetricsError
-from aioublk.options import CopyMode, DeviceConfig, UblkError
+from aioublk.options import CopyMode, DeviceConfig, IntegrityError, UblkError
 from aioublk.qcow2 import Qcow2Error, Qcow2Image
 from aioublk.ring import Ring, current_ring
 from aioublk.stats import RunDirError
@@ -52,7 +52,7 @@ __all__ = [
     # qcow2 without ublk
     "Qcow2Image",
     # errors
-    "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "LockFailed",
-    "LogFileError", "MetricsError", "NbdError", "NvmeError", "Qcow2Error", "QueueSetupError",
-    "RbdError", "RunDirError", "UblkError", "ZonedError",
+    "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "IntegrityError",
+    "LockFailed", "LogFileError", "MetricsError", "NbdError", "NvmeError", "Qcow2Error",
+    "QueueSetupError", "RbdError", "RunDirError", "UblkError", "ZonedError",
 ]

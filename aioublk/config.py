@@ -29,7 +29,7 @@ from typing import Any
 
 from aioublk import locking, registry, uapi
 from aioublk.errors import Error
-from aioublk.options import CopyMode, DeviceConfig, UblkError
+from aioublk.options import CopyMode, DeviceConfig, IntegrityError, UblkError, integrity
 from aioublk.target import Target
 
 BUILTIN_TARGETS = tuple(registry.TARGETS)
@@ -45,7 +45,8 @@ TARGET_OPTIONS = {name: spec.keys() for name, spec in registry.TARGETS.items()}
 DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fallback",
                "get_data", "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
                "physical_block_size", "read_only", "force_share", "unprivileged", "shmem_zc",
-               "htlb", "rdonly_shmem_buf", "options")
+               "htlb", "rdonly_shmem_buf", "metadata_size", "pi_offset", "csum_type", "tag_size",
+               "integrity_capable", "integrity_reftag", "options")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 #: how a size may be written, for error messages
@@ -290,7 +291,8 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
         unprivileged=_bool(raw.get("unprivileged", False), key("unprivileged")),
         shmem_zc=_bool(raw.get("shmem_zc", False), key("shmem_zc")),
         htlb=_existing(raw["htlb"], key("htlb"), base) if "htlb" in raw else None,
-        rdonly_shmem_buf=_bool(raw.get("rdonly_shmem_buf", False), key("rdonly_shmem_buf")))
+        rdonly_shmem_buf=_bool(raw.get("rdonly_shmem_buf", False), key("rdonly_shmem_buf")),
+        integrity=_integrity(raw, key))
     if cfg.auto_zc_fallback and copy is not CopyMode.AUTO_ZC:
         raise _Invalid(key("auto_zc_fallback"), "needs copy = \"auto_zc\": set it, or drop "
                        "auto_zc_fallback")
@@ -304,6 +306,9 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
     if cfg.per_io_tasks and batch:
         raise _Invalid(key("per_io_tasks"), "conflicts with batch = true (per-I/O tasks are "
                        "a per-I/O path feature): set batch = false or \"auto\"")
+    if cfg.integrity is not None and copy is not CopyMode.USER_COPY:
+        raise _Invalid(key("metadata_size"), "needs copy = \"user_copy\" (the kernel moves "
+                       "integrity data only by user copy): set it, or drop the integrity keys")
     if on_stop == "quiesce" and recovery == "none":
         raise _Invalid(key("on_stop"), "\"quiesce\" needs recovery: set recovery = "
                        "\"requeue\", \"reissue\" or \"fail_io\", or on_stop = \"delete\"")
@@ -320,6 +325,7 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
         raise _Invalid(key("physical_block_size"), f"{pbs} is smaller than "
                        f"logical_block_size {lbs}: use {lbs} or more")
     options = _options(kind, raw.get("options", {}), key("options"), base)
+    _metadata_file(kind, options, cfg, key)
     read_only = _bool(raw.get("read_only", False), key("read_only"))
     force_share = _bool(raw.get("force_share", False), key("force_share"))
     if force_share and not read_only:
@@ -328,6 +334,39 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
     return DeviceSpec(at, kind, options, cfg, recovery=recovery, on_stop=on_stop,
                       read_only=read_only, force_share=force_share,
                       logical_block_size=lbs, physical_block_size=pbs)
+
+
+def _integrity(raw: dict[str, Any], key: Callable[[str], str]) -> uapi.Integrity | None:
+    """The integrity keys, typed here and built (and refused) by
+    ``options.integrity`` as the command line's flags are."""
+    def number(name: str) -> int:
+        return _int(raw.get(name, 0), key(name), -(1 << 63))  # its range: integrity's
+
+    try:
+        return integrity(number("metadata_size"), pi_offset=number("pi_offset"),
+                         csum_type=_str(raw.get("csum_type", "none"), key("csum_type")),
+                         capable=_bool(raw.get("integrity_capable", False),
+                                       key("integrity_capable")),
+                         reftag=_bool(raw.get("integrity_reftag", False), key("integrity_reftag")),
+                         tag_size=number("tag_size"), prefix="")
+    except IntegrityError as e:
+        raise _Invalid(key(e.key), str(e)) from None
+
+
+def _metadata_file(kind: str, options: dict[str, Any], cfg: DeviceConfig,
+                   key: Callable[[str], str]) -> None:
+    """A target keeping integrity metadata in a file (loop's metadata_file,
+    its second FILE on the command line) has one exactly when metadata_size asks."""
+    spec = registry.TARGETS.get(kind)
+    second = spec.option(spec.second_file) if spec and spec.second_file else None
+    if second is None:
+        return
+    if second.key in options and cfg.integrity is None:
+        raise _Invalid(f"{key('options')}.{second.key}", "needs metadata_size (and copy = "
+                       "\"user_copy\"): set it, or drop the file")
+    if second.key not in options and cfg.integrity is not None:
+        raise _Invalid(key("metadata_size"), f"the {kind} target keeps the metadata in its "
+                       f"{second.what}: set options.{second.key}")
 
 
 def _target_kind(v: Any, at: str) -> str:

@@ -61,33 +61,53 @@ class CopyMode(enum.Enum):
 
 
 
+class IntegrityError(UblkError):
+    """An integrity option refused; ``key`` is the one at fault
+    (metadata_size, pi_offset, csum_type, tag_size or integrity_reftag), for
+    a config file to name it."""
+
+    def __init__(self, key: str, msg: str) -> None:
+        super().__init__(msg)
+        self.key = key
+
+
 def integrity(metadata_size: int = 0, *, pi_offset: int = 0, csum_type: str = "none",
-              capable: bool = False, reftag: bool = False,
-              tag_size: int = 0) -> uapi.Integrity | None:
+              capable: bool = False, reftag: bool = False, tag_size: int = 0,
+              prefix: str = "--") -> uapi.Integrity | None:
     """kublk's integrity options as ``ublk_param_integrity`` (None without
     ``--metadata_size``), refused in one line where ublk_drv would refuse
-    them with a bare EINVAL. One interval per 512-byte sector, as kublk."""
+    them with a bare EINVAL (IntegrityError). One interval per 512-byte
+    sector, as kublk. The refusals write each option as ``prefix`` + its
+    name: "--" for the command line, "" for a config file's keys."""
+    def opt(key: str) -> str:
+        return prefix + key
+
     if not metadata_size:
-        if capable or reftag or pi_offset or csum_type != "none" or tag_size:
-            raise UblkError("integrity options need --metadata_size N: give the bytes of "
-                            "metadata per 512-byte sector")
+        given = [k for k, on in (("integrity_capable", capable), ("integrity_reftag", reftag),
+                                 ("pi_offset", pi_offset), ("csum_type", csum_type != "none"),
+                                 ("tag_size", tag_size)) if on]
+        if given:
+            raise IntegrityError(given[0], f"integrity options need {opt('metadata_size')} N: "
+                                 "give the bytes of metadata per 512-byte sector")
         return None
-    for name, value in (("--metadata_size", metadata_size), ("--pi_offset", pi_offset),
-                        ("--tag_size", tag_size)):
+    for key, value in (("metadata_size", metadata_size), ("pi_offset", pi_offset),
+                       ("tag_size", tag_size)):
         if not 0 <= value <= 255:
-            raise UblkError(f"{name} {value} out of range: use 0..255")
+            raise IntegrityError(key, f"{opt(key)} {value} out of range: use 0..255")
     csum = uapi.PI_CSUM.get(csum_type)
     if csum is None:
-        raise UblkError(f"--csum_type {csum_type} is unknown: use ip, t10dif or nvme")
+        raise IntegrityError("csum_type", f"{opt('csum_type')} {csum_type} is unknown: use ip, "
+                             "t10dif or nvme")
     tuple_size = uapi.PI_TUPLE_SIZE[csum]
     if pi_offset + tuple_size > metadata_size:
-        what = f"a {tuple_size}-byte {csum_type} PI tuple at --pi_offset {pi_offset}" \
-            if tuple_size else f"--pi_offset {pi_offset}"
-        raise UblkError(f"{what} does not fit in --metadata_size {metadata_size}: raise "
-                        f"--metadata_size to {pi_offset + tuple_size} or more")
+        at = f"{opt('pi_offset')} {pi_offset}"
+        what = f"a {tuple_size}-byte {csum_type} PI tuple at {at}" if tuple_size else at
+        raise IntegrityError("pi_offset", f"{what} does not fit in {opt('metadata_size')} "
+                             f"{metadata_size}: raise {opt('metadata_size')} to "
+                             f"{pi_offset + tuple_size} or more")
     if reftag and not csum:
-        raise UblkError("--integrity_reftag needs a PI tuple: add --csum_type t10dif (or ip, "
-                        "nvme)")
+        raise IntegrityError("integrity_reftag", f"{opt('integrity_reftag')} needs a PI tuple: "
+                             f"add {opt('csum_type')} t10dif (or ip, nvme)")
     flags = (uapi.PI_CAP_INTEGRITY if capable else 0) | (uapi.PI_CAP_REFTAG if reftag else 0)
     return uapi.Integrity(metadata_size, 9, pi_offset, csum, tag_size, flags)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import registry, serve
+from aioublk import cli, registry, serve
 from aioublk.config import ConfigError, build_target, load, parse_size
 from aioublk.options import CopyMode
 from aioublk.qcow2 import Qcow2Error
@@ -264,6 +264,36 @@ def test_parse_size_refuses(text: str) -> None:
         parse_size(True)
 
 
+@pytest.mark.parametrize("flags,keys", [
+    # test_integrity_01.sh's four devices
+    (["--metadata_size", "8"], "metadata_size = 8"),
+    (["--integrity_capable", "--metadata_size", "64", "--pi_offset", "56", "--csum_type", "ip"],
+     'integrity_capable = true\nmetadata_size = 64\npi_offset = 56\ncsum_type = "ip"'),
+    (["--integrity_reftag", "--metadata_size", "8", "--csum_type", "t10dif"],
+     'integrity_reftag = true\nmetadata_size = 8\ncsum_type = "t10dif"'),
+    (["--metadata_size", "16", "--csum_type", "nvme", "--tag_size", "8"],
+     'metadata_size = 16\ncsum_type = "nvme"\ntag_size = 8'),
+])
+def test_integrity_keys_ask_what_the_flags_ask(flags: list[str], keys: str, cfg: Path) -> None:
+    cfg.write_text(f'[[devices]]\ntarget = "null"\ncopy = "user_copy"\n{keys}\n')
+    want = cli.device_config(cli._parser().parse_args(["add", "-t", "null", "-u", *flags]))
+    assert want.integrity is not None
+    assert load("config.toml").devices[0].config.integrity == want.integrity
+
+
+def test_loop_keeps_integrity_metadata_in_its_metadata_file(cfg: Path) -> None:
+    cfg.write_text('[[devices]]\ntarget = "loop"\ncopy = "user_copy"\nmetadata_size = 8\n'
+                   'csum_type = "t10dif"\noptions = { file = "a.img", metadata_file = "b.img" }\n')
+    d = load("config.toml").devices[0]
+    assert d.config.integrity is not None and d.config.integrity.metadata_size == 8
+    target = d.build_target()
+    try:
+        assert isinstance(target, LoopTarget) and target.meta is not None
+        assert target.meta.path == str(cfg.parent / "b.img")
+    finally:
+        target.close()
+
+
 @pytest.mark.parametrize("name", ["null", "loop", "stripe", "qcow2", "serve", "serve-nbd",
                                   "serve-rbd"])
 def test_examples_load(name: str, tmp_path: Path) -> None:
@@ -413,6 +443,37 @@ MISTAKES = [
      "config.toml: devices[0].get_data: conflicts with batch = true (batch I/O has no "
      "NEED_GET_DATA command)"),
     (NULL + 'get_data = "yes"\n', 'config.toml: devices[0].get_data: "yes" is a string'),
+    # integrity: options.integrity's refusals, naming the key
+    (NULL + 'copy = "user_copy"\ncsum_type = "t10dif"\n', "config.toml: devices[0].csum_type: "
+     "integrity options need metadata_size N: give the bytes of metadata per 512-byte sector"),
+    (NULL + 'copy = "user_copy"\nintegrity_capable = true\n',
+     "config.toml: devices[0].integrity_capable: integrity options need metadata_size N"),
+    (NULL + 'copy = "user_copy"\nmetadata_size = 8\ncsum_type = "crc32"\n',
+     "config.toml: devices[0].csum_type: csum_type crc32 is unknown: use ip, t10dif or nvme"),
+    (NULL + 'copy = "user_copy"\nmetadata_size = 64\npi_offset = 60\ncsum_type = "t10dif"\n',
+     "config.toml: devices[0].pi_offset: a 8-byte t10dif PI tuple at pi_offset 60 does not fit "
+     "in metadata_size 64: raise metadata_size to 68 or more"),
+    (NULL + 'copy = "user_copy"\nmetadata_size = 8\npi_offset = 9\n',
+     "config.toml: devices[0].pi_offset: pi_offset 9 does not fit in metadata_size 8"),
+    (NULL + 'copy = "user_copy"\nmetadata_size = 8\nintegrity_reftag = true\n',
+     "config.toml: devices[0].integrity_reftag: integrity_reftag needs a PI tuple: add "
+     "csum_type t10dif"),
+    (NULL + 'copy = "user_copy"\nmetadata_size = 256\n',
+     "config.toml: devices[0].metadata_size: metadata_size 256 out of range: use 0..255"),
+    (NULL + 'copy = "user_copy"\nmetadata_size = 8\ntag_size = -1\n',
+     "config.toml: devices[0].tag_size: tag_size -1 out of range: use 0..255"),
+    (NULL + "metadata_size = 8\n", 'config.toml: devices[0].metadata_size: needs copy = '
+     '"user_copy" (the kernel moves integrity data only by user copy)'),
+    (NULL + 'copy = "user_copy"\nmetadata_size = "8"\n',
+     'config.toml: devices[0].metadata_size: "8" is a string: use an integer'),
+    (NULL + 'copy = "user_copy"\nmetadata_size = 8\ncsum_type = 1\n',
+     "config.toml: devices[0].csum_type: 1 is an integer: use a string"),
+    (NULL + 'copy = "user_copy"\nmetadata_size = 8\nintegrity_reftag = 1\n',
+     "config.toml: devices[0].integrity_reftag: 1 is an integer: use true or false"),
+    ('[[devices]]\ntarget = "loop"\noptions = { file = "a.img", metadata_file = "b.img" }\n',
+     "config.toml: devices[0].options.metadata_file: needs metadata_size"),
+    (LOOP + 'copy = "user_copy"\nmetadata_size = 8\n', "config.toml: devices[0].metadata_size: "
+     "the loop target keeps the metadata in its metadata file: set options.metadata_file"),
     (NULL + "id = 3\n" + NULL + "id = 3\n",
      "config.toml: devices[1].id: 3 is also the id of devices[0]: pick another id"),
     (LOOP + NULL + '[[devices]]\ntarget = "qcow2"\noptions = { image = "a.img" }\n',
