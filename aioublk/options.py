@@ -210,6 +210,12 @@ class DeviceConfig:
         if self.rdonly_shmem_buf and not self.htlb:
             raise UblkError("--rdonly_shmem_buf needs --htlb FILE: it says how that buffer is "
                             "registered")
+        if self.htlb and self.recovery_flags:
+            # (seen: REG_BUF from the recovering server answers EEXIST, and
+            # the dead server's registration still matches clients' pages)
+            raise UblkError("user recovery (-r/-i/-e) and --htlb conflict: the kernel keeps "
+                            "the dead server's shared-buffer registration and refuses the new "
+                            "server's (EEXIST), so its requests could not be served: drop one")
         if self.shmem_zc and self.zoned:
             raise UblkError("a zoned device and --shmem_zc conflict: aioublk serves zoned "
                             "devices with user copy only (drop --shmem_zc)")

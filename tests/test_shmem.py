@@ -43,6 +43,8 @@ def test_options_ask_the_kernel_for_shmem_zc(tmp_path: Path,
 @pytest.mark.parametrize("args,message", [
     (["--htlb", "/dev/hugepages/buf"], "--htlb needs --shmem_zc"),
     (["--shmem_zc", "--rdonly_shmem_buf"], "--rdonly_shmem_buf needs --htlb FILE"),
+    (["--shmem_zc", "--htlb", "/dev/hugepages/buf", "-r", "1"],
+     "user recovery (-r/-i/-e) and --htlb conflict"),
 ])
 def test_refusals_are_one_line(args: list[str], message: str) -> None:
     with pytest.raises(UblkError) as e:
