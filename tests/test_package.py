@@ -9,6 +9,7 @@ import fnmatch
 import importlib
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -168,3 +169,55 @@ def test_cli_version() -> None:
     out = subprocess.run([sys.executable, "-m", "aioublk", "--version"],
                          capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout, out.stderr) == (0, f"aioublk {aioublk.__version__}\n", "")
+
+
+#: what a source tree must never carry into the sdist test's copy: builds of this
+#: checkout (an in-tree `_uring*.so` would hide a C part the sdist left out)
+_NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "site", "*.so",
+                                     "*.egg-info", "__pycache__", ".*_cache")
+
+
+def test_sdist_builds_a_wheel_that_imports_and_runs(tmp_path: Path) -> None:
+    """The sdist is what pip builds from when no wheel fits: every C source must be in
+    it, and the extension built from it must export what the Python side uses. Built
+    from a copy of the tree without any compiled file, installed into a fresh venv."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=_NOT_SOURCE)
+    build = subprocess.run([sys.executable, "-m", "build", "--sdist", "-o", str(tmp_path)],
+                           cwd=src, capture_output=True, text=True, timeout=300, check=False)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    (sdist,) = tmp_path.glob("aioublk-*.tar.gz")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                              "--no-cache-dir", str(sdist)],
+                             capture_output=True, text=True, timeout=600, check=False)
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
+    # run from elsewhere, so `import aioublk` cannot find this checkout
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import aioublk, aioublk.dataplane, aioublk.ring; "
+                            "print(aioublk.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert str(venv) in probe.stdout, probe.stdout
+    version = subprocess.run([str(venv / "bin" / "aioublk"), "--version"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert version.returncode == 0, version.stderr[-2000:]
+    assert version.stdout.strip() == f"aioublk {metadata.version('aioublk')}"
+
+
+def test_a_missing_c_part_fails_the_build(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension built without one of its C parts imports, then fails at first use:
+    the build must stop instead, naming the file."""
+    from aioublk import _uring_build
+
+    for name in _uring_build.PARTS:
+        shutil.copy(PACKAGE / f"{name}.h", tmp_path)
+        shutil.copy(PACKAGE / f"{name}.c", tmp_path)
+    monkeypatch.setattr(_uring_build, "_HERE", tmp_path)
+    assert _uring_build._parts()[1]
+    last = _uring_build.PARTS[-1]
+    (tmp_path / f"{last}.c").unlink()
+    with pytest.raises(SystemExit, match=f"missing C source .*{last}.c"):
+        _uring_build._parts()
