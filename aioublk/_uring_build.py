@@ -398,13 +398,17 @@ void aur_buf_ring_advance(void *br, unsigned count)
 
 
 def _parts() -> tuple[str, str]:
-    """(cdef, source) of the C parts that exist in this tree."""
+    """(cdef, source) of the C parts. A missing file is an error, never a smaller
+    extension: one built without a part imports, then fails at its first use."""
     cdef, source = "", ""
     for name in PARTS:
         h, c = _HERE / f"{name}.h", _HERE / f"{name}.c"
-        if h.exists():
-            cdef += h.read_text()
-            source += f'#include "{name}.h"\n' + (c.read_text() if c.exists() else "")
+        missing = [str(p) for p in (h, c) if not p.is_file()]
+        if missing:
+            raise SystemExit(f"aioublk build: missing C source {', '.join(missing)}: "
+                             "the source tree or sdist is incomplete")
+        cdef += h.read_text()
+        source += f'#include "{name}.h"\n' + c.read_text()
     return cdef, source
 
 
