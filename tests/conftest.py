@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -17,6 +18,21 @@ if TYPE_CHECKING:
     from aioublk.testing.ceph import Cluster
 
 pytest_plugins = ["pytester"]  # aioublk.testing comes through its pytest11 entry point
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Under CI (`CI` set, as .ci/run does) a skipped test fails: a host test that
+    skips for a missing qemu-nbd, nbdkit, Ceph or certtool would pass a run that
+    tested nothing of it. Guest tests fail on a skip anywhere (the aioublk plugin);
+    an expected failure stays one."""
+    report: pytest.TestReport = yield
+    if report.skipped and os.environ.get("CI") and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (f"skipped under CI, which must run every test (scripts/setup "
+                           f"installs every tool the tests use): {reason}")
+    return report
 
 
 def pytest_asyncio_loop_factories(
