@@ -103,10 +103,11 @@ else:
 """
 
 
-def run_pytest(tmp_path: Path, conftest: str = CONFTEST) -> tuple[dict[str, str], str]:
+def run_pytest(tmp_path: Path, conftest: str = CONFTEST,
+               tests: str = TESTS) -> tuple[dict[str, str], str]:
     """Outcome of each test (node name -> passed/failed/error/skipped/xfailed)."""
     (tmp_path / "conftest.py").write_text(conftest)
-    (tmp_path / "test_tiny.py").write_text(TESTS)
+    (tmp_path / "test_tiny.py").write_text(tests)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     report = tmp_path / "report.xml"
     p = subprocess.run(
@@ -139,6 +140,53 @@ def test_a_guest_test_that_skips_fails(tmp_path: Path, where: str) -> None:
         "test_host_skip_stays_a_skip": "skipped",
     }, stdout
     assert "a guest test must not skip" in stdout and "no zstd" in stdout, stdout
+
+
+HANG_TESTS = '''
+import os
+import threading
+
+import pytest
+
+
+@pytest.mark.guest
+def test_before():
+    pass
+
+
+@pytest.mark.guest(timeout=1)
+def test_hangs_where_no_exception_reaches():
+    threading.Event().wait()  # as a request stuck in the kernel would
+
+
+@pytest.mark.guest
+def test_after():
+    assert os.environ.get("FAKE_GUEST_INSIDE")
+'''
+
+
+def test_a_hung_guest_test_fails_alone_and_the_rest_run_in_a_new_boot(tmp_path: Path) -> None:
+    """The guest's watchdog ends the overtime test (report, stacks, exit) and the host
+    boots again for the tests it had not reached."""
+    out, stdout = run_pytest(tmp_path, FAKE_GUEST, HANG_TESTS)
+    assert out == {"test_before": "passed", "test_hangs_where_no_exception_reaches": "failure",
+                   "test_after": "passed"}, stdout
+    assert "outlived its limit of 1 s" in stdout, stdout
+    assert "threading.Event().wait()" in stdout or "in wait" in stdout, stdout  # its stack
+    assert "(boot 2: the tests left)" in stdout, stdout
+    assert "3 of 3 guest tests reported" in stdout and "2 boots" in stdout, stdout
+
+
+def test_a_guest_that_dies_blames_the_running_test(tmp_path: Path) -> None:
+    """A guest that dies with no report for the running test (a kernel hang, a crash):
+    that test fails, saying so, and the tests after it still run."""
+    tests = HANG_TESTS.replace("@pytest.mark.guest(timeout=1)", "@pytest.mark.guest") \
+        .replace("threading.Event().wait()  # as a request stuck in the kernel would",
+                 "os._exit(125)  # as a guest that crashes")
+    out, stdout = run_pytest(tmp_path, FAKE_GUEST, tests)
+    assert out == {"test_before": "passed", "test_hangs_where_no_exception_reaches": "failure",
+                   "test_after": "passed"}, stdout
+    assert "the guest stopped while this test ran" in stdout, stdout
 
 
 TMP_TESTS = '''
@@ -205,7 +253,7 @@ def test_a_project_without_conftest_gets_the_plugin(pytester: pytest.Pytester) -
                    "--guest-modules"):
         helped.stdout.fnmatch_lines([f"*{option}*"])
     marked = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--markers")
-    marked.stdout.fnmatch_lines(["@pytest.mark.guest: *ublk_drv*"])
+    marked.stdout.fnmatch_lines(["@pytest.mark.guest(timeout=None): *ublk_drv*"])
 
 
 def test_the_accelerator_choice(capsys: pytest.CaptureFixture[str]) -> None:

@@ -385,6 +385,7 @@ def run_in_guest(
     on_output: Callable[[bytes], None] = _write_stdout,
     kernel: Kernel | None = None,
     accel: str = "auto",
+    watchdog: Callable[[], str | None] | None = None,
 ) -> int:
     """Boot the guest, run argv in `cwd` (default: ours), return argv's exit status.
 
@@ -392,7 +393,8 @@ def run_in_guest(
     writable in the guest at the same paths. Without a status from the guest
     a one-line reason and the tail of vng's log go to stderr, and the result is
     STATUS_TIMEOUT or STATUS_NO_RESULT. `kernel` defaults to `guest_kernel()`;
-    `accel` is auto, kvm or tcg (see `use_kvm`).
+    `accel` is auto, kvm or tcg (see `use_kvm`). `watchdog`, asked every poll,
+    stops the guest early by returning why (the result is then STATUS_TIMEOUT).
     """
     if not argv:
         raise ValueError("run_in_guest needs a command")
@@ -412,8 +414,14 @@ def run_in_guest(
     cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus, kvm=kvm,
                       nvme=nvme)
     deadline = time.monotonic() + timeout
+
+    def stop_why() -> str | None:
+        if time.monotonic() > deadline:
+            return f"timed out after {timeout:.0f} s"
+        return watchdog() if watchdog is not None else None
+
     for boot in range(1, BOOTS + 1):
-        timed_out, returncode = _boot(cmd, workdir, vng, log, output, deadline, on_output)
+        timed_out, returncode = _boot(cmd, workdir, vng, log, output, stop_why, on_output)
         if status.exists() or timed_out or (ctl / "booted").exists() or boot == BOOTS:
             break
         # an emulated SMP boot now and then dies before our script runs
@@ -426,18 +434,19 @@ def run_in_guest(
         code = int(status.read_text().strip() or STATUS_NO_RESULT)
         shutil.rmtree(ctl)
         return code
-    reason = f"timed out after {timeout:.0f} s" if timed_out else "the guest command never finished"
+    reason = timed_out or "the guest command never finished"
     tail = log.read_text(errors="replace").splitlines()[-40:]
     print("\n".join(["--- tail of vng's log ---", *tail, "---"]), file=sys.stderr)
     print(f"aioublk guest: {reason} (vng exit {returncode}; kept {ctl})", file=sys.stderr)
     return STATUS_TIMEOUT if timed_out else STATUS_NO_RESULT
 
 
-def _boot(cmd: list[str], workdir: Path, vng: str, log: Path, output: Path, deadline: float,
-          on_output: Callable[[bytes], None]) -> tuple[bool, int | None]:
-    """One boot of the guest, its output pumped until it powers off or the
-    deadline: (timed out, vng's exit status)."""
-    timed_out = False
+def _boot(cmd: list[str], workdir: Path, vng: str, log: Path, output: Path,
+          stop_why: Callable[[], str | None],
+          on_output: Callable[[bytes], None]) -> tuple[str | None, int | None]:
+    """One boot of the guest, its output pumped until it powers off or `stop_why`
+    says why it must stop: (that reason or None, vng's exit status)."""
+    timed_out = None
     with open(log, "wb") as logf, open(output, "rb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -451,8 +460,8 @@ def _boot(cmd: list[str], workdir: Path, vng: str, log: Path, output: Path, dead
         try:
             while proc.poll() is None:
                 _pump(out, on_output)
-                if time.monotonic() > deadline:
-                    timed_out = True
+                timed_out = stop_why()
+                if timed_out:
                     break
                 time.sleep(0.2)
         finally:

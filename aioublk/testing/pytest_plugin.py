@@ -34,6 +34,18 @@ facts it leans on:
   fixture, `importorskip`) fails instead, wherever it runs: a wrapper of
   `pytest_runtest_makereport` turns the skipped report into a failed one (a
   skip in setup shows as an error). Expected failures (`xfail`) stay so.
+- A slow or hung test fails alone. Each guest test has a limit
+  (`--guest-test-timeout`, or `@pytest.mark.guest(timeout=S)`); in the guest a
+  watchdog thread, armed as the test starts, writes that test's failed report
+  with every thread's stack and ends the guest pytest (a hung test may sit
+  in the kernel, where no exception reaches it; a fresh boot is cleaner than
+  whatever it left behind). The host then boots again for the tests that have
+  no report yet. The guest also writes a line as each test starts, so when the
+  guest dies some other way (a kernel hang, a crash, or the host's own
+  watchdog: no line for longer than the largest limit plus a boot's grace)
+  the test that was running takes the failure and the rest run in a new
+  boot. A boot that reports nothing new is the last. A boot's limit is the sum
+  of its tests' limits plus a boot's grace; `--guest-timeout` caps the whole run.
 """
 
 from __future__ import annotations
@@ -44,8 +56,10 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +70,18 @@ from aioublk.testing.sid import SetupError, scratch_dir
 
 UBLK_CONTROL = Path("/dev/ublk-control")
 REPORTS_ENV = "AIOUBLK_GUEST_REPORTS"  # set for the guest pytest: where to write reports
+#: the guest pytest's exit status when a test outlived its limit (the watchdog's)
+STATUS_TEST_TIMEOUT = 86
 STOPPED = {
-    guest.STATUS_TIMEOUT: "the guest run timed out (--guest-timeout)",
+    guest.STATUS_TIMEOUT: "the guest run timed out (--guest-timeout, or no test progressed)",
     guest.STATUS_NO_RESULT: "the guest stopped early: panic, crash or failed boot (see above)",
+    STATUS_TEST_TIMEOUT: "a test outlived its limit (--guest-test-timeout) and the guest "
+                         "pytest was ended",
 }
+DEFAULT_TEST_TIMEOUT = 600.0
+#: the host's allowance for a boot, the guest pytest's start and its collection (seen:
+#: over 300 s under TCG on a machine busy with other guests)
+BOOT_GRACE = 600.0
 
 
 PYTEST_EXIT = {2: "interrupted", 3: "internal error", 4: "usage error", 5: "no tests collected"}
@@ -75,8 +97,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--guest-timeout",
         type=float,
-        default=float(os.environ.get("AIOUBLK_GUEST_TIMEOUT", guest.DEFAULT_TIMEOUT)),
-        help="seconds for the whole guest run (env AIOUBLK_GUEST_TIMEOUT, default 2400)",
+        default=float(os.environ["AIOUBLK_GUEST_TIMEOUT"])
+        if os.environ.get("AIOUBLK_GUEST_TIMEOUT") else None,
+        help="seconds for the whole guest run (env AIOUBLK_GUEST_TIMEOUT; default: none, "
+             "each boot has the sum of its tests' limits)",
+    )
+    group.addoption(
+        "--guest-test-timeout",
+        type=float,
+        default=float(os.environ.get("AIOUBLK_GUEST_TEST_TIMEOUT", DEFAULT_TEST_TIMEOUT)),
+        help="seconds one guest test may take before it fails alone (env "
+             "AIOUBLK_GUEST_TEST_TIMEOUT, default 600; a test's own: "
+             "@pytest.mark.guest(timeout=S))",
     )
     group.addoption(
         "--guest-accel",
@@ -96,23 +128,66 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def test_limit(item: pytest.Item) -> float:
+    """Seconds this guest test may run: its marker's `timeout`, else the option's."""
+    marker = item.get_closest_marker("guest")
+    own = marker.kwargs.get("timeout") if marker is not None else None
+    return float(own if own is not None else item.config.getoption("guest_test_timeout"))
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "guest: needs the real ublk_drv kernel driver")
+    config.addinivalue_line(
+        "markers", "guest(timeout=None): needs the real ublk_drv kernel driver; timeout: "
+                   "seconds before it fails alone (default --guest-test-timeout)")
     if os.environ.get(REPORTS_ENV) and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_ReportWriter(config, Path(os.environ[REPORTS_ENV])))
 
 
 class _ReportWriter:
-    """Guest side: every test and failed collection report as a JSON line, flushed at once."""
+    """Guest side: every test and failed collection report as a JSON line, flushed
+    at once; a line as each test starts; and the watchdog that ends a test's overtime."""
 
     def __init__(self, config: pytest.Config, path: Path) -> None:
         self.config = config
         self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the session
+        self.lock = threading.Lock()  # the watchdog thread writes too
+
+    def _line(self, data: dict[str, Any]) -> None:
+        with self.lock:
+            self.file.write(json.dumps(data) + "\n")
+            self.file.flush()
 
     def _write(self, report: pytest.TestReport | pytest.CollectReport) -> None:
-        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-        self.file.write(json.dumps(data) + "\n")
-        self.file.flush()
+        self._line(self.config.hook.pytest_report_to_serializable(config=self.config,
+                                                                   report=report))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+        if item.get_closest_marker("guest") is None:
+            return (yield)
+        limit = test_limit(item)
+        self._line({STARTED: item.nodeid})
+        timer = threading.Timer(limit, self._overtime, (item, limit))
+        timer.daemon = True
+        timer.start()
+        try:
+            return (yield)
+        finally:
+            timer.cancel()
+
+    def _overtime(self, item: pytest.Item, limit: float) -> None:
+        """The test is still running at its limit: fail it with every thread's stack (in
+        the report: the test's output capture would swallow a dump to stderr), and end
+        this pytest (the host boots again for the tests after it)."""
+        me = threading.get_ident()
+        stacks = "".join(
+            f"\n--- thread {ident} ---\n" + "".join(traceback.format_stack(frame))
+            for ident, frame in sys._current_frames().items() if ident != me)
+        self._write(overtime_report(item.nodeid, item.location, limit,
+                                    f"the test outlived its limit of {limit:.0f} s "
+                                    "(--guest-test-timeout or @pytest.mark.guest(timeout=S)); "
+                                    f"its threads:{stacks}"))
+        os._exit(STATUS_TEST_TIMEOUT)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self._write(report)
@@ -123,6 +198,16 @@ class _ReportWriter:
 
     def pytest_unconfigure(self) -> None:
         self.file.close()
+
+
+STARTED = "aioublk_started"  # the key of a reports line that says a test began
+
+
+def overtime_report(nodeid: str, location: tuple[str, int | None, str], took: float,
+                    why: str) -> pytest.TestReport:
+    """A failed call report for a test that never finished."""
+    return pytest.TestReport(nodeid=nodeid, location=location, keywords={}, outcome="failed",
+                             longrepr=why, when="call", sections=[], duration=took)
 
 
 class GuestProxy(pytest.Item):
@@ -141,18 +226,24 @@ class GuestProxy(pytest.Item):
             pytest.fail(self.run.missing("for this test"), pytrace=False)
 
     def teardown(self) -> None:
-        called = self.run.report(self.nodeid, "call") is not None
-        if called and self.run.report(self.nodeid, "teardown") is None:
+        call = self.run.report(self.nodeid, "call")
+        # a test that failed by never finishing has no teardown to report
+        if call is not None and call.passed and self.run.report(self.nodeid, "teardown") is None:
             pytest.fail(self.run.missing("for this test's teardown"), pytrace=False)
 
 
 class GuestRun:
-    """One guest boot running all selected guest tests; results keyed by (node id, phase)."""
+    """The selected guest tests, in as few boots as their hangs allow; results keyed by
+    (node id, phase)."""
 
-    def __init__(self, config: pytest.Config, nodeids: list[str], *, unavailable: str = "") -> None:
+    def __init__(self, config: pytest.Config, items: list[pytest.Item], *,
+                 unavailable: str = "") -> None:
         self.config = config
-        self.nodeids = nodeids
+        self.nodeids = [i.nodeid for i in items]
+        self.limits = {i.nodeid: test_limit(i) for i in items}
+        self.locations = {i.nodeid: i.location for i in items}
         self.reports: dict[tuple[str, str], pytest.TestReport] = {}
+        self.begun: list[str] = []  # node ids in the order the guest started them
         self.collect_errors: list[str] = []
         self.started = False
         self.status: int | None = None
@@ -197,48 +288,101 @@ class GuestRun:
                 sys.stdout.write(text)
 
         start = time.monotonic()
+        cap = self.config.getoption("guest_timeout")  # None: each boot's own budget alone
+        boots = 0
         try:
             kernel = guest.guest_kernel(
                 self.config.getoption("guest_kernel"), self.config.getoption("guest_modules")
             )
-            n = len(self.nodeids)
-            title = f"{n} guest test{'s' * (n != 1)}, one boot of Linux {kernel.release}"
-            _sep(tr, title)
             self.results = scratch_dir("results")
-            argv, env = self._command(self.results, tr)
-            self.status = guest.run_in_guest(
-                argv,
-                [self.results],
-                memory=guest.default_memory(),
-                # ublk caps a device's queues at the CPU count: 4 vCPUs let the
-                # 4-queue tests have 4 queues (TCG runs them on our 2 cores)
-                cpus=int(os.environ.get("AIOUBLK_GUEST_CPUS", "4")),
-                env=env,
-                timeout=self.config.getoption("guest_timeout"),
-                cwd=self.config.rootpath,
-                on_output=emit,
-                kernel=kernel,
-                accel=self.config.getoption("guest_accel"),
-            )
+            todo = list(self.nodeids)
+            while todo:
+                left = BOOT_GRACE + sum(self.limits[t] for t in todo)
+                if cap is not None:
+                    left = min(left, start + cap - time.monotonic())
+                    if left <= 0:
+                        break
+                boots += 1
+                n = len(todo)
+                again = f" (boot {boots}: the tests left)" if boots > 1 else ""
+                _sep(tr, f"{n} guest test{'s' * (n != 1)}, one boot of Linux "
+                         f"{kernel.release}{again}")
+                self.status = self._boot(kernel, todo, left, tr, emit)
+                self._load(self.results)
+                self._blame(self.status)
+                rest = [t for t in todo if not self._reported(t)]
+                if self.status not in STOPPED or len(rest) == len(todo):
+                    break
+                todo = rest
         except (SetupError, OSError) as e:
             self.problem = f"the guest could not run: {e}"
-        self._load(self.results)
         if self.status in STOPPED:
             self.problem = STOPPED[self.status]
         took = time.monotonic() - start
         done = sum(1 for _, when in self.reports if when == "call")
-        self.summary = f"{done} of {len(self.nodeids)} guest tests reported in {took:.0f} s"
-        if self.results and (self.results / "junit.xml").exists():
-            self.summary += f"; guest JUnit XML: {self.results / 'junit.xml'}"
+        self.summary = (f"{done} of {len(self.nodeids)} guest tests reported in {took:.0f} s, "
+                        f"{boots} boot{'s' * (boots != 1)}")
+        if self.results and (self.results / "junit-1.xml").exists():
+            self.summary += f"; guest JUnit XML: {self.results}/junit-*.xml"
         _sep(tr, f"guest done: {self.problem or f'pytest exit status {self.status}'}")
 
+    def _boot(self, kernel: guest.Kernel, todo: list[str], timeout: float,
+              tr: pytest.TerminalReporter | None, emit: Callable[[bytes], None]) -> int:
+        """One guest pytest over `todo`: its exit status, or why the guest stopped."""
+        assert self.results is not None
+        argv, env = self._command(self.results, todo, tr)
+        reports = self.results / "reports.jsonl"
+        stall = BOOT_GRACE + max(self.limits[t] for t in todo)
+        seen = [reports.stat().st_size if reports.exists() else 0, time.monotonic()]
+
+        def watchdog() -> str | None:
+            """The guest's own watchdog could not end a test (or the guest hangs)."""
+            size = reports.stat().st_size if reports.exists() else 0
+            if size != seen[0]:
+                seen[:] = [size, time.monotonic()]
+            elif time.monotonic() - seen[1] > stall:
+                return f"no guest test started or finished for {stall:.0f} s"
+            return None
+
+        return guest.run_in_guest(
+            argv,
+            [self.results],
+            memory=guest.default_memory(),
+            # ublk caps a device's queues at the CPU count: 4 vCPUs let the
+            # 4-queue tests have 4 queues (TCG runs them on our 2 cores)
+            cpus=int(os.environ.get("AIOUBLK_GUEST_CPUS", "4")),
+            env=env,
+            timeout=timeout,
+            cwd=self.config.rootpath,
+            on_output=emit,
+            kernel=kernel,
+            accel=self.config.getoption("guest_accel"),
+            watchdog=watchdog,
+        )
+
+    def _reported(self, nodeid: str) -> bool:
+        return any((nodeid, when) in self.reports for when in ("setup", "call", "teardown"))
+
+    def _blame(self, status: int | None) -> None:
+        """A guest that died mid-test: the test that was running fails, with why."""
+        if status not in STOPPED or not self.begun:
+            return
+        last = self.begun[-1]
+        if (last, "call") in self.reports or (last, "teardown") in self.reports:
+            return
+        self.reports[(last, "call")] = overtime_report(
+            last, self.locations[last], 0.0,
+            f"the guest stopped while this test ran: {STOPPED[status]}")
+
     def _command(
-        self, results: Path, tr: pytest.TerminalReporter | None
+        self, results: Path, todo: list[str], tr: pytest.TerminalReporter | None
     ) -> tuple[list[str], dict[str, str]]:
         """The guest pytest: our selection, the host's reporting options, our rootdir and ini."""
         opt = self.config.option
         argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
-        argv += [f"--junitxml={results / 'junit.xml'}", f"--rootdir={self.config.rootpath}"]
+        junit = results / f"junit-{len(list(results.glob('junit-*.xml'))) + 1}.xml"
+        argv += [f"--junitxml={junit}", f"--rootdir={self.config.rootpath}"]
+        argv += [f"--guest-test-timeout={opt.guest_test_timeout}"]
         if self.config.inipath:
             argv += ["-c", str(self.config.inipath)]
         if opt.verbose:
@@ -254,7 +398,7 @@ class GuestRun:
             tw = self.config.get_terminal_writer()
             argv += ["--color=yes"] if tw.hasmarkup else []
             env["COLUMNS"] = str(tw.fullwidth)
-        return argv + self.nodeids, env
+        return argv + todo, env
 
     def _load(self, results: Path | None) -> None:
         path = results / "reports.jsonl" if results else None
@@ -265,6 +409,10 @@ class GuestRun:
                 data = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a dying guest
+            if STARTED in data:
+                if data[STARTED] not in self.begun:
+                    self.begun.append(data[STARTED])
+                continue
             rep = self.config.hook.pytest_report_from_serializable(config=self.config, data=data)
             if isinstance(rep, pytest.TestReport):
                 # a skip's (path, line, reason) tuple came back from JSON as a list
@@ -314,7 +462,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     unavailable = ""
     if os.environ.get("AIOUBLK_IN_GUEST") == "1":
         unavailable = f"{UBLK_CONTROL} is missing inside the guest: did `modprobe ublk_drv` fail?"
-    run = GuestRun(config, [i.nodeid for i in guests], unavailable=unavailable)
+    run = GuestRun(config, guests, unavailable=unavailable)
     config.stash[_run_key] = run
     for n, item in enumerate(items):
         if item.get_closest_marker("guest") is not None:
