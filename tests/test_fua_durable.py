@@ -12,6 +12,9 @@ must hold the request's data (qcow2: ``qemu-io`` reads it back from that
 image, so the metadata that maps the data must have survived too, and
 ``qemu-img check`` finds no corruption).
 
+nbd, rbd and nvme servers keep their own caches: for them the check is what the
+server was told (tests/test_fua_durable_servers.py).
+
 Which targets this applies to is what they advertise (sysfs ``write_cache``
 and ``fua``, checked in the guest by tests/test_kernel_targets.py): every
 write-back target must make a FLUSH durable; a target advertising FUA must
@@ -35,8 +38,9 @@ import pytest
 from aioublk._uring import ffi, lib
 from aioublk.ring import Ring
 from aioublk.target import Target
-from aioublk.targets import LoopTarget, StripeTarget
+from aioublk.targets import LoopTarget, StripeTarget, zoned
 from aioublk.targets.qcow2 import Qcow2Target
+from aioublk.targets.zoned import ZonedTarget
 
 K = 1024
 M = K * K
@@ -266,6 +270,52 @@ async def test_flush_makes_completed_writes_durable(recorder: Recorder, tmp_path
         expect = {fd: (0, data) for fd in files} if target == "loop" else dict(
             zip(files, [(0, data[:4 * K]), (0, data[4 * K:])], strict=True))
         assert_kept(recorder, when, files, expect)
+    finally:
+        t.close()
+
+
+# ----------------------------------------------------------------- zoned --
+
+def _record_pwrites(rec: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zoned target writes its zone state with a plain, synchronous pwrite:
+    record those too (complete when the call returns)."""
+    real = os.pwrite
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        op = Op(rec.tick(), "write", fd, offset, bytes(data))
+        rec.ops.append(op)
+        n = real(fd, data, offset)
+        op.done, op.res = rec.tick(), n
+        return n
+    monkeypatch.setattr(zoned.os, "pwrite", pwrite)
+
+
+@pytest.mark.parametrize("how", ["fua", "flush"])
+@pytest.mark.asyncio
+async def test_zoned_write_and_its_write_pointer_are_durable(
+        recorder: Recorder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A zone's data without its write pointer is lost to the file system above it
+    (the pointer says the zone is empty): both must survive a power cut at the
+    moment a FUA write, or the FLUSH after a write, completes."""
+    path = tmp_path / "zoned"
+    t = ZonedTarget(str(path), size=4 * M, zone_size=M)
+    state = Path(t.state_path)
+    try:
+        files = {t.backing.fd: (path, path.read_bytes()),  # type: ignore[union-attr]
+                 t.state_fd: (state, state.read_bytes())}
+        _record_pwrites(recorder, monkeypatch)
+        data = os.urandom(8 * K)
+        if how == "fua":
+            when = await completes_at(recorder, t.write(M, aligned(data), fua=True))
+        else:
+            await t.write(M, aligned(data))
+            when = await completes_at(recorder, t.flush())
+        zone = t.table.zones[1]
+        assert zone.wp == (M + 8 * K) >> 9
+        entry = zoned._ENTRY.pack(zone.cond, zone.wp)
+        assert_kept(recorder, when, files, {
+            t.backing.fd: (M, data),  # type: ignore[union-attr]
+            t.state_fd: (zoned._HEADER_BYTES + zoned._ENTRY.size, entry)})
     finally:
         t.close()
 
