@@ -9,12 +9,14 @@ that changes the file system between the policy's check and the open.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from aioublk.qcow2 import Qcow2Error
 from aioublk.qcow2.backing_policy import BackingPolicy
 from aioublk.ring import Ring
 from tests.test_qcow2_untrusted import image, refused, served
@@ -77,3 +79,72 @@ async def test_directory_swapped_for_a_symlink_after_the_check_is_refused(
         (allowed / "sub").symlink_to(outside)
     after_check.append(swap)
     refused(evil, "base.raw", allow_backing=[str(allowed)])
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    """A directory like /tmp: world-writable and sticky."""
+    d = tmp_path / "shared"
+    d.mkdir()
+    d.chmod(0o1777)
+    return d
+
+
+def test_root_image_may_not_name_a_users_file(tmp_path: Path) -> None:
+    """A root-owned image naming a uid-1000 file next to it (krb5cc_1000)."""
+    write(tmp_path / "krb5cc_1000", OTHER, uid=USER)
+    refused(image(tmp_path, "krb5cc_1000"), "krb5cc_1000", "uid 1000", "--allow-backing")
+
+
+@pytest.mark.asyncio
+async def test_users_image_may_name_its_own_or_roots_file(ring: Ring, tmp_path: Path) -> None:
+    write(tmp_path / "mine.raw", OTHER, uid=USER)
+    write(tmp_path / "root.raw", BASE)
+    top = image(tmp_path, "mine.raw", name="a.qcow2")
+    os.chown(top, USER, USER)
+    assert await served(top, 4096) == OTHER
+    top = image(tmp_path, "root.raw", name="b.qcow2")
+    os.chown(top, USER, USER)
+    assert await served(top, 4096) == BASE
+
+
+@pytest.mark.asyncio
+async def test_users_file_only_when_named(ring: Ring, tmp_path: Path) -> None:
+    """An allowed directory does not lift the owner rule; the file itself does."""
+    write(tmp_path / "krb5cc_1000", OTHER, uid=USER)
+    evil = image(tmp_path, "krb5cc_1000")
+    refused(evil, "uid 1000", allow_backing=[str(tmp_path)])
+    assert await served(evil, 4096, allow_backing=[str(tmp_path / "krb5cc_1000")]) == OTHER
+
+
+def test_shared_directory_allows_another_users_file_never(shared: Path) -> None:
+    write(shared / "krb5cc_1000", OTHER, uid=USER)
+    refused(image(shared, "krb5cc_1000"), "krb5cc_1000")
+    refused(image(shared, "krb5cc_1000"), "krb5cc_1000", allow_backing=[str(shared)])
+
+
+@pytest.mark.asyncio
+async def test_shared_directory_allows_nothing_unless_named(ring: Ring, shared: Path) -> None:
+    """Even root's own file in a 1777 directory: anyone may have put it there."""
+    write(shared / "base.raw", BASE)
+    evil = image(shared, "base.raw")
+    refused(evil, "base.raw", "anyone may write", f"--allow-backing {shared / 'base.raw'}")
+    assert await served(evil, 4096, allow_backing=[str(shared)]) == BASE
+    assert await served(evil, 4096, allow_backing=[str(shared / "base.raw")]) == BASE
+
+
+def test_policy_owners() -> None:
+    policy = BackingPolicy(home="/img", allowed=("/srv/base", "/srv/one.raw"))
+    policy.check_owner("x", "/img/a", 0, image_uid=USER)
+    policy.check_owner("x", "/img/a", USER, image_uid=USER)
+    policy.check_owner("x", "/srv/one.raw", USER, image_uid=0)
+    for real in ("/img/a", "/srv/base/a"):
+        with pytest.raises(Qcow2Error, match="owned by uid 1000"):
+            policy.check_owner("x", real, USER, image_uid=0)
+
+
+def test_policy_directories() -> None:
+    policy = BackingPolicy(home="/tmp", allowed=("/srv/base",))
+    policy.check_dir("x", "/tmp/a", stat.S_IFDIR | 0o755)
+    policy.check_dir("x", "/srv/base/a", stat.S_IFDIR | 0o1777)
+    for mode in (0o1777, 0o777):
+        with pytest.raises(Qcow2Error, match="anyone may write"):
+            policy.check_dir("x", "/tmp/a", stat.S_IFDIR | mode)

@@ -18,6 +18,12 @@ default, with an option to widen them:
   plain one, and a plain name that is a symlink out of it is refused. A name
   is relative to the directory of the image that holds it, as QEMU reads it.
   The same places hold for the whole chain.
+- **whose**: a backing file belongs to the owner of the image that names it,
+  or to root, unless the user allowed that very file: a root-owned image
+  downloaded to ``/tmp`` must not serve another user's ``krb5cc_1000``
+  from next to it. And a directory anyone may write (``/tmp``, sticky or
+  not) is no place of the image's: a file there is used only under a path
+  the user allowed.
 - **what**: a regular file, or a block device whose own path the user
   allowed. Never a FIFO, socket, character device or directory: none of them
   is a disk, and opening some of them blocks or has side effects.
@@ -144,6 +150,23 @@ class BackingPolicy:
                          f"if you trust the image, allow it with "
                          f"{_allow_hint(real)}")
 
+    def check_dir(self, name: str, real: str, dir_mode: int) -> None:
+        """A directory anyone may write allows only what the user allowed."""
+        if not dir_mode & stat.S_IWOTH or any(_within(real, a) for a in self.allowed):
+            return
+        raise Qcow2Error(f"backing file {_shown(name, real)} is in {os.path.dirname(real)}, "
+                         f"a directory anyone may write (mode {stat.S_IMODE(dir_mode):o}): "
+                         f"if you trust it, allow it with {_allow_hint(real)}")
+
+    # -- whose it is (st_uid from lstat of the real path)
+    def check_owner(self, name: str, real: str, uid: int, *, image_uid: int) -> None:
+        """The image's owner's file, or root's, or one the user allowed by name."""
+        if uid in (0, image_uid) or real in self.allowed:
+            return
+        raise Qcow2Error(f"backing file {_shown(name, real)} is owned by uid {uid}, neither "
+                         f"root nor the image's owner (uid {image_uid}): if you trust it, "
+                         f"allow it with {_allow_hint(real)}")
+
     # -- what the path is (st_mode from lstat of the real path, then fstat)
     def check_kind(self, name: str, real: str, mode: int) -> None:
         if stat.S_ISREG(mode):
@@ -165,7 +188,8 @@ class BackingPolicy:
         """``real`` (checked, with ``st`` from its lstat) ready to open: its
         directory opened from ``/`` one component at a time, never through a
         symlink (what openat2's RESOLVE_NO_SYMLINKS does, on any kernel: the
-        real path has no ``..`` to climb out by)."""
+        real path has no ``..`` to climb out by), and its mode checked on
+        that descriptor (``check_dir``)."""
         checked = Checked(name, real, (st.st_dev, st.st_ino))
         flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         checked.dir_fd = os.open("/", flags)
@@ -175,6 +199,10 @@ class BackingPolicy:
                     fd = os.open(part, flags, dir_fd=checked.dir_fd)
                     os.close(checked.dir_fd)
                     checked.dir_fd = fd
+            self.check_dir(name, real, os.fstat(checked.dir_fd).st_mode)
+        except Qcow2Error:
+            checked.close()
+            raise
         except OSError as e:
             checked.close()
             raise Qcow2Error(f"backing file {_shown(name, real)} changed between its check and "

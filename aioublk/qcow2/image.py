@@ -294,6 +294,7 @@ class Qcow2Image(Writes):
                 raise Qcow2Error(f"backing file {name} of {self.path} does not exist") from None
             raise Qcow2Error(f"cannot open backing file {name}: {e.strerror}") from None
         policy.check_kind(name, real, st.st_mode)
+        policy.check_owner(name, real, st.st_uid, image_uid=os.fstat(self.file.fd).st_uid)
         # before opening it: the open takes the image lock, which we hold ourselves
         self._check_loop(name, st, chain)
         fmt = policy.format(self.path, name, h.backing_format)
