@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from aioublk import cli, udev
+from aioublk.options import UblkError
 from aioublk.qcow2 import Qcow2Error
 from aioublk.qcow2.backing_policy import BackingPolicy
 from aioublk.ring import Ring
@@ -148,3 +151,72 @@ def test_policy_directories() -> None:
     for mode in (0o1777, 0o777):
         with pytest.raises(Qcow2Error, match="anyone may write"):
             policy.check_dir("x", "/tmp/a", stat.S_IFDIR | mode)
+
+
+# ---------------------------------------------------------------- 8: the udev rule's interpreter
+
+
+def fake_python(d: Path, uid: int = 0, mode: int = 0o755) -> Path:
+    """A file standing for an interpreter (never run), in ``d``."""
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "python3"
+    path.write_text("#!/bin/sh\n")
+    os.chown(path, uid, uid)
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("uid,mode,why", [
+    (USER, 0o755, "owned by uid 1000"),
+    (0, 0o757, "writable by others"),
+    (0, 0o775, "writable by others"),  # (its group is not root's: chown 0:1000 below)
+])
+def test_udev_rule_refuses_an_interpreter_others_can_change(tmp_path: Path, uid: int,
+                                                            mode: int, why: str) -> None:
+    python = fake_python(tmp_path / "venv" / "bin", uid, mode)
+    if mode & 0o020:
+        os.chown(python, 0, USER)
+    with pytest.raises(UblkError, match=f"{python} is {why}") as e:
+        udev.rules(str(python))
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_udev_rule_refuses_an_interpreter_in_a_users_directory(tmp_path: Path) -> None:
+    python = fake_python(tmp_path / "home" / "bin")
+    os.chown(tmp_path / "home", USER, USER)
+    with pytest.raises(UblkError, match=f"{tmp_path / 'home'} is owned by uid 1000"):
+        udev.rules(str(python))
+
+
+def test_udev_rule_follows_symlinks_through_users_directories(tmp_path: Path) -> None:
+    """A root-owned name that is a symlink into a user's directory."""
+    python = fake_python(tmp_path / "home" / "bin")
+    os.chown(tmp_path / "home" / "bin", USER, USER)
+    (tmp_path / "usr").mkdir()
+    (tmp_path / "usr" / "python3").symlink_to(python)
+    with pytest.raises(UblkError, match=f"{tmp_path / 'home' / 'bin'} is owned by uid 1000"):
+        udev.rules(str(tmp_path / "usr" / "python3"))
+
+
+def test_udev_rule_refuses_a_package_others_can_change(tmp_path: Path) -> None:
+    pkg = tmp_path / "site-packages" / "aioublk"
+    pkg.mkdir(parents=True)
+    write(pkg / "__init__.py", b"", uid=0)
+    write(pkg / "udev.py", b"", uid=USER)
+    with pytest.raises(UblkError, match=f"{pkg / 'udev.py'} is owned by uid 1000"):
+        udev.check_trusted(sys.executable, str(pkg))
+
+
+def test_udev_rule_is_isolated_for_roots_interpreter() -> None:
+    """This interpreter and package are root's here (the tests run as root)."""
+    rule = udev.rules(sys.executable)
+    assert f'PROGRAM="{sys.executable} -I -m aioublk udev owner %k"' in rule
+
+
+def test_udev_rules_refusal_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "executable", str(fake_python(tmp_path / "bin", USER)))
+    assert cli.main(["udev", "rules"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.splitlines()) == 1 and "uid 1000" in err and "root" in err, err
