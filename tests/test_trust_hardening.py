@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from aioublk import cli, udev
+from aioublk import cli, config, udev
 from aioublk.options import UblkError
 from aioublk.qcow2 import Qcow2Error
 from aioublk.qcow2.backing_policy import BackingPolicy
@@ -220,3 +220,42 @@ def test_udev_rules_refusal_is_one_line(tmp_path: Path, monkeypatch: pytest.Monk
     out, err = capsys.readouterr()
     assert out == ""
     assert len(err.splitlines()) == 1 and "uid 1000" in err and "root" in err, err
+
+
+# ---------------------------------------------------------------- 14: who counts as root
+
+
+@pytest.mark.parametrize("euid,cap,privileged", [
+    (0, True, True), (0, False, True), (USER, True, True), (USER, False, False),
+])
+def test_privilege_is_the_capability_not_the_uid(euid: int, cap: bool,
+                                                 privileged: bool) -> None:
+    assert config.privileged(euid=euid, cap_sys_admin=cap) is privileged
+
+
+@pytest.fixture
+def with_cap_sys_admin_as_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service user with CAP_SYS_ADMIN (AmbientCapabilities=CAP_SYS_ADMIN)."""
+    monkeypatch.setattr("os.geteuid", lambda: USER)
+    monkeypatch.setattr("aioublk.device.has_cap_sys_admin", lambda: True)
+
+
+@pytest.mark.parametrize("mode,uid", [(0o666, USER), (0o644, 4321)])
+def test_config_trust_is_checked_with_cap_sys_admin(
+        tmp_path: Path, with_cap_sys_admin_as_user: None, mode: int, uid: int) -> None:
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('[[devices]]\ntarget = "null"\n')
+    os.chown(cfg, uid, uid)
+    cfg.chmod(mode)
+    with pytest.raises(config.ConfigError, match="CAP_SYS_ADMIN") as e:
+        config.load(str(cfg))
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_config_of_the_capable_user_itself_is_accepted(
+        tmp_path: Path, with_cap_sys_admin_as_user: None) -> None:
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('[[devices]]\ntarget = "null"\n')
+    os.chown(cfg, USER, USER)
+    cfg.chmod(0o644)
+    assert len(config.load(str(cfg)).devices) == 1
