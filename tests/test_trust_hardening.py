@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from aioublk import cli, config, udev
+from aioublk import cli, config, logs, udev
 from aioublk.options import UblkError
 from aioublk.qcow2 import Qcow2Error
 from aioublk.qcow2.backing_policy import BackingPolicy
@@ -259,3 +259,33 @@ def test_config_of_the_capable_user_itself_is_accepted(
     os.chown(cfg, USER, USER)
     cfg.chmod(0o644)
     assert len(config.load(str(cfg)).devices) == 1
+
+
+# ---------------------------------------------------------------- 14: the log file's name
+
+
+def test_log_file_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    """Root appends to --log-file: a symlink planted at that name (in /tmp,
+    say) must not make it append to the file the link names."""
+    victim = write(tmp_path / "shadow", b"root:x:0:\n")
+    (tmp_path / "aioublk.log").symlink_to(victim)
+    with pytest.raises(logs.LogFileError, match="symlink") as e:
+        logs.open_log_file(str(tmp_path / "aioublk.log"))
+    assert len(str(e.value).splitlines()) == 1
+    assert victim.read_bytes() == b"root:x:0:\n"
+
+
+def test_log_file_is_created_and_appended(tmp_path: Path) -> None:
+    path = tmp_path / "aioublk.log"
+    for line in (b"one\n", b"two\n"):
+        fd = logs.open_log_file(str(path))
+        os.write(fd, line)
+        os.close(fd)
+    assert path.read_bytes() == b"one\ntwo\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640 & ~_umask()
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
