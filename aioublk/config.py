@@ -5,10 +5,10 @@ Every problem is one line, ``FILE: PATH: what is wrong: what to do``, where
 PATH is the dotted key path with 0-based list indices
 (``devices[1].options.file``). Loading is pure: it reads the file, looks at
 backing files' existence and imports custom target classes, and touches no
-device. As root, a file that others can change is refused before it is read
-(it names code serve runs as root). Relative backing-file paths are relative
-to the config file's directory (a daemon's working directory is rarely the
-user's).
+device. As root (or with CAP_SYS_ADMIN), a file that others can change is
+refused before it is read (it names code serve runs privileged). Relative
+backing-file paths are relative to the config file's directory (a daemon's
+working directory is rarely the user's).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aioublk import locking, registry, uapi
+from aioublk import device, locking, registry, uapi
 from aioublk.errors import Error
 from aioublk.options import CopyMode, DeviceConfig, IntegrityError, UblkError, integrity
 from aioublk.target import Target
@@ -181,16 +181,31 @@ def load(path: str) -> ServeConfig:
         raise ConfigError(f"{path}: {_one_line(str(e))}") from None
 
 
+def privileged(*, euid: int | None = None, cap_sys_admin: bool | None = None) -> bool:
+    """Whether serve runs with root's power: as uid 0, or as another user
+    holding CAP_SYS_ADMIN (a service's AmbientCapabilities=, a file
+    capability), which adds any device and opens any disk all the same.
+    ``euid`` and ``cap_sys_admin`` default to this process's."""
+    if euid is None:
+        euid = os.geteuid()
+    if cap_sys_admin is None:
+        cap_sys_admin = device.has_cap_sys_admin()
+    return euid == 0 or cap_sys_admin
+
+
 def _trusted(path: str, st: os.stat_result) -> None:
-    """As root, a config others can change is refused: it names code that
-    serve imports and runs as root (a custom target) and the files it opens."""
-    if os.geteuid() != 0:
+    """Privileged, a config others can change is refused: it names code that
+    serve imports and runs privileged (a custom target) and the files it
+    opens. Root or the serving user may own it."""
+    if not privileged():
         return
-    why = "and serve runs as root, importing the code it names"
+    euid = os.geteuid()
+    runs = "as root" if euid == 0 else f"as uid {euid} with CAP_SYS_ADMIN"
+    why = f"and serve runs {runs}, importing the code it names"
     if st.st_mode & 0o022:
         raise ConfigError(f"{path}: writable by others (mode {st.st_mode & 0o7777:o}) {why}: "
                           f"chmod go-w {path}")
-    if st.st_uid != 0:
+    if st.st_uid not in (0, euid):
         raise ConfigError(f"{path}: owned by uid {st.st_uid} {why}: chown root {path}")
 
 

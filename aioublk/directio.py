@@ -116,11 +116,12 @@ def alignment(fd: int) -> Alignment | None:
     return Alignment(sector, sector, max(sector, 4096))
 
 
-def open_direct(path: str, flags: int) -> int | None:
-    """``path`` opened with O_DIRECT, or None where the file system refuses
-    it (EINVAL): the caller opens it buffered. Other errors raise."""
+def open_direct(path: str, flags: int, dir_fd: int | None = None) -> int | None:
+    """``path`` (in ``dir_fd``, as os.open takes it) opened with O_DIRECT, or
+    None where the file system refuses it (EINVAL): the caller opens it
+    buffered. Other errors raise."""
     try:
-        return os.open(path, flags | os.O_DIRECT)
+        return os.open(path, flags | os.O_DIRECT, dir_fd=dir_fd)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise

@@ -18,6 +18,7 @@ lost with its stderr on /dev/null."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import logging.handlers
 import os
@@ -114,10 +115,17 @@ class LogFileError(Error, OSError):
 
 
 def open_log_file(path: str) -> int:
-    """A descriptor appending to ``path`` (created 0640), or LogFileError."""
+    """A descriptor appending to ``path`` (created 0640), or LogFileError.
+    A symlink at ``path`` is refused (O_NOFOLLOW): a server runs as root,
+    and a link planted under the name (in /tmp, say) would have it append
+    to whatever file the link names."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NOCTTY
     try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        return os.open(path, flags, 0o640)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LogFileError(f"cannot open log file {path}: it is a symlink: name the file "
+                               "itself") from None
         raise LogFileError(f"cannot open log file {path}: {e.strerror}: fix the path or its "
                            "permissions, or pick another") from None
 

@@ -64,8 +64,8 @@ def test_the_helper_refuses_other_names(name: str) -> None:
 
 def test_the_shipped_rule_is_what_the_command_prints() -> None:
     shipped = (ROOT / "examples/99-aioublk.rules").read_text()
-    assert shipped == udev.rules("/usr/bin/python3")
-    assert 'PROGRAM="/usr/bin/python3 -m aioublk udev owner %k"' in shipped
+    assert shipped == udev.rule_text("/usr/bin/python3")
+    assert 'PROGRAM="/usr/bin/python3 -I -m aioublk udev owner %k"' in shipped
     assert 'KERNEL=="ublk-control", MODE="0666"' in shipped
 
 
@@ -73,4 +73,4 @@ def test_udev_rules_prints_this_interpreter(capsys: pytest.CaptureFixture[str]) 
     import sys
 
     assert cli.main(["udev", "rules"]) == 0
-    assert f"PROGRAM=\"{sys.executable} -m aioublk udev owner %k\"" in capsys.readouterr().out
+    assert f"PROGRAM=\"{sys.executable} -I -m aioublk udev owner %k\"" in capsys.readouterr().out

@@ -18,6 +18,12 @@ default, with an option to widen them:
   plain one, and a plain name that is a symlink out of it is refused. A name
   is relative to the directory of the image that holds it, as QEMU reads it.
   The same places hold for the whole chain.
+- **whose**: a backing file belongs to the owner of the image that names it,
+  or to root, unless the user allowed that very file: a root-owned image
+  downloaded to ``/tmp`` must not serve another user's ``krb5cc_1000``
+  from next to it. And a directory anyone may write (``/tmp``, sticky or
+  not) is no place of the image's: a file there is used only under a path
+  the user allowed.
 - **what**: a regular file, or a block device whose own path the user
   allowed. Never a FIFO, socket, character device or directory: none of them
   is a disk, and opening some of them blocks or has side effects.
@@ -30,9 +36,14 @@ A place is checked before the file's existence or type, so a refusal tells
 nothing about host files outside the allowed places.
 
 The decisions are plain functions of names, real paths and ``st_mode``; the
-image resolves the name (``resolve``), then opens the real path with
-``O_NOFOLLOW|O_NONBLOCK`` and checks the type again with ``fstat`` on the
-descriptor before it reads a byte (``hostfile.HostFile``).
+image resolves the name (``resolve``) and checks what ``lstat`` says of the
+real path. Then the file is opened as it was checked (``open_dir``, then
+``hostfile.HostFile``): from ``/`` one directory at a time, each with
+``O_NOFOLLOW``, the file itself with ``O_NOFOLLOW|O_NONBLOCK`` in the last,
+so that no symlink made since the check is followed anywhere in the path;
+and before a byte is read, ``fstat`` on the descriptor must show the
+``(st_dev, st_ino)`` that was checked (``Checked.same``), so a name swapped
+since the check is refused rather than served.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aioublk.qcow2.format import Qcow2Error
 
@@ -57,6 +68,38 @@ def _allow_hint(path: str) -> str:
 
 def _within(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _shown(name: str, real: str) -> str:
+    return name if name == real else f"{name} ({real})"
+
+
+@dataclass
+class Checked:
+    """A backing file as its policy passed it: ``real`` path, the
+    ``(st_dev, st_ino)`` its check saw, and an ``O_PATH`` descriptor of its
+    directory, reached without a symlink (``BackingPolicy.open_dir``), to
+    open ``leaf`` in with ``O_NOFOLLOW``."""
+
+    name: str
+    real: str
+    ident: tuple[int, int]
+    dir_fd: int = field(default=-1)
+
+    @property
+    def leaf(self) -> str:
+        return os.path.basename(self.real)
+
+    def same(self, st: os.stat_result) -> None:
+        """Qcow2Error unless ``st`` (fstat of the opened file) is the checked file."""
+        if (st.st_dev, st.st_ino) != self.ident:
+            raise Qcow2Error(f"backing file {_shown(self.name, self.real)} changed between its "
+                             "check and its open: refused (retry if you changed it yourself)")
+
+    def close(self) -> None:
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
 
 
 @dataclass(frozen=True)
@@ -102,16 +145,33 @@ class BackingPolicy:
     def check_place(self, name: str, real: str) -> None:
         if os.path.dirname(real) == self.home or any(_within(real, a) for a in self.allowed):
             return
-        shown = name if name == real else f"{name} ({real})"
+        shown = _shown(name, real)
         raise Qcow2Error(f"backing file {shown} is outside the image's directory {self.home}: "
                          f"if you trust the image, allow it with "
                          f"{_allow_hint(real)}")
+
+    def check_dir(self, name: str, real: str, dir_mode: int) -> None:
+        """A directory anyone may write allows only what the user allowed."""
+        if not dir_mode & stat.S_IWOTH or any(_within(real, a) for a in self.allowed):
+            return
+        raise Qcow2Error(f"backing file {_shown(name, real)} is in {os.path.dirname(real)}, "
+                         f"a directory anyone may write (mode {stat.S_IMODE(dir_mode):o}): "
+                         f"if you trust it, allow it with {_allow_hint(real)}")
+
+    # -- whose it is (st_uid from lstat of the real path)
+    def check_owner(self, name: str, real: str, uid: int, *, image_uid: int) -> None:
+        """The image's owner's file, or root's, or one the user allowed by name."""
+        if uid in (0, image_uid) or real in self.allowed:
+            return
+        raise Qcow2Error(f"backing file {_shown(name, real)} is owned by uid {uid}, neither "
+                         f"root nor the image's owner (uid {image_uid}): if you trust it, "
+                         f"allow it with {_allow_hint(real)}")
 
     # -- what the path is (st_mode from lstat of the real path, then fstat)
     def check_kind(self, name: str, real: str, mode: int) -> None:
         if stat.S_ISREG(mode):
             return
-        shown = name if name == real else f"{name} ({real})"
+        shown = _shown(name, real)
         if stat.S_ISBLK(mode):
             if real in self.allowed:
                 return
@@ -122,6 +182,33 @@ class BackingPolicy:
                 else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
         raise Qcow2Error(f"backing file {shown} is {kind}: a backing file must be a regular "
                          f"file (or a block device allowed with {ALLOW})")
+
+    # -- the open, of the file that was checked
+    def open_dir(self, name: str, real: str, st: os.stat_result) -> Checked:
+        """``real`` (checked, with ``st`` from its lstat) ready to open: its
+        directory opened from ``/`` one component at a time, never through a
+        symlink (what openat2's RESOLVE_NO_SYMLINKS does, on any kernel: the
+        real path has no ``..`` to climb out by), and its mode checked on
+        that descriptor (``check_dir``)."""
+        checked = Checked(name, real, (st.st_dev, st.st_ino))
+        flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        checked.dir_fd = os.open("/", flags)
+        try:
+            for part in os.path.dirname(real).split("/"):
+                if part:
+                    fd = os.open(part, flags, dir_fd=checked.dir_fd)
+                    os.close(checked.dir_fd)
+                    checked.dir_fd = fd
+            self.check_dir(name, real, os.fstat(checked.dir_fd).st_mode)
+        except Qcow2Error:
+            checked.close()
+            raise
+        except OSError as e:
+            checked.close()
+            raise Qcow2Error(f"backing file {_shown(name, real)} changed between its check and "
+                             f"its open ({e.strerror} in {os.path.dirname(real)}): "
+                             "refused") from None
+        return checked
 
     # -- the format
     def format(self, image: str, name: str, recorded: str | None) -> str:

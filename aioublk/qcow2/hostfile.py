@@ -16,6 +16,7 @@ import stat
 from typing import Any
 
 from aioublk import directio, locking
+from aioublk.qcow2.backing_policy import Checked
 from aioublk.qcow2.format import Qcow2Error
 from aioublk.ring import buffer_address, current_ring
 
@@ -32,24 +33,28 @@ class HostFile:
     __slots__ = ("path", "fd", "direct", "size")  # direct: the fd has O_DIRECT now
 
     def __init__(self, path: str, *, read_only: bool, direct: bool,
-                 follow: bool = True) -> None:
-        """Open ``path`` (a regular file or a block device). ``follow=False``
-        refuses a symlink as the last component (a backing file, opened by the
-        real path its policy checked). The open never blocks (O_NONBLOCK: a
-        FIFO would wait for a writer) and the type is checked on the opened
-        descriptor, so a name swapped after a check is caught too."""
+                 checked: Checked | None = None) -> None:
+        """Open ``path`` (a regular file or a block device). A backing file
+        comes ``checked`` by its policy: opened in the directory the policy
+        reached, with ``O_NOFOLLOW``, and refused unless it is the very inode
+        the policy checked. The open never blocks (O_NONBLOCK: a FIFO would
+        wait for a writer) and the type is checked on the opened descriptor,
+        so a name swapped after a check is caught too."""
         self.path = path
         mode = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC | os.O_NONBLOCK \
-            | os.O_NOCTTY | (0 if follow else os.O_NOFOLLOW)
+            | os.O_NOCTTY
+        name, at = path, None
+        if checked is not None:
+            name, at, mode = checked.leaf, checked.dir_fd, mode | os.O_NOFOLLOW
         self.fd = -1
         try:
-            fd = directio.open_direct(path, mode) if direct else None
+            fd = directio.open_direct(name, mode, dir_fd=at) if direct else None
             self.direct = fd is not None
-            self.fd = fd if fd is not None else os.open(path, mode)
+            self.fd = fd if fd is not None else os.open(name, mode, dir_fd=at)
         except OSError as e:
             raise Qcow2Error(f"cannot open {path}: {e.strerror}") from None
         try:
-            self._opened(path, read_only)
+            self._opened(path, read_only, checked)
         except BaseException as e:
             self.close()  # with its lock, if it got one
             if isinstance(e, locking.InUse | locking.LockFailed):
@@ -58,8 +63,10 @@ class HostFile:
                 raise Qcow2Error(f"cannot open {path}: {e.strerror or e}") from None
             raise
 
-    def _opened(self, path: str, read_only: bool) -> None:
+    def _opened(self, path: str, read_only: bool, checked: Checked | None) -> None:
         st = os.fstat(self.fd)
+        if checked is not None:
+            checked.same(st)
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
             raise Qcow2Error(f"{path} is neither a regular file nor a block device")
         os.set_blocking(self.fd, True)
@@ -227,8 +234,8 @@ class HostFile:
 class RawBacking:
     """A raw backing file: its bytes, zeros past its end."""
 
-    def __init__(self, path: str, direct: bool, follow: bool = True) -> None:
-        self.file = HostFile(path, read_only=True, direct=direct, follow=follow)
+    def __init__(self, path: str, direct: bool, checked: Checked | None = None) -> None:
+        self.file = HostFile(path, read_only=True, direct=direct, checked=checked)
         self.size = self.file.size
 
     async def read(self, offset: int, buf: memoryview) -> None:

@@ -87,7 +87,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from aioublk.qcow2 import format as fmt
-from aioublk.qcow2.backing_policy import BackingPolicy
+from aioublk.qcow2.backing_policy import BackingPolicy, Checked
 from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, _nclusters
 from aioublk.qcow2.format import OFFSET_MASK, Qcow2Error
 from aioublk.qcow2.hostfile import HostFile, RawBacking
@@ -169,16 +169,16 @@ class Qcow2Image(Writes):
     @classmethod
     def _open(cls, path: str, real: str, read_only: bool, cache_bytes: int | None,
               direct: bool, policy: BackingPolicy, chain: tuple[tuple[int, int], ...],
-              ) -> Qcow2Image:
+              checked: Checked | None = None) -> Qcow2Image:
         """Open ``path`` by ``real``: the same for the image the user named; for
-        a backing file (``chain`` not empty) the real path its policy checked,
-        not followed if it became a symlink since. ``chain`` holds the
+        a backing file (``chain`` not empty) the real path its policy
+        ``checked``, only if it is still the file checked. ``chain`` holds the
         (st_dev, st_ino) of the images above: a loop is the same inode
         whatever its names (symlinks, hard links, other spellings)."""
         try:
             if len(chain) >= MAX_CHAIN:
                 raise Qcow2Error(f"backing chain deeper than {MAX_CHAIN} images at {path}")
-            f = HostFile(real, read_only=read_only, direct=direct, follow=not chain)
+            f = HostFile(real, read_only=read_only, direct=direct, checked=checked)
             try:
                 st = os.fstat(f.fd)
                 if chain:
@@ -294,12 +294,18 @@ class Qcow2Image(Writes):
                 raise Qcow2Error(f"backing file {name} of {self.path} does not exist") from None
             raise Qcow2Error(f"cannot open backing file {name}: {e.strerror}") from None
         policy.check_kind(name, real, st.st_mode)
+        policy.check_owner(name, real, st.st_uid, image_uid=os.fstat(self.file.fd).st_uid)
         # before opening it: the open takes the image lock, which we hold ourselves
         self._check_loop(name, st, chain)
-        if policy.format(self.path, name, h.backing_format) == "qcow2":
-            return Qcow2Image._open(policy.candidate(self.path, name), real, True, None,
-                                    direct, policy, chain)
-        raw = RawBacking(real, direct, follow=False)
+        fmt = policy.format(self.path, name, h.backing_format)
+        checked = policy.open_dir(name, real, st)
+        try:
+            if fmt == "qcow2":
+                return Qcow2Image._open(policy.candidate(self.path, name), real, True, None,
+                                        direct, policy, chain, checked)
+            raw = RawBacking(real, direct, checked)
+        finally:
+            checked.close()
         try:
             policy.check_kind(name, real, os.fstat(raw.file.fd).st_mode)
         except Qcow2Error:
