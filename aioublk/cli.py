@@ -42,7 +42,7 @@ from aioublk._version import __version__
 from aioublk.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.device import Control, Device
 from aioublk.kublk_lines import device_ids, dump, print_device, target_line
-from aioublk.options import CopyMode, DeviceConfig, UblkError, integrity
+from aioublk.options import MAX_DEV_ID, CopyMode, DeviceConfig, UblkError, integrity
 from aioublk.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.target import Target
 
@@ -83,8 +83,21 @@ def _debug_mask(value: str) -> int:
     return mask
 
 
+def _dev_id(value: str) -> int:
+    """``-n``: an id ublk_drv accepts (it sends ids as u32s, so a larger
+    one would name another device), or -1 (none given; any, for add)."""
+    try:
+        dev_id = int(value)
+    except ValueError:
+        dev_id = -2
+    if not -1 <= dev_id < MAX_DEV_ID:
+        raise argparse.ArgumentTypeError(f"device id {value} is out of range: use "
+                                         f"0..{MAX_DEV_ID - 1}")
+    return dev_id
+
+
 def _add_dev_id(parser: argparse.ArgumentParser, help: str) -> None:
-    parser.add_argument("-n", "--number", dest="dev_id", type=int, default=-1,
+    parser.add_argument("-n", "--number", dest="dev_id", type=_dev_id, default=-1,
                         metavar="DEV_ID", help=help)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from aioublk import logs, uapi
 from aioublk.driver import QueueMem, WorkerSpec
-from aioublk.options import CopyMode, DeviceConfig, UblkError, layout
+from aioublk.options import MAX_DEV_ID, CopyMode, DeviceConfig, UblkError, layout
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import QueueSetupError, Target
 from aioublk.worker import Worker
@@ -107,6 +107,10 @@ class Control:
         known to be unprivileged: to a privileged device the path would be
         read as the payload. Root's plain command to an unprivileged device
         fails with EINVAL (no path), so that answer is checked and retried."""
+        if not 0 <= dev_id < MAX_DEV_ID and not (op == uapi.Cmd.ADD_DEV
+                                                  and dev_id == uapi.DEV_ID_ANY):
+            # (sent as a u32: a larger id would name another device)
+            raise UblkError(f"device id {dev_id} is out of range: use 0..{MAX_DEV_ID - 1}")
         if op in _DEVICELESS:
             return await self._send(op, dev_id, buf, data, queue_id, with_path=False)
         if not self.privileged or dev_id in self._unprivileged:
@@ -132,7 +136,7 @@ class Control:
                    queue_id: int, dev_path_len: int) -> int:
         addr = buffer_address(buf) if buf is not None else 0
         length = len(buf) if buf is not None else 0
-        payload = uapi.ctrl_cmd(dev_id & 0xFFFF_FFFF, queue_id=queue_id, length=length,
+        payload = uapi.ctrl_cmd(dev_id, queue_id=queue_id, length=length,
                                 addr=addr, data=data, dev_path_len=dev_path_len)
         return await self.ring.uring_cmd(self.fd, op, payload, keep=buf)
 

@@ -304,3 +304,30 @@ def test_get_data_on_a_kernel_without_it_is_one_line() -> None:
     with pytest.raises(UblkError, match="does not support UBLK_F_NEED_GET_DATA"):
         cfg.resolve(0)
 
+
+
+# ------------------------------------------------------------ device ids --
+
+@pytest.mark.parametrize("dev_id", ["4294967296", "4294967295", "1048576", "-2"])
+@pytest.mark.parametrize("cmd", [
+    ["del"], ["stop"], ["stop", "--safe"], ["quiesce"], ["update_size", "-s", "1M"], ["list"],
+    ["recover", "-t", "null"], ["add", "-t", "null", "--foreground"],
+])
+def test_device_id_out_of_the_kernels_range_is_refused_before_the_kernel(
+        cmd: list[str], dev_id: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ublk_drv's ids are 0..UBLK_MAX_UBLKS-1 (1 << MINORBITS); the id goes
+    to the kernel as a u32, so 4294967296 would be device 0. Every command
+    refuses such an id in one line without sending anything."""
+    def no_kernel(*a: object, **kw: object) -> None:
+        raise AssertionError("the kernel was reached")
+    monkeypatch.setattr(cli, "Control", no_kernel)
+    monkeypatch.setattr(cli, "run_device", no_kernel)
+    try:
+        code = cli.main([*cmd[:1], "-n", dev_id, *cmd[1:]])
+    except SystemExit as e:
+        code = e.code  # type: ignore[assignment]
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"device id {dev_id} is out of range: use 0..1048575" in err, err
