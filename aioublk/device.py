@@ -458,6 +458,13 @@ class Device:
             raise UblkError("recover needs the id of the device to recover (-n ID)")
         dev_id = cfg.dev_id
         info = await settled_info(ctrl, dev_id)
+        # the kernel records the creator's real uid. Root too refuses: it would
+        # serve its files to a disk another user controls (a user's device has
+        # no recovery today only because the kernel drops the flag)
+        if info.owner_uid != os.getuid():
+            raise UblkError(f"device {dev_id} belongs to uid {info.owner_uid}, not to this "
+                            f"server's uid {os.getuid()}: only the user who added a device "
+                            "may recover it")
         if not info.flags & uapi.Feature.USER_RECOVERY:
             raise UblkError(f"device {dev_id} was added without user recovery (-r 1), so it "
                             "cannot be recovered: delete it and add it again")

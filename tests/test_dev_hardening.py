@@ -32,3 +32,48 @@ def test_control_never_sends_an_id_outside_the_kernels_range(op: int, dev_id: in
     say "any" (U32_MAX)."""
     with pytest.raises(UblkError, match=f"device id {dev_id} is out of range: use 0..1048575"):
         asyncio.run(_control().cmd(op, dev_id))
+
+
+class _FakeControl:
+    """Answers GET_DEV_INFO with ``info``; records every other command."""
+
+    def __init__(self, info: uapi.DevInfo) -> None:
+        self.info = info
+        self.sent: list[str] = []
+
+    async def get_info(self, dev_id: int) -> uapi.DevInfo:
+        return self.info
+
+    async def get_params(self, dev_id: int) -> uapi.Params:
+        return uapi.Params(dev_sectors=(1 << 20) >> 9)  # the target's size
+
+    def __getattr__(self, name: str) -> object:
+        async def record(*a: object, **kw: object) -> int:
+            self.sent.append(name)
+            return 0
+        return record
+
+
+@pytest.mark.parametrize("flags", [uapi.Feature.UNPRIVILEGED_DEV, 0])
+def test_recovery_refuses_a_device_another_user_created(flags: int) -> None:
+    """``recover`` and serve's reattach go through ``_begin_recovery``: a
+    device whose owner_uid is not ours is refused before anything is sent
+    (as root too: root reattaching a user's device would serve root's
+    files to a disk that user controls), whatever flags the kernel kept."""
+    import os
+
+    from aioublk.device import Device
+    from aioublk.options import DeviceConfig
+    from aioublk.targets.null import NullTarget
+
+    info = uapi.DevInfo(dev_id=3, state=uapi.State.QUIESCED,
+                        flags=uapi.Feature.USER_RECOVERY | flags,
+                        owner_uid=os.getuid() + 1000, owner_gid=os.getgid() + 1000)
+    ctrl = _FakeControl(info)
+    dev = Device(NullTarget(1 << 20), DeviceConfig(dev_id=3, recovery=True))
+    with pytest.raises(UblkError) as e:
+        asyncio.run(dev._begin_recovery(ctrl, 0xfffff))  # type: ignore[arg-type]
+    assert str(e.value) == (f"device 3 belongs to uid {os.getuid() + 1000}, not to this "
+                            f"server's uid {os.getuid()}: only the user who added a device "
+                            "may recover it")
+    assert ctrl.sent == []
