@@ -35,6 +35,7 @@ import sys
 import time
 import tomllib
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from aioublk import logs, registry, stats, uapi, udev
@@ -177,7 +178,8 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("-i", "--recovery_reissue", type=_flag01, default=False, metavar="0|1",
                      help="1: recovery, and requests the dead server held are reissued")
     add.add_argument("--read-only", "--read_only", dest="read_only", action="store_true",
-                     help="loop/qcow2: serve the file read-only")
+                     help="a read-only disk, whatever the target (the files of those "
+                     "that open some are opened read-only)")
     add.add_argument("--force-share", "-U", dest="force_share", action="store_true",
                      help="with --read-only: serve files QEMU or others may be writing")
     add.add_argument("-v", "--verbose", action="store_true", help="log every request")
@@ -555,9 +557,7 @@ def make_target(args: argparse.Namespace) -> Target:
     if spec is None:
         if files:
             raise UblkError(f"{name} takes no FILE: give its arguments as --opt KEY=VALUE")
-        options = target_options(name, opts, at="--opt", base=os.getcwd())
-        return build_target(name, options, read_only=args.read_only,
-                            force_share=args.force_share)
+        return _built(name, target_options(name, opts, at="--opt", base=os.getcwd()), args)
     options = {o.key: getattr(args, o.key) for o in spec.options
                if o.flags and getattr(args, o.key) is not None}
     for o in spec.options:
@@ -587,7 +587,18 @@ def make_target(args: argparse.Namespace) -> Target:
     elif fed is not None:
         options[fed.key] = files
     options |= target_options(name, opts, at="--opt", base=os.getcwd())
-    return build_target(name, options, read_only=args.read_only, force_share=args.force_share)
+    return _built(name, options, args)
+
+
+def _built(name: str, options: dict[str, Any], args: argparse.Namespace) -> Target:
+    """The target, read-only if asked whatever it is (as serve's read_only):
+    the kernel makes the disk read-only, and a target that opens files
+    opens them so."""
+    target = build_target(name, options, read_only=args.read_only,
+                          force_share=args.force_share)
+    if args.read_only:
+        target.geometry = replace(target.geometry, read_only=True)
+    return target
 
 
 def _opt_values(opts: list[str]) -> dict[str, Any]:

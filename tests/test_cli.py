@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import cli
+from aioublk import cli, uapi
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -331,3 +331,36 @@ def test_device_id_out_of_the_kernels_range_is_refused_before_the_kernel(
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert f"device id {dev_id} is out of range: use 0..1048575" in err, err
+
+
+@pytest.mark.parametrize("args", [
+    ["-t", "null"], ["-t", "fault_inject"], ["-t", "zoned", "-s", "64M", "--zone_size", "4M"],
+    ["-t", "stripe", "{a}", "{b}"], ["-t", "loop", "{a}"],
+    ["-t", "examples.ramdisk:RamDisk", "--opt", "size=1048576"],
+])
+def test_add_read_only_is_in_every_targets_geometry(args: list[str], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``add --read-only`` tells the kernel whatever the target (serve's
+    read_only does); stripe, like loop, opens its files read-only too."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    files = {}
+    for k in ("a", "b"):
+        (tmp_path / k).write_bytes(b"\0" * (1 << 20))
+        files[k] = str(tmp_path / k)
+    target = cli.make_target(cli._parser().parse_args(
+        ["add", *[a.format(**files) for a in args], "--read-only"]))
+    try:
+        assert target.geometry.read_only
+        assert target.geometry.params(1 << 20).attrs & uapi.ATTR_READ_ONLY
+        for f in [*getattr(target, "files", []), getattr(target, "backing", None)]:
+            if f is not None:
+                assert _access_mode(f.fd) == os.O_RDONLY, f.path
+    finally:
+        target.close()
+
+
+def _access_mode(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+

@@ -1,0 +1,51 @@
+"""The device control plane's promises, checked on the real driver."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.kernel import CLI, delete, make_file, parse_list
+
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("target", [
+    ["-t", "null", "-s", "64M"],
+    ["-t", "fault_inject", "-s", "64M"],
+    ["-t", "stripe", "{a}", "{b}"],
+    ["-t", "zoned", "-s", "256M"],
+    ["-t", "examples.ramdisk:RamDisk", "--opt", f"size={64 * MiB}"],
+    ["-t", "loop", "{a}"],
+], ids=["null", "fault_inject", "stripe", "zoned", "custom", "loop"])
+def test_add_read_only_gives_a_read_only_disk(tmp_path: Path, target: list[str]) -> None:
+    """``add --read-only`` means what serve's ``read_only`` does, whatever the
+    target: the kernel is told (/sys/block/ublkbN/ro is 1) and a write to
+    the disk fails with EPERM."""
+    files = {k: str(make_file(tmp_path / k, 64 * MiB)) for k in ("a", "b")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    p = subprocess.run([*CLI, "add", *[a.format(**files) for a in target], "--read-only",
+                        "-q", "1"], capture_output=True, text=True, timeout=90,
+                       stdin=subprocess.DEVNULL, cwd=REPO, env=env)
+    assert p.returncode == 0, p.stderr
+    (dev,) = parse_list(p.stdout)
+    try:
+        name = f"ublkb{dev.dev_id}"
+        assert Path(f"/sys/block/{name}/ro").read_text().strip() == "1"
+        with pytest.raises(OSError) as e:
+            fd = os.open(f"/dev/{name}", os.O_WRONLY)
+            try:
+                os.pwrite(fd, b"x" * 4096, 0)
+            finally:
+                os.close(fd)
+        assert e.value.errno == errno.EPERM
+    finally:
+        delete(dev.dev_id)
