@@ -537,10 +537,49 @@ async def cmd_update_size(args: argparse.Namespace) -> int:
         if not 0 < args.size < 1 << 63 or args.size % block:
             raise UblkError(f"size {args.size} is not a positive multiple of the device's "
                             f"logical block size ({block})")
+        pid = (await ctrl.get_info(dev_id)).ublksrv_pid
+        record = stats.read_record(dev_id)
+        # (a record left by a server of another device of this id is not its)
+        limit = _backing_bytes(record) if record and record.get("pid") == pid else None
+        if record is not None and limit is not None and args.size > limit:
+            raise UblkError(f"size {args.size} is more than device {dev_id}'s "
+                            f"{record['target']} target can serve: its backing files "
+                            f"hold {limit} bytes (grow them first)")
         res = await ctrl.update_size(dev_id, args.size >> 9)
         if res < 0:
             raise UblkError(f"cannot resize device {dev_id}: {os.strerror(-res)}")
     return await _on_device(args, run)
+
+
+def _backing_bytes(record: dict[str, Any]) -> int | None:
+    """The bytes a recorded device's files hold now, which its target can
+    serve and no more (past them a loop target would grow its file); None
+    when no file bounds the target, or the files cannot be read."""
+    target, files = record.get("target"), record.get("files") or []
+    try:
+        sizes = [_file_bytes(f) for f in files]
+        if target == "loop" and sizes:
+            return sizes[0] & ~511
+        if target == "stripe" and sizes:
+            chunk = record["options"].get("chunk_size") or 65536
+            return min(s & ~(chunk - 1) for s in sizes) * len(sizes)
+        if target == "qcow2" and sizes:
+            with open(files[0], "rb") as f:
+                header = f.read(32)  # (its virtual size: big-endian, at byte 24)
+            if header[:4] == b"QFI\xfb" and len(header) == 32:
+                return int.from_bytes(header[24:], "big") & ~511
+    except (OSError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def _file_bytes(path: str) -> int:
+    """A file's or a block device's size."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------- add --

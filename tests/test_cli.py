@@ -364,3 +364,66 @@ def _access_mode(fd: int) -> int:
 
     return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
 
+
+# ----------------------------------------------------------- update_size --
+
+class _ResizeControl:
+    """A device served by pid 4242, with 512-byte blocks; records resizes."""
+
+    resized: list[int] = []
+
+    def __init__(self) -> None:
+        pass
+
+    async def get_info(self, dev_id: int) -> object:
+        return uapi.DevInfo(dev_id=dev_id, ublksrv_pid=4242, state=uapi.State.LIVE)
+
+    async def get_params(self, dev_id: int) -> object:
+        return uapi.Params(dev_sectors=(64 << 20) >> 9)
+
+    async def update_size(self, dev_id: int, sectors: int) -> int:
+        self.resized.append(sectors << 9)
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def _qcow2_header(size: int) -> bytes:
+    return b"QFI\xfb" + (3).to_bytes(4, "big") + bytes(16) + size.to_bytes(8, "big")
+
+
+@pytest.mark.parametrize("target,files,options,limit", [
+    ("loop", {"a": 64 << 20}, {}, 64 << 20),
+    ("stripe", {"a": 64 << 20, "b": (64 << 20) + 4096}, {"chunk_size": 65536}, 128 << 20),
+    ("qcow2", {"a": _qcow2_header(96 << 20)}, {}, 96 << 20),
+])
+def test_update_size_refuses_to_grow_past_the_backing_files(
+        target: str, files: dict[str, int | bytes], options: dict[str, object], limit: int,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A loop device over a 64 MiB file must not become 1 GiB: past its
+    files a target has nothing to serve (and a write there grows the file).
+    The files are those ``add`` recorded; up to them the resize is sent."""
+    from aioublk import stats
+
+    paths = []
+    for name, content in files.items():
+        path = tmp_path / name
+        if isinstance(content, int):
+            path.write_bytes(b"")
+            os.truncate(path, content)
+        else:
+            path.write_bytes(content)
+        paths.append(str(path))
+    record = {"pid": 4242, "target": target, "files": paths, "options": options}
+    monkeypatch.setattr(stats, "read_record", lambda dev_id: record)
+    monkeypatch.setattr(cli, "Control", _ResizeControl)
+    _ResizeControl.resized = []
+    assert cli.main(["update_size", "-n", "0", "-s", "1G"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"aioublk: size {1 << 30} is more than device 0's {target} target can "
+                   f"serve: its backing files hold {limit} bytes (grow them first)\n"), err
+    assert _ResizeControl.resized == []
+    assert cli.main(["update_size", "-n", "0", "-s", str(limit)]) == 0
+    assert _ResizeControl.resized == [limit]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernel import CLI, delete, make_file, parse_list
+from tests.kernel import CLI, cli, delete, make_file, parse_list
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 
@@ -33,7 +33,7 @@ def test_add_read_only_gives_a_read_only_disk(tmp_path: Path, target: list[str])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     p = subprocess.run([*CLI, "add", *[a.format(**files) for a in target], "--read-only",
-                        "-q", "1"], capture_output=True, text=True, timeout=90,
+                        "-q", "1"], capture_output=True, text=True, timeout=180,
                        stdin=subprocess.DEVNULL, cwd=REPO, env=env)
     assert p.returncode == 0, p.stderr
     (dev,) = parse_list(p.stdout)
@@ -49,3 +49,23 @@ def test_add_read_only_gives_a_read_only_disk(tmp_path: Path, target: list[str])
         assert e.value.errno == errno.EPERM
     finally:
         delete(dev.dev_id)
+
+
+def test_update_size_stays_within_the_backing_file(tmp_path: Path) -> None:
+    """A loop device over a 64 MiB file is not grown to 1 GiB (past the
+    file a write would grow it); shrinking within it is done."""
+    # (a loaded machine under emulation can take over a minute to add it)
+    (dev,) = parse_list(cli("add", "-t", "loop", "-q", "1",
+                            str(make_file(tmp_path / "disk", 64 * MiB)), timeout=180).stdout)
+    try:
+        sectors = Path(f"/sys/block/ublkb{dev.dev_id}/size")
+        p = cli("update_size", "-n", str(dev.dev_id), "-s", "1G", check=False, timeout=180)
+        assert p.returncode == 1 and p.stderr == (
+            f"aioublk: size {1 << 30} is more than device {dev.dev_id}'s loop target can "
+            f"serve: its backing files hold {64 * MiB} bytes (grow them first)\n"), p.stderr
+        assert int(sectors.read_text()) == 64 * MiB >> 9
+        cli("update_size", "-n", str(dev.dev_id), "-s", "32M", timeout=180)
+        assert int(sectors.read_text()) == 32 * MiB >> 9
+    finally:
+        delete(dev.dev_id)
+
