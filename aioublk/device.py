@@ -54,6 +54,10 @@ _DEVICELESS = (uapi.Cmd.ADD_DEV, uapi.Cmd.GET_FEATURES)
 _UDEV_WAIT = 30.0
 #: CAP_SYS_ADMIN's bit in /proc's capability masks
 _CAP_SYS_ADMIN = 21
+#: seconds ADD_DEV, START_DEV and END_USER_RECOVERY may take before the
+#: driver is deemed stuck (START_DEV waits for the queues, armed by then,
+#: and for the disk's partition scan, which they serve)
+CTRL_TIMEOUT = 120.0
 
 
 def char_path(dev_id: int) -> str:
@@ -156,6 +160,15 @@ class Control:
             raise _fail(f"GET_DEV_INFO2 of device {dev_id}", res)
         return uapi.DevInfo.unpack(buf)
 
+    async def _bounded(self, what: str, op: int, dev_id: int, **kw: Any) -> int:
+        """A command that could wait for ever on a stuck driver, within
+        ``CTRL_TIMEOUT`` (its buffer stays with the ring if it ever answers)."""
+        try:
+            return await asyncio.wait_for(self.cmd(op, dev_id, **kw), CTRL_TIMEOUT)
+        except TimeoutError:
+            raise UblkError(f"{what}: no answer from ublk_drv in {CTRL_TIMEOUT:g} s (is the "
+                            "kernel stuck? see dmesg)") from None
+
     async def _checked(self, what: str, op: int, dev_id: int, **kw: Any) -> int:
         res = await self.cmd(op, dev_id, **kw)
         if res < 0:
@@ -169,7 +182,7 @@ class Control:
 
     async def add_dev(self, info: uapi.DevInfo) -> uapi.DevInfo:
         buf = bytearray(info.pack())
-        res = await self.cmd(uapi.Cmd.ADD_DEV, info.dev_id, buf=buf)
+        res = await self._bounded("ADD_DEV", uapi.Cmd.ADD_DEV, info.dev_id, buf=buf)
         if res == -errno.EEXIST:
             raise UblkError(f"device id {info.dev_id} is already in use "
                             "(pick another -n, or delete it first)")
@@ -215,8 +228,10 @@ class Control:
         return [i for i in range(len(buf) * 8) if mask >> i & 1]
 
     async def start_dev(self, dev_id: int, pid: int) -> None:
-        await self._checked(f"START_DEV of device {dev_id}", uapi.Cmd.START_DEV, dev_id,
-                            data=pid)
+        what = f"START_DEV of device {dev_id}"
+        res = await self._bounded(what, uapi.Cmd.START_DEV, dev_id, data=pid)
+        if res < 0:
+            raise _fail(what, res)
 
     async def stop_dev(self, dev_id: int) -> int:
         return await self.cmd(uapi.Cmd.STOP_DEV, dev_id)
@@ -235,7 +250,8 @@ class Control:
         return await self.cmd(uapi.Cmd.START_USER_RECOVERY, dev_id)
 
     async def end_user_recovery(self, dev_id: int, pid: int) -> int:
-        return await self.cmd(uapi.Cmd.END_USER_RECOVERY, dev_id, data=pid)
+        return await self._bounded(f"END_USER_RECOVERY of device {dev_id}",
+                                   uapi.Cmd.END_USER_RECOVERY, dev_id, data=pid)
 
     async def reg_buf(self, dev_id: int, addr: int, length: int, flags: int = 0) -> int:
         """REG_BUF: pin ``length`` bytes of our mapping at ``addr``; the

@@ -77,3 +77,31 @@ def test_recovery_refuses_a_device_another_user_created(flags: int) -> None:
                             f"server's uid {os.getuid()}: only the user who added a device "
                             "may recover it")
     assert ctrl.sent == []
+
+
+@pytest.mark.parametrize("what", ["ADD_DEV", "START_DEV"])
+def test_a_kernel_that_never_answers_add_or_start_is_one_line(
+        what: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ADD_DEV and START_DEV are awaited with a time limit: a driver that
+    never completes them costs one line, not a server hung for ever."""
+    from aioublk import device
+
+    ctrl = _control()
+
+    async def never(*a: object, **kw: object) -> int:
+        await asyncio.get_running_loop().create_future()
+        return 0
+    ctrl._raw = never  # type: ignore[method-assign]
+    monkeypatch.setattr(device, "CTRL_TIMEOUT", 0.2, raising=False)
+
+    async def run() -> None:
+        if what == "ADD_DEV":
+            await ctrl.add_dev(uapi.DevInfo())
+        else:
+            await ctrl.start_dev(7, 1234)
+    with pytest.raises(UblkError) as e:
+        asyncio.run(asyncio.wait_for(run(), 10))
+    dev = "" if what == "ADD_DEV" else " of device 7"
+    assert str(e.value) == (f"{what}{dev}: no answer from ublk_drv in 0.2 s (is the kernel "
+                            "stuck? see dmesg)")
+
