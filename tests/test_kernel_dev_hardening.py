@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import errno
 import os
 import subprocess
@@ -9,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernel import CLI, cli, delete, make_file, parse_list
+from aioublk.targets.null import NullTarget
+from tests.kernel import CLI, cli, delete, make_file, parse_list, served
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 
@@ -69,3 +72,18 @@ def test_update_size_stays_within_the_backing_file(tmp_path: Path) -> None:
     finally:
         delete(dev.dev_id)
 
+
+def test_serving_threads_are_io_flushers() -> None:
+    """Every queue thread has PR_SET_IO_FLUSHER (the guest runs as root,
+    with CAP_SYS_RESOURCE): a server whose disk backs a file system under
+    memory pressure must not recurse into reclaim writing to its own
+    disk. PR_GET_IO_FLUSHER (58) asks each thread, on its own loop."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    async def io_flusher() -> int:
+        return int(libc.prctl(58, 0, 0, 0, 0))
+    with served(NullTarget(64 * MiB), queues=2, nthreads=2) as dev:
+        assert len(dev.workers) == 2
+        got = [asyncio.run_coroutine_threadsafe(io_flusher(), w.loop).result(30)
+               for w in dev.workers if w.loop is not None]
+    assert got == [1, 1]
