@@ -35,6 +35,7 @@ import sys
 import time
 import tomllib
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from aioublk import logs, registry, stats, uapi, udev
@@ -42,7 +43,7 @@ from aioublk._version import __version__
 from aioublk.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.device import Control, Device
 from aioublk.kublk_lines import device_ids, dump, print_device, target_line
-from aioublk.options import CopyMode, DeviceConfig, UblkError, integrity
+from aioublk.options import MAX_DEV_ID, CopyMode, DeviceConfig, UblkError, integrity
 from aioublk.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.target import Target
 
@@ -83,8 +84,21 @@ def _debug_mask(value: str) -> int:
     return mask
 
 
+def _dev_id(value: str) -> int:
+    """``-n``: an id ublk_drv accepts (it sends ids as u32s, so a larger
+    one would name another device), or -1 (none given; any, for add)."""
+    try:
+        dev_id = int(value)
+    except ValueError:
+        dev_id = -2
+    if not -1 <= dev_id < MAX_DEV_ID:
+        raise argparse.ArgumentTypeError(f"device id {value} is out of range: use "
+                                         f"0..{MAX_DEV_ID - 1}")
+    return dev_id
+
+
 def _add_dev_id(parser: argparse.ArgumentParser, help: str) -> None:
-    parser.add_argument("-n", "--number", dest="dev_id", type=int, default=-1,
+    parser.add_argument("-n", "--number", dest="dev_id", type=_dev_id, default=-1,
                         metavar="DEV_ID", help=help)
 
 
@@ -164,7 +178,8 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("-i", "--recovery_reissue", type=_flag01, default=False, metavar="0|1",
                      help="1: recovery, and requests the dead server held are reissued")
     add.add_argument("--read-only", "--read_only", dest="read_only", action="store_true",
-                     help="loop/qcow2: serve the file read-only")
+                     help="a read-only disk, whatever the target (the files of those "
+                     "that open some are opened read-only)")
     add.add_argument("--force-share", "-U", dest="force_share", action="store_true",
                      help="with --read-only: serve files QEMU or others may be writing")
     add.add_argument("-v", "--verbose", action="store_true", help="log every request")
@@ -522,10 +537,49 @@ async def cmd_update_size(args: argparse.Namespace) -> int:
         if not 0 < args.size < 1 << 63 or args.size % block:
             raise UblkError(f"size {args.size} is not a positive multiple of the device's "
                             f"logical block size ({block})")
+        pid = (await ctrl.get_info(dev_id)).ublksrv_pid
+        record = stats.read_record(dev_id)
+        # (a record left by a server of another device of this id is not its)
+        limit = _backing_bytes(record) if record and record.get("pid") == pid else None
+        if record is not None and limit is not None and args.size > limit:
+            raise UblkError(f"size {args.size} is more than device {dev_id}'s "
+                            f"{record['target']} target can serve: its backing files "
+                            f"hold {limit} bytes (grow them first)")
         res = await ctrl.update_size(dev_id, args.size >> 9)
         if res < 0:
             raise UblkError(f"cannot resize device {dev_id}: {os.strerror(-res)}")
     return await _on_device(args, run)
+
+
+def _backing_bytes(record: dict[str, Any]) -> int | None:
+    """The bytes a recorded device's files hold now, which its target can
+    serve and no more (past them a loop target would grow its file); None
+    when no file bounds the target, or the files cannot be read."""
+    target, files = record.get("target"), record.get("files") or []
+    try:
+        sizes = [_file_bytes(f) for f in files]
+        if target == "loop" and sizes:
+            return sizes[0] & ~511
+        if target == "stripe" and sizes:
+            chunk = record["options"].get("chunk_size") or 65536
+            return min(s & ~(chunk - 1) for s in sizes) * len(sizes)
+        if target == "qcow2" and sizes:
+            with open(files[0], "rb") as f:
+                header = f.read(32)  # (its virtual size: big-endian, at byte 24)
+            if header[:4] == b"QFI\xfb" and len(header) == 32:
+                return int.from_bytes(header[24:], "big") & ~511
+    except (OSError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def _file_bytes(path: str) -> int:
+    """A file's or a block device's size."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------- add --
@@ -542,9 +596,7 @@ def make_target(args: argparse.Namespace) -> Target:
     if spec is None:
         if files:
             raise UblkError(f"{name} takes no FILE: give its arguments as --opt KEY=VALUE")
-        options = target_options(name, opts, at="--opt", base=os.getcwd())
-        return build_target(name, options, read_only=args.read_only,
-                            force_share=args.force_share)
+        return _built(name, target_options(name, opts, at="--opt", base=os.getcwd()), args)
     options = {o.key: getattr(args, o.key) for o in spec.options
                if o.flags and getattr(args, o.key) is not None}
     for o in spec.options:
@@ -574,7 +626,18 @@ def make_target(args: argparse.Namespace) -> Target:
     elif fed is not None:
         options[fed.key] = files
     options |= target_options(name, opts, at="--opt", base=os.getcwd())
-    return build_target(name, options, read_only=args.read_only, force_share=args.force_share)
+    return _built(name, options, args)
+
+
+def _built(name: str, options: dict[str, Any], args: argparse.Namespace) -> Target:
+    """The target, read-only if asked whatever it is (as serve's read_only):
+    the kernel makes the disk read-only, and a target that opens files
+    opens them so."""
+    target = build_target(name, options, read_only=args.read_only,
+                          force_share=args.force_share)
+    if args.read_only:
+        target.geometry = replace(target.geometry, read_only=True)
+    return target
 
 
 def _opt_values(opts: list[str]) -> dict[str, Any]:

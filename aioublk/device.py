@@ -29,7 +29,7 @@ from typing import Any
 
 from aioublk import logs, uapi
 from aioublk.driver import QueueMem, WorkerSpec
-from aioublk.options import CopyMode, DeviceConfig, UblkError, layout
+from aioublk.options import MAX_DEV_ID, CopyMode, DeviceConfig, UblkError, layout
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import QueueSetupError, Target
 from aioublk.worker import Worker
@@ -54,6 +54,10 @@ _DEVICELESS = (uapi.Cmd.ADD_DEV, uapi.Cmd.GET_FEATURES)
 _UDEV_WAIT = 30.0
 #: CAP_SYS_ADMIN's bit in /proc's capability masks
 _CAP_SYS_ADMIN = 21
+#: seconds ADD_DEV, START_DEV and END_USER_RECOVERY may take before the
+#: driver is deemed stuck (START_DEV waits for the queues, armed by then,
+#: and for the disk's partition scan, which they serve)
+CTRL_TIMEOUT = 120.0
 
 
 def char_path(dev_id: int) -> str:
@@ -107,6 +111,10 @@ class Control:
         known to be unprivileged: to a privileged device the path would be
         read as the payload. Root's plain command to an unprivileged device
         fails with EINVAL (no path), so that answer is checked and retried."""
+        if not 0 <= dev_id < MAX_DEV_ID and not (op == uapi.Cmd.ADD_DEV
+                                                  and dev_id == uapi.DEV_ID_ANY):
+            # (sent as a u32: a larger id would name another device)
+            raise UblkError(f"device id {dev_id} is out of range: use 0..{MAX_DEV_ID - 1}")
         if op in _DEVICELESS:
             return await self._send(op, dev_id, buf, data, queue_id, with_path=False)
         if not self.privileged or dev_id in self._unprivileged:
@@ -132,7 +140,7 @@ class Control:
                    queue_id: int, dev_path_len: int) -> int:
         addr = buffer_address(buf) if buf is not None else 0
         length = len(buf) if buf is not None else 0
-        payload = uapi.ctrl_cmd(dev_id & 0xFFFF_FFFF, queue_id=queue_id, length=length,
+        payload = uapi.ctrl_cmd(dev_id, queue_id=queue_id, length=length,
                                 addr=addr, data=data, dev_path_len=dev_path_len)
         return await self.ring.uring_cmd(self.fd, op, payload, keep=buf)
 
@@ -152,6 +160,15 @@ class Control:
             raise _fail(f"GET_DEV_INFO2 of device {dev_id}", res)
         return uapi.DevInfo.unpack(buf)
 
+    async def _bounded(self, what: str, op: int, dev_id: int, **kw: Any) -> int:
+        """A command that could wait for ever on a stuck driver, within
+        ``CTRL_TIMEOUT`` (its buffer stays with the ring if it ever answers)."""
+        try:
+            return await asyncio.wait_for(self.cmd(op, dev_id, **kw), CTRL_TIMEOUT)
+        except TimeoutError:
+            raise UblkError(f"{what}: no answer from ublk_drv in {CTRL_TIMEOUT:g} s (is the "
+                            "kernel stuck? see dmesg)") from None
+
     async def _checked(self, what: str, op: int, dev_id: int, **kw: Any) -> int:
         res = await self.cmd(op, dev_id, **kw)
         if res < 0:
@@ -165,7 +182,7 @@ class Control:
 
     async def add_dev(self, info: uapi.DevInfo) -> uapi.DevInfo:
         buf = bytearray(info.pack())
-        res = await self.cmd(uapi.Cmd.ADD_DEV, info.dev_id, buf=buf)
+        res = await self._bounded("ADD_DEV", uapi.Cmd.ADD_DEV, info.dev_id, buf=buf)
         if res == -errno.EEXIST:
             raise UblkError(f"device id {info.dev_id} is already in use "
                             "(pick another -n, or delete it first)")
@@ -211,8 +228,10 @@ class Control:
         return [i for i in range(len(buf) * 8) if mask >> i & 1]
 
     async def start_dev(self, dev_id: int, pid: int) -> None:
-        await self._checked(f"START_DEV of device {dev_id}", uapi.Cmd.START_DEV, dev_id,
-                            data=pid)
+        what = f"START_DEV of device {dev_id}"
+        res = await self._bounded(what, uapi.Cmd.START_DEV, dev_id, data=pid)
+        if res < 0:
+            raise _fail(what, res)
 
     async def stop_dev(self, dev_id: int) -> int:
         return await self.cmd(uapi.Cmd.STOP_DEV, dev_id)
@@ -231,7 +250,8 @@ class Control:
         return await self.cmd(uapi.Cmd.START_USER_RECOVERY, dev_id)
 
     async def end_user_recovery(self, dev_id: int, pid: int) -> int:
-        return await self.cmd(uapi.Cmd.END_USER_RECOVERY, dev_id, data=pid)
+        return await self._bounded(f"END_USER_RECOVERY of device {dev_id}",
+                                   uapi.Cmd.END_USER_RECOVERY, dev_id, data=pid)
 
     async def reg_buf(self, dev_id: int, addr: int, length: int, flags: int = 0) -> int:
         """REG_BUF: pin ``length`` bytes of our mapping at ``addr``; the
@@ -454,6 +474,13 @@ class Device:
             raise UblkError("recover needs the id of the device to recover (-n ID)")
         dev_id = cfg.dev_id
         info = await settled_info(ctrl, dev_id)
+        # the kernel records the creator's real uid. Root too refuses: it would
+        # serve its files to a disk another user controls (a user's device has
+        # no recovery today only because the kernel drops the flag)
+        if info.owner_uid != os.getuid():
+            raise UblkError(f"device {dev_id} belongs to uid {info.owner_uid}, not to this "
+                            f"server's uid {os.getuid()}: only the user who added a device "
+                            "may recover it")
         if not info.flags & uapi.Feature.USER_RECOVERY:
             raise UblkError(f"device {dev_id} was added without user recovery (-r 1), so it "
                             "cannot be recovered: delete it and add it again")

@@ -109,7 +109,7 @@ TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
         Option("chunk_size", SIZE, "bytes per chunk, a power of two", default=65536,
                default_help="64K", flags=("--chunk_size",), lo=4096, hi=512 << 10,
                power_of_two=True),
-    ), files="files"),
+    ), files="files", read_only=True),
     TargetSpec("qcow2", "aioublk.targets.qcow2:Qcow2Target", (
         Option("image", PATH, "the qcow2 image", arg="*", required=True, what="image"),
         Option("l2_cache", SIZE, "L2 cache size", default_help="map the whole disk, up to 32M",

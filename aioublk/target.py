@@ -42,7 +42,10 @@ else (the request fails with EIO and a log line; the queue keeps serving).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
+import functools
+import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
@@ -184,9 +187,42 @@ def current_queue() -> QueueContext:
     return q
 
 
+#: prctl(2)'s PR_SET_IO_FLUSHER (Linux 5.6)
+_PR_SET_IO_FLUSHER = 57
+#: why it was refused, once said (it would be for every thread)
+_flusher_refused: list[int] = []
+
+
+@functools.cache
+def _prctl() -> Callable[..., int]:
+    f = ctypes.CDLL(None, use_errno=True).prctl
+    f.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+    prctl: Callable[..., int] = f
+    return prctl
+
+
+def _become_io_flusher() -> bool:
+    """Mark this thread as serving a block device (PR_SET_IO_FLUSHER): its
+    allocations do not wait for reclaim to write out dirty pages, which may
+    belong to a file system on the very disk only this thread answers, and
+    writeback does not throttle it. Needs CAP_SYS_RESOURCE; without it the
+    thread serves all the same (logged once)."""
+    if _prctl()(_PR_SET_IO_FLUSHER, 1, 0, 0, 0) == 0:
+        return True
+    err = ctypes.get_errno()
+    if not _flusher_refused:
+        _flusher_refused.append(err)
+        log.info("queue threads are not I/O flushers: a file system on the device under "
+                 "memory pressure may stall it", error=f"PR_SET_IO_FLUSHER: {os.strerror(err)}",
+                 needs="CAP_SYS_RESOURCE")
+    return False
+
+
 async def setup_queue(target: Target, q: QueueContext) -> None:
-    """Bind ``q`` to this thread and run the target's ``queue_setup`` on it;
-    raises ``QueueSetupError`` (one line: the target, the worker, the error)."""
+    """Bind ``q`` to this thread (an I/O flusher from now on) and run the
+    target's ``queue_setup`` on it; raises ``QueueSetupError`` (one line:
+    the target, the worker, the error)."""
+    _become_io_flusher()
     _local.queue = q
     try:
         await target.queue_setup(q)

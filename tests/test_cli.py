@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import cli
+from aioublk import cli, uapi
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -304,3 +304,126 @@ def test_get_data_on_a_kernel_without_it_is_one_line() -> None:
     with pytest.raises(UblkError, match="does not support UBLK_F_NEED_GET_DATA"):
         cfg.resolve(0)
 
+
+
+# ------------------------------------------------------------ device ids --
+
+@pytest.mark.parametrize("dev_id", ["4294967296", "4294967295", "1048576", "-2"])
+@pytest.mark.parametrize("cmd", [
+    ["del"], ["stop"], ["stop", "--safe"], ["quiesce"], ["update_size", "-s", "1M"], ["list"],
+    ["recover", "-t", "null"], ["add", "-t", "null", "--foreground"],
+])
+def test_device_id_out_of_the_kernels_range_is_refused_before_the_kernel(
+        cmd: list[str], dev_id: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ublk_drv's ids are 0..UBLK_MAX_UBLKS-1 (1 << MINORBITS); the id goes
+    to the kernel as a u32, so 4294967296 would be device 0. Every command
+    refuses such an id in one line without sending anything."""
+    def no_kernel(*a: object, **kw: object) -> None:
+        raise AssertionError("the kernel was reached")
+    monkeypatch.setattr(cli, "Control", no_kernel)
+    monkeypatch.setattr(cli, "run_device", no_kernel)
+    try:
+        code = cli.main([*cmd[:1], "-n", dev_id, *cmd[1:]])
+    except SystemExit as e:
+        code = e.code  # type: ignore[assignment]
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"device id {dev_id} is out of range: use 0..1048575" in err, err
+
+
+@pytest.mark.parametrize("args", [
+    ["-t", "null"], ["-t", "fault_inject"], ["-t", "zoned", "-s", "64M", "--zone_size", "4M"],
+    ["-t", "stripe", "{a}", "{b}"], ["-t", "loop", "{a}"],
+    ["-t", "examples.ramdisk:RamDisk", "--opt", "size=1048576"],
+])
+def test_add_read_only_is_in_every_targets_geometry(args: list[str], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``add --read-only`` tells the kernel whatever the target (serve's
+    read_only does); stripe, like loop, opens its files read-only too."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    files = {}
+    for k in ("a", "b"):
+        (tmp_path / k).write_bytes(b"\0" * (1 << 20))
+        files[k] = str(tmp_path / k)
+    target = cli.make_target(cli._parser().parse_args(
+        ["add", *[a.format(**files) for a in args], "--read-only"]))
+    try:
+        assert target.geometry.read_only
+        assert target.geometry.params(1 << 20).attrs & uapi.ATTR_READ_ONLY
+        for f in [*getattr(target, "files", []), getattr(target, "backing", None)]:
+            if f is not None:
+                assert _access_mode(f.fd) == os.O_RDONLY, f.path
+    finally:
+        target.close()
+
+
+def _access_mode(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+
+
+# ----------------------------------------------------------- update_size --
+
+class _ResizeControl:
+    """A device served by pid 4242, with 512-byte blocks; records resizes."""
+
+    resized: list[int] = []
+
+    def __init__(self) -> None:
+        pass
+
+    async def get_info(self, dev_id: int) -> object:
+        return uapi.DevInfo(dev_id=dev_id, ublksrv_pid=4242, state=uapi.State.LIVE)
+
+    async def get_params(self, dev_id: int) -> object:
+        return uapi.Params(dev_sectors=(64 << 20) >> 9)
+
+    async def update_size(self, dev_id: int, sectors: int) -> int:
+        self.resized.append(sectors << 9)
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def _qcow2_header(size: int) -> bytes:
+    return b"QFI\xfb" + (3).to_bytes(4, "big") + bytes(16) + size.to_bytes(8, "big")
+
+
+@pytest.mark.parametrize("target,files,options,limit", [
+    ("loop", {"a": 64 << 20}, {}, 64 << 20),
+    ("stripe", {"a": 64 << 20, "b": (64 << 20) + 4096}, {"chunk_size": 65536}, 128 << 20),
+    ("qcow2", {"a": _qcow2_header(96 << 20)}, {}, 96 << 20),
+])
+def test_update_size_refuses_to_grow_past_the_backing_files(
+        target: str, files: dict[str, int | bytes], options: dict[str, object], limit: int,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A loop device over a 64 MiB file must not become 1 GiB: past its
+    files a target has nothing to serve (and a write there grows the file).
+    The files are those ``add`` recorded; up to them the resize is sent."""
+    from aioublk import stats
+
+    paths = []
+    for name, content in files.items():
+        path = tmp_path / name
+        if isinstance(content, int):
+            path.write_bytes(b"")
+            os.truncate(path, content)
+        else:
+            path.write_bytes(content)
+        paths.append(str(path))
+    record = {"pid": 4242, "target": target, "files": paths, "options": options}
+    monkeypatch.setattr(stats, "read_record", lambda dev_id: record)
+    monkeypatch.setattr(cli, "Control", _ResizeControl)
+    _ResizeControl.resized = []
+    assert cli.main(["update_size", "-n", "0", "-s", "1G"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"aioublk: size {1 << 30} is more than device 0's {target} target can "
+                   f"serve: its backing files hold {limit} bytes (grow them first)\n"), err
+    assert _ResizeControl.resized == []
+    assert cli.main(["update_size", "-n", "0", "-s", str(limit)]) == 0
+    assert _ResizeControl.resized == [limit]

@@ -40,7 +40,8 @@ class StripeTarget(Target):
     name = "stripe"
     fixed_buffers = True
 
-    def __init__(self, paths: list[str], chunk_size: int = 65536) -> None:
+    def __init__(self, paths: list[str], chunk_size: int = 65536, *,
+                 read_only: bool = False) -> None:
         if not 2 <= len(paths) <= MAX_FILES:
             raise BackingError(f"stripe needs 2 to {MAX_FILES} backing files, got {len(paths)}")
         if chunk_size & (chunk_size - 1) or not 4096 <= chunk_size <= 512 << 10:
@@ -50,7 +51,7 @@ class StripeTarget(Target):
         self.files: list[Backing] = []
         try:
             for p in paths:
-                self.files.append(Backing.open(p))
+                self.files.append(Backing.open(p, read_only=read_only))
             sizes = [b.size & ~(chunk_size - 1) for b in self.files]
             for b, s in zip(self.files, sizes, strict=True):
                 if s == 0:
@@ -63,7 +64,8 @@ class StripeTarget(Target):
             self.close()
             raise
         self.geometry = fit_geometry(Geometry(size=sizes[0] * len(self.files),
-                                              volatile_cache=True), self.files)
+                                              volatile_cache=True, read_only=read_only),
+                                     self.files)
 
     def map(self) -> Map:
         return Striped([b.fd for b in self.files], self.chunk)
