@@ -32,9 +32,8 @@ def _imported_only(name: str, package: str | None = None) -> types.ModuleType:
     return module
 
 
-# config's own view of importlib: import_module sees only imported modules
-config.importlib = types.SimpleNamespace(  # type: ignore[assignment]
-    import_module=_imported_only, util=importlib.util)
+#: config's view of importlib while fuzzing: import_module sees only imported modules
+_IMPORTLIB = types.SimpleNamespace(import_module=_imported_only, util=importlib.util)
 
 _DIR = Path(tempfile.mkdtemp(prefix="fuzz-config-"))
 atexit.register(shutil.rmtree, _DIR, True)
@@ -46,9 +45,12 @@ _PATH = str(_DIR / "serve.toml")
 def one_input(data: bytes) -> None:
     with open(_PATH, "wb") as f:
         f.write(data)
+    real, config.importlib = config.importlib, _IMPORTLIB  # type: ignore[assignment]
     try:
         cfg = config.load(_PATH)
     except config.ConfigError as e:
         check_error(e)
     else:
         assert isinstance(cfg, config.ServeConfig)
+    finally:
+        config.importlib = real
