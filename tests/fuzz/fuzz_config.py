@@ -20,8 +20,6 @@ from pathlib import Path
 from aioublk import config
 from tests.fuzz.common import check_error
 
-MAX_LEN = 1 << 14
-
 FILES = ("disk.img", "vm.qcow2", "stripe0.img", "stripe1.img", "meta.img")
 
 

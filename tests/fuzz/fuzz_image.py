@@ -25,7 +25,6 @@ from typing import Any
 from aioublk.qcow2 import Qcow2Error, Qcow2Image
 from tests.fuzz.common import check_error, is_eio
 
-MAX_LEN = 1 << 17
 IO_DEADLINE = 5.0
 SPAN = 4096  # bytes each request covers
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 from aioublk.qcow2 import format as fmt
 from tests.fuzz.common import check_error
 
-MAX_LEN = 1 << 16
-
 
 def one_input(data: bytes) -> None:
     if len(data) < 2:
