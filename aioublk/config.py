@@ -173,8 +173,18 @@ def load(path: str) -> ServeConfig:
             data = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # tomllib decodes the whole file first
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line}: invalid TOML: byte {e.object[e.start]:#04x} "
+                          "is not UTF-8: save the file as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {_toml_error(str(e))}") from None
+    except ValueError as e:  # int()'s limit (4300 digits), which tomllib lets through
+        # (its advice, after the ";", is to the programmer)
+        raise ConfigError(f"{path}: invalid TOML: {_one_line(str(e).split(';')[0])}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply: "
+                          "flatten them") from None
     try:
         return parse(data, path, base=os.path.dirname(os.path.abspath(path)))
     except _Invalid as e:

@@ -108,8 +108,8 @@ class Header:
     def feature_name(self, kind: int, bit: int) -> str:
         """A feature bit's name: the image's own feature name table first."""
         name = self.feature_names.get((kind, bit))
-        if name:
-            return name
+        if name:  # the image's own bytes: a control character would break the line
+            return name if name.isprintable() else ascii(name)[1:-1]
         return INCOMPAT_NAMES.get(bit, f"bit {bit}") if kind == 0 else f"bit {bit}"
 
 

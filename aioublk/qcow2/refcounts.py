@@ -92,6 +92,9 @@ class Refcounts(ImageBase):
                       cluster=c)
             return -1
         v = b[i] + delta
+        if v >> b.bits:  # a "free" cluster past the end of the file with a refcount
+            raise _eio(f"{self.path}: the refcount of cluster {c << self.cbits:#x} would "
+                       f"exceed {b.bits} bits: run `qemu-img check -r all {self.path}`")
         b[i] = v
         return v
 
