@@ -54,9 +54,12 @@ _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
                AUR_LAT_OPS * AUR_LAT_BUCKETS * sizeof(uint64_t), "lat's shape");
 
 #define DP_BIT (1ULL << 63)
+/* each field masked to its width: a value too large must never reach the
+   next field (a piece's sectors spilling into the tag completes another
+   request); aur_dp_new refuses a max_io whose sectors aux cannot hold */
 #define DP_UD(kind, local, tag, aux) \
-    (DP_BIT | ((uint64_t)(kind) << 56) | ((uint64_t)(local) << 40) | \
-     ((uint64_t)(tag) << 16) | (uint64_t)(aux))
+    (DP_BIT | (((uint64_t)(kind) & 0x7f) << 56) | (((uint64_t)(local) & 0xffff) << 40) | \
+     (((uint64_t)(tag) & 0xffff) << 16) | ((uint64_t)(aux) & AUR_DP_MAX_SECTORS))
 #define DP_KIND(ud) ((unsigned)((ud) >> 56) & 0x7f)
 #define DP_LOCAL(ud) ((unsigned)((ud) >> 40) & 0xffff)
 #define DP_TAG(ud) ((uint16_t)((ud) >> 16))
@@ -185,10 +188,14 @@ void aur_dp_free(struct aur_dp *dp)
 
 struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
 {
-    struct aur_dp *dp = calloc(1, sizeof(*dp) + s->nr_queues * sizeof(struct dp_queue));
+    struct aur_dp *dp;
     unsigned i, j;
 
+    *err = -EINVAL;
+    if ((s->max_io >> 9) > AUR_DP_MAX_SECTORS)
+        return NULL;
     *err = -ENOMEM;
+    dp = calloc(1, sizeof(*dp) + s->nr_queues * sizeof(struct dp_queue));
     if (!dp)
         return NULL;
     dp->r = r;
@@ -725,7 +732,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
         return 0;
     if (dp->s.mode == AUR_DP_AUTO_ZC && (d->op_flags & UBLK_F_NEED_REG_BUF))
         return 0;
-    if (uc && len > dp->s.max_io)
+    if (len > dp->s.max_io)  /* (never from the kernel: its buffer, its encoding) */
         return 0;
     t->bad = 0;
     t->len = len;

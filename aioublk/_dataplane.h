@@ -10,6 +10,10 @@
 #define AUR_DP_EV_LOST 9      /* a request finished after the seal: not answered */
 #define AUR_DP_EV_IDLE 10     /* stopping, and C holds no request any more */
 
+/* the most sectors a request may have: user_data carries a piece's length
+   in 16 bits (max_io_size is bounded by it) */
+#define AUR_DP_MAX_SECTORS 0xffff
+
 /* maps */
 #define AUR_MAP_NONE 0
 #define AUR_MAP_NULL 1
