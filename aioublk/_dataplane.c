@@ -71,7 +71,7 @@ _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
 #define DP_K_REG 5     /* -z: (un)registering a request's pages (aux 1: register) */
 #define DP_K_UC 11     /* -u: the copy to or from /dev/ublkcN (aux: sectors) */
 
-#define DP_MAX_PIECES 64
+#define DP_MAX_PIECES AUR_DP_MAX_PIECES
 
 #define UBLK_IO_RES_NEED_GET_DATA 1
 #define UBLK_OP_READ 0
@@ -107,6 +107,8 @@ struct dp_tag {
     uint8_t lat_op;      /* timing: the op's histogram */
     uint32_t len;
     uint64_t t0;         /* timing: CLOCK_MONOTONIC ns at fetch; 0: not timed */
+    int32_t held_res;    /* per-I/O: the answer waiting for an SQE (the queue's held) */
+    uint16_t cqes;       /* CQEs reserved for its backend I/O (of aur_dp.cqes) */
     uint8_t has_lba;     /* zoned: the next commit carries zone_lba */
     uint64_t zone_lba;   /* zoned: where a zone append landed, in sectors */
     uint32_t *ids;       /* DP_MAX_PIECES extent ids */
@@ -132,6 +134,10 @@ struct dp_queue {
     struct dp_commit **commits;  /* COMMIT_IO_CMDS in flight, by slot */
     uint16_t *free_slots;
     unsigned nr_free;
+    /* answers the SQ could not take, sent again by the next flush: per-I/O
+       tags (their COMMIT_AND_FETCH), batch commit slots (a COMMIT_IO_CMDS) */
+    uint16_t *held;
+    unsigned nr_held;
 };
 
 struct aur_dp {
@@ -149,6 +155,9 @@ struct aur_dp {
     int stopping, sealed, timing;
     unsigned inflight;
     unsigned served;        /* requests C took, ever (wraps) */
+    /* CQEs C's backend I/O may have outstanding, and the most it may: the
+       CQ less one per tag (its fetch or commit) and two fetches per queue */
+    unsigned cqes, max_cqes;
     struct dp_queue q[];
 };
 
@@ -179,6 +188,7 @@ void aur_dp_free(struct aur_dp *dp)
             free(q->commits);
         }
         free(q->free_slots);
+        free(q->held);
         free(q->elems);
         free(q->br);        /* unregistered by the ring's exit */
         free(q->tags_mem);
@@ -207,11 +217,17 @@ struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
          UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK : 0);
     /* the most records one CQE can produce: a fetch's tags, and itself */
     dp->room = (s->batch ? s->fetch_buf_bytes / 2 : 0) + 2;
+    {
+        unsigned cq = r->ring.cq.ring_entries, fixed = s->nr_queues * (s->depth + 2);
+
+        dp->max_cqes = cq > fixed ? cq - fixed : 0;
+    }
     for (i = 0; i < s->nr_queues; i++) {
         struct dp_queue *q = &dp->q[i];
 
         q->tags = calloc(s->depth, sizeof(*q->tags));
-        if (!q->tags)
+        q->held = malloc(s->depth * sizeof(uint16_t));
+        if (!q->tags || !q->held)
             goto fail;
         for (j = 0; j < s->depth; j++) {
             q->tags[j].ids = malloc(DP_MAX_PIECES * sizeof(uint32_t));
@@ -418,17 +434,55 @@ int aur_dp_provide(struct aur_dp *dp, unsigned local)
     return 0;
 }
 
-static int dp_send_commit(struct aur_dp *dp, unsigned local, struct dp_commit *c,
-                          uint16_t slot)
+/* A COMMIT_IO_CMDS from its slot. One the SQ cannot take is held and sent
+   by the next flush: its requests wait for it, it is never dropped. */
+static void dp_send_commit(struct aur_dp *dp, unsigned local, struct dp_commit *c,
+                           uint16_t slot)
 {
     struct dp_queue *q = &dp->q[local];
     struct dp_batch_cmd cmd = { q->q_id, (uint16_t)dp->batch_flags, (uint16_t)c->nr,
                                 (uint8_t)dp->elem_bytes, 0, 0 };
 
     q->commits[slot] = c;
-    return aur_prep_cmd(dp->r, dp->s.char_fd, dp->s.op_commit_io_cmds, &cmd, sizeof(cmd),
-                        (uint64_t)(uintptr_t)c->elems, c->nr * dp->elem_bytes, 0, 0, 0,
-                        DP_UD(DP_K_COMMIT, local, slot, 0));
+    if (aur_prep_cmd(dp->r, dp->s.char_fd, dp->s.op_commit_io_cmds, &cmd, sizeof(cmd),
+                     (uint64_t)(uintptr_t)c->elems, c->nr * dp->elem_bytes, 0, 0, 0,
+                     DP_UD(DP_K_COMMIT, local, slot, 0)) < 0)
+        q->held[q->nr_held++] = slot;
+}
+
+/* Per-I/O: a request's COMMIT_AND_FETCH; one the SQ cannot take is held
+   (with its zone append's sector) and sent by the next flush. */
+static void dp_answer_io(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+    struct dp_queue *q = &dp->q[local];
+
+    if (dp_io_cmd(dp, local, tag, dp->s.op_commit_and_fetch, res) < 0) {
+        t->held_res = res;
+        q->held[q->nr_held++] = tag;
+        return;
+    }
+    t->has_lba = 0;
+    t->zone_lba = 0;
+}
+
+/* What earlier flushes could not queue, again (in order; what still does
+   not fit is held again). */
+static void dp_send_held(struct aur_dp *dp, unsigned local)
+{
+    struct dp_queue *q = &dp->q[local];
+    unsigned n = q->nr_held, i;
+    uint16_t id;
+
+    q->nr_held = 0;  /* (each one held again lands at or before the one read) */
+    for (i = 0; i < n; i++) {
+        id = q->held[i];
+        if (dp->s.batch) {
+            dp_send_commit(dp, local, q->commits[id], id);
+        } else {
+            dp_answer_io(dp, local, id, dp_tag(dp, local, id)->held_res);
+        }
+    }
 }
 
 static int dp_flush_queue(struct aur_dp *dp, unsigned local)
@@ -447,7 +501,8 @@ static int dp_flush_queue(struct aur_dp *dp, unsigned local)
     c->nr = q->nr_elems;
     memcpy(c->elems, q->elems, bytes);
     q->nr_elems = 0;
-    return dp_send_commit(dp, local, c, q->free_slots[--q->nr_free]);
+    dp_send_commit(dp, local, c, q->free_slots[--q->nr_free]);
+    return 0;
 }
 
 int aur_dp_flush(struct aur_dp *dp)
@@ -455,9 +510,10 @@ int aur_dp_flush(struct aur_dp *dp)
     unsigned i;
     int ret, first = 0;
 
-    if (!dp->s.batch)
-        return 0;
     for (i = 0; i < dp->s.nr_queues; i++) {
+        dp_send_held(dp, i);
+        if (!dp->s.batch)
+            continue;
         ret = dp_flush_queue(dp, i);
         if (ret < 0 && !first)
             first = ret;
@@ -485,11 +541,11 @@ static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t
     q->nr_elems++;
 }
 
-/* An answer for the kernel: counted, then committed. */
+/* An answer for the kernel: counted, then committed (or held until the SQ
+   takes it: never dropped). */
 static int dp_commit(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
 {
     struct aur_dp_counts *c = dp->q[local].counts;
-    int ret;
 
     if (dp->q[local].tags[tag].t0)
         dp_clock_stop(c, &dp->q[local].tags[tag]);
@@ -500,13 +556,12 @@ static int dp_commit(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t re
         c->errors++;
     if (dp->s.batch) {
         dp_add_elem(dp, local, tag, res);
-        ret = 0;
+        dp->q[local].tags[tag].has_lba = 0;
+        dp->q[local].tags[tag].zone_lba = 0;
     } else {
-        ret = dp_io_cmd(dp, local, tag, dp->s.op_commit_and_fetch, res);
+        dp_answer_io(dp, local, tag, res);
     }
-    dp->q[local].tags[tag].has_lba = 0;
-    dp->q[local].tags[tag].zone_lba = 0;
-    return ret;
+    return 0;
 }
 
 void aur_dp_zone_lba(struct aur_dp *dp, unsigned local, uint16_t tag, uint64_t lba)
@@ -615,8 +670,11 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
     return 0;
 }
 
+/* A request C served is done with its backend: its extents and CQEs go back. */
 static void dp_release(struct aur_dp *dp, struct dp_tag *t)
 {
+    dp->cqes -= t->cqes;
+    t->cqes = 0;
     if (t->nr_ids) {
         aur_ext_release(dp->ext, t->ids, t->nr_ids);
         t->nr_ids = 0;
@@ -721,7 +779,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     const struct dp_desc *d = &q->descs[tag];
     struct dp_tag *t = &q->tags[tag];
     struct dp_piece p[DP_MAX_PIECES];
-    unsigned op = d->op_flags & 0xff, n;
+    unsigned op = d->op_flags & 0xff, n, need;
     uint64_t off = d->start_sector << 9;
     uint32_t len = d->nr_sectors << 9;
     int write = op == UBLK_OP_WRITE, uc = dp->s.mode == AUR_DP_USER_COPY;
@@ -740,6 +798,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     t->then = 0;
     t->nr_ids = 0;
     t->pending = 0;
+    t->cqes = 0;
     if (dp->map == AUR_MAP_NULL) {
         dp->served++;
         dp->inflight++;
@@ -754,6 +813,14 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     n = dp_resolve(dp, t, off, len, write, p);
     if (!n)
         return 0;
+    /* its CQEs at most: the pieces, -z's register and unregister, -u's copy */
+    need = n + (dp->s.mode == AUR_DP_ZERO_COPY ? 2 : 0) + (unsigned)uc;
+    if (dp->cqes + need > dp->max_cqes) {  /* the CQ could overflow: Python's */
+        dp_release(dp, t);
+        return 0;
+    }
+    t->cqes = (uint16_t)need;
+    dp->cqes += need;
     dp->served++;
     dp->inflight++;
     t->served = 1;
@@ -993,6 +1060,17 @@ static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full
  */
 #define POLL_BUDGET_NS 4000000ULL
 
+/* Answers not queued yet (held, or a batch not sent): the loop must come back. */
+static int dp_waiting(const struct aur_dp *dp)
+{
+    unsigned i;
+
+    for (i = 0; i < dp->s.nr_queues; i++)
+        if (dp->q[i].nr_held || dp->q[i].nr_elems)
+            return 1;
+    return 0;
+}
+
 unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
 {
     struct io_uring *ring = &dp->r->ring;
@@ -1022,7 +1100,7 @@ unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
     }
     if (quiet)
         io_uring_cq_eventfd_toggle(ring, true);
-    if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring)) {
+    if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring) || dp_waiting(dp)) {
         uint64_t one = 1;
 
         if (write(dp->r->efd, &one, sizeof(one)) < 0) {

@@ -13,6 +13,8 @@
 /* the most sectors a request may have: user_data carries a piece's length
    in 16 bits (max_io_size is bounded by it) */
 #define AUR_DP_MAX_SECTORS 0xffff
+/* the most backend pieces C splits a request into */
+#define AUR_DP_MAX_PIECES 64
 
 /* maps */
 #define AUR_MAP_NONE 0
@@ -84,7 +86,8 @@ int aur_dp_fetch_req(struct aur_dp *dp, unsigned local, uint16_t tag);
 int aur_dp_provide(struct aur_dp *dp, unsigned local);
 int aur_dp_fetch_io_cmds(struct aur_dp *dp, unsigned local);
 /* Python's answer to a request: COMMIT_AND_FETCH_REQ, or an element of the
-   queue's next COMMIT_IO_CMDS */
+   queue's next COMMIT_IO_CMDS. Returns 0: an answer the SQ cannot take is
+   held and sent by a later flush, never dropped. */
 int aur_dp_answer(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res);
 /* the sector a zone append landed at, sent with the tag's next answer (zoned) */
 void aur_dp_zone_lba(struct aur_dp *dp, unsigned local, uint16_t tag, uint64_t lba);

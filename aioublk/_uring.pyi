@@ -53,6 +53,7 @@ class _Lib:
     AUR_DP_EV_LOST: int
     AUR_DP_EV_IDLE: int
     AUR_DP_MAX_SECTORS: int
+    AUR_DP_MAX_PIECES: int
     AUR_MAP_NONE: int
     AUR_MAP_NULL: int
     AUR_MAP_LINEAR: int

@@ -98,6 +98,18 @@ def queue_ring_flags() -> int:
     return int(lib.IORING_SETUP_SINGLE_ISSUER | lib.IORING_SETUP_COOP_TASKRUN)
 
 
+#: io_uring's largest CQ (IORING_MAX_CQ_ENTRIES)
+MAX_CQ_ENTRIES = 1 << 16
+
+
+def queue_cq_entries(nr_tags: int) -> int:
+    """A queue ring's CQ: room for each tag's command and for the backend
+    I/O the data plane may have in flight for it (a -z request: its pieces,
+    register and unregister). Past io_uring's largest CQ the data plane
+    bounds itself to what the CQ holds (it leaves the rest to Python)."""
+    return min(MAX_CQ_ENTRIES, max(256, nr_tags * (lib.AUR_DP_MAX_PIECES + 3)))
+
+
 class Ring:
     """One io_uring, driven by the loop of the thread that created it."""
 

@@ -10,6 +10,9 @@ import asyncio
 import errno
 import mmap
 import os
+import queue
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import pytest
 
 from aioublk import uapi
 from aioublk._uring import ffi, lib
-from aioublk.dataplane import EV_IO, Linear, decode
+from aioublk.dataplane import EV_COMMIT, EV_IO, Linear, Map, Striped, decode
 from aioublk.options import DeviceConfig, UblkError
 
 
@@ -31,7 +34,7 @@ class Plane:
     from ``backing``, its commands going to a pipe."""
 
     def __init__(self, ring: Any, backing: int, *, depth: int = 4, max_io: int = 4096,
-                 mode: int = 0, batch: int = 0) -> None:
+                 mode: int = 0, batch: int = 0, map: Map | None = None) -> None:
         self.ring = ring
         self.pipe = os.pipe()
         self.events: list[tuple[int, int, int, int]] = []  # kind, tag, aux, res
@@ -51,7 +54,7 @@ class Plane:
         lib.aur_dp_queue(self.dp.c, 0, 0, self._views[0], self._views[1], self.dp.counts)
         for tag in range(depth):
             lib.aur_dp_buf_index(self.dp.c, 0, tag, tag)
-        self.dp.set_map(Linear(backing))
+        self.dp.set_map(map or Linear(backing))
 
     def _on_event(self, ud: int, res: int, flags: int) -> None:
         kind, _local, tag, aux = decode(ud)
@@ -154,5 +157,94 @@ async def test_a_request_longer_than_max_io_is_left_to_python(backing: int) -> N
         await plane.wait_for(lambda: plane.events)
         assert plane.events == [(EV_IO, 1, 0, 0)]
         assert plane.dp.inflight == 0
+    finally:
+        plane.close()
+
+
+# -- defect: a commit that cannot be queued was forgotten ---------------------
+
+class Owner:
+    """The thread a SINGLE_ISSUER ring belongs to: only it may submit. Any
+    other thread's submit fails (EEXIST), so from the test's thread the SQ
+    cannot drain, as when the kernel refuses a submit; the owner drains it
+    when the test says so."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]] | None] = \
+            queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, out = job
+            out.put(fn())
+
+    def __call__(self, fn: Callable[[], Any]) -> Any:
+        out: queue.Queue[Any] = queue.Queue()
+        self._jobs.put((fn, out))
+        return out.get(timeout=10)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(10)
+
+
+def _fill_sq(ring: Any) -> None:
+    """NOPs until the SQ is full (from this thread, the submit that would
+    make room fails)."""
+    for _ in range(64):
+        if lib.aur_prep(ring.raw, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0, 1) < 0:
+            return
+    raise AssertionError("the SQ never filled: a submit from this thread worked")
+
+
+def _reap(plane: Plane, owner: Owner, rounds: int = 20) -> None:
+    for _ in range(rounds):
+        owner(lambda: lib.aur_submit(plane.ring.raw))
+        lib.aur_wait(plane.ring.raw, 10)
+        plane.ring.reap_now()
+
+
+@pytest.mark.parametrize("batch", [0, 1], ids=["per-io", "batch"])
+def test_a_commit_the_sq_cannot_take_is_sent_later(batch: int, backing: int) -> None:
+    """Python answers a request while the SQ is full and will not drain:
+    the answer is kept and sent once there is room, never dropped (the
+    request would wait for it forever)."""
+    from aioublk.ring import Ring
+
+    loop = asyncio.new_event_loop()
+    owner = Owner()
+    ring = owner(lambda: Ring(4, flags=lib.IORING_SETUP_SINGLE_ISSUER, loop=loop))
+    plane = Plane(ring, backing, batch=batch)
+    try:
+        _fill_sq(ring)
+        lib.aur_dp_answer(plane.dp.c, 0, 2, 4096)
+        lib.aur_dp_flush(plane.dp.c)
+        _reap(plane, owner)
+        want = EV_COMMIT if batch else EV_IO
+        assert [e for e in plane.events if e[0] == want and e[1] == 2], plane.events
+    finally:
+        owner(plane.close)
+        owner.stop()
+        loop.close()
+
+
+@pytest.mark.asyncio
+async def test_c_takes_no_more_backend_io_than_the_cq_holds(backing: int) -> None:
+    """Every operation C has in flight completes into the CQ: a request
+    whose pieces the CQ could not hold besides each tag's command is left
+    to Python instead of overflowing it."""
+    from aioublk.ring import Ring
+
+    ring = Ring(8)  # a CQ of 16: 4 tags' commands and 12 more
+    plane = Plane(ring, backing, depth=4, max_io=8192, map=Striped([backing], 512))
+    try:
+        plane.fetch(1, uapi.Op.READ, 8)  # 8 pieces: C serves it
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 1, 0, -errno.EOPNOTSUPP)]
+        plane.fetch(2, uapi.Op.READ, 16)  # 16 pieces: more than the CQ has room for
+        await plane.wait_for(lambda: len(plane.events) > 1)
+        assert plane.events[1] == (EV_IO, 2, 0, 0)
     finally:
         plane.close()
