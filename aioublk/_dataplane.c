@@ -11,9 +11,10 @@
  *
  * What C serves: READ and WRITE without FUA, in copy mode (data in the tag's
  * buffer), with automatic buffer registration (fixed-buffer I/O on the slot
- * the kernel registered), in -z mode (a hard-linked chain: register the
- * request's pages, the fixed-buffer pieces, unregister; the request is done
- * when the unregister is, so the commit never overtakes it) and in -u mode
+ * the kernel registered), in -z mode (a linked chain, queued whole in one
+ * submission: register the request's pages, the fixed-buffer pieces,
+ * unregister; the request is done when the unregister is, so the commit
+ * never overtakes it) and in -u mode
  * (two steps through the tag's buffer: a write's data is read from
  * /dev/ublkcN first, then written to the backend; a read's data is read
  * from the backend first, then written to /dev/ublkcN). The backend I/O is
@@ -681,15 +682,17 @@ static void dp_release(struct aur_dp *dp, struct dp_tag *t)
     }
 }
 
-/* -z: (un)register the request's pages at its buffer-table slot, hard-linked
-   to what follows, counted as one more piece. */
+/* -z: (un)register the request's pages at its buffer-table slot, counted as
+   one more piece. The register is linked to the pieces (a failed one
+   cancels them all: they would use a slot that holds nothing), the pieces
+   hard-linked to the unregister (it runs whatever became of them). */
 static int dp_zc_link(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
                       int reg)
 {
     int ret = aur_prep_ublk_io(dp->r, dp->s.char_fd,
                                reg ? dp->s.op_register_buf : dp->s.op_unregister_buf,
                                dp->q[local].q_id, tag, 0, t->buf_index, 0,
-                               reg ? IOSQE_IO_HARDLINK : 0, DP_UD(DP_K_REG, local, tag, reg));
+                               reg ? IOSQE_IO_LINK : 0, DP_UD(DP_K_REG, local, tag, reg));
 
     if (ret == 0)
         t->pending++;
@@ -772,6 +775,20 @@ static int dp_uc_copy(struct aur_dp *dp, unsigned local, uint16_t tag)
     return ret;
 }
 
+/* Room in the SQ for n more SQEs, submitting what is queued if need be. A
+   linked chain must reach the kernel in one submission (io_uring does not
+   carry a link across two: the rest would run unordered, an unregister
+   before its register), so one is started only when all of it fits. */
+static int dp_sq_room(struct aur_dp *dp, unsigned n)
+{
+    struct io_uring *ring = &dp->r->ring;
+
+    if (io_uring_sq_space_left(ring) >= n)
+        return 1;
+    io_uring_submit(ring);
+    return io_uring_sq_space_left(ring) >= n;
+}
+
 /* A fetched request: 1 if C serves it, 0 if it is Python's. */
 static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
@@ -815,7 +832,8 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
         return 0;
     /* its CQEs at most: the pieces, -z's register and unregister, -u's copy */
     need = n + (dp->s.mode == AUR_DP_ZERO_COPY ? 2 : 0) + (unsigned)uc;
-    if (dp->cqes + need > dp->max_cqes) {  /* the CQ could overflow: Python's */
+    if (dp->cqes + need > dp->max_cqes ||  /* the CQ could overflow */
+        (dp->s.mode == AUR_DP_ZERO_COPY && !dp_sq_room(dp, need))) {  /* a chain, whole */
         dp_release(dp, t);
         return 0;
     }

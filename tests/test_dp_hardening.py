@@ -248,3 +248,38 @@ async def test_c_takes_no_more_backend_io_than_the_cq_holds(backing: int) -> Non
         assert plane.events[1] == (EV_IO, 2, 0, 0)
     finally:
         plane.close()
+
+
+# -- defect: a -z chain split across two submissions ---------------------------
+
+def test_a_zero_copy_chain_is_queued_whole_or_not_at_all(backing: int) -> None:
+    """-z serves a request as one hard-linked chain (register, pieces,
+    unregister), and io_uring does not carry a link across submissions:
+    the unregister could run before the register. C starts a chain only
+    when all of it fits in the SQ; here the SQ cannot drain (see Owner),
+    so the request goes to Python whole, and no part of a chain is left
+    queued."""
+    from aioublk.ring import Ring
+
+    loop = asyncio.new_event_loop()
+    owner = Owner()
+    ring = owner(lambda: Ring(8, flags=lib.IORING_SETUP_SINGLE_ISSUER, loop=loop))
+    plane = Plane(ring, backing, mode=lib.AUR_DP_ZERO_COPY, map=Striped([backing], 512))
+
+    def fetch() -> None:  # (from the owner, so that it reaches the kernel)
+        plane.fetch(1, uapi.Op.READ, 4)  # 4 pieces: a chain of 6
+
+    try:
+        owner(fetch)
+        for _ in range(4):  # 4 of the SQ's 8 entries taken
+            assert lib.aur_prep(ring.raw, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0, 1) == 0
+        lib.aur_wait(ring.raw, 1000)
+        ring.reap_now()
+        assert lib.aur_pending_sqes(ring.raw) == 4, "part of a chain was queued"
+        assert plane.events == [(EV_IO, 1, 0, 0)]  # Python's, as fetched
+        assert plane.dp.inflight == 0
+    finally:
+        owner(plane.close)
+        owner.stop()
+        loop.close()
+
