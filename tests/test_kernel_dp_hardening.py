@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 def verify(path: str, cwd: Path, *extra: str) -> None:
     job = fio(path, cwd, "--rw=randwrite", "--size=16M", "--verify=crc32c",
-              "--verify_fatal=1", "--do_verify=1", *extra, timeout=150)
+              "--verify_fatal=1", "--do_verify=1", *extra, timeout=300)
     assert job["write"]["io_bytes"] == 16 * MiB
 
 
