@@ -130,6 +130,7 @@ struct dp_queue {
     /* batch */
     struct io_uring_buf_ring *br;
     char *tags_mem;
+    int withdrawn;          /* br is no longer the kernel's (aur_dp_withdraw) */
     char *elems;            /* answered, for the next COMMIT_IO_CMDS */
     unsigned nr_elems;
     struct dp_commit **commits;  /* COMMIT_IO_CMDS in flight, by slot */
@@ -191,7 +192,9 @@ void aur_dp_free(struct aur_dp *dp)
         free(q->free_slots);
         free(q->held);
         free(q->elems);
-        free(q->br);        /* unregistered by the ring's exit */
+        if (q->br && !q->withdrawn)
+            continue;  /* the kernel may still pick one: kept for good */
+        free(q->br);
         free(q->tags_mem);
     }
     free(dp);
@@ -268,6 +271,31 @@ void aur_dp_queue(struct aur_dp *dp, unsigned local, uint16_t q_id, const void *
 void aur_dp_buf_index(struct aur_dp *dp, unsigned local, uint16_t tag, uint16_t index)
 {
     dp_tag(dp, local, tag)->buf_index = index;
+}
+
+/*
+ * Before the ring's exit: take the fetch buffers back from the kernel. A
+ * multishot fetch still armed picks one and writes tags into it whenever a
+ * request comes, and the ring's teardown ends only some time after its exit
+ * returns. Once the group is unregistered nothing picks them, so
+ * aur_dp_free may free them; a group that could not be is kept for the
+ * life of the process. Returns how many were kept.
+ */
+unsigned aur_dp_withdraw(struct aur_dp *dp)
+{
+    unsigned i, kept = 0;
+
+    for (i = 0; i < dp->s.nr_queues; i++) {
+        struct dp_queue *q = &dp->q[i];
+
+        if (!q->br || q->withdrawn)
+            continue;
+        if (io_uring_unregister_buf_ring(&dp->r->ring, (int)i) == 0)
+            q->withdrawn = 1;
+        else
+            kept++;
+    }
+    return kept;
 }
 
 unsigned aur_dp_room(struct aur_dp *dp) { return dp->room; }

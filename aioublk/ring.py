@@ -18,7 +18,9 @@ io_uring facts this module relies on:
   still holds after that wait may yet be written: those buffers are kept for
   the life of the process (``_KEPT``), never freed for reuse. The data
   plane's requests use the queue's memory, which its owner keeps the same way
-  when ``dp_stranded`` says the closed ring left some in the kernel.
+  when ``dp_stranded`` says the closed ring left some in the kernel; its
+  fetch buffers are unregistered before the ring's exit (a fetch still armed
+  would pick one), and kept for good if that fails.
 
 Submissions made during one loop turn are gathered and flushed with one
 ``io_uring_enter`` at the end of the turn (``call_soon``), and completions are
@@ -504,6 +506,8 @@ class Ring:
                     pass
         self._handlers.clear()
         self._keep.clear()
+        if self._dp is not None and lib.aur_dp_withdraw(self._dp):
+            log.warning("ring closed with fetch buffers the kernel kept: they are kept")
         lib.aur_exit(self._r)
         if self._dp is not None:
             self.dp_stranded = int(lib.aur_dp_inflight(self._dp))

@@ -283,3 +283,65 @@ def test_a_zero_copy_chain_is_queued_whole_or_not_at_all(backing: int) -> None:
         owner.stop()
         loop.close()
 
+
+# -- defect: the fetch buffers freed while the kernel may still write them ----
+
+def _armed_select_after_close() -> bytes:
+    """A batch data plane's fetch-buffer group, with an operation armed on
+    it that selects a buffer when data comes (a multishot fetch does so
+    when a request comes); the ring outlives its close (a second fd holds
+    it, as the kernel's teardown of it does for a while). Then the data
+    comes: what is left of it in the socket is returned."""
+    import socket
+
+    from aioublk.ring import Ring
+
+    async def main() -> bytes:
+        ring = Ring(16)
+        a, b = socket.socketpair()
+        null = os.pipe()
+        try:
+            dp = ring.data_plane({
+                "char_fd": null[1], "batch": 1, "nr_queues": 1, "depth": 2, "max_io": 4096,
+                # a buffer ring the allocator maps alone (see the caller), 2-byte buffers
+                "fetch_buf_bytes": 2, "fetch_buf_entries": 32768}, 1, lambda *a: None)
+            assert lib.aur_dp_provide(dp.c, 0) == 0
+            assert lib.aur_prep(ring.raw, 27, b.fileno(), 0, 2, 0, 0, 0,  # IORING_OP_RECV, group 0
+                                lib.IOSQE_BUFFER_SELECT, ud_of(3, 0, 0)) == 0
+            ring.submit_now()
+            alive = os.dup(lib.aur_ring_fd(ring.raw))
+            ring.close()
+            a.send(b"0123456789")
+            left = b.recv(100, socket.MSG_DONTWAIT)
+            os.close(alive)
+            return left
+        finally:
+            ring.close()
+            a.close()
+            b.close()
+            for fd in null:
+                os.close(fd)
+
+    return asyncio.run(main())
+
+
+def test_fetch_buffers_are_not_freed_while_the_kernel_may_select_them() -> None:
+    """Closing a ring whose fetches are armed freed their buffer ring and
+    buffers at once, while the kernel could still pick a buffer and write
+    fetched tags into freed memory. Here glibc maps the buffer ring alone
+    (MALLOC_MMAP_THRESHOLD_), so its pages, still pinned by the kernel,
+    keep their entries after the free, and the buffers are ordinary heap:
+    a buffer picked after the close is written in freed memory, which the
+    lost bytes show. The data plane now withdraws the group before the
+    ring's exit: nothing is picked, nothing is lost."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(
+        [sys.executable, "-c", "from tests.test_dp_hardening import _armed_select_after_close "
+         "as f; print(f())"],
+        cwd=root, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == repr(b"0123456789"), "the kernel wrote into freed buffers"
