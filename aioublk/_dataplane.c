@@ -11,9 +11,10 @@
  *
  * What C serves: READ and WRITE without FUA, in copy mode (data in the tag's
  * buffer), with automatic buffer registration (fixed-buffer I/O on the slot
- * the kernel registered), in -z mode (a hard-linked chain: register the
- * request's pages, the fixed-buffer pieces, unregister; the request is done
- * when the unregister is, so the commit never overtakes it) and in -u mode
+ * the kernel registered), in -z mode (a linked chain, queued whole in one
+ * submission: register the request's pages, the fixed-buffer pieces,
+ * unregister; the request is done when the unregister is, so the commit
+ * never overtakes it) and in -u mode
  * (two steps through the tag's buffer: a write's data is read from
  * /dev/ublkcN first, then written to the backend; a read's data is read
  * from the backend first, then written to /dev/ublkcN). The backend I/O is
@@ -54,9 +55,12 @@ _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
                AUR_LAT_OPS * AUR_LAT_BUCKETS * sizeof(uint64_t), "lat's shape");
 
 #define DP_BIT (1ULL << 63)
+/* each field masked to its width: a value too large must never reach the
+   next field (a piece's sectors spilling into the tag completes another
+   request); aur_dp_new refuses a max_io whose sectors aux cannot hold */
 #define DP_UD(kind, local, tag, aux) \
-    (DP_BIT | ((uint64_t)(kind) << 56) | ((uint64_t)(local) << 40) | \
-     ((uint64_t)(tag) << 16) | (uint64_t)(aux))
+    (DP_BIT | (((uint64_t)(kind) & 0x7f) << 56) | (((uint64_t)(local) & 0xffff) << 40) | \
+     (((uint64_t)(tag) & 0xffff) << 16) | ((uint64_t)(aux) & AUR_DP_MAX_SECTORS))
 #define DP_KIND(ud) ((unsigned)((ud) >> 56) & 0x7f)
 #define DP_LOCAL(ud) ((unsigned)((ud) >> 40) & 0xffff)
 #define DP_TAG(ud) ((uint16_t)((ud) >> 16))
@@ -68,7 +72,7 @@ _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
 #define DP_K_REG 5     /* -z: (un)registering a request's pages (aux 1: register) */
 #define DP_K_UC 11     /* -u: the copy to or from /dev/ublkcN (aux: sectors) */
 
-#define DP_MAX_PIECES 64
+#define DP_MAX_PIECES AUR_DP_MAX_PIECES
 
 #define UBLK_IO_RES_NEED_GET_DATA 1
 #define UBLK_OP_READ 0
@@ -104,6 +108,8 @@ struct dp_tag {
     uint8_t lat_op;      /* timing: the op's histogram */
     uint32_t len;
     uint64_t t0;         /* timing: CLOCK_MONOTONIC ns at fetch; 0: not timed */
+    int32_t held_res;    /* per-I/O: the answer waiting for an SQE (the queue's held) */
+    uint16_t cqes;       /* CQEs reserved for its backend I/O (of aur_dp.cqes) */
     uint8_t has_lba;     /* zoned: the next commit carries zone_lba */
     uint64_t zone_lba;   /* zoned: where a zone append landed, in sectors */
     uint32_t *ids;       /* DP_MAX_PIECES extent ids */
@@ -124,11 +130,16 @@ struct dp_queue {
     /* batch */
     struct io_uring_buf_ring *br;
     char *tags_mem;
+    int withdrawn;          /* br is no longer the kernel's (aur_dp_withdraw) */
     char *elems;            /* answered, for the next COMMIT_IO_CMDS */
     unsigned nr_elems;
     struct dp_commit **commits;  /* COMMIT_IO_CMDS in flight, by slot */
     uint16_t *free_slots;
     unsigned nr_free;
+    /* answers the SQ could not take, sent again by the next flush: per-I/O
+       tags (their COMMIT_AND_FETCH), batch commit slots (a COMMIT_IO_CMDS) */
+    uint16_t *held;
+    unsigned nr_held;
 };
 
 struct aur_dp {
@@ -146,6 +157,9 @@ struct aur_dp {
     int stopping, sealed, timing;
     unsigned inflight;
     unsigned served;        /* requests C took, ever (wraps) */
+    /* CQEs C's backend I/O may have outstanding, and the most it may: the
+       CQ less one per tag (its fetch or commit) and two fetches per queue */
+    unsigned cqes, max_cqes;
     struct dp_queue q[];
 };
 
@@ -176,8 +190,11 @@ void aur_dp_free(struct aur_dp *dp)
             free(q->commits);
         }
         free(q->free_slots);
+        free(q->held);
         free(q->elems);
-        free(q->br);        /* unregistered by the ring's exit */
+        if (q->br && !q->withdrawn)
+            continue;  /* the kernel may still pick one: kept for good */
+        free(q->br);
         free(q->tags_mem);
     }
     free(dp);
@@ -185,10 +202,14 @@ void aur_dp_free(struct aur_dp *dp)
 
 struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
 {
-    struct aur_dp *dp = calloc(1, sizeof(*dp) + s->nr_queues * sizeof(struct dp_queue));
+    struct aur_dp *dp;
     unsigned i, j;
 
+    *err = -EINVAL;
+    if ((s->max_io >> 9) > AUR_DP_MAX_SECTORS)
+        return NULL;
     *err = -ENOMEM;
+    dp = calloc(1, sizeof(*dp) + s->nr_queues * sizeof(struct dp_queue));
     if (!dp)
         return NULL;
     dp->r = r;
@@ -200,11 +221,17 @@ struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
          UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK : 0);
     /* the most records one CQE can produce: a fetch's tags, and itself */
     dp->room = (s->batch ? s->fetch_buf_bytes / 2 : 0) + 2;
+    {
+        unsigned cq = r->ring.cq.ring_entries, fixed = s->nr_queues * (s->depth + 2);
+
+        dp->max_cqes = cq > fixed ? cq - fixed : 0;
+    }
     for (i = 0; i < s->nr_queues; i++) {
         struct dp_queue *q = &dp->q[i];
 
         q->tags = calloc(s->depth, sizeof(*q->tags));
-        if (!q->tags)
+        q->held = malloc(s->depth * sizeof(uint16_t));
+        if (!q->tags || !q->held)
             goto fail;
         for (j = 0; j < s->depth; j++) {
             q->tags[j].ids = malloc(DP_MAX_PIECES * sizeof(uint32_t));
@@ -244,6 +271,31 @@ void aur_dp_queue(struct aur_dp *dp, unsigned local, uint16_t q_id, const void *
 void aur_dp_buf_index(struct aur_dp *dp, unsigned local, uint16_t tag, uint16_t index)
 {
     dp_tag(dp, local, tag)->buf_index = index;
+}
+
+/*
+ * Before the ring's exit: take the fetch buffers back from the kernel. A
+ * multishot fetch still armed picks one and writes tags into it whenever a
+ * request comes, and the ring's teardown ends only some time after its exit
+ * returns. Once the group is unregistered nothing picks them, so
+ * aur_dp_free may free them; a group that could not be is kept for the
+ * life of the process. Returns how many were kept.
+ */
+unsigned aur_dp_withdraw(struct aur_dp *dp)
+{
+    unsigned i, kept = 0;
+
+    for (i = 0; i < dp->s.nr_queues; i++) {
+        struct dp_queue *q = &dp->q[i];
+
+        if (!q->br || q->withdrawn)
+            continue;
+        if (io_uring_unregister_buf_ring(&dp->r->ring, (int)i) == 0)
+            q->withdrawn = 1;
+        else
+            kept++;
+    }
+    return kept;
 }
 
 unsigned aur_dp_room(struct aur_dp *dp) { return dp->room; }
@@ -411,17 +463,55 @@ int aur_dp_provide(struct aur_dp *dp, unsigned local)
     return 0;
 }
 
-static int dp_send_commit(struct aur_dp *dp, unsigned local, struct dp_commit *c,
-                          uint16_t slot)
+/* A COMMIT_IO_CMDS from its slot. One the SQ cannot take is held and sent
+   by the next flush: its requests wait for it, it is never dropped. */
+static void dp_send_commit(struct aur_dp *dp, unsigned local, struct dp_commit *c,
+                           uint16_t slot)
 {
     struct dp_queue *q = &dp->q[local];
     struct dp_batch_cmd cmd = { q->q_id, (uint16_t)dp->batch_flags, (uint16_t)c->nr,
                                 (uint8_t)dp->elem_bytes, 0, 0 };
 
     q->commits[slot] = c;
-    return aur_prep_cmd(dp->r, dp->s.char_fd, dp->s.op_commit_io_cmds, &cmd, sizeof(cmd),
-                        (uint64_t)(uintptr_t)c->elems, c->nr * dp->elem_bytes, 0, 0, 0,
-                        DP_UD(DP_K_COMMIT, local, slot, 0));
+    if (aur_prep_cmd(dp->r, dp->s.char_fd, dp->s.op_commit_io_cmds, &cmd, sizeof(cmd),
+                     (uint64_t)(uintptr_t)c->elems, c->nr * dp->elem_bytes, 0, 0, 0,
+                     DP_UD(DP_K_COMMIT, local, slot, 0)) < 0)
+        q->held[q->nr_held++] = slot;
+}
+
+/* Per-I/O: a request's COMMIT_AND_FETCH; one the SQ cannot take is held
+   (with its zone append's sector) and sent by the next flush. */
+static void dp_answer_io(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+    struct dp_queue *q = &dp->q[local];
+
+    if (dp_io_cmd(dp, local, tag, dp->s.op_commit_and_fetch, res) < 0) {
+        t->held_res = res;
+        q->held[q->nr_held++] = tag;
+        return;
+    }
+    t->has_lba = 0;
+    t->zone_lba = 0;
+}
+
+/* What earlier flushes could not queue, again (in order; what still does
+   not fit is held again). */
+static void dp_send_held(struct aur_dp *dp, unsigned local)
+{
+    struct dp_queue *q = &dp->q[local];
+    unsigned n = q->nr_held, i;
+    uint16_t id;
+
+    q->nr_held = 0;  /* (each one held again lands at or before the one read) */
+    for (i = 0; i < n; i++) {
+        id = q->held[i];
+        if (dp->s.batch) {
+            dp_send_commit(dp, local, q->commits[id], id);
+        } else {
+            dp_answer_io(dp, local, id, dp_tag(dp, local, id)->held_res);
+        }
+    }
 }
 
 static int dp_flush_queue(struct aur_dp *dp, unsigned local)
@@ -440,7 +530,8 @@ static int dp_flush_queue(struct aur_dp *dp, unsigned local)
     c->nr = q->nr_elems;
     memcpy(c->elems, q->elems, bytes);
     q->nr_elems = 0;
-    return dp_send_commit(dp, local, c, q->free_slots[--q->nr_free]);
+    dp_send_commit(dp, local, c, q->free_slots[--q->nr_free]);
+    return 0;
 }
 
 int aur_dp_flush(struct aur_dp *dp)
@@ -448,9 +539,10 @@ int aur_dp_flush(struct aur_dp *dp)
     unsigned i;
     int ret, first = 0;
 
-    if (!dp->s.batch)
-        return 0;
     for (i = 0; i < dp->s.nr_queues; i++) {
+        dp_send_held(dp, i);
+        if (!dp->s.batch)
+            continue;
         ret = dp_flush_queue(dp, i);
         if (ret < 0 && !first)
             first = ret;
@@ -478,11 +570,11 @@ static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t
     q->nr_elems++;
 }
 
-/* An answer for the kernel: counted, then committed. */
+/* An answer for the kernel: counted, then committed (or held until the SQ
+   takes it: never dropped). */
 static int dp_commit(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
 {
     struct aur_dp_counts *c = dp->q[local].counts;
-    int ret;
 
     if (dp->q[local].tags[tag].t0)
         dp_clock_stop(c, &dp->q[local].tags[tag]);
@@ -493,13 +585,12 @@ static int dp_commit(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t re
         c->errors++;
     if (dp->s.batch) {
         dp_add_elem(dp, local, tag, res);
-        ret = 0;
+        dp->q[local].tags[tag].has_lba = 0;
+        dp->q[local].tags[tag].zone_lba = 0;
     } else {
-        ret = dp_io_cmd(dp, local, tag, dp->s.op_commit_and_fetch, res);
+        dp_answer_io(dp, local, tag, res);
     }
-    dp->q[local].tags[tag].has_lba = 0;
-    dp->q[local].tags[tag].zone_lba = 0;
-    return ret;
+    return 0;
 }
 
 void aur_dp_zone_lba(struct aur_dp *dp, unsigned local, uint16_t tag, uint64_t lba)
@@ -608,23 +699,28 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
     return 0;
 }
 
+/* A request C served is done with its backend: its extents and CQEs go back. */
 static void dp_release(struct aur_dp *dp, struct dp_tag *t)
 {
+    dp->cqes -= t->cqes;
+    t->cqes = 0;
     if (t->nr_ids) {
         aur_ext_release(dp->ext, t->ids, t->nr_ids);
         t->nr_ids = 0;
     }
 }
 
-/* -z: (un)register the request's pages at its buffer-table slot, hard-linked
-   to what follows, counted as one more piece. */
+/* -z: (un)register the request's pages at its buffer-table slot, counted as
+   one more piece. The register is linked to the pieces (a failed one
+   cancels them all: they would use a slot that holds nothing), the pieces
+   hard-linked to the unregister (it runs whatever became of them). */
 static int dp_zc_link(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
                       int reg)
 {
     int ret = aur_prep_ublk_io(dp->r, dp->s.char_fd,
                                reg ? dp->s.op_register_buf : dp->s.op_unregister_buf,
                                dp->q[local].q_id, tag, 0, t->buf_index, 0,
-                               reg ? IOSQE_IO_HARDLINK : 0, DP_UD(DP_K_REG, local, tag, reg));
+                               reg ? IOSQE_IO_LINK : 0, DP_UD(DP_K_REG, local, tag, reg));
 
     if (ret == 0)
         t->pending++;
@@ -707,6 +803,20 @@ static int dp_uc_copy(struct aur_dp *dp, unsigned local, uint16_t tag)
     return ret;
 }
 
+/* Room in the SQ for n more SQEs, submitting what is queued if need be. A
+   linked chain must reach the kernel in one submission (io_uring does not
+   carry a link across two: the rest would run unordered, an unregister
+   before its register), so one is started only when all of it fits. */
+static int dp_sq_room(struct aur_dp *dp, unsigned n)
+{
+    struct io_uring *ring = &dp->r->ring;
+
+    if (io_uring_sq_space_left(ring) >= n)
+        return 1;
+    io_uring_submit(ring);
+    return io_uring_sq_space_left(ring) >= n;
+}
+
 /* A fetched request: 1 if C serves it, 0 if it is Python's. */
 static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
@@ -714,7 +824,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     const struct dp_desc *d = &q->descs[tag];
     struct dp_tag *t = &q->tags[tag];
     struct dp_piece p[DP_MAX_PIECES];
-    unsigned op = d->op_flags & 0xff, n;
+    unsigned op = d->op_flags & 0xff, n, need;
     uint64_t off = d->start_sector << 9;
     uint32_t len = d->nr_sectors << 9;
     int write = op == UBLK_OP_WRITE, uc = dp->s.mode == AUR_DP_USER_COPY;
@@ -725,7 +835,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
         return 0;
     if (dp->s.mode == AUR_DP_AUTO_ZC && (d->op_flags & UBLK_F_NEED_REG_BUF))
         return 0;
-    if (uc && len > dp->s.max_io)
+    if (len > dp->s.max_io)  /* (never from the kernel: its buffer, its encoding) */
         return 0;
     t->bad = 0;
     t->len = len;
@@ -733,6 +843,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     t->then = 0;
     t->nr_ids = 0;
     t->pending = 0;
+    t->cqes = 0;
     if (dp->map == AUR_MAP_NULL) {
         dp->served++;
         dp->inflight++;
@@ -747,6 +858,15 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     n = dp_resolve(dp, t, off, len, write, p);
     if (!n)
         return 0;
+    /* its CQEs at most: the pieces, -z's register and unregister, -u's copy */
+    need = n + (dp->s.mode == AUR_DP_ZERO_COPY ? 2 : 0) + (unsigned)uc;
+    if (dp->cqes + need > dp->max_cqes ||  /* the CQ could overflow */
+        (dp->s.mode == AUR_DP_ZERO_COPY && !dp_sq_room(dp, need))) {  /* a chain, whole */
+        dp_release(dp, t);
+        return 0;
+    }
+    t->cqes = (uint16_t)need;
+    dp->cqes += need;
     dp->served++;
     dp->inflight++;
     t->served = 1;
@@ -986,6 +1106,17 @@ static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full
  */
 #define POLL_BUDGET_NS 4000000ULL
 
+/* Answers not queued yet (held, or a batch not sent): the loop must come back. */
+static int dp_waiting(const struct aur_dp *dp)
+{
+    unsigned i;
+
+    for (i = 0; i < dp->s.nr_queues; i++)
+        if (dp->q[i].nr_held || dp->q[i].nr_elems)
+            return 1;
+    return 0;
+}
+
 unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
 {
     struct io_uring *ring = &dp->r->ring;
@@ -1015,7 +1146,7 @@ unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
     }
     if (quiet)
         io_uring_cq_eventfd_toggle(ring, true);
-    if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring)) {
+    if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring) || dp_waiting(dp)) {
         uint64_t one = 1;
 
         if (write(dp->r->efd, &one, sizeof(one)) < 0) {

@@ -10,6 +10,12 @@
 #define AUR_DP_EV_LOST 9      /* a request finished after the seal: not answered */
 #define AUR_DP_EV_IDLE 10     /* stopping, and C holds no request any more */
 
+/* the most sectors a request may have: user_data carries a piece's length
+   in 16 bits (max_io_size is bounded by it) */
+#define AUR_DP_MAX_SECTORS 0xffff
+/* the most backend pieces C splits a request into */
+#define AUR_DP_MAX_PIECES 64
+
 /* maps */
 #define AUR_MAP_NONE 0
 #define AUR_MAP_NULL 1
@@ -54,6 +60,8 @@ struct aur_dp_counts {
 
 struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err);
 void aur_dp_free(struct aur_dp *dp);
+/* before the ring's exit: unregister the fetch buffers (see _dataplane.c) */
+unsigned aur_dp_withdraw(struct aur_dp *dp);
 /* queue `local`: its q_id, descriptor area and (copy modes) tag buffers */
 void aur_dp_queue(struct aur_dp *dp, unsigned local, uint16_t q_id, const void *descs,
                   void *bufs, struct aur_dp_counts *counts);
@@ -80,7 +88,8 @@ int aur_dp_fetch_req(struct aur_dp *dp, unsigned local, uint16_t tag);
 int aur_dp_provide(struct aur_dp *dp, unsigned local);
 int aur_dp_fetch_io_cmds(struct aur_dp *dp, unsigned local);
 /* Python's answer to a request: COMMIT_AND_FETCH_REQ, or an element of the
-   queue's next COMMIT_IO_CMDS */
+   queue's next COMMIT_IO_CMDS. Returns 0: an answer the SQ cannot take is
+   held and sent by a later flush, never dropped. */
 int aur_dp_answer(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res);
 /* the sector a zone append landed at, sent with the tag's next answer (zoned) */
 void aur_dp_zone_lba(struct aur_dp *dp, unsigned local, uint16_t tag, uint64_t lba);

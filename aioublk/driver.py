@@ -513,10 +513,9 @@ class Driver:
         lib.aur_dp_zone_lba(self.dp.c, self._local[q_id], tag, sector)
 
     def commit(self, local: int, tag: int, res: int) -> None:
-        """Python's answer to a request, queued in C for the end of this turn."""
-        ret = lib.aur_dp_answer(self.dp.c, local, tag, res)
-        if ret < 0:
-            self.w.log.error("cannot queue a request's answer", tag=tag, error=ret)
+        """Python's answer to a request, queued in C for the end of this turn
+        (C holds one the SQ cannot take until a later flush: it always goes)."""
+        lib.aur_dp_answer(self.dp.c, local, tag, res)
         self.ring.request_flush()
 
     async def drain(self) -> None:

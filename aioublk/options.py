@@ -11,6 +11,7 @@ device); it imports none of them.
 from __future__ import annotations
 
 import enum
+import mmap
 from dataclasses import dataclass
 
 from aioublk import uapi
@@ -18,6 +19,10 @@ from aioublk._uring import lib
 from aioublk.errors import Error
 
 MAX_DEV_ID = 1 << 20  # ublk_drv's UBLK_MAX_UBLKS
+#: the largest max_io_size: the data plane carries a request's sectors in 16
+#: bits of user_data, and ublk_drv rounds the size down to whole pages (its
+#: own limit, user copy's 25-bit buffer offset, is 32 MiB: above this one)
+MAX_IO_SIZE = (lib.AUR_DP_MAX_SECTORS << 9) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
 class UblkError(Error):
@@ -167,6 +172,9 @@ class DeviceConfig:
                             "leave it out")
         if not 1 <= self.depth <= uapi.MAX_QUEUE_DEPTH:
             raise UblkError(f"queue depth {self.depth} out of range: use 1..4096")
+        if not mmap.PAGESIZE <= self.max_io_size <= MAX_IO_SIZE:
+            raise UblkError(f"max_io_size {self.max_io_size} out of range: use "
+                            f"{mmap.PAGESIZE}..{MAX_IO_SIZE} bytes")
         if not 1 <= self.queues <= 32:
             raise UblkError(f"{self.queues} queues out of range: use 1..32")
         if not -1 <= self.dev_id < MAX_DEV_ID:

@@ -18,7 +18,9 @@ io_uring facts this module relies on:
   still holds after that wait may yet be written: those buffers are kept for
   the life of the process (``_KEPT``), never freed for reuse. The data
   plane's requests use the queue's memory, which its owner keeps the same way
-  when ``dp_stranded`` says the closed ring left some in the kernel.
+  when ``dp_stranded`` says the closed ring left some in the kernel; its
+  fetch buffers are unregistered before the ring's exit (a fetch still armed
+  would pick one), and kept for good if that fails.
 
 Submissions made during one loop turn are gathered and flushed with one
 ``io_uring_enter`` at the end of the turn (``call_soon``), and completions are
@@ -96,6 +98,18 @@ def queue_ring_flags() -> int:
     timeout (about 9 us per wake): 4k reads at qd64, null 5.7k -> 9.2k IOPS,
     qcow2 2.5k -> 3.8k, loop 3.0k -> 3.7k."""
     return int(lib.IORING_SETUP_SINGLE_ISSUER | lib.IORING_SETUP_COOP_TASKRUN)
+
+
+#: io_uring's largest CQ (IORING_MAX_CQ_ENTRIES)
+MAX_CQ_ENTRIES = 1 << 16
+
+
+def queue_cq_entries(nr_tags: int) -> int:
+    """A queue ring's CQ: room for each tag's command and for the backend
+    I/O the data plane may have in flight for it (a -z request: its pieces,
+    register and unregister). Past io_uring's largest CQ the data plane
+    bounds itself to what the CQ holds (it leaves the rest to Python)."""
+    return min(MAX_CQ_ENTRIES, max(256, nr_tags * (lib.AUR_DP_MAX_PIECES + 3)))
 
 
 class Ring:
@@ -492,6 +506,8 @@ class Ring:
                     pass
         self._handlers.clear()
         self._keep.clear()
+        if self._dp is not None and lib.aur_dp_withdraw(self._dp):
+            log.warning("ring closed with fetch buffers the kernel kept: they are kept")
         lib.aur_exit(self._r)
         if self._dp is not None:
             self.dp_stranded = int(lib.aur_dp_inflight(self._dp))

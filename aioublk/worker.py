@@ -16,11 +16,12 @@ import threading
 
 import structlog
 
+from aioublk._uring import lib
 from aioublk.batch import BatchDriver
 from aioublk.driver import Driver, IoPath, WorkerSpec, log
 from aioublk.options import DeviceConfig
 from aioublk.perio import PerIoDriver
-from aioublk.ring import Ring, queue_ring_flags
+from aioublk.ring import Ring, queue_cq_entries, queue_ring_flags
 from aioublk.target import QueueContext, Target, setup_queue, teardown_queue
 
 
@@ -84,7 +85,8 @@ class Worker:
     async def _main(self) -> None:
         depth = max(self.nr_tags, 1)
         ring = Ring(
-            max(2 * depth, 64), cq_entries=max(8 * depth, 256),
+            # (the SQ holds a -z request's whole chain: pieces, register, unregister)
+            max(2 * depth, 2 * lib.AUR_DP_MAX_PIECES), cq_entries=queue_cq_entries(depth),
             flags=queue_ring_flags(), bind_thread=True,
             sqe128=self.target.big_ring_entries, cqe32=self.target.big_ring_entries,
         )
