@@ -23,6 +23,7 @@ import pytest
 
 from aioublk.cli import main as cli_main
 from aioublk.target import QueueContext, setup_queue, teardown_queue
+from aioublk.targets import nbd
 from aioublk.targets.nbd import NbdError, NbdTarget
 
 pytestmark = [
@@ -439,6 +440,80 @@ async def test_tls_with_a_test_ca(tmp_path: Path) -> None:
     finally:
         kit.kill()
         kit.wait()
+
+
+def _tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tls_nbdkit(certs: Path, sock: Path | None) -> tuple[subprocess.Popen[bytes], str]:
+    """nbdkit requiring TLS with ``certs``, on ``sock`` or else loopback TCP; its URI."""
+    where = ["-U", str(sock)] if sock else ["-i", "127.0.0.1", "-p", str(port := _tcp_port())]
+    kit = subprocess.Popen(["nbdkit", "-f", *where, "--tls=require",
+                            f"--tls-certificates={certs}", "memory", f"size={SIZE}"],
+                           stderr=subprocess.DEVNULL)
+    if sock:
+        _wait_for(sock, kit)
+        return kit, f"nbds+unix:///?socket={sock}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port)).close()
+            return kit, f"nbds://localhost:{port}/"
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+@pytest.mark.skipif(shutil.which("certtool") is None, reason="needs certtool (gnutls-bin)")
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_tls_wrong_ca_is_refused_on_both_transports(tmp_path: Path, transport: str) -> None:
+    """A server whose certificate our CA did not sign is refused, over TCP
+    (libnbd checks it against the URI's host) and over a unix socket, where
+    libnbd knows no host name to check and would take any certificate: there
+    TLS needs the expected name (``tls_hostname``), and a libnbd that can
+    use it (nbd_set_tls_hostname, 1.22)."""
+    certs = _certificates(tmp_path / "certs", server=True)
+    wrong = _certificates(tmp_path / "wrong", server=False)
+    kit, uri = _tls_nbdkit(certs, tmp_path / "kit.sock" if transport == "unix" else None)
+    try:
+        with pytest.raises(NbdError) as e:
+            NbdTarget(uri, tls_certificates=str(wrong))
+        msg = str(e.value)
+        assert uri in msg and "\n" not in msg
+        if transport == "tcp":
+            assert "certificate verification" in msg
+            return
+        assert "tls_hostname" in msg or "--tls-hostname" in msg, msg
+        can_name = bool(nbd._lib()[1].anbd_can_tls_hostname())
+        with pytest.raises(NbdError) as e:
+            NbdTarget(uri, tls_certificates=str(wrong), tls_hostname="localhost")
+        msg = str(e.value)
+        assert ("certificate verification" if can_name else "libnbd 1.22") in msg, msg
+        if can_name:  # the right CA and name: served
+            NbdTarget(uri, tls_certificates=str(certs), tls_hostname="localhost")
+        else:
+            with pytest.raises(NbdError, match="libnbd 1.22"):
+                NbdTarget(uri, tls_certificates=str(certs), tls_hostname="localhost")
+    finally:
+        kit.kill()
+        kit.wait()
+
+
+def test_tls_hostname_is_a_target_option() -> None:
+    from aioublk.registry import TARGETS
+
+    o = TARGETS["nbd"].option("tls_hostname")
+    assert o is not None and o.flags == ("--tls-hostname",)
+
+
+def test_cli_tls_hostname_needs_tls(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["add", "-t", "nbd", "--tls-hostname", "localhost",
+                     "nbd://127.0.0.1:1/exp"]) == 1
+    err = capsys.readouterr().err
+    assert "--tls-hostname is for TLS" in err and err.count("\n") == 1
 
 
 def test_without_libnbd_the_target_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:

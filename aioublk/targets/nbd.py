@@ -22,6 +22,11 @@ requests are sent again on the new connection: NBD commands are idempotent
 (a write sent twice stores the same bytes). A request after giving up starts
 a new round. Each state change is one log line.
 
+TLS: libnbd checks the server's certificate against the URI's host name,
+and over a unix socket (no host) checks nothing; so ``nbds+unix://`` is
+refused unless ``tls_hostname`` names the host the certificate must hold
+and libnbd can use it (``nbd_set_tls_hostname``, libnbd 1.22).
+
 Fast zero is never sent: a kernel write-zeroes request cannot say "only if
 fast" (REQ_NOUNMAP becomes NBD's NO_HOLE), as in the kernel's own client.
 """
@@ -305,7 +310,8 @@ class NbdTarget(Target):
     name = "nbd"
 
     def __init__(self, uri: str, *, tls_certificates: str | None = None,
-                 reconnect_timeout: int = 30, read_only: bool = False) -> None:
+                 tls_hostname: str | None = None, reconnect_timeout: int = 30,
+                 read_only: bool = False) -> None:
         self.ffi, self.lib = _lib()
         if tls_certificates is not None and not os.path.isfile(
                 os.path.join(tls_certificates, "ca-cert.pem")):
@@ -314,6 +320,8 @@ class NbdTarget(Target):
                            "the directory holding ca-cert.pem, client-cert.pem and "
                            "client-key.pem")
         self.uri, self.tls_certificates = uri, tls_certificates
+        self.tls_hostname = tls_hostname
+        self._check_tls()
         self.reconnect_timeout = reconnect_timeout
         lib = self.lib
         h = self.new_handle()
@@ -340,6 +348,23 @@ class NbdTarget(Target):
                                   trim=self.can_trim and not self.read_only,
                                   zero=self.can_zero and not self.read_only)
 
+    def _check_tls(self) -> None:
+        """Refuse TLS that would check nothing: over a unix socket libnbd has
+        no host name to hold the certificate to, and takes any."""
+        scheme = self.uri.partition("://")[0].lower()
+        if self.tls_hostname is not None:
+            if not scheme.startswith("nbds"):
+                raise NbdError(f"NBD server {self.uri}: --tls-hostname is for TLS: use an "
+                               "nbds:// or nbds+unix:// URI, or drop it")
+            if not self.lib.anbd_can_tls_hostname():
+                raise NbdError(f"NBD server {self.uri}: --tls-hostname needs libnbd 1.22 or "
+                               "later (nbd_set_tls_hostname); with this one use TLS over TCP "
+                               "(nbds://HOST:PORT/EXPORT), where the URI's host is checked")
+        elif scheme == "nbds+unix":
+            raise NbdError(f"NBD server {self.uri}: TLS over a unix socket checks no host "
+                           "name, so any certificate would pass: give the name the server's "
+                           "certificate holds (--tls-hostname)")
+
     def new_handle(self) -> Any:
         """A libnbd handle set up as every connection of this target is."""
         lib = self.lib
@@ -356,6 +381,11 @@ class NbdTarget(Target):
             why = _why(self.ffi, lib)
             lib.nbd_close(h)
             raise NbdError(f"TLS certificates {self.tls_certificates}: {why}")
+        if self.tls_hostname is not None and lib.anbd_set_tls_hostname(
+                h, self.tls_hostname.encode()) == -1:
+            why = _why(self.ffi, lib)
+            lib.nbd_close(h)
+            raise NbdError(f"TLS host name {self.tls_hostname!r}: {why}")
         return h
 
     def _flag(self, h: Any, get: Callable[[Any], int]) -> int:
