@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.cli import main as cli_main
-from aioublk.target import QueueContext, setup_queue, teardown_queue
+from aioublk.target import QueueContext, QueueSetupError, setup_queue, teardown_queue
 from aioublk.targets import nbd
 from aioublk.targets.nbd import NbdError, NbdTarget
 
@@ -353,7 +353,7 @@ async def test_server_not_back_in_time_fails_with_eio(qemu_nbd: Server) -> None:
 
 @pytest.mark.parametrize("uri,says", [
     ("nbd://127.0.0.1:1/exp", "Connection refused"),
-    ("http://example.com/disk", "nbd_connect_uri"),
+    ("http://example.com/disk", "connect_uri"),
 ])
 def test_bad_uri_is_one_line(uri: str, says: str) -> None:
     with pytest.raises(NbdError) as e:
@@ -429,7 +429,7 @@ async def test_tls_with_a_test_ca(tmp_path: Path) -> None:
             assert out == data
         finally:
             await teardown_queue(t, q)
-        with pytest.raises(NbdError, match="nbd_connect_uri: .*server requires TLS") as e:
+        with pytest.raises(NbdError, match="server requires TLS") as e:
             NbdTarget(uri.replace("nbds:", "nbd:"))
         wrong = _certificates(tmp_path / "wrong", server=False)
         with pytest.raises(NbdError, match="certificate verification") as e:
@@ -514,6 +514,80 @@ def test_cli_tls_hostname_needs_tls(capsys: pytest.CaptureFixture[str]) -> None:
                      "nbd://127.0.0.1:1/exp"]) == 1
     err = capsys.readouterr().err
     assert "--tls-hostname is for TLS" in err and err.count("\n") == 1
+
+
+def _silent(tmp_path: Path, transport: str) -> tuple[socket.socket, str]:
+    """A listener that takes connections (the kernel's backlog does) and never answers."""
+    if transport == "unix":
+        lsn = socket.socket(socket.AF_UNIX)
+        lsn.bind(str(tmp_path / "silent.sock"))
+        uri = f"nbd+unix:///exp?socket={tmp_path / 'silent.sock'}"
+    else:
+        lsn = socket.socket()
+        lsn.bind(("127.0.0.1", 0))
+        uri = f"nbd://127.0.0.1:{lsn.getsockname()[1]}/exp"
+    lsn.listen(8)
+    return lsn, uri
+
+
+def _within(seconds: float, fn: Callable[[], object], unblock: Callable[[], None]) -> object:
+    """``fn()``'s result or exception, failing the test if it takes longer than
+    ``seconds`` (then ``unblock()`` lets it end, so no thread is left behind)."""
+    box: list[object] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(seconds)
+    hung = th.is_alive()
+    unblock()
+    th.join(10)
+    assert not hung, f"still waiting after {seconds} s"
+    return box[0]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_server_that_never_answers_times_out_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
+    monkeypatch.setattr(nbd, "CONNECT_TIMEOUT", 0.5, raising=False)
+    lsn, uri = _silent(tmp_path, transport)
+    start = time.monotonic()
+    got = _within(5, lambda: NbdTarget(uri), lsn.close)
+    assert isinstance(got, NbdError), got
+    msg = str(got)
+    assert msg.startswith(f"NBD server {uri}: ") and "timed out" in msg and "\n" not in msg
+    assert time.monotonic() - start < 3
+
+
+def test_cli_add_to_a_silent_server_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(nbd, "CONNECT_TIMEOUT", 0.5, raising=False)
+    lsn, uri = _silent(tmp_path, "tcp")
+    assert _within(5, lambda: cli_main(["add", "-t", "nbd", uri]), lsn.close) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"aioublk: NBD server {uri}: ") and "timed out" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.asyncio
+async def test_queue_connect_to_a_silent_server_times_out(
+        qemu_nbd: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server answered the probe, then a silent one took its socket: the
+    queue's own connection gives up too."""
+    monkeypatch.setattr(nbd, "CONNECT_TIMEOUT", 0.5, raising=False)
+    t = NbdTarget(qemu_nbd.uri())
+    qemu_nbd.kill()
+    qemu_nbd.sock.unlink()
+    with socket.socket(socket.AF_UNIX) as lsn:
+        lsn.bind(str(qemu_nbd.sock))
+        lsn.listen(8)
+        with pytest.raises(QueueSetupError, match="NbdError: NBD server .*timed out"):
+            await asyncio.wait_for(_attached(t), 5)
 
 
 def test_without_libnbd_the_target_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:

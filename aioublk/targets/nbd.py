@@ -22,6 +22,12 @@ requests are sent again on the new connection: NBD commands are idempotent
 (a write sent twice stores the same bytes). A request after giving up starts
 a new round. Each state change is one log line.
 
+Connecting is bounded: a server that takes the connection and never
+answers costs ``CONNECT_TIMEOUT`` seconds, then one line. The first
+connection (the probe the device is made from) is driven by polling
+libnbd's state machine against that deadline, never its blocking connect;
+a queue's connection is awaited on its loop with the same timeout.
+
 TLS: libnbd checks the server's certificate against the URI's host name,
 and over a unix socket (no host) checks nothing; so ``nbds+unix://`` is
 refused unless ``tls_hostname`` names the host the certificate must hold
@@ -38,6 +44,7 @@ import errno
 import importlib
 import itertools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +57,8 @@ log = logs.get_logger("aioublk.nbd")
 #: a command's errno when its connection went away, not the server's answer
 _LOST = frozenset({errno.ENOTCONN, errno.ESHUTDOWN, errno.ECONNRESET, errno.EPIPE})
 _FIRST_DELAY, _MAX_DELAY = 0.1, 5.0
+#: seconds a connection (TCP or unix, TLS, NBD handshake) may take
+CONNECT_TIMEOUT = 10.0
 _REAP = 64
 
 #: sends one command: (handle, completion queue, request id) -> cookie, or -1
@@ -326,8 +335,7 @@ class NbdTarget(Target):
         lib = self.lib
         h = self.new_handle()
         try:
-            if lib.nbd_connect_uri(h, uri.encode()) == -1:
-                raise NbdError(f"NBD server {uri}: {_why(self.ffi, lib)}")
+            self._connect_now(h)
             self.size = self._flag(h, lib.nbd_get_size)
             export_ro = bool(self._flag(h, lib.nbd_is_read_only))
             self.can_flush = bool(self._flag(h, lib.nbd_can_flush))
@@ -364,6 +372,27 @@ class NbdTarget(Target):
             raise NbdError(f"NBD server {self.uri}: TLS over a unix socket checks no host "
                            "name, so any certificate would pass: give the name the server's "
                            "certificate holds (--tls-hostname)")
+
+    def _connect_now(self, h: Any) -> None:
+        """Connect ``h`` within CONNECT_TIMEOUT: libnbd's state machine polled
+        against a deadline (its blocking connect waits forever for a server
+        that accepts and never answers)."""
+        lib = self.lib
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        if lib.nbd_aio_connect_uri(h, self.uri.encode()) == -1:
+            raise NbdError(f"NBD server {self.uri}: {_why(self.ffi, lib)}")
+        while not lib.nbd_aio_is_ready(h):
+            if lib.nbd_aio_is_dead(h) or lib.nbd_aio_is_closed(h):
+                raise NbdError(f"NBD server {self.uri}: {_why(self.ffi, lib)}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NbdError(self._timed_out())
+            if lib.nbd_poll(h, max(1, min(int(left * 1000), 1000))) == -1:
+                raise NbdError(f"NBD server {self.uri}: {_why(self.ffi, lib)}")
+
+    def _timed_out(self) -> str:
+        return (f"NBD server {self.uri}: no answer in {CONNECT_TIMEOUT:g} s (timed out): is "
+                "it an NBD server, and is it serving?")
 
     def new_handle(self) -> Any:
         """A libnbd handle set up as every connection of this target is."""
@@ -408,7 +437,10 @@ class NbdTarget(Target):
     async def queue_setup(self, q: QueueContext) -> None:
         link = _Link(self, q.loop, q.worker)
         try:
-            await link.connect()
+            try:
+                await asyncio.wait_for(link.connect(), CONNECT_TIMEOUT)
+            except TimeoutError:
+                raise NbdError(self._timed_out()) from None
         except BaseException:
             await link.close()
             raise
