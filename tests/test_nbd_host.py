@@ -590,6 +590,35 @@ async def test_queue_connect_to_a_silent_server_times_out(
             await asyncio.wait_for(_attached(t), 5)
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("first, then", [
+    (["-e", "4"], []),     # multi-conn no more: a flush would not cover the other queues
+    ([], ["-r"]),          # read-only now
+], ids=["multi-conn-lost", "read-only"])
+async def test_reconnect_refuses_a_server_that_changed(tmp_path: Path, disk: Path,
+                                                       first: list[str],
+                                                       then: list[str]) -> None:
+    sock = tmp_path / "s.sock"
+    base = ["qemu-nbd", "-f", "raw", "-x", "exp", "-t", "-k", str(sock)]
+    s = Server([*base, *first, str(disk)], sock).start()
+    try:
+        t = NbdTarget(s.uri(), reconnect_timeout=1)
+        assert t.multi_conn == bool(first)
+        q = await _attached(t)
+        try:
+            await t.read(0, memoryview(bytearray(4096)))
+            s.kill()
+            s.argv = [*base, *then, str(disk)]
+            s.start()
+            with pytest.raises(OSError) as e:
+                await asyncio.wait_for(t.read(0, memoryview(bytearray(4096))), 10)
+            assert e.value.errno == errno.EIO
+        finally:
+            await teardown_queue(t, q)
+    finally:
+        s.kill()
+
+
 def test_without_libnbd_the_target_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     """aioublk installs without libnbd (no _nbd extension); -t nbd then says
     what to install, in one line."""

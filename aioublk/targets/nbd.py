@@ -28,6 +28,13 @@ connection (the probe the device is made from) is driven by polling
 libnbd's state machine against that deadline, never its blocking connect;
 a queue's connection is awaited on its loop with the same timeout.
 
+A reconnection must find the export as the device was made from it: the
+same size, flags (read-only, flush, FUA, trim, zero, multi-conn) and block
+sizes; a server that came back otherwise is refused (and retried until
+``reconnect_timeout``). A server that lost multi-conn, served again on
+every queue's connection, would let a FLUSH on one connection leave writes
+acknowledged on another uncovered.
+
 TLS: libnbd checks the server's certificate against the URI's host name,
 and over a unix socket (no host) checks nothing; so ``nbds+unix://`` is
 refused unless ``tls_hostname`` names the host the certificate must hold
@@ -40,7 +47,9 @@ fast" (REQ_NOUNMAP becomes NBD's NO_HOLE), as in the kernel's own client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
+import functools
 import importlib
 import itertools
 import os
@@ -63,6 +72,20 @@ _REAP = 64
 
 #: sends one command: (handle, completion queue, request id) -> cookie, or -1
 Issue = Callable[[Any, Any, int], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What a server advertises for the export, which the device is made of."""
+
+    size: int
+    read_only: bool
+    flush: bool
+    fua: bool
+    trim: bool
+    zero: bool
+    multi_conn: bool
+    block_sizes: tuple[int, int, int]  # minimum, preferred, maximum (0: none)
 
 
 class NbdError(Error):
@@ -336,24 +359,19 @@ class NbdTarget(Target):
         h = self.new_handle()
         try:
             self._connect_now(h)
-            self.size = self._flag(h, lib.nbd_get_size)
-            export_ro = bool(self._flag(h, lib.nbd_is_read_only))
-            self.can_flush = bool(self._flag(h, lib.nbd_can_flush))
-            self.can_fua = bool(self._flag(h, lib.nbd_can_fua))
-            self.can_trim = bool(self._flag(h, lib.nbd_can_trim))
-            self.can_zero = bool(self._flag(h, lib.nbd_can_zero))
-            self.multi_conn = bool(self._flag(h, lib.nbd_can_multi_conn))
-            sizes = [self._flag(h, self._block_size(k))
-                     for k in (lib.LIBNBD_SIZE_MINIMUM, lib.LIBNBD_SIZE_PREFERRED,
-                               lib.LIBNBD_SIZE_MAXIMUM)]
+            self.shape = self._shape(h)
             lib.nbd_shutdown(h, 0)  # a clean goodbye: servers log a dropped connection
         finally:
             lib.nbd_close(h)
-        self.read_only = read_only or export_ro
+        shape = self.shape
+        self.size, self.multi_conn = shape.size, shape.multi_conn
+        self.can_flush, self.can_fua = shape.flush, shape.fua
+        self.can_trim, self.can_zero = shape.trim, shape.zero
+        self.read_only = read_only or shape.read_only
         self.one_loop = not self.multi_conn
-        self.geometry = _geometry(self.size, *sizes, read_only=self.read_only,
-                                  flush=self.can_flush, fua=self.can_fua,
-                                  trim=self.can_trim and not self.read_only,
+        self.geometry = _geometry(self.size, *shape.block_sizes,
+                                  read_only=self.read_only, flush=self.can_flush,
+                                  fua=self.can_fua, trim=self.can_trim and not self.read_only,
                                   zero=self.can_zero and not self.read_only)
 
     def _check_tls(self) -> None:
@@ -426,11 +444,28 @@ class NbdTarget(Target):
     def _block_size(self, kind: int) -> Callable[[Any], int]:
         return lambda h: int(self.lib.nbd_get_block_size(h, kind))
 
+    def _shape(self, h: Any) -> _Shape:
+        """What the device is made from, as the server of ``h`` advertises it."""
+        lib = self.lib
+        flag = functools.partial(self._flag, h)
+        return _Shape(
+            size=flag(lib.nbd_get_size), read_only=bool(flag(lib.nbd_is_read_only)),
+            flush=bool(flag(lib.nbd_can_flush)), fua=bool(flag(lib.nbd_can_fua)),
+            trim=bool(flag(lib.nbd_can_trim)), zero=bool(flag(lib.nbd_can_zero)),
+            multi_conn=bool(flag(lib.nbd_can_multi_conn)),
+            block_sizes=(flag(self._block_size(lib.LIBNBD_SIZE_MINIMUM)),
+                         flag(self._block_size(lib.LIBNBD_SIZE_PREFERRED)),
+                         flag(self._block_size(lib.LIBNBD_SIZE_MAXIMUM))))
+
     def check_same(self, h: Any) -> None:
-        """A reconnection must find the export the device was made from."""
-        size = self.lib.nbd_get_size(h)
-        if size != self.size:
-            raise NbdError(f"NBD export {self.uri} is now {size} bytes, not {self.size}")
+        """A reconnection must find the export as the device was made from it:
+        same size, flags and block sizes (a server without multi-conn now
+        would leave one connection's FLUSH not covering another's writes)."""
+        was, now = dataclasses.asdict(self.shape), dataclasses.asdict(self._shape(h))
+        changed = [f"{k} {was[k]} -> {now[k]}" for k in was if now[k] != was[k]]
+        if changed:
+            raise NbdError(f"NBD export {self.uri} changed since the device was made "
+                           f"({', '.join(changed)}): refused")
 
     # ------------------------------------------------------- per loop ---
 
