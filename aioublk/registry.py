@@ -132,6 +132,10 @@ TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
         Option("tls_certificates", PATH, "directory of the TLS CA, client certificate and "
                "key (ca-cert.pem, client-cert.pem, client-key.pem) for nbds:// URIs",
                flags=("--tls-certificates",), what="certificate directory"),
+        Option("tls_hostname", STR, "the host name the server's TLS certificate must hold: "
+               "needed for nbds+unix:// URIs (a unix socket has none to check; libnbd "
+               ">= 1.22), and checked instead of the host of an nbds:// URI",
+               flags=("--tls-hostname",), what="TLS host name"),
         Option("reconnect_timeout", INT, "seconds a lost server's requests are held while "
                "reconnecting, before they fail with EIO", default=30, default_help="30",
                flags=("--reconnect-timeout",), lo=0),

@@ -214,3 +214,52 @@ def test_port_in_use_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
                                                        ".*: pick another port") as e:
             metrics.start("127.0.0.1", port, lambda: [])
     assert "\n" not in str(e.value) and not dataplane.timing
+
+
+def _closed_by_server(s: socket.socket, within: float) -> bool:
+    """Whether the server closes ``s`` (EOF or reset) within ``within`` seconds."""
+    s.settimeout(within)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_connections_cost_no_thread_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 connections that never send a request: no thread for each (the
+    endpoint runs as root, in serve), the oldest dropped past a bound, and a
+    scrape still answered."""
+    import threading
+
+    monkeypatch.setattr(dataplane, "timing", False)
+    port = _free_port()
+    before = threading.active_count()
+    stop = metrics.start("127.0.0.1", port, lambda: [])
+    idle: list[socket.socket] = []
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
+        # answered after the server took every connection before it (one listen queue)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert b"aioublk_requests_total" in r.read()
+        assert threading.active_count() - before <= 2, threading.enumerate()
+        dropped = sum(_closed_by_server(s, 0.01) for s in idle[:150])
+        assert dropped == 150, dropped  # only the newest few are kept waiting
+    finally:
+        for s in idle:
+            s.close()
+        stop()
+
+
+def test_a_slow_client_is_dropped_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dataplane, "timing", False)
+    monkeypatch.setattr(metrics, "CLIENT_SECONDS", 0.5, raising=False)
+    port = _free_port()
+    stop = metrics.start("127.0.0.1", port, lambda: [])
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+            slow.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the end
+            assert _closed_by_server(slow, 5)
+    finally:
+        stop()

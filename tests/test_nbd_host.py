@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from aioublk.cli import main as cli_main
-from aioublk.target import QueueContext, setup_queue, teardown_queue
+from aioublk.target import QueueContext, QueueSetupError, setup_queue, teardown_queue
+from aioublk.targets import nbd
 from aioublk.targets.nbd import NbdError, NbdTarget
 
 pytestmark = [
@@ -352,7 +353,7 @@ async def test_server_not_back_in_time_fails_with_eio(qemu_nbd: Server) -> None:
 
 @pytest.mark.parametrize("uri,says", [
     ("nbd://127.0.0.1:1/exp", "Connection refused"),
-    ("http://example.com/disk", "nbd_connect_uri"),
+    ("http://example.com/disk", "connect_uri"),
 ])
 def test_bad_uri_is_one_line(uri: str, says: str) -> None:
     with pytest.raises(NbdError) as e:
@@ -428,7 +429,7 @@ async def test_tls_with_a_test_ca(tmp_path: Path) -> None:
             assert out == data
         finally:
             await teardown_queue(t, q)
-        with pytest.raises(NbdError, match="nbd_connect_uri: .*server requires TLS") as e:
+        with pytest.raises(NbdError, match="server requires TLS") as e:
             NbdTarget(uri.replace("nbds:", "nbd:"))
         wrong = _certificates(tmp_path / "wrong", server=False)
         with pytest.raises(NbdError, match="certificate verification") as e:
@@ -439,6 +440,183 @@ async def test_tls_with_a_test_ca(tmp_path: Path) -> None:
     finally:
         kit.kill()
         kit.wait()
+
+
+def _tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tls_nbdkit(certs: Path, sock: Path | None) -> tuple[subprocess.Popen[bytes], str]:
+    """nbdkit requiring TLS with ``certs``, on ``sock`` or else loopback TCP; its URI."""
+    where = ["-U", str(sock)] if sock else ["-i", "127.0.0.1", "-p", str(port := _tcp_port())]
+    kit = subprocess.Popen(["nbdkit", "-f", *where, "--tls=require",
+                            f"--tls-certificates={certs}", "memory", f"size={SIZE}"],
+                           stderr=subprocess.DEVNULL)
+    if sock:
+        _wait_for(sock, kit)
+        return kit, f"nbds+unix:///?socket={sock}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port)).close()
+            return kit, f"nbds://localhost:{port}/"
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+@pytest.mark.skipif(shutil.which("certtool") is None, reason="needs certtool (gnutls-bin)")
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_tls_wrong_ca_is_refused_on_both_transports(tmp_path: Path, transport: str) -> None:
+    """A server whose certificate our CA did not sign is refused, over TCP
+    (libnbd checks it against the URI's host) and over a unix socket, where
+    libnbd knows no host name to check and would take any certificate: there
+    TLS needs the expected name (``tls_hostname``), and a libnbd that can
+    use it (nbd_set_tls_hostname, 1.22)."""
+    certs = _certificates(tmp_path / "certs", server=True)
+    wrong = _certificates(tmp_path / "wrong", server=False)
+    kit, uri = _tls_nbdkit(certs, tmp_path / "kit.sock" if transport == "unix" else None)
+    try:
+        with pytest.raises(NbdError) as e:
+            NbdTarget(uri, tls_certificates=str(wrong))
+        msg = str(e.value)
+        assert uri in msg and "\n" not in msg
+        if transport == "tcp":
+            assert "certificate verification" in msg
+            return
+        assert "tls_hostname" in msg or "--tls-hostname" in msg, msg
+        can_name = bool(nbd._lib()[1].anbd_can_tls_hostname())
+        with pytest.raises(NbdError) as e:
+            NbdTarget(uri, tls_certificates=str(wrong), tls_hostname="localhost")
+        msg = str(e.value)
+        assert ("certificate verification" if can_name else "libnbd 1.22") in msg, msg
+        if can_name:  # the right CA and name: served
+            NbdTarget(uri, tls_certificates=str(certs), tls_hostname="localhost")
+        else:
+            with pytest.raises(NbdError, match="libnbd 1.22"):
+                NbdTarget(uri, tls_certificates=str(certs), tls_hostname="localhost")
+    finally:
+        kit.kill()
+        kit.wait()
+
+
+def test_tls_hostname_is_a_target_option() -> None:
+    from aioublk.registry import TARGETS
+
+    o = TARGETS["nbd"].option("tls_hostname")
+    assert o is not None and o.flags == ("--tls-hostname",)
+
+
+def test_cli_tls_hostname_needs_tls(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["add", "-t", "nbd", "--tls-hostname", "localhost",
+                     "nbd://127.0.0.1:1/exp"]) == 1
+    err = capsys.readouterr().err
+    assert "--tls-hostname is for TLS" in err and err.count("\n") == 1
+
+
+def _silent(tmp_path: Path, transport: str) -> tuple[socket.socket, str]:
+    """A listener that takes connections (the kernel's backlog does) and never answers."""
+    if transport == "unix":
+        lsn = socket.socket(socket.AF_UNIX)
+        lsn.bind(str(tmp_path / "silent.sock"))
+        uri = f"nbd+unix:///exp?socket={tmp_path / 'silent.sock'}"
+    else:
+        lsn = socket.socket()
+        lsn.bind(("127.0.0.1", 0))
+        uri = f"nbd://127.0.0.1:{lsn.getsockname()[1]}/exp"
+    lsn.listen(8)
+    return lsn, uri
+
+
+def _within(seconds: float, fn: Callable[[], object], unblock: Callable[[], None]) -> object:
+    """``fn()``'s result or exception, failing the test if it takes longer than
+    ``seconds`` (then ``unblock()`` lets it end, so no thread is left behind)."""
+    box: list[object] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(seconds)
+    hung = th.is_alive()
+    unblock()
+    th.join(10)
+    assert not hung, f"still waiting after {seconds} s"
+    return box[0]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_server_that_never_answers_times_out_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
+    monkeypatch.setattr(nbd, "CONNECT_TIMEOUT", 0.5, raising=False)
+    lsn, uri = _silent(tmp_path, transport)
+    start = time.monotonic()
+    got = _within(5, lambda: NbdTarget(uri), lsn.close)
+    assert isinstance(got, NbdError), got
+    msg = str(got)
+    assert msg.startswith(f"NBD server {uri}: ") and "timed out" in msg and "\n" not in msg
+    assert time.monotonic() - start < 3
+
+
+def test_cli_add_to_a_silent_server_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(nbd, "CONNECT_TIMEOUT", 0.5, raising=False)
+    lsn, uri = _silent(tmp_path, "tcp")
+    assert _within(5, lambda: cli_main(["add", "-t", "nbd", uri]), lsn.close) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"aioublk: NBD server {uri}: ") and "timed out" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.asyncio
+async def test_queue_connect_to_a_silent_server_times_out(
+        qemu_nbd: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server answered the probe, then a silent one took its socket: the
+    queue's own connection gives up too."""
+    monkeypatch.setattr(nbd, "CONNECT_TIMEOUT", 0.5, raising=False)
+    t = NbdTarget(qemu_nbd.uri())
+    qemu_nbd.kill()
+    qemu_nbd.sock.unlink()
+    with socket.socket(socket.AF_UNIX) as lsn:
+        lsn.bind(str(qemu_nbd.sock))
+        lsn.listen(8)
+        with pytest.raises(QueueSetupError, match="NbdError: NBD server .*timed out"):
+            await asyncio.wait_for(_attached(t), 5)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("first, then", [
+    (["-e", "4"], []),     # multi-conn no more: a flush would not cover the other queues
+    ([], ["-r"]),          # read-only now
+], ids=["multi-conn-lost", "read-only"])
+async def test_reconnect_refuses_a_server_that_changed(tmp_path: Path, disk: Path,
+                                                       first: list[str],
+                                                       then: list[str]) -> None:
+    sock = tmp_path / "s.sock"
+    base = ["qemu-nbd", "-f", "raw", "-x", "exp", "-t", "-k", str(sock)]
+    s = Server([*base, *first, str(disk)], sock).start()
+    try:
+        t = NbdTarget(s.uri(), reconnect_timeout=1)
+        assert t.multi_conn == bool(first)
+        q = await _attached(t)
+        try:
+            await t.read(0, memoryview(bytearray(4096)))
+            s.kill()
+            s.argv = [*base, *then, str(disk)]
+            s.start()
+            with pytest.raises(OSError) as e:
+                await asyncio.wait_for(t.read(0, memoryview(bytearray(4096))), 10)
+            assert e.value.errno == errno.EIO
+        finally:
+            await teardown_queue(t, q)
+    finally:
+        s.kill()
 
 
 def test_without_libnbd_the_target_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:

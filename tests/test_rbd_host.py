@@ -193,3 +193,36 @@ def test_cli_add_missing_image_is_one_line(ceph: Cluster,
     assert cli_main(["add", "-t", "rbd", "rbd/nope", "--rbd-conf", ceph.conf]) == 1
     err = capsys.readouterr().err
     assert err.startswith("aioublk: RBD image rbd/nope: no such image") and err.count("\n") == 1
+
+
+@pytest.mark.asyncio
+async def test_read_past_a_shrunk_end_is_zeros_not_stale_bytes(ceph: Cluster,
+                                                               attached: RbdTarget) -> None:
+    """Another client shrinks the image under the device: librbd clips a read
+    that crosses the new end and answers the bytes it read. The rest of the
+    buffer must not keep what an earlier request left in it: zeros (as the
+    loop target reads past a file's end), on the coroutine and the fast path."""
+    t, half = attached, 32 << 10
+    data = os.urandom(2 * half)
+    await t.write(SIZE - 2 * half, memoryview(bytearray(data)), fua=True)
+    ceph.rbd("resize", "--allow-shrink", "--no-progress", "--size", f"{(SIZE - half) >> 10}K",
+             t.spec)
+    stale = b"\xaa" * (2 * half)
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:  # until the target's handle has seen the new header
+        out = bytearray(stale)
+        await t.read(SIZE - 2 * half, memoryview(out))
+        if out[half:] != data[half:]:
+            break
+        assert asyncio.get_running_loop().time() < deadline, "the shrink was never seen"
+        await asyncio.sleep(0.05)
+    assert out[:half] == data[:half]
+    assert out[half:] != stale[half:], "past the new end: the buffer's stale bytes"
+    assert out[half:] == bytes(half)
+    fast = bytearray(stale)
+    results: list[int] = []
+    assert t.start_read(SIZE - 2 * half, memoryview(fast), results.append)
+    while not results:
+        assert asyncio.get_running_loop().time() < deadline + 10, "no answer"
+        await asyncio.sleep(0.01)
+    assert results == [2 * half] and fast == data[:half] + bytes(half)

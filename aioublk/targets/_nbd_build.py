@@ -32,8 +32,10 @@ int nbd_set_request_block_size(struct nbd_handle *h, bool request);
 int nbd_set_uri_allow_transports(struct nbd_handle *h, uint32_t mask);
 int nbd_set_uri_allow_tls(struct nbd_handle *h, int tls);
 int nbd_set_tls_certificates(struct nbd_handle *h, const char *dir);
-int nbd_connect_uri(struct nbd_handle *h, const char *uri);
 int nbd_aio_connect_uri(struct nbd_handle *h, const char *uri);
+int nbd_poll(struct nbd_handle *h, int timeout);
+int anbd_can_tls_hostname(void);
+int anbd_set_tls_hostname(struct nbd_handle *h, const char *hostname);
 int nbd_shutdown(struct nbd_handle *h, uint32_t flags);
 
 int nbd_aio_get_fd(struct nbd_handle *h);
@@ -98,6 +100,28 @@ struct anbd_q { struct anbd_done *done; unsigned n, cap; };
 
 /* one command's callback data: which queue, which request */
 struct anbd_cmd { struct anbd_q *q; uint64_t id; };
+
+/* the TLS host name a certificate must hold, where libnbd can take it
+   (1.22); older ones check only a TCP URI's host, and nothing over a unix socket */
+int anbd_can_tls_hostname(void)
+{
+#ifdef LIBNBD_HAVE_NBD_SET_TLS_HOSTNAME
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int anbd_set_tls_hostname(struct nbd_handle *h, const char *hostname)
+{
+#ifdef LIBNBD_HAVE_NBD_SET_TLS_HOSTNAME
+    return nbd_set_tls_hostname(h, hostname);
+#else
+    (void)h;
+    (void)hostname;
+    return -1;
+#endif
+}
 
 struct anbd_q *anbd_q_new(void)
 {

@@ -22,6 +22,24 @@ requests are sent again on the new connection: NBD commands are idempotent
 (a write sent twice stores the same bytes). A request after giving up starts
 a new round. Each state change is one log line.
 
+Connecting is bounded: a server that takes the connection and never
+answers costs ``CONNECT_TIMEOUT`` seconds, then one line. The first
+connection (the probe the device is made from) is driven by polling
+libnbd's state machine against that deadline, never its blocking connect;
+a queue's connection is awaited on its loop with the same timeout.
+
+A reconnection must find the export as the device was made from it: the
+same size, flags (read-only, flush, FUA, trim, zero, multi-conn) and block
+sizes; a server that came back otherwise is refused (and retried until
+``reconnect_timeout``). A server that lost multi-conn, served again on
+every queue's connection, would let a FLUSH on one connection leave writes
+acknowledged on another uncovered.
+
+TLS: libnbd checks the server's certificate against the URI's host name,
+and over a unix socket (no host) checks nothing; so ``nbds+unix://`` is
+refused unless ``tls_hostname`` names the host the certificate must hold
+and libnbd can use it (``nbd_set_tls_hostname``, libnbd 1.22).
+
 Fast zero is never sent: a kernel write-zeroes request cannot say "only if
 fast" (REQ_NOUNMAP becomes NBD's NO_HOLE), as in the kernel's own client.
 """
@@ -29,10 +47,13 @@ fast" (REQ_NOUNMAP becomes NBD's NO_HOLE), as in the kernel's own client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
+import functools
 import importlib
 import itertools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,10 +66,26 @@ log = logs.get_logger("aioublk.nbd")
 #: a command's errno when its connection went away, not the server's answer
 _LOST = frozenset({errno.ENOTCONN, errno.ESHUTDOWN, errno.ECONNRESET, errno.EPIPE})
 _FIRST_DELAY, _MAX_DELAY = 0.1, 5.0
+#: seconds a connection (TCP or unix, TLS, NBD handshake) may take
+CONNECT_TIMEOUT = 10.0
 _REAP = 64
 
 #: sends one command: (handle, completion queue, request id) -> cookie, or -1
 Issue = Callable[[Any, Any, int], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What a server advertises for the export, which the device is made of."""
+
+    size: int
+    read_only: bool
+    flush: bool
+    fua: bool
+    trim: bool
+    zero: bool
+    multi_conn: bool
+    block_sizes: tuple[int, int, int]  # minimum, preferred, maximum (0: none)
 
 
 class NbdError(Error):
@@ -305,7 +342,8 @@ class NbdTarget(Target):
     name = "nbd"
 
     def __init__(self, uri: str, *, tls_certificates: str | None = None,
-                 reconnect_timeout: int = 30, read_only: bool = False) -> None:
+                 tls_hostname: str | None = None, reconnect_timeout: int = 30,
+                 read_only: bool = False) -> None:
         self.ffi, self.lib = _lib()
         if tls_certificates is not None and not os.path.isfile(
                 os.path.join(tls_certificates, "ca-cert.pem")):
@@ -314,31 +352,65 @@ class NbdTarget(Target):
                            "the directory holding ca-cert.pem, client-cert.pem and "
                            "client-key.pem")
         self.uri, self.tls_certificates = uri, tls_certificates
+        self.tls_hostname = tls_hostname
+        self._check_tls()
         self.reconnect_timeout = reconnect_timeout
         lib = self.lib
         h = self.new_handle()
         try:
-            if lib.nbd_connect_uri(h, uri.encode()) == -1:
-                raise NbdError(f"NBD server {uri}: {_why(self.ffi, lib)}")
-            self.size = self._flag(h, lib.nbd_get_size)
-            export_ro = bool(self._flag(h, lib.nbd_is_read_only))
-            self.can_flush = bool(self._flag(h, lib.nbd_can_flush))
-            self.can_fua = bool(self._flag(h, lib.nbd_can_fua))
-            self.can_trim = bool(self._flag(h, lib.nbd_can_trim))
-            self.can_zero = bool(self._flag(h, lib.nbd_can_zero))
-            self.multi_conn = bool(self._flag(h, lib.nbd_can_multi_conn))
-            sizes = [self._flag(h, self._block_size(k))
-                     for k in (lib.LIBNBD_SIZE_MINIMUM, lib.LIBNBD_SIZE_PREFERRED,
-                               lib.LIBNBD_SIZE_MAXIMUM)]
+            self._connect_now(h)
+            self.shape = self._shape(h)
             lib.nbd_shutdown(h, 0)  # a clean goodbye: servers log a dropped connection
         finally:
             lib.nbd_close(h)
-        self.read_only = read_only or export_ro
+        shape = self.shape
+        self.size, self.multi_conn = shape.size, shape.multi_conn
+        self.can_flush, self.can_fua = shape.flush, shape.fua
+        self.can_trim, self.can_zero = shape.trim, shape.zero
+        self.read_only = read_only or shape.read_only
         self.one_loop = not self.multi_conn
-        self.geometry = _geometry(self.size, *sizes, read_only=self.read_only,
-                                  flush=self.can_flush, fua=self.can_fua,
-                                  trim=self.can_trim and not self.read_only,
+        self.geometry = _geometry(self.size, *shape.block_sizes,
+                                  read_only=self.read_only, flush=self.can_flush,
+                                  fua=self.can_fua, trim=self.can_trim and not self.read_only,
                                   zero=self.can_zero and not self.read_only)
+
+    def _check_tls(self) -> None:
+        """Refuse TLS that would check nothing: over a unix socket libnbd has
+        no host name to hold the certificate to, and takes any."""
+        scheme = self.uri.partition("://")[0].lower()
+        if self.tls_hostname is not None:
+            if not scheme.startswith("nbds"):
+                raise NbdError(f"NBD server {self.uri}: --tls-hostname is for TLS: use an "
+                               "nbds:// or nbds+unix:// URI, or drop it")
+            if not self.lib.anbd_can_tls_hostname():
+                raise NbdError(f"NBD server {self.uri}: --tls-hostname needs libnbd 1.22 or "
+                               "later (nbd_set_tls_hostname); with this one use TLS over TCP "
+                               "(nbds://HOST:PORT/EXPORT), where the URI's host is checked")
+        elif scheme == "nbds+unix":
+            raise NbdError(f"NBD server {self.uri}: TLS over a unix socket checks no host "
+                           "name, so any certificate would pass: give the name the server's "
+                           "certificate holds (--tls-hostname)")
+
+    def _connect_now(self, h: Any) -> None:
+        """Connect ``h`` within CONNECT_TIMEOUT: libnbd's state machine polled
+        against a deadline (its blocking connect waits forever for a server
+        that accepts and never answers)."""
+        lib = self.lib
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        if lib.nbd_aio_connect_uri(h, self.uri.encode()) == -1:
+            raise NbdError(f"NBD server {self.uri}: {_why(self.ffi, lib)}")
+        while not lib.nbd_aio_is_ready(h):
+            if lib.nbd_aio_is_dead(h) or lib.nbd_aio_is_closed(h):
+                raise NbdError(f"NBD server {self.uri}: {_why(self.ffi, lib)}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NbdError(self._timed_out())
+            if lib.nbd_poll(h, max(1, min(int(left * 1000), 1000))) == -1:
+                raise NbdError(f"NBD server {self.uri}: {_why(self.ffi, lib)}")
+
+    def _timed_out(self) -> str:
+        return (f"NBD server {self.uri}: no answer in {CONNECT_TIMEOUT:g} s (timed out): is "
+                "it an NBD server, and is it serving?")
 
     def new_handle(self) -> Any:
         """A libnbd handle set up as every connection of this target is."""
@@ -356,6 +428,11 @@ class NbdTarget(Target):
             why = _why(self.ffi, lib)
             lib.nbd_close(h)
             raise NbdError(f"TLS certificates {self.tls_certificates}: {why}")
+        if self.tls_hostname is not None and lib.anbd_set_tls_hostname(
+                h, self.tls_hostname.encode()) == -1:
+            why = _why(self.ffi, lib)
+            lib.nbd_close(h)
+            raise NbdError(f"TLS host name {self.tls_hostname!r}: {why}")
         return h
 
     def _flag(self, h: Any, get: Callable[[Any], int]) -> int:
@@ -367,18 +444,38 @@ class NbdTarget(Target):
     def _block_size(self, kind: int) -> Callable[[Any], int]:
         return lambda h: int(self.lib.nbd_get_block_size(h, kind))
 
+    def _shape(self, h: Any) -> _Shape:
+        """What the device is made from, as the server of ``h`` advertises it."""
+        lib = self.lib
+        flag = functools.partial(self._flag, h)
+        return _Shape(
+            size=flag(lib.nbd_get_size), read_only=bool(flag(lib.nbd_is_read_only)),
+            flush=bool(flag(lib.nbd_can_flush)), fua=bool(flag(lib.nbd_can_fua)),
+            trim=bool(flag(lib.nbd_can_trim)), zero=bool(flag(lib.nbd_can_zero)),
+            multi_conn=bool(flag(lib.nbd_can_multi_conn)),
+            block_sizes=(flag(self._block_size(lib.LIBNBD_SIZE_MINIMUM)),
+                         flag(self._block_size(lib.LIBNBD_SIZE_PREFERRED)),
+                         flag(self._block_size(lib.LIBNBD_SIZE_MAXIMUM))))
+
     def check_same(self, h: Any) -> None:
-        """A reconnection must find the export the device was made from."""
-        size = self.lib.nbd_get_size(h)
-        if size != self.size:
-            raise NbdError(f"NBD export {self.uri} is now {size} bytes, not {self.size}")
+        """A reconnection must find the export as the device was made from it:
+        same size, flags and block sizes (a server without multi-conn now
+        would leave one connection's FLUSH not covering another's writes)."""
+        was, now = dataclasses.asdict(self.shape), dataclasses.asdict(self._shape(h))
+        changed = [f"{k} {was[k]} -> {now[k]}" for k in was if now[k] != was[k]]
+        if changed:
+            raise NbdError(f"NBD export {self.uri} changed since the device was made "
+                           f"({', '.join(changed)}): refused")
 
     # ------------------------------------------------------- per loop ---
 
     async def queue_setup(self, q: QueueContext) -> None:
         link = _Link(self, q.loop, q.worker)
         try:
-            await link.connect()
+            try:
+                await asyncio.wait_for(link.connect(), CONNECT_TIMEOUT)
+            except TimeoutError:
+                raise NbdError(self._timed_out()) from None
         except BaseException:
             await link.close()
             raise

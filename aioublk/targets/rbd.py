@@ -11,6 +11,11 @@ One image handle per device, shared by all its queues, so the device serves
 them from one loop (``one_loop``): two handles on one image in one process
 would pass its exclusive lock back and forth on every write.
 
+A read that librbd answers short (the image was shrunk by another client
+since the device was made, and the read crosses its new end) has the rest
+of its buffer zeroed, as the loop target reads past a file's end: the
+buffer would otherwise still hold an earlier request's bytes.
+
 FUA is a write then a flush. Connecting, the pool, the image and the
 snapshot are checked when the target is made, each failure one line; that
 probe's connection is shut at once, and the image is opened again by the
@@ -228,10 +233,14 @@ class RbdTarget(Target):
             del self.pending[rid]
             finish(r)
 
-    async def _run(self, issue: Callable[[int], int], buf: Any = None) -> None:
+    async def _run(self, issue: Callable[[int], int], buf: Any = None,
+                   into: memoryview | None = None) -> None:
+        """One librbd call awaited; ``into``: a read's buffer, zeroed past a short answer."""
         fut = asyncio.get_running_loop().create_future()
 
         def finish(res: int) -> None:
+            if into is not None:
+                _zero_past(into, res)
             if buf is not None:
                 self.ffi.release(buf)
             if fut.done():
@@ -244,8 +253,11 @@ class RbdTarget(Target):
         self._submit(issue, finish)
         await fut
 
-    def _start(self, issue: Callable[[int], int], buf: Any, n: int, done: Done) -> None:
+    def _start(self, issue: Callable[[int], int], buf: Any, n: int, done: Done,
+               into: memoryview | None = None) -> None:
         def finish(res: int) -> None:
+            if into is not None:
+                _zero_past(into, res)
             self.ffi.release(buf)
             done(n if res >= 0 else res)
 
@@ -259,7 +271,7 @@ class RbdTarget(Target):
 
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
         b, n, lib, img = self.ffi.from_buffer(buf), len(buf), self.lib, self.image
-        self._start(lambda i: lib.arbd_read(img, b, n, offset, i), b, n, done)
+        self._start(lambda i: lib.arbd_read(img, b, n, offset, i), b, n, done, buf)
         return True
 
     def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
@@ -271,7 +283,7 @@ class RbdTarget(Target):
 
     async def read(self, offset: int, buf: memoryview) -> None:
         b, n, lib, img = self.ffi.from_buffer(buf), len(buf), self.lib, self.image
-        await self._run(lambda i: lib.arbd_read(img, b, n, offset, i), b)
+        await self._run(lambda i: lib.arbd_read(img, b, n, offset, i), b, buf)
 
     async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
         self._refuse_write()
@@ -296,3 +308,10 @@ class RbdTarget(Target):
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "image": self.spec, "conf": self.conf, "id": self.id}
+
+
+def _zero_past(buf: memoryview, res: int) -> None:
+    """A read answered with ``res`` bytes (librbd clips a read at the image's
+    end): zeros after them, never what the buffer held before."""
+    if 0 <= res < len(buf):
+        buf[res:] = bytes(len(buf) - res)
