@@ -357,3 +357,28 @@ def test_guest_kernel_and_accel_options_reach_vng(
     pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--guest-kernel={image}",
                                   "--guest-accel=kvm")
     assert "--disable-kvm" not in (pytester.path / "argv").read_text().splitlines()
+
+
+def test_a_boot_that_hangs_before_the_script_is_booted_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A TCG boot can hang for good before our script runs: that boot is stopped after
+    BOOT_TIMEOUT and the guest booted again, instead of the whole run's limit passing.
+    The stand-in vng hangs the first time and runs the script (here, on the host) after."""
+    count = tmp_path / "boots"
+    vng = tmp_path / "vng"
+    vng.write_text(f'#!/bin/sh\necho x >> {count}\n'
+                   f'[ "$(wc -l < {count})" -ge 2 ] || exec sleep 600\n'
+                   'for a; do case "$a" in --exec=*) eval "${a#--exec=}";; esac; done\n')
+    vng.chmod(0o755)
+    monkeypatch.setenv("AIOUBLK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(guest, "_vng", lambda: str(vng))
+    monkeypatch.setattr(guest, "BOOT_TIMEOUT", 2.0)
+    out = tmp_path / "out"
+    out.mkdir()
+    code = guest.run_in_guest(["sh", "-c", f"echo ran > {out / 'ran'}"], [out], timeout=60,
+                              kernel=guest.Kernel("fake", tmp_path / "bzImage"), accel="tcg",
+                              on_output=lambda _b: None)
+    assert code == 0 and (out / "ran").read_text() == "ran\n"
+    assert count.read_text().count("x") == 2
+    assert "did not reach our script in 2 s" in capsys.readouterr().err

@@ -80,8 +80,12 @@ FORWARDED_ENV = ("PYTHONPATH", "PYTHONWARNINGS", "CI", "LANG", "LC_ALL", "TERM",
 STATUS_TIMEOUT = 124  # like timeout(1)
 STATUS_NO_RESULT = 125  # the guest never wrote a status: boot failure, crash, vng error
 NVME_BYTES = 512 << 20  # the emulated NVMe namespace (a sparse file on the host)
-#: boots of one run before giving up when the guest kernel dies before our script starts
+#: boots of one run before giving up when the guest kernel dies or hangs before our
+#: script starts
 BOOTS = 3
+#: seconds a boot may take to reach our script (7-20 s idle; seen: a TCG boot hung for
+#: good after bringing up its CPUs)
+BOOT_TIMEOUT = float(os.environ.get("AIOUBLK_GUEST_BOOT_TIMEOUT", "240"))
 
 
 ACCELS = ("auto", "kvm", "tcg")
@@ -414,20 +418,27 @@ def run_in_guest(
     cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus, kvm=kvm,
                       nvme=nvme)
     deadline = time.monotonic() + timeout
+    hung = f"the guest kernel did not reach our script in {BOOT_TIMEOUT:.0f} s"
+    boot_deadline = 0.0
 
     def stop_why() -> str | None:
         if time.monotonic() > deadline:
             return f"timed out after {timeout:.0f} s"
+        if time.monotonic() > boot_deadline and not (ctl / "booted").exists():
+            return hung
         return watchdog() if watchdog is not None else None
 
     for boot in range(1, BOOTS + 1):
+        boot_deadline = time.monotonic() + BOOT_TIMEOUT
         timed_out, returncode = _boot(cmd, workdir, vng, log, output, stop_why, on_output)
-        if status.exists() or timed_out or (ctl / "booted").exists() or boot == BOOTS:
+        if status.exists() or (timed_out and timed_out != hung) or \
+                (ctl / "booted").exists() or boot == BOOTS:
             break
-        # an emulated SMP boot now and then dies before our script runs
-        # (seen: an int3 oops in sched_clock_cpu under TCG): not the tests' fault
+        # an emulated SMP boot now and then dies or hangs before our script runs
+        # (seen: an int3 oops in sched_clock_cpu under TCG; a boot stuck after
+        # "smp: Brought up 1 node"): not the tests' fault
         why = next((ln for ln in log.read_text(errors="replace").splitlines()
-                    if "Kernel panic" in ln), "no sign of life")
+                    if "Kernel panic" in ln), timed_out or "no sign of life")
         print(f"aioublk guest: the guest kernel did not boot ({why.strip()}): booting again",
               file=sys.stderr)
     if status.exists():
