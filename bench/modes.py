@@ -357,17 +357,18 @@ def _guest_timeout(runtime: int, rounds: int, quick: bool) -> float:
     return 600 + rounds * (devices * 120 + fio_runs * (runtime + RAMP + 30))
 
 
-def run_guest(module: str, args: list[str], timeout: float,
-              cpus: int = 2) -> tuple[int, dict[str, object] | None]:
+def run_guest(module: str, args: list[str], timeout: float, cpus: int = 2,
+              kublk: bool = True) -> tuple[int, dict[str, object] | None]:
     """Run ``python -m MODULE ARGS --inner KUBLK OUT`` in the guest (here when this host has
-    ublk_drv), building kublk first: (exit status, the JSON it left in OUT or None)."""
+    ublk_drv), building kublk first (without `kublk`: ``--inner OUT``): (exit status, the
+    JSON it left in OUT or None)."""
     from aioublk.testing.guest import run_in_guest
     from aioublk.testing.kublk import ensure_kublk
 
-    kublk = str(ensure_kublk())
+    peer = [str(ensure_kublk())] if kublk else []
     with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
         out = Path(rw) / "result.json"
-        argv = [sys.executable, "-m", module, *args, "--inner", kublk, str(out)]
+        argv = [sys.executable, "-m", module, *args, "--inner", *peer, str(out)]
         if Path("/dev/ublk-control").exists():
             code = subprocess.run(argv).returncode
         else:
