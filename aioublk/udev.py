@@ -60,15 +60,16 @@ def check_trusted(python: str, package: str) -> None:
     it), the ``package`` directory (all of it) and this interpreter's site
     directories (and what is in them: ``.pth`` files run at startup)."""
     # the deepest first: a refusal names the place nearest to what root runs
-    places = [*reversed(_path(python, must_exist=True)), *_tree(package)]
-    places += reversed(_path(package, must_exist=True))
+    places = [*_walked(_path(python, must_exist=True)), *_tree(package)]
+    places += _walked(_path(package, must_exist=True))
     paths = sysconfig.get_paths()
     for site in dict.fromkeys(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")):
-        places += reversed(_path(site))
+        places += _walked(_path(site))
         if os.path.isdir(site):
-            places += ((e.path, e.stat(follow_symlinks=False)) for e in os.scandir(site))
-    for where, st in places:
-        why = _others_may_change(where, st)
+            places += ((e.path, e.stat(follow_symlinks=False), False)
+                       for e in os.scandir(site))
+    for where, st, passed in places:
+        why = _others_may_change(where, st, passed)
         if why is not None:
             raise UblkError(f"no udev rule for {python}: {why}, and root would run it for "
                             "every ublk node any user creates: install aioublk where only "
@@ -76,11 +77,22 @@ def check_trusted(python: str, package: str) -> None:
                             "the rule with that python")
 
 
-def _others_may_change(path: str, st: os.stat_result) -> str | None:
+def _walked(path: list[tuple[str, os.stat_result]]) -> list[tuple[str, os.stat_result, bool]]:
+    """A path's places, the deepest first, each marked whether the walk only passed
+    through it (every one but the last)."""
+    return [(p, st, i < len(path) - 1) for i, (p, st) in reversed(list(enumerate(path)))]
+
+
+def _others_may_change(path: str, st: os.stat_result, passed: bool = False) -> str | None:
+    """Why others may change what root runs through ``path``, or None. A sticky
+    directory the walk only passes through (``/tmp``) is safe: others may add names
+    there, never replace the root-owned one the walk goes on to (itself checked)."""
     if stat.S_ISLNK(st.st_mode):
         return None  # (a symlink cannot be changed, only replaced in its directory)
     if st.st_uid != 0:
         return f"{path} is owned by uid {st.st_uid}"
+    if passed and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX:
+        return None
     if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != 0):
         return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
@@ -119,11 +131,12 @@ def _path(path: str, must_exist: bool = False) -> list[tuple[str, os.stat_result
     return seen
 
 
-def _tree(top: str) -> list[tuple[str, os.stat_result]]:
+def _tree(top: str) -> list[tuple[str, os.stat_result, bool]]:
     """Everything under the directory ``top`` (not following symlinks)."""
     found = []
     for d, dirs, files in os.walk(top):
-        found += [(os.path.join(d, n), os.lstat(os.path.join(d, n))) for n in dirs + files]
+        found += [(os.path.join(d, n), os.lstat(os.path.join(d, n)), False)
+                  for n in dirs + files]
     return found
 
 

@@ -289,3 +289,18 @@ def _umask() -> int:
     old = os.umask(0)
     os.umask(old)
     return old
+
+
+def test_udev_rule_passes_through_a_sticky_directory_only(tmp_path: Path) -> None:
+    """A checkout under /tmp: a sticky world-writable directory on the way is safe
+    (others cannot replace the root-owned entry the walk goes on to); the same
+    directory without the sticky bit is not."""
+    from aioublk import udev
+
+    shared = tmp_path / "shared"
+    (shared / "pkg").mkdir(parents=True)
+    shared.chmod(0o1777)
+    udev.check_trusted(sys.executable, str(shared / "pkg"))
+    shared.chmod(0o777)
+    with pytest.raises(UblkError, match="shared is writable by others"):
+        udev.check_trusted(sys.executable, str(shared / "pkg"))
