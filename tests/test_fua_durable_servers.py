@@ -27,6 +27,7 @@ from aioublk.target import teardown_queue
 from aioublk.targets import nvme
 from aioublk.targets.nbd import NbdTarget
 from aioublk.targets.rbd import RbdTarget
+from tests.test_fua_durable import aligned
 from tests.test_nbd_host import Server, _attached
 from tests.test_nvme_host import fake_block, served_by
 from tests.test_rbd_host import attached  # noqa: F401 - a fixture
@@ -84,13 +85,6 @@ def logged_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tu
     server.kill()
 
 
-def _aligned(data: bytes) -> memoryview:
-    import mmap
-    m = memoryview(mmap.mmap(-1, len(data)))
-    m[:] = data
-    return m
-
-
 @needs_nbdkit
 @pytest.mark.asyncio
 async def test_nbd_fua_write_and_flush_are_durable_on_the_server(
@@ -99,10 +93,10 @@ async def test_nbd_fua_write_and_flush_are_durable_on_the_server(
     t = NbdTarget(uri)
     q = await _attached(t)
     try:
-        await t.write(64 * K, _aligned(os.urandom(8 * K)))
+        await t.write(64 * K, aligned(os.urandom(8 * K)))
         assert not told_durable(log.read_text().splitlines(), 64 * K, 8 * K), \
             "the check has no teeth: a plain write counted as durable"
-        await t.write(128 * K, _aligned(os.urandom(8 * K)), fua=True)
+        await t.write(128 * K, aligned(os.urandom(8 * K)), fua=True)
         assert told_durable(log.read_text().splitlines(), 128 * K, 8 * K), log.read_text()
         await t.flush()
         assert told_durable(log.read_text().splitlines(), 64 * K, 8 * K), log.read_text()
@@ -181,10 +175,10 @@ async def test_rbd_fua_write_and_flush_reach_librbd_in_order(
             for o in ops)
 
     t._submit = recording  # type: ignore[method-assign]
-    await t.write(0, _aligned(os.urandom(8 * K)))
+    await t.write(0, aligned(os.urandom(8 * K)))
     assert ops[-1]["kind"] == "arbd_write" and not flushed_after(len(ops) - 1), \
         "the check has no teeth: a plain write counted as flushed"
-    await t.write(64 * K, _aligned(os.urandom(8 * K)), fua=True)
+    await t.write(64 * K, aligned(os.urandom(8 * K)), fua=True)
     assert ops[1]["kind"] == "arbd_write" and flushed_after(1), ops
     await t.flush()
     assert flushed_after(0), ops
