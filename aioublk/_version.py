@@ -1,12 +1,6 @@
-"""aioublk's version, from the installed package's metadata. Its one source
-is ``project.version`` in pyproject.toml; installing (``scripts/setup``
-reinstalls when pyproject.toml changes) writes it into the metadata."""
+"""aioublk's version: the one place it is written. pyproject.toml reads it
+(``dynamic = ["version"]``) so the installed metadata agrees, and nothing
+reads the metadata at run time: importlib.metadata costs seconds per
+command in an emulated guest."""
 
-from __future__ import annotations
-
-from importlib import metadata
-
-try:
-    __version__ = metadata.version("aioublk")
-except metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
-    __version__ = "0+unknown"
+__version__ = "0.1.0"

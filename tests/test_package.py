@@ -157,12 +157,16 @@ def test_every_error_class_of_the_library_is_exported() -> None:
         assert issubclass(getattr(aioublk, name), aioublk.Error)
 
 
-def test_one_version_from_pyproject_through_the_metadata() -> None:
-    """pyproject.toml is the source; the installed metadata and
-    aioublk.__version__ agree with it (a mismatch: run scripts/setup)."""
-    version = pyproject()["project"]["version"]  # type: ignore[index]
-    assert metadata.version("aioublk") == version
-    assert aioublk.__version__ == version
+def test_one_version_written_once_and_read_without_the_metadata() -> None:
+    """aioublk/_version.py is the source; pyproject.toml takes it from there,
+    the installed metadata agrees (a mismatch: run scripts/setup), and
+    nothing imports importlib.metadata to learn it (seconds in a guest)."""
+    assert pyproject()["project"]["dynamic"] == ["version"]  # type: ignore[index]
+    assert metadata.version("aioublk") == aioublk.__version__
+    out = subprocess.run([sys.executable, "-c", "import sys, aioublk.cli; "
+                          "print('importlib.metadata' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout == "False\n"
 
 
 def test_cli_version() -> None:
