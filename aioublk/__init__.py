@@ -4,40 +4,102 @@ Every name an application needs is here: the device and its options, the
 target base class and its buffers, the data-plane maps, the ring, the
 built-in targets, the qcow2 engine, and ``Error`` with its subclasses."""
 
+from typing import TYPE_CHECKING
+
+from aioublk._lazy import exports
 from aioublk._version import __version__ as __version__
-from aioublk.config import ConfigError
-from aioublk.dataplane import Extents, Linear, Map, Null, Striped
-from aioublk.device import Control, Device
-from aioublk.errors import Error
-from aioublk.extents import ExtentConflict, ExtentTable
-from aioublk.locking import InUse, LockFailed
-from aioublk.logs import LogFileError
-from aioublk.metrics import MetricsError
-from aioublk.options import CopyMode, DeviceConfig, IntegrityError, UblkError
-from aioublk.qcow2 import Qcow2Error, Qcow2Image
-from aioublk.ring import Ring, current_ring
-from aioublk.stats import RunDirError
-from aioublk.target import (
-    Buffer,
-    Done,
-    FixedBuf,
-    Geometry,
-    QueueContext,
-    QueueSetupError,
-    Target,
-    current_queue,
-)
-from aioublk.targets import (
-    BackingError,
-    LoopTarget,
-    NbdError,
-    NullTarget,
-    RbdError,
-    StripeTarget,
-)
-from aioublk.targets.nvme import NvmeError
-from aioublk.targets.qcow2 import Qcow2Target
-from aioublk.targets.zoned import ZonedError, ZonedTarget
+
+#: where each exported name lives; imported on first use (see aioublk._lazy)
+_WHERE = {
+    "ConfigError": "aioublk.config",
+    "Extents": "aioublk.dataplane",
+    "Linear": "aioublk.dataplane",
+    "Map": "aioublk.dataplane",
+    "Null": "aioublk.dataplane",
+    "Striped": "aioublk.dataplane",
+    "Control": "aioublk.device",
+    "Device": "aioublk.device",
+    "Error": "aioublk.errors",
+    "ExtentConflict": "aioublk.extents",
+    "ExtentTable": "aioublk.extents",
+    "InUse": "aioublk.locking",
+    "LockFailed": "aioublk.locking",
+    "LogFileError": "aioublk.logs",
+    "MetricsError": "aioublk.metrics",
+    "CopyMode": "aioublk.options",
+    "DeviceConfig": "aioublk.options",
+    "IntegrityError": "aioublk.options",
+    "UblkError": "aioublk.options",
+    "Qcow2Error": "aioublk.qcow2.format",
+    "Qcow2Image": "aioublk.qcow2.image",
+    "Ring": "aioublk.ring",
+    "current_ring": "aioublk.ring",
+    "RunDirError": "aioublk.stats",
+    "Buffer": "aioublk.target",
+    "Done": "aioublk.target",
+    "FixedBuf": "aioublk.target",
+    "Geometry": "aioublk.target",
+    "QueueContext": "aioublk.target",
+    "QueueSetupError": "aioublk.target",
+    "Target": "aioublk.target",
+    "current_queue": "aioublk.target",
+    "BackingError": "aioublk.targets.backing",
+    "LoopTarget": "aioublk.targets.loop",
+    "NbdError": "aioublk.targets.nbd",
+    "NullTarget": "aioublk.targets.null",
+    "RbdError": "aioublk.targets.rbd",
+    "StripeTarget": "aioublk.targets.stripe",
+    "NvmeError": "aioublk.targets.nvme",
+    "Qcow2Target": "aioublk.targets.qcow2",
+    "ZonedError": "aioublk.targets.zoned",
+    "ZonedTarget": "aioublk.targets.zoned",
+}
+
+__getattr__, __dir__ = exports(__name__, _WHERE)
+
+if TYPE_CHECKING:
+    from aioublk.config import ConfigError as ConfigError
+    from aioublk.dataplane import Extents as Extents
+    from aioublk.dataplane import Linear as Linear
+    from aioublk.dataplane import Map as Map
+    from aioublk.dataplane import Null as Null
+    from aioublk.dataplane import Striped as Striped
+    from aioublk.device import Control as Control
+    from aioublk.device import Device as Device
+    from aioublk.errors import Error as Error
+    from aioublk.extents import ExtentConflict as ExtentConflict
+    from aioublk.extents import ExtentTable as ExtentTable
+    from aioublk.locking import InUse as InUse
+    from aioublk.locking import LockFailed as LockFailed
+    from aioublk.logs import LogFileError as LogFileError
+    from aioublk.metrics import MetricsError as MetricsError
+    from aioublk.options import CopyMode as CopyMode
+    from aioublk.options import DeviceConfig as DeviceConfig
+    from aioublk.options import IntegrityError as IntegrityError
+    from aioublk.options import UblkError as UblkError
+    from aioublk.qcow2.format import Qcow2Error as Qcow2Error
+    from aioublk.qcow2.image import Qcow2Image as Qcow2Image
+    from aioublk.ring import Ring as Ring
+    from aioublk.ring import current_ring as current_ring
+    from aioublk.stats import RunDirError as RunDirError
+    from aioublk.target import Buffer as Buffer
+    from aioublk.target import Done as Done
+    from aioublk.target import FixedBuf as FixedBuf
+    from aioublk.target import Geometry as Geometry
+    from aioublk.target import QueueContext as QueueContext
+    from aioublk.target import QueueSetupError as QueueSetupError
+    from aioublk.target import Target as Target
+    from aioublk.target import current_queue as current_queue
+    from aioublk.targets.backing import BackingError as BackingError
+    from aioublk.targets.loop import LoopTarget as LoopTarget
+    from aioublk.targets.nbd import NbdError as NbdError
+    from aioublk.targets.null import NullTarget as NullTarget
+    from aioublk.targets.nvme import NvmeError as NvmeError
+    from aioublk.targets.qcow2 import Qcow2Target as Qcow2Target
+    from aioublk.targets.rbd import RbdError as RbdError
+    from aioublk.targets.stripe import StripeTarget as StripeTarget
+    from aioublk.targets.zoned import ZonedError as ZonedError
+    from aioublk.targets.zoned import ZonedTarget as ZonedTarget
 
 __all__ = [
     # devices

@@ -1,11 +1,32 @@
 """Built-in targets, by the names the CLI and config files use."""
 
-from aioublk.targets.backing import BackingError
-from aioublk.targets.loop import LoopTarget
-from aioublk.targets.nbd import NbdError, NbdTarget
-from aioublk.targets.null import NullTarget
-from aioublk.targets.rbd import RbdError, RbdTarget
-from aioublk.targets.stripe import StripeTarget
+from typing import TYPE_CHECKING
+
+from aioublk._lazy import exports
+
+#: imported on first use: `-t null` need not load librbd (see aioublk._lazy)
+_WHERE = {
+    "BackingError": "aioublk.targets.backing",
+    "LoopTarget": "aioublk.targets.loop",
+    "NbdError": "aioublk.targets.nbd",
+    "NbdTarget": "aioublk.targets.nbd",
+    "NullTarget": "aioublk.targets.null",
+    "RbdError": "aioublk.targets.rbd",
+    "RbdTarget": "aioublk.targets.rbd",
+    "StripeTarget": "aioublk.targets.stripe",
+}
+
+__getattr__, __dir__ = exports(__name__, _WHERE)
+
+if TYPE_CHECKING:
+    from aioublk.targets.backing import BackingError as BackingError
+    from aioublk.targets.loop import LoopTarget as LoopTarget
+    from aioublk.targets.nbd import NbdError as NbdError
+    from aioublk.targets.nbd import NbdTarget as NbdTarget
+    from aioublk.targets.null import NullTarget as NullTarget
+    from aioublk.targets.rbd import RbdError as RbdError
+    from aioublk.targets.rbd import RbdTarget as RbdTarget
+    from aioublk.targets.stripe import StripeTarget as StripeTarget
 
 __all__ = ["BackingError", "LoopTarget", "NbdError", "NbdTarget", "NullTarget", "RbdError",
            "RbdTarget", "StripeTarget"]
