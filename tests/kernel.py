@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -77,9 +78,70 @@ def parse_list(out: str) -> list[DevListing]:
     return devs
 
 
-def cli(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
-                       stdin=subprocess.DEVNULL)
+def fork_cli(argv: list[str], stdout: int, stderr: int, cwd: Path | str | None = None,
+             as_uid: int | None = None) -> int:
+    """``aioublk ARGV`` in a child forked from this process, its stdout and
+    stderr on the given descriptors: the CLI's own code (parsing, daemonizing,
+    serving, its lines and its exit status) without starting an interpreter,
+    which costs 10-15 s per command in the emulated guest. `as_uid` drops to
+    that user (and its group) first, as setpriv would. Returns the child's
+    pid; the caller reaps it. ``python -m aioublk`` itself is run by the
+    tests that are about the process."""
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    code = 1  # the child: never returns into pytest
+    try:
+        if as_uid is not None:
+            import pwd
+
+            user = pwd.getpwuid(as_uid)
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(as_uid)
+        if cwd is not None:
+            os.chdir(cwd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        for src, dst in ((null, 0), (stdout, 1), (stderr, 2)):
+            os.dup2(src, dst)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        code = cli_mod.main(argv)
+    except SystemExit as e:  # argparse's errors and --help, as the interpreter reports them
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - a traceback, as the interpreter prints it
+        traceback.print_exc()
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            f.flush()
+        os._exit(code)
+
+
+def wait_exit(pid: int, timeout: float) -> int:
+    """The exit status of child `pid`; killed and reaped past `timeout`."""
+    fd = os.pidfd_open(pid)
+    try:
+        if not select.select([fd], [], [], timeout)[0]:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired(["aioublk"], timeout)
+    finally:
+        os.close(fd)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def cli(*args: str, timeout: float = 60, check: bool = True, cwd: Path | str | None = None,
+        as_uid: int | None = None) -> subprocess.CompletedProcess[str]:
+    """``aioublk ARGS`` as `fork_cli` runs it, with its output and status."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        code = wait_exit(fork_cli(list(args), out.fileno(), err.fileno(), cwd, as_uid), timeout)
+        out.seek(0)
+        err.seek(0)
+        p = subprocess.CompletedProcess([*CLI, *args], code, out.read().decode(),
+                                        err.read().decode())
     if check and p.returncode != 0:
         raise AssertionError(f"aioublk {' '.join(args)} failed ({p.returncode}): "
                              f"{p.stderr.strip()}")
@@ -219,27 +281,15 @@ def served(target: Target, **config: Any) -> Iterator[Device]:
 
 def start_server(args: list[str], log: Path, timeout: float = 120,
                  cmd: str = "add") -> DevListing:
-    """``aioublk CMD ARGS --foreground`` (add or recover) in a child forked from this process:
-    the CLI's own code (argument parsing, target, serve) without starting a
-    Python interpreter, which costs 6-20 s per run in the emulated guest.
-    Its stderr goes to ``log``; the caller reaps it (os.waitpid)."""
+    """``aioublk CMD ARGS --foreground`` (add or recover) as `fork_cli` runs
+    it, once it serves. Its stderr goes to ``log``; the caller reaps it
+    (os.waitpid)."""
     rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            os.close(rfd)
-            err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            null = os.open(os.devnull, os.O_RDONLY)
-            for src, dst in ((null, 0), (wfd, 1), (err, 2)):
-                os.dup2(src, dst)
-            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-            code = cli_mod.main([cmd, *args, "--foreground"])
-        except BaseException:  # noqa: BLE001 - reported through the log
-            traceback.print_exc()
-        finally:
-            os._exit(code)
+    err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pid = fork_cli([cmd, *args, "--foreground"], wfd, err)
+    finally:
+        os.close(err)
     os.close(wfd)
     out = b""
     deadline = time.monotonic() + timeout
