@@ -84,7 +84,8 @@ def fork_cli(argv: list[str], stdout: int, stderr: int, cwd: Path | str | None =
     stderr on the given descriptors: the CLI's own code (parsing, daemonizing,
     serving, its lines and its exit status) without starting an interpreter,
     which costs 10-15 s per command in the emulated guest. `as_uid` drops to
-    that user (and its group) first, as setpriv would. Returns the child's
+    that uid (group the same, no others) first, as setpriv would; what was
+    decided at import (stats.RUN_DIR) stays root's. Returns the child's
     pid; the caller reaps it. ``python -m aioublk`` itself is run by the
     tests that are about the process."""
     pid = os.fork()
@@ -92,20 +93,17 @@ def fork_cli(argv: list[str], stdout: int, stderr: int, cwd: Path | str | None =
         return pid
     code = 1  # the child: never returns into pytest
     try:
-        if as_uid is not None:
-            import pwd
-
-            user = pwd.getpwuid(as_uid)
-            os.setgroups([])
-            os.setgid(user.pw_gid)
-            os.setuid(as_uid)
-        if cwd is not None:
-            os.chdir(cwd)
         null = os.open(os.devnull, os.O_RDONLY)
         for src, dst in ((null, 0), (stdout, 1), (stderr, 2)):
             os.dup2(src, dst)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        if cwd is not None:  # (as root, as subprocess's cwd= would)
+            os.chdir(cwd)
+        if as_uid is not None:
+            os.setgroups([])
+            os.setgid(as_uid)
+            os.setuid(as_uid)
         code = cli_mod.main(argv)
     except SystemExit as e:  # argparse's errors and --help, as the interpreter reports them
         if isinstance(e.code, int) or e.code is None:

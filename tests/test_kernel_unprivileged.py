@@ -2,8 +2,11 @@
 
 udevd (Debian's, unpacked under the cache by scripts/setup) runs with our
 rule only for this module; users 1000 and 1001 are plain uids, made with
-setpriv. Every CLI call is a fresh interpreter because it must run as the
-user, which costs seconds each in the emulated guest.
+setpriv. What a user's commands record and read (its run directory,
+chosen at import from its uid and environment) needs a fresh interpreter
+started as that user; a refusal that comes first forks from pytest and
+drops to the user (kernel.cli's as_uid), since each interpreter costs
+10-15 s in the emulated guest.
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ def test_a_user_creates_uses_and_deletes_a_device_of_its_own(udevd: None) -> Non
     assert (mine.state, mine.target) == ("LIVE", f"loop file {backing}"), listed.stdout
 
     # another user can neither delete it nor read it
-    _one_line_error(as_user(OTHER, *kernel.CLI, "del", "-n", str(n), cwd=work),
+    _one_line_error(kernel.cli("del", "-n", str(n), cwd=work, as_uid=OTHER, check=False),
                     f"device {n}", "not yours")
     dd = as_user(OTHER, "dd", f"if=/dev/ublkb{n}", "of=/dev/null", "bs=4k", "count=1")
     assert dd.returncode != 0, dd.stderr
@@ -158,18 +161,16 @@ def test_what_needs_root_is_refused_in_one_line(udevd: None) -> None:
     os.chown(work, USER, USER)
     _one_line_error(as_user(USER, *kernel.CLI, "add", "-t", "null", cwd=work),
                     "needs root", "--unprivileged")
-    _one_line_error(as_user(USER, *kernel.CLI, "add", "-t", "null", "--unprivileged", "-z",
-                            cwd=work), "needs root")
-    _one_line_error(as_user(USER, *kernel.CLI, "add", "-t", "null", "--unprivileged", "-r",
-                            "1", cwd=work), "needs root")
+    for refused in (["-z"], ["-r", "1"]):
+        _one_line_error(kernel.cli("add", "-t", "null", "--unprivileged", *refused, cwd=work,
+                                   as_uid=USER, check=False), "needs root")
     # root asking for an unprivileged device would silently get a privileged one
     p = kernel.cli("add", "-t", "null", "--unprivileged", check=False)
     _one_line_error(p, "--unprivileged", "CAP_SYS_ADMIN")
     # and the helper the rule runs leaves root's devices alone
     dev = kernel.add("-t", "null", "-q", "1")
     try:
-        owner = subprocess.run([*kernel.CLI, "udev", "owner", f"ublkb{dev.dev_id}"],
-                               capture_output=True, text=True, timeout=120)
+        owner = kernel.cli("udev", "owner", f"ublkb{dev.dev_id}", check=False)
         assert (owner.returncode, owner.stdout) == (1, ""), owner
     finally:
         kernel.delete(dev.dev_id)
