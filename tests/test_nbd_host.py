@@ -353,12 +353,35 @@ async def test_server_not_back_in_time_fails_with_eio(qemu_nbd: Server) -> None:
 
 @pytest.mark.parametrize("uri,says", [
     ("nbd://127.0.0.1:1/exp", "Connection refused"),
-    ("http://example.com/disk", "connect_uri"),
+    ("http://example.com/disk", "not an NBD URI: use nbd://HOST[:PORT]/EXPORT"),
+    ("NBD://example.com/disk", "not an NBD URI"),  # libnbd's schemes are lower case
+    ("nbd+unix:///disk", "names its socket: nbd+unix:///EXPORT?socket=PATH"),
+    ("nbd://[::1/disk", "Invalid IPv6 URL"),
+    ("nbd://example.com:99999/disk", "Port out of range"),  # libnbd would try it
 ])
 def test_bad_uri_is_one_line(uri: str, says: str) -> None:
     with pytest.raises(NbdError) as e:
         NbdTarget(uri)
     assert says in str(e.value) and uri in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("uri", ["nbd://h/e\nx", "nbd://h/\x1b[2J", "nbd://h/\u00e9"])
+def test_a_uri_that_would_split_the_error_line_is_refused_quoted(uri: str) -> None:
+    with pytest.raises(NbdError) as e:
+        nbd.parse_uri(uri)
+    assert str(e.value) == (f"NBD URI {uri!r}: only printable ASCII belongs in a URI "
+                            "(percent-encode the rest)")
+
+
+@pytest.mark.parametrize("uri,tls,transport", [
+    ("nbd://", False, "tcp"),  # libnbd's localhost:10809
+    ("nbds://example.com:10809/e%20x", True, "tcp"),
+    ("nbd+unix:///e?socket=/tmp/s", False, "unix"),
+    ("nbds+vsock:///", True, "vsock"),
+    ("nbd+ssh://user@host/disk", False, "ssh"),
+])
+def test_parse_uri(uri: str, tls: bool, transport: str) -> None:
+    assert nbd.parse_uri(uri) == nbd.NbdUri(tls, transport)
 
 
 def test_missing_export_is_one_line(qemu_nbd: Server) -> None:

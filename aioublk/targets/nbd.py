@@ -54,6 +54,7 @@ import importlib
 import itertools
 import os
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +91,44 @@ class _Shape:
 
 class NbdError(Error):
     """The NBD server or export cannot be used, in one line."""
+
+
+#: libnbd's URI schemes: (TLS, transport)
+_SCHEMES = {f"nbd{s}{t and '+' + t}": (s == "s", t or "tcp")
+            for s in ("", "s") for t in ("", "unix", "vsock", "ssh")}
+_FORMS = "nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH (nbds for TLS)"
+
+
+@dataclasses.dataclass(frozen=True)
+class NbdUri:
+    """What the target decides from a URI before libnbd connects to it."""
+
+    tls: bool
+    transport: str  # tcp, unix, vsock or ssh
+
+
+def parse_uri(uri: str) -> NbdUri:
+    """The URI's scheme and transport, or a one-line NbdError: a URI is
+    checked here, where its errors can be said plainly, before libnbd parses
+    it again to connect (and before it is ever put in a message: a control
+    character would split the line)."""
+    if not uri.isprintable() or not uri.isascii():
+        raise NbdError(f"NBD URI {uri!r}: only printable ASCII belongs in a URI "
+                       "(percent-encode the rest)")
+    scheme, sep, _ = uri.partition("://")
+    if not sep or scheme not in _SCHEMES:  # (libnbd's schemes are lower case only)
+        raise NbdError(f"NBD URI {uri}: not an NBD URI: use {_FORMS}")
+    try:
+        parts = urllib.parse.urlsplit(uri)
+        parts.port  # noqa: B018 - read only to refuse a bad one now (libnbd takes 99999)
+        query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
+    except ValueError as e:
+        raise NbdError(f"NBD URI {uri}: {e}") from None
+    tls, transport = _SCHEMES[scheme]
+    if transport == "unix" and not query.get("socket", [""])[0]:
+        raise NbdError(f"NBD URI {uri}: a unix socket URI names its socket: "
+                       f"{scheme}:///EXPORT?socket=PATH")
+    return NbdUri(tls, transport)
 
 
 def _lib() -> tuple[Any, Any]:
@@ -377,19 +416,19 @@ class NbdTarget(Target):
     def _check_tls(self) -> None:
         """Refuse TLS that would check nothing: over a unix socket libnbd has
         no host name to hold the certificate to, and takes any."""
-        scheme = self.uri.partition("://")[0].lower()
+        uri = parse_uri(self.uri)
         if self.tls_hostname is not None:
-            if not scheme.startswith("nbds"):
+            if not uri.tls:
                 raise NbdError(f"NBD server {self.uri}: --tls-hostname is for TLS: use an "
                                "nbds:// or nbds+unix:// URI, or drop it")
             if not self.lib.anbd_can_tls_hostname():
                 raise NbdError(f"NBD server {self.uri}: --tls-hostname needs libnbd 1.22 or "
                                "later (nbd_set_tls_hostname); with this one use TLS over TCP "
                                "(nbds://HOST:PORT/EXPORT), where the URI's host is checked")
-        elif scheme == "nbds+unix":
-            raise NbdError(f"NBD server {self.uri}: TLS over a unix socket checks no host "
-                           "name, so any certificate would pass: give the name the server's "
-                           "certificate holds (--tls-hostname)")
+        elif uri.tls and uri.transport in ("unix", "vsock"):
+            raise NbdError(f"NBD server {self.uri}: TLS over a {uri.transport} socket checks "
+                           "no host name, so any certificate would pass: give the name the "
+                           "server's certificate holds (--tls-hostname)")
 
     def _connect_now(self, h: Any) -> None:
         """Connect ``h`` within CONNECT_TIMEOUT: libnbd's state machine polled
