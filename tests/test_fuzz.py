@@ -54,7 +54,8 @@ def test_config_nested_too_deeply(tmp_path: Path) -> None:
 
 #: a bounded run of each target: inputs to run (a few seconds' worth; the
 #: time cap below stops a slow machine's run early, the seed keeps it reproducible)
-BOUNDED = {"header": 20000, "snapshots": 20000, "config": 1000, "image": 300}
+BOUNDED = {"header": 20000, "snapshots": 20000, "config": 1000, "image": 300,
+           "nbd_uri": 20000}
 MAX_TIME = 8  # seconds of fuzzing per target
 
 

@@ -35,14 +35,15 @@ from typing import Any
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-TARGETS = ("header", "image", "snapshots", "config")
+TARGETS = ("header", "image", "snapshots", "config", "nbd_uri")
 #: the code each target measures coverage in (modules and their submodules)
 INSTRUMENT = {"header": ["aioublk.qcow2.format"], "snapshots": ["aioublk.qcow2.format"],
               "config": ["aioublk.config", "aioublk.options", "tomllib"],
-              "image": ["aioublk.qcow2"]}
+              "image": ["aioublk.qcow2"], "nbd_uri": ["aioublk.targets.nbd", "urllib.parse"]}
 #: the longest input each target gets (libFuzzer -max_len): an image's
 #: seeds are up to 81 KiB (extended L2 needs 16 KiB clusters)
-MAX_LEN = {"header": 1 << 16, "snapshots": 1 << 16, "config": 1 << 14, "image": 1 << 17}
+MAX_LEN = {"header": 1 << 16, "snapshots": 1 << 16, "config": 1 << 14, "image": 1 << 17,
+           "nbd_uri": 1 << 12}
 #: per-input time limits (seconds): the image target does real I/O
 TIMEOUTS = {"image": 20}
 DEFAULT_TIMEOUT = 10
@@ -71,7 +72,12 @@ def _instrument(atheris: Any, names: list[str]) -> None:
     """Instrument, in place, the functions and methods defined in the modules
     ``names`` and their submodules. (atheris.instrument_imports would do it at
     import, but its import hook slows every import of aioublk's: seconds.)"""
+    seen: set[int] = set()  # (a class may hold itself: urllib.parse's results do)
+
     def walk(obj: Any, module: str) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
         for v in list(vars(obj).values()):
             f = v.__func__ if isinstance(v, staticmethod | classmethod) else v
             if isinstance(f, property):

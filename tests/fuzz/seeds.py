@@ -3,7 +3,8 @@
 ``corpus/image/seed-*.qcow2``, ``corpus/header/seed-*`` (their first
 cluster), ``corpus/snapshots/seed-*`` (their snapshot tables) and
 ``data/base.qcow2`` (the backing file the image target provides). The
-config target's seeds are copies of ``examples/*.toml``.
+config target's seeds are copies of ``examples/*.toml``, the nbd_uri target's
+the URIs in ``NBD_URIS``.
 
 Small images (512-byte clusters where QEMU allows it) keep each fuzz input
 small and fast; the seeds stay in git, so this runs only to remake them.
@@ -75,6 +76,14 @@ def make(tmp: Path) -> dict[str, bytes]:
     return out
 
 
+#: the nbd_uri target's seeds: each scheme and the URIs libnbd's manual shows
+NBD_URIS = ["nbd://example.com", "nbds://example.com:10809/export",
+            "nbd+unix:///foo?socket=/tmp/nbd.sock",
+            "nbds+unix://alice@/?socket=/tmp/nbd.sock&tls-certificates=certs",
+            "nbd+vsock:///", "nbds+vsock://2:10809/exp", "nbd+ssh://user@host/disk",
+            "nbd://[::1]:10809/e%20x", "nbd:///", "nbd://h:99999/"]
+
+
 def write(name: str, files: dict[str, bytes]) -> None:
     d = CORPUS / name
     d.mkdir(parents=True, exist_ok=True)
@@ -103,6 +112,7 @@ def main() -> None:
     write("header", headers)
     write("snapshots", snapshots)
     write("config", {p.name: p.read_bytes() for p in sorted(EXAMPLES.glob("*.toml"))})
+    write("nbd_uri", {f"{i}.uri": u.encode() for i, u in enumerate(NBD_URIS)})
     shutil.rmtree(CORPUS / "__pycache__", ignore_errors=True)
 
 
