@@ -131,7 +131,9 @@ async def _start_all(cfg: ServeConfig, ctrl: Control) -> list[_Served] | None:
 
 async def _start(ctrl: Control, spec: DeviceSpec) -> _Served:
     reattach = await _reattach(ctrl, spec)
-    target = spec.build_target()
+    # off the loop: a target may connect to a server (nbd, rbd) for seconds,
+    # and the loop must go on answering signals and metrics meanwhile
+    target = await asyncio.to_thread(spec.build_target)
     try:
         dev = Device(target, spec.config)
         await dev.start(recover=reattach)

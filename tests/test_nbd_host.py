@@ -598,6 +598,36 @@ def test_cli_add_to_a_silent_server_is_one_line(tmp_path: Path, monkeypatch: pyt
 
 
 @pytest.mark.asyncio
+async def test_serve_connects_off_its_loop(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve builds each target in a thread: while an NBD server stays
+    silent the loop still runs (it answers signals and metrics), then the
+    connect's one-line error comes out of serve's start."""
+    from aioublk import config, serve
+    from aioublk.options import DeviceConfig
+
+    monkeypatch.setattr(nbd, "CONNECT_TIMEOUT", 1.0, raising=False)
+    lsn, uri = _silent(tmp_path, "tcp")
+    spec = config.DeviceSpec(target="nbd", options={"uri": uri}, where="devices[0]",
+                             config=DeviceConfig())
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+    ticker = asyncio.create_task(tick())
+    try:
+        with pytest.raises(NbdError, match="timed out"):
+            await asyncio.wait_for(serve._start(None, spec), 10)  # type: ignore[arg-type]
+    finally:
+        ticker.cancel()
+        lsn.close()
+    assert ticks > 20  # the loop ran through most of the second
+
+
+@pytest.mark.asyncio
 async def test_queue_connect_to_a_silent_server_times_out(
         qemu_nbd: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server answered the probe, then a silent one took its socket: the
