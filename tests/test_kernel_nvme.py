@@ -56,11 +56,11 @@ def test_fio_verify(copy: list[str], tmp_path: Path) -> None:
     dev = add("-t", "nvme", NG, "-q", "2", *copy)
     try:
         job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randwrite", "--bs=8k",
-                  "--iodepth=32", "--size=96M", "--verify=crc32c", "--verify_fatal=1",
+                  "--iodepth=32", "--size=32M", "--verify=crc32c", "--verify_fatal=1",
                   "--do_verify=1")
-        assert job["write"]["io_bytes"] == 96 * MiB  # type: ignore[index]
+        assert job["write"]["io_bytes"] == 32 * MiB  # type: ignore[index]
         job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randrw", "--bsrange=4k-256k",
-                  "--iodepth=16", "--size=64M", "--offset=128M", "--verify=md5",
+                  "--iodepth=16", "--size=32M", "--offset=128M", "--verify=md5",
                   "--verify_fatal=1", "--do_verify=1")
         assert job["write"]["io_bytes"] > 0  # type: ignore[index]
     finally:

@@ -92,7 +92,7 @@ def test_null_with_a_read_only_buffer(tmp_path: Path, htlb: Path) -> None:
 def test_loop_verify_in_the_shared_buffer(tmp_path: Path, htlb: Path, mode: list[str]) -> None:
     backing = make_file(tmp_path / "loop.img", 64 * MiB)
     d = add("-t", "loop", "--shmem_zc", "--htlb", str(htlb), *mode, str(backing))
-    fio_on(f"/dev/ublkb{d.dev_id}", tmp_path, htlb, "--rw=randwrite", "--size=32M",
+    fio_on(f"/dev/ublkb{d.dev_id}", tmp_path, htlb, "--rw=randwrite", "--size=16M",
            "--verify=crc32c", "--verify_fatal=1", "--do_verify=1")
     delete(d.dev_id)
 
