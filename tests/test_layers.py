@@ -20,7 +20,7 @@ PACKAGE = Path(aioublk.__file__).parent
 #: may import only from earlier layers (and its own subpackage)
 LAYERS: list[list[str]] = [
     ["aioublk._uring", "aioublk._uring_build"],
-    ["aioublk.errors", "aioublk._version"],
+    ["aioublk.errors", "aioublk._version", "aioublk._lazy"],
     ["aioublk.logs"],  # (its LogFileError is an aioublk.Error)
     ["aioublk.uapi", "aioublk.notify",
      "aioublk.directio", "aioublk.locking", "aioublk.extents", "aioublk.testing"],
