@@ -18,8 +18,8 @@ import cffi
 
 #: C sources compiled into the same extension, each with a header whose
 #: declarations are both its C interface and its cdef (plain declarations only)
-PARTS = ("_extents", "_dataplane")
-_HERE = Path(__file__).parent
+PARTS = ("extents", "dataplane")
+_HERE = Path(__file__).parent / "csrc"
 
 CDEF = """
 struct aur { ...; };

@@ -25,7 +25,7 @@ from aioublk.options import DeviceConfig, UblkError
 
 
 def ud_of(kind: int, local: int, tag: int, aux: int = 0) -> int:
-    """A data-plane user_data, laid out as _dataplane.c's DP_UD."""
+    """A data-plane user_data, laid out as csrc/dataplane.c's DP_UD."""
     return (1 << 63) | (kind << 56) | (local << 40) | (tag << 16) | aux
 
 

@@ -1,5 +1,5 @@
 /* The extent table: device range -> (fd, host offset, writable) per granule,
-   filled from Python, read by the C data plane. Thread-safe; see _extents.c. */
+   filled from Python, read by the C data plane. Thread-safe; see extents.c. */
 struct aur_ext;
 struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off; };
 

@@ -1,4 +1,4 @@
-/* The per-worker data plane (see _dataplane.c). Plain declarations only:
+/* The per-worker data plane (see dataplane.c). Plain declarations only:
    this text is also the cffi cdef. */
 
 /* what a record handed to Python is (bits 56..62 of its user_data) */
@@ -60,7 +60,7 @@ struct aur_dp_counts {
 
 struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err);
 void aur_dp_free(struct aur_dp *dp);
-/* before the ring's exit: unregister the fetch buffers (see _dataplane.c) */
+/* before the ring's exit: unregister the fetch buffers (see dataplane.c) */
 unsigned aur_dp_withdraw(struct aur_dp *dp);
 /* queue `local`: its q_id, descriptor area and (copy modes) tag buffers */
 void aur_dp_queue(struct aur_dp *dp, unsigned local, uint16_t q_id, const void *descs,
