@@ -161,8 +161,11 @@ int aur_eventfd(struct aur *r) { return r->efd; }
 int aur_ring_fd(struct aur *r) { return r->ring.ring_fd; }
 unsigned aur_setup_flags(struct aur *r) { return r->flags; }
 
-/* An SQE, zeroed; submits what is queued when the SQ is full. */
-static struct io_uring_sqe *aur_sqe(struct aur *r)
+/* An SQE, zeroed but for the fields every preparation sets; submits what is
+   queued when the SQ is full. */
+static struct io_uring_sqe *aur_sqe(struct aur *r, uint8_t opcode, int fd, uint64_t addr,
+                                    uint32_t len, uint16_t buf_index, uint8_t sqe_flags,
+                                    uint64_t user_data)
 {
     struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
 
@@ -173,6 +176,13 @@ static struct io_uring_sqe *aur_sqe(struct aur *r)
             return NULL;
     }
     memset(sqe, 0, r->sqe_size);
+    sqe->opcode = opcode;
+    sqe->fd = fd;
+    sqe->addr = addr;
+    sqe->len = len;
+    sqe->buf_index = buf_index;
+    sqe->flags = sqe_flags;
+    sqe->user_data = user_data;
     return sqe;
 }
 
@@ -180,19 +190,13 @@ int aur_prep(struct aur *r, uint8_t opcode, int fd, uint64_t addr,
              uint32_t len, uint64_t off, uint32_t op_flags,
              uint16_t buf_index, uint8_t sqe_flags, uint64_t user_data)
 {
-    struct io_uring_sqe *sqe = aur_sqe(r);
+    struct io_uring_sqe *sqe = aur_sqe(r, opcode, fd, addr, len, buf_index, sqe_flags,
+                                       user_data);
 
     if (!sqe)
         return -EBUSY;
-    sqe->opcode = opcode;
-    sqe->fd = fd;
-    sqe->addr = addr;
-    sqe->len = len;
     sqe->off = off;
     sqe->rw_flags = op_flags;
-    sqe->buf_index = buf_index;
-    sqe->flags = sqe_flags;
-    sqe->user_data = user_data;
     return 0;
 }
 
@@ -205,18 +209,11 @@ int aur_prep_cmd(struct aur *r, int fd, uint32_t cmd_op, const void *cmd,
 
     if (cmd_len > r->sqe_size - 48)
         return -EINVAL;
-    sqe = aur_sqe(r);
+    sqe = aur_sqe(r, IORING_OP_URING_CMD, fd, addr, len, buf_index, sqe_flags, user_data);
     if (!sqe)
         return -EBUSY;
-    sqe->opcode = IORING_OP_URING_CMD;
-    sqe->fd = fd;
     sqe->cmd_op = cmd_op;
-    sqe->addr = addr;
-    sqe->len = len;
     sqe->uring_cmd_flags = cmd_flags;
-    sqe->buf_index = buf_index;
-    sqe->flags = sqe_flags;
-    sqe->user_data = user_data;
     memcpy(sqe->cmd, cmd, cmd_len);
     return 0;
 }
@@ -233,17 +230,13 @@ int aur_prep_ublk_io(struct aur *r, int fd, uint32_t cmd_op, uint16_t q_id,
                      uint64_t sqe_addr, uint8_t sqe_flags,
                      uint64_t user_data)
 {
-    struct io_uring_sqe *sqe = aur_sqe(r);
+    struct io_uring_sqe *sqe = aur_sqe(r, IORING_OP_URING_CMD, fd, sqe_addr, 0, 0, sqe_flags,
+                                       user_data);
     struct aur_ublk_io_cmd *cmd;
 
     if (!sqe)
         return -EBUSY;
-    sqe->opcode = IORING_OP_URING_CMD;
-    sqe->fd = fd;
     sqe->cmd_op = cmd_op;
-    sqe->addr = sqe_addr;
-    sqe->flags = sqe_flags;
-    sqe->user_data = user_data;
     cmd = (struct aur_ublk_io_cmd *)sqe->cmd;
     cmd->q_id = q_id;
     cmd->tag = tag;
