@@ -48,8 +48,19 @@
  * build for).
  */
 
+#include <errno.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <linux/nvme_ioctl.h>
+#include <liburing.h>
+
+#include "dataplane.h"
+#include "extents.h"
+#include "ring.h"
 
 _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
                AUR_LAT_OPS * AUR_LAT_BUCKETS * sizeof(uint64_t), "lat's shape");

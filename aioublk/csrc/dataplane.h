@@ -1,5 +1,13 @@
-/* The per-worker data plane (see dataplane.c). Plain declarations only:
-   this text is also the cffi cdef. */
+/* The per-worker data plane (see dataplane.c). */
+#ifndef AIOUBLK_DATAPLANE_H
+#define AIOUBLK_DATAPLANE_H
+
+#include <stdint.h>
+
+#include "extents.h"
+#include "ring.h"
+
+/* cdef: begin (plain declarations and `#define NAME value` only) */
 
 /* what a record handed to Python is (bits 56..62 of its user_data) */
 #define AUR_DP_EV_IO 1        /* a per-I/O command's CQE, as the kernel sent it */
@@ -102,3 +110,6 @@ unsigned aur_dp_pending(struct aur_dp *dp, unsigned local, void *out, unsigned m
    left in the ring signal the eventfd again. */
 unsigned aur_dp_room(struct aur_dp *dp);
 unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max);
+/* cdef: end */
+
+#endif
