@@ -16,6 +16,7 @@
 #include <liburing.h>
 
 #include "ring.h"
+#include "ublk_cmd.h"
 
 int aur_init(struct aur *r, unsigned entries, unsigned cq_entries,
              unsigned flags)
@@ -116,13 +117,6 @@ int aur_prep_cmd(struct aur *r, int fd, uint32_t cmd_op, const void *cmd,
     return 0;
 }
 
-struct aur_ublk_io_cmd {
-    uint16_t q_id;
-    uint16_t tag;
-    int32_t result;
-    uint64_t addr;
-};
-
 int aur_prep_ublk_io(struct aur *r, int fd, uint32_t cmd_op, uint16_t q_id,
                      uint16_t tag, int32_t result, uint64_t io_addr,
                      uint64_t sqe_addr, uint8_t sqe_flags,
@@ -130,12 +124,12 @@ int aur_prep_ublk_io(struct aur *r, int fd, uint32_t cmd_op, uint16_t q_id,
 {
     struct io_uring_sqe *sqe = aur_sqe(r, IORING_OP_URING_CMD, fd, sqe_addr, 0, 0, sqe_flags,
                                        user_data);
-    struct aur_ublk_io_cmd *cmd;
+    struct ublksrv_io_cmd *cmd;
 
     if (!sqe)
         return -EBUSY;
     sqe->cmd_op = cmd_op;
-    cmd = (struct aur_ublk_io_cmd *)sqe->cmd;
+    cmd = (struct ublksrv_io_cmd *)sqe->cmd;
     cmd->q_id = q_id;
     cmd->tag = tag;
     cmd->result = result;
