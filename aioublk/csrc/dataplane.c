@@ -31,10 +31,11 @@
  * piece of it has completed: C never answers anything but full success, and
  * a buffer is never handed back while a piece may still write it.
  *
- * user_data: Python's operations count up from 1 and never reach bit 63;
- * ours set it and carry a kind, the queue's local index, the tag and 16
- * bits more (a piece's length in sectors, a commit slot). The same layout
- * marks the records handed to Python (AUR_DP_EV_*).
+ * user_data (AUR_DP_UD_* in dataplane.h): Python's operations count up
+ * from 1 and never reach the mark bit; ours set it and carry a kind, the
+ * queue's local index, the tag and aux (a piece's length in sectors, a
+ * commit slot). The same layout marks the records handed to Python
+ * (AUR_DP_EV_*).
  *
  * Counters (struct aur_dp_counts) live in memory Python owns, so the control
  * thread may read them while the worker closes.
@@ -66,17 +67,21 @@
 _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
                AUR_LAT_OPS * AUR_LAT_BUCKETS * sizeof(uint64_t), "lat's shape");
 
-#define DP_BIT (1ULL << 63)
+#define DP_BIT (1ULL << AUR_DP_UD_MARK_SHIFT)
 /* each field masked to its width: a value too large must never reach the
    next field (a piece's sectors spilling into the tag completes another
    request); aur_dp_new refuses a max_io whose sectors aux cannot hold */
 #define DP_UD(kind, local, tag, aux) \
-    (DP_BIT | (((uint64_t)(kind) & 0x7f) << 56) | (((uint64_t)(local) & 0xffff) << 40) | \
-     (((uint64_t)(tag) & 0xffff) << 16) | ((uint64_t)(aux) & AUR_DP_MAX_SECTORS))
-#define DP_KIND(ud) ((unsigned)((ud) >> 56) & 0x7f)
-#define DP_LOCAL(ud) ((unsigned)((ud) >> 40) & 0xffff)
-#define DP_TAG(ud) ((uint16_t)((ud) >> 16))
-#define DP_AUX(ud) ((unsigned)(ud) & 0xffff)
+    (DP_BIT | (((uint64_t)(kind) & AUR_DP_UD_KIND_MASK) << AUR_DP_UD_KIND_SHIFT) | \
+     (((uint64_t)(local) & AUR_DP_UD_LOCAL_MASK) << AUR_DP_UD_LOCAL_SHIFT) | \
+     (((uint64_t)(tag) & AUR_DP_UD_TAG_MASK) << AUR_DP_UD_TAG_SHIFT) | \
+     ((uint64_t)(aux) & AUR_DP_UD_AUX_MASK))
+#define DP_KIND(ud) ((unsigned)((ud) >> AUR_DP_UD_KIND_SHIFT) & AUR_DP_UD_KIND_MASK)
+#define DP_LOCAL(ud) ((unsigned)((ud) >> AUR_DP_UD_LOCAL_SHIFT) & AUR_DP_UD_LOCAL_MASK)
+#define DP_TAG(ud) ((uint16_t)(((ud) >> AUR_DP_UD_TAG_SHIFT) & AUR_DP_UD_TAG_MASK))
+#define DP_AUX(ud) ((unsigned)(ud) & AUR_DP_UD_AUX_MASK)
+
+_Static_assert(AUR_DP_MAX_SECTORS == AUR_DP_UD_AUX_MASK, "a piece's sectors fill aux");
 
 /* kinds of our own operations (EV_IO and EV_FETCH are also kinds) */
 #define DP_K_RW 2
