@@ -45,6 +45,14 @@ class _Lib:
     IOSQE_ASYNC: int
     IOSQE_BUFFER_SELECT: int
     IOSQE_CQE_SKIP_SUCCESS: int
+    AUR_DP_UD_MARK_SHIFT: int
+    AUR_DP_UD_KIND_SHIFT: int
+    AUR_DP_UD_KIND_MASK: int
+    AUR_DP_UD_LOCAL_SHIFT: int
+    AUR_DP_UD_LOCAL_MASK: int
+    AUR_DP_UD_TAG_SHIFT: int
+    AUR_DP_UD_TAG_MASK: int
+    AUR_DP_UD_AUX_MASK: int
     AUR_DP_EV_IO: int
     AUR_DP_EV_FETCH: int
     AUR_DP_EV_TAG: int

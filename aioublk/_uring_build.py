@@ -1,422 +1,88 @@
-"""cffi (API mode) builder for ``aioublk._uring``, the C side of ``ring.py``.
+"""cffi (API mode) builder for ``aioublk._uring``: the C in ``csrc/`` (the io_uring
+shim under ``ring.py``, the data plane, the extent table) as one extension.
 
-Why a C shim instead of binding liburing's inline helpers one by one: every
-crossing of the cffi boundary costs ~60 ns and releases the GIL, so each SQE
-is prepared by exactly one call (`aur_prep*`), and completions are copied out
-in bulk (`aur_reap`: up to N raw 16-byte CQEs into a caller buffer, decoded in
-Python with one ``struct.iter_unpack``).
-
-Supported: liburing >= 2.3 (Debian 12). Constants newer than that header are
-defined here when missing.
+Each .c file there is its own translation unit. What Python sees is what the
+headers declare between ``/* cdef: begin */`` and ``/* cdef: end */``: plain
+declarations and ``#define NAME value`` only, so that cffi can read them as they
+are and each declaration is written once. This file holds only what cffi alone
+needs (``CDEF``): a struct Python allocates but never looks into, a kernel type,
+and liburing's constants by name (the compiler gives their values).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import cffi
 
-#: C sources compiled into the same extension, each with a header whose
-#: declarations are both its C interface and its cdef (plain declarations only)
-PARTS = ("_extents", "_dataplane")
-_HERE = Path(__file__).parent
+#: the C parts, each a .c file and its header, in cdef order (a header's cdef may
+#: name a type an earlier one declares)
+PARTS = ("ring", "extents", "dataplane")
+_HERE = Path(__file__).parent / "csrc"
 
-CDEF = """
-struct aur { ...; };
-struct aur_iovec { uint64_t base; uint64_t len; };
-struct __kernel_timespec { int64_t tv_sec; long long tv_nsec; };
+#: liburing's constants Python uses
+LIBURING_CONSTANTS = (
+    "IORING_SETUP_SQE128", "IORING_SETUP_CQE32", "IORING_SETUP_COOP_TASKRUN",
+    "IORING_SETUP_SINGLE_ISSUER", "IORING_SETUP_DEFER_TASKRUN", "IORING_SETUP_SUBMIT_ALL",
+    "IORING_OP_NOP", "IORING_OP_READV", "IORING_OP_WRITEV", "IORING_OP_FSYNC",
+    "IORING_OP_READ_FIXED", "IORING_OP_WRITE_FIXED", "IORING_OP_FALLOCATE", "IORING_OP_READ",
+    "IORING_OP_WRITE", "IORING_OP_ASYNC_CANCEL", "IORING_OP_TIMEOUT", "IORING_OP_URING_CMD",
+    "IORING_FSYNC_DATASYNC", "IORING_ASYNC_CANCEL_ALL", "IORING_ASYNC_CANCEL_ANY",
+    "IORING_CQE_F_BUFFER", "IORING_CQE_F_MORE", "IORING_URING_CMD_FIXED",
+    "IORING_URING_CMD_MULTISHOT",
+    "IOSQE_FIXED_FILE", "IOSQE_IO_LINK", "IOSQE_IO_HARDLINK", "IOSQE_ASYNC",
+    "IOSQE_BUFFER_SELECT", "IOSQE_CQE_SKIP_SUCCESS",
+)
 
-int aur_init(struct aur *r, unsigned entries, unsigned cq_entries,
-             unsigned flags);
-void aur_exit(struct aur *r);
-int aur_eventfd(struct aur *r);
-int aur_ring_fd(struct aur *r);
-unsigned aur_setup_flags(struct aur *r);
+#: what cffi alone needs: ring.py allocates a struct aur (cffi learns its size from
+#: the compiler), an IORING_OP_TIMEOUT takes a kernel timespec (cffi checks the
+#: fields named), and liburing's constants
+CDEF = ("struct aur { ...; };\n"
+        "struct __kernel_timespec { int64_t tv_sec; long long tv_nsec; ...; };\n"
+        + "".join(f"#define {n} ...\n" for n in LIBURING_CONSTANTS))
 
-int aur_prep(struct aur *r, uint8_t opcode, int fd, uint64_t addr,
-             uint32_t len, uint64_t off, uint32_t op_flags,
-             uint16_t buf_index, uint8_t sqe_flags, uint64_t user_data);
-int aur_prep_cmd(struct aur *r, int fd, uint32_t cmd_op, const void *cmd,
-                 unsigned cmd_len, uint64_t addr, uint32_t len,
-                 uint32_t cmd_flags, uint16_t buf_index, uint8_t sqe_flags,
-                 uint64_t user_data);
-int aur_prep_ublk_io(struct aur *r, int fd, uint32_t cmd_op, uint16_t q_id,
-                     uint16_t tag, int32_t result, uint64_t io_addr,
-                     uint64_t sqe_addr, uint8_t sqe_flags,
-                     uint64_t user_data);
-int aur_submit(struct aur *r);
-int aur_wake(struct aur *r);
-unsigned aur_reap(struct aur *r, void *out, unsigned max);
-unsigned aur_pending_sqes(struct aur *r);
-int aur_wait(struct aur *r, unsigned timeout_ms);
-
-int aur_register_buffers_sparse(struct aur *r, unsigned nr);
-int aur_register_files(struct aur *r, const int *fds, unsigned nr);
-
-/* provided buffer rings (UBLK_F_BATCH_IO fetch) */
-void *aur_buf_ring_setup(struct aur *r, unsigned entries, int bgid, int *err);
-int aur_buf_ring_free(struct aur *r, void *br, unsigned entries, int bgid);
-void aur_buf_ring_add(void *br, uint64_t addr, unsigned len, uint16_t bid,
-                      unsigned entries, int offset);
-void aur_buf_ring_advance(void *br, unsigned count);
-
-#define IORING_SETUP_SQE128 ...
-#define IORING_SETUP_CQE32 ...
-#define IORING_SETUP_COOP_TASKRUN ...
-#define IORING_SETUP_SINGLE_ISSUER ...
-#define IORING_SETUP_DEFER_TASKRUN ...
-#define IORING_SETUP_SUBMIT_ALL ...
-#define IORING_OP_NOP ...
-#define IORING_OP_READV ...
-#define IORING_OP_WRITEV ...
-#define IORING_OP_FSYNC ...
-#define IORING_OP_READ_FIXED ...
-#define IORING_OP_WRITE_FIXED ...
-#define IORING_OP_FALLOCATE ...
-#define IORING_OP_READ ...
-#define IORING_OP_WRITE ...
-#define IORING_OP_ASYNC_CANCEL ...
-#define IORING_OP_TIMEOUT ...
-#define IORING_OP_URING_CMD ...
-#define IORING_FSYNC_DATASYNC ...
-#define IORING_ASYNC_CANCEL_ALL ...
-#define IORING_ASYNC_CANCEL_ANY ...
-#define IORING_CQE_F_BUFFER ...
-#define IORING_CQE_F_MORE ...
-#define IORING_URING_CMD_FIXED ...
-#define IORING_URING_CMD_MULTISHOT ...
-#define IOSQE_FIXED_FILE ...
-#define IOSQE_IO_LINK ...
-#define IOSQE_IO_HARDLINK ...
-#define IOSQE_ASYNC ...
-#define IOSQE_BUFFER_SELECT ...
-#define IOSQE_CQE_SKIP_SUCCESS ...
-"""
-
-SOURCE = r"""
-#include <errno.h>
-#include <poll.h>
-#include <stdint.h>
-#include <string.h>
-#include <stdlib.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
-#include <liburing.h>
-
-#ifndef IORING_URING_CMD_MULTISHOT
-#define IORING_URING_CMD_MULTISHOT (1U << 1)
-#endif
-#ifndef IORING_ASYNC_CANCEL_ANY
-#define IORING_ASYNC_CANCEL_ANY (1U << 2)
-#endif
-
-struct aur_iovec { uint64_t base; uint64_t len; };
-
-struct aur {
-    struct io_uring ring;
-    int efd;
-    unsigned flags;
-    unsigned sqe_size;
-};
-
-int aur_init(struct aur *r, unsigned entries, unsigned cq_entries,
-             unsigned flags)
-{
-    struct io_uring_params p;
-    int ret;
-
-    memset(&p, 0, sizeof(p));
-    p.flags = flags;
-    if (cq_entries) {
-        p.flags |= IORING_SETUP_CQSIZE;
-        p.cq_entries = cq_entries;
-    }
-    ret = io_uring_queue_init_params(entries, &r->ring, &p);
-    if (ret < 0)
-        return ret;
-    r->flags = p.flags;
-    r->sqe_size = (flags & IORING_SETUP_SQE128) ? 128 : 64;
-    r->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (r->efd < 0) {
-        ret = -errno;
-        io_uring_queue_exit(&r->ring);
-        return ret;
-    }
-    ret = io_uring_register_eventfd(&r->ring, r->efd);
-    if (ret < 0) {
-        close(r->efd);
-        io_uring_queue_exit(&r->ring);
-        return ret;
-    }
-    return 0;
-}
-
-void aur_exit(struct aur *r)
-{
-    io_uring_queue_exit(&r->ring);
-    close(r->efd);
-}
-
-int aur_eventfd(struct aur *r) { return r->efd; }
-int aur_ring_fd(struct aur *r) { return r->ring.ring_fd; }
-unsigned aur_setup_flags(struct aur *r) { return r->flags; }
-
-/* An SQE, zeroed; submits what is queued when the SQ is full. */
-static struct io_uring_sqe *aur_sqe(struct aur *r)
-{
-    struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
-
-    if (!sqe) {
-        io_uring_submit(&r->ring);
-        sqe = io_uring_get_sqe(&r->ring);
-        if (!sqe)
-            return NULL;
-    }
-    memset(sqe, 0, r->sqe_size);
-    return sqe;
-}
-
-int aur_prep(struct aur *r, uint8_t opcode, int fd, uint64_t addr,
-             uint32_t len, uint64_t off, uint32_t op_flags,
-             uint16_t buf_index, uint8_t sqe_flags, uint64_t user_data)
-{
-    struct io_uring_sqe *sqe = aur_sqe(r);
-
-    if (!sqe)
-        return -EBUSY;
-    sqe->opcode = opcode;
-    sqe->fd = fd;
-    sqe->addr = addr;
-    sqe->len = len;
-    sqe->off = off;
-    sqe->rw_flags = op_flags;
-    sqe->buf_index = buf_index;
-    sqe->flags = sqe_flags;
-    sqe->user_data = user_data;
-    return 0;
-}
-
-int aur_prep_cmd(struct aur *r, int fd, uint32_t cmd_op, const void *cmd,
-                 unsigned cmd_len, uint64_t addr, uint32_t len,
-                 uint32_t cmd_flags, uint16_t buf_index, uint8_t sqe_flags,
-                 uint64_t user_data)
-{
-    struct io_uring_sqe *sqe;
-
-    if (cmd_len > r->sqe_size - 48)
-        return -EINVAL;
-    sqe = aur_sqe(r);
-    if (!sqe)
-        return -EBUSY;
-    sqe->opcode = IORING_OP_URING_CMD;
-    sqe->fd = fd;
-    sqe->cmd_op = cmd_op;
-    sqe->addr = addr;
-    sqe->len = len;
-    sqe->uring_cmd_flags = cmd_flags;
-    sqe->buf_index = buf_index;
-    sqe->flags = sqe_flags;
-    sqe->user_data = user_data;
-    memcpy(sqe->cmd, cmd, cmd_len);
-    return 0;
-}
-
-struct aur_ublk_io_cmd {
-    uint16_t q_id;
-    uint16_t tag;
-    int32_t result;
-    uint64_t addr;
-};
-
-int aur_prep_ublk_io(struct aur *r, int fd, uint32_t cmd_op, uint16_t q_id,
-                     uint16_t tag, int32_t result, uint64_t io_addr,
-                     uint64_t sqe_addr, uint8_t sqe_flags,
-                     uint64_t user_data)
-{
-    struct io_uring_sqe *sqe = aur_sqe(r);
-    struct aur_ublk_io_cmd *cmd;
-
-    if (!sqe)
-        return -EBUSY;
-    sqe->opcode = IORING_OP_URING_CMD;
-    sqe->fd = fd;
-    sqe->cmd_op = cmd_op;
-    sqe->addr = sqe_addr;
-    sqe->flags = sqe_flags;
-    sqe->user_data = user_data;
-    cmd = (struct aur_ublk_io_cmd *)sqe->cmd;
-    cmd->q_id = q_id;
-    cmd->tag = tag;
-    cmd->result = result;
-    cmd->addr = io_addr;
-    return 0;
-}
-
-/*
- * With DEFER_TASKRUN a plain GETEVENTS enter (io_uring_get_events) runs at
- * most 20 task-work items (IO_LOCAL_TW_DEFAULT_MAX), and the eventfd is
- * signalled only when the work list goes from empty to non-empty: work left
- * behind would never wake us again (seen as requests stuck in a ublk queue).
- * A wait for "as many CQEs as the CQ holds" with a zero timeout makes the
- * kernel run every pending item before it gives up waiting.
- */
-static int aur_run_task_work(struct aur *r)
-{
-    struct __kernel_timespec ts = { 0, 0 };
-    struct io_uring_cqe *cqe;
-    int ret = io_uring_wait_cqes(&r->ring, &cqe, r->ring.cq.ring_entries, &ts, NULL);
-
-    return (ret == -ETIME || ret == -EAGAIN || ret == -EINTR) ? 0 : ret;
-}
-
-/*
- * A plain submit (no GETEVENTS) never runs deferred task work, so it cannot
- * leave a partly-run list behind; whatever it queues signals the eventfd and
- * is run in full by the next aur_wake. One syscall per loop turn.
- */
-int aur_submit(struct aur *r)
-{
-    return io_uring_submit(&r->ring);
-}
-
-/* Consume the eventfd's count and run deferred task work, if any. */
-int aur_wake(struct aur *r)
-{
-    uint64_t v;
-
-    if (read(r->efd, &v, sizeof(v)) < 0 && errno != EAGAIN)
-        return -errno;
-    if (r->flags & IORING_SETUP_DEFER_TASKRUN)
-        return aur_run_task_work(r);
-    return 0;
-}
-
-unsigned aur_reap(struct aur *r, void *out, unsigned max)
-{
-    struct io_uring_cqe *cqe;
-    unsigned head, n = 0;
-
-    io_uring_for_each_cqe(&r->ring, head, cqe) {
-        if (n == max)
-            break;
-        memcpy((char *)out + 16 * n, cqe, 16);
-        n++;
-    }
-    io_uring_cq_advance(&r->ring, n);
-    /* CQEs that overflowed into the kernel's list come back only on enter */
-    if (n < max && io_uring_cq_has_overflow(&r->ring)) {
-        unsigned first = n;
-
-        io_uring_get_events(&r->ring);
-        io_uring_for_each_cqe(&r->ring, head, cqe) {
-            if (n == max)
-                break;
-            memcpy((char *)out + 16 * n, cqe, 16);
-            n++;
-        }
-        io_uring_cq_advance(&r->ring, n - first);
-    }
-    return n;
-}
-
-unsigned aur_pending_sqes(struct aur *r)
-{
-    return io_uring_sq_ready(&r->ring);
-}
-
-/* Block up to timeout_ms for one CQE; used only while closing. */
-int aur_wait(struct aur *r, unsigned timeout_ms)
-{
-    struct __kernel_timespec ts;
-    struct io_uring_cqe *cqe;
-
-    ts.tv_sec = timeout_ms / 1000;
-    ts.tv_nsec = (long long)(timeout_ms % 1000) * 1000000;
-    return io_uring_wait_cqe_timeout(&r->ring, &cqe, &ts);
-}
-
-int aur_register_buffers_sparse(struct aur *r, unsigned nr)
-{
-    return io_uring_register_buffers_sparse(&r->ring, nr);
-}
-
-int aur_register_files(struct aur *r, const int *fds, unsigned nr)
-{
-    return io_uring_register_files(&r->ring, fds, nr);
-}
-
-void *aur_buf_ring_setup(struct aur *r, unsigned entries, int bgid, int *err)
-{
-    struct io_uring_buf_reg reg;
-    struct io_uring_buf_ring *br;
-    size_t size = entries * sizeof(struct io_uring_buf);
-    int ret;
-
-    if (posix_memalign((void **)&br, 4096, size)) {
-        *err = -ENOMEM;
-        return NULL;
-    }
-    memset(br, 0, size);
-    memset(&reg, 0, sizeof(reg));
-    reg.ring_addr = (unsigned long)br;
-    reg.ring_entries = entries;
-    reg.bgid = bgid;
-    ret = io_uring_register_buf_ring(&r->ring, &reg, 0);
-    if (ret) {
-        free(br);
-        *err = ret;
-        return NULL;
-    }
-    io_uring_buf_ring_init(br);
-    *err = 0;
-    return br;
-}
-
-/* r may be NULL once the ring is gone (its exit unregistered every group) */
-int aur_buf_ring_free(struct aur *r, void *br, unsigned entries, int bgid)
-{
-    int ret = r ? io_uring_unregister_buf_ring(&r->ring, bgid) : 0;
-
-    (void)entries;
-    free(br);
-    return ret;
-}
-
-void aur_buf_ring_add(void *br, uint64_t addr, unsigned len, uint16_t bid,
-                      unsigned entries, int offset)
-{
-    io_uring_buf_ring_add((struct io_uring_buf_ring *)br, (void *)addr, len,
-                          bid, io_uring_buf_ring_mask(entries), offset);
-}
-
-void aur_buf_ring_advance(void *br, unsigned count)
-{
-    io_uring_buf_ring_advance((struct io_uring_buf_ring *)br, count);
-}
-"""
+_REGION = re.compile(r"/\* cdef: begin\b.*?\*/\n(.*?)/\* cdef: end \*/", re.S)
+#: the one directive a region may hold: an integer constant, as cffi parses it
+_DEFINE = re.compile(r"\s*#\s*define\s+\w+\s+-?0?x?[0-9a-f]+[lu]*\s*", re.I)
 
 
+def _cdef_of(header: Path) -> str:
+    """The cdef region of ``header``; anything but plain declarations and integer
+    ``#define``s there stops the build (cffi would misread or refuse it)."""
+    regions = _REGION.findall(header.read_text())
+    if len(regions) != 1:
+        raise SystemExit(f"aioublk build: {header} needs one /* cdef: begin */ ... "
+                         "/* cdef: end */ region")
+    for line in re.sub(r"/\*.*?\*/", "", regions[0], flags=re.S).splitlines():
+        if line.lstrip().startswith("#") and not _DEFINE.fullmatch(line):
+            raise SystemExit(f"aioublk build: {header.name}: only plain declarations and "
+                             f"`#define NAME value` may sit in its cdef region, not {line!r}")
+    return str(regions[0])
 
-def _parts() -> tuple[str, str]:
-    """(cdef, source) of the C parts. A missing file is an error, never a smaller
+
+def _parts() -> tuple[str, list[str]]:
+    """(cdef, sources) of the C parts. A missing file is an error, never a smaller
     extension: one built without a part imports, then fails at its first use."""
-    cdef, source = "", ""
+    cdef, sources = "", []
     for name in PARTS:
         h, c = _HERE / f"{name}.h", _HERE / f"{name}.c"
         missing = [str(p) for p in (h, c) if not p.is_file()]
         if missing:
             raise SystemExit(f"aioublk build: missing C source {', '.join(missing)}: "
                              "the source tree or sdist is incomplete")
-        cdef += h.read_text()
-        source += f'#include "{name}.h"\n' + c.read_text()
-    return cdef, source
+        cdef += _cdef_of(h)
+        # relative: setuptools takes an extension's sources from the setup.py folder
+        sources.append(os.path.relpath(c))
+    return cdef, sources
 
 
-_PART_CDEF, _PART_SOURCE = _parts()
+_PART_CDEF, _SOURCES = _parts()
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF + _PART_CDEF)
-ffibuilder.set_source("aioublk._uring", SOURCE + _PART_SOURCE, libraries=["uring"],
-                      include_dirs=[str(_HERE)])
+ffibuilder.set_source("aioublk._uring", "".join(f'#include "{n}.h"\n' for n in PARTS),
+                      sources=_SOURCES, libraries=["uring"], include_dirs=[str(_HERE)])
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -83,15 +83,31 @@ class Passthrough:
 
 Map = Null | Linear | Striped | Extents | Passthrough
 
-#: the kinds of record the data plane hands to Python (bits 56..62 of user_data)
+#: the kinds of record the data plane hands to Python (the kind in its user_data)
 EV_IO, EV_FETCH, EV_TAG, EV_RETRY, EV_COMMIT, EV_LOST, EV_IDLE = (
     lib.AUR_DP_EV_IO, lib.AUR_DP_EV_FETCH, lib.AUR_DP_EV_TAG, lib.AUR_DP_EV_RETRY,
     lib.AUR_DP_EV_COMMIT, lib.AUR_DP_EV_LOST, lib.AUR_DP_EV_IDLE)
 
+#: set in every user_data the data plane makes; Python's own stay below it
+UD_MARK = 1 << lib.AUR_DP_UD_MARK_SHIFT
+# the layout's fields, as C defines them (dataplane.h)
+_KIND_SHIFT, _KIND_MASK = lib.AUR_DP_UD_KIND_SHIFT, lib.AUR_DP_UD_KIND_MASK
+_LOCAL_SHIFT, _LOCAL_MASK = lib.AUR_DP_UD_LOCAL_SHIFT, lib.AUR_DP_UD_LOCAL_MASK
+_TAG_SHIFT, _TAG_MASK = lib.AUR_DP_UD_TAG_SHIFT, lib.AUR_DP_UD_TAG_MASK
+_AUX_MASK = lib.AUR_DP_UD_AUX_MASK
+
 
 def decode(ud: int) -> tuple[int, int, int, int]:
     """(kind, queue's local index, tag, aux) of a data-plane user_data."""
-    return (ud >> 56) & 0x7F, (ud >> 40) & 0xFFFF, (ud >> 16) & 0xFFFF, ud & 0xFFFF
+    return ((ud >> _KIND_SHIFT) & _KIND_MASK, (ud >> _LOCAL_SHIFT) & _LOCAL_MASK,
+            (ud >> _TAG_SHIFT) & _TAG_MASK, ud & _AUX_MASK)
+
+
+def encode(kind: int, local: int, tag: int, aux: int = 0) -> int:
+    """The user_data C would give (kind, local, tag, aux): for tests that play the
+    kernel's part."""
+    return (UD_MARK | (kind & _KIND_MASK) << _KIND_SHIFT | (local & _LOCAL_MASK) << _LOCAL_SHIFT
+            | (tag & _TAG_MASK) << _TAG_SHIFT | aux & _AUX_MASK)
 
 
 #: time every request from fetch to commit on data planes made from now on

@@ -33,7 +33,7 @@ log = logs.get_logger("aioublk.queue")
 #: how long a stopping worker waits for the requests it holds to finish
 DRAIN_SECONDS = 5.0
 #: how long the data plane waits in C for the next completion, while it alone
-#: has work, before the queue's loop gets its turn (see _dataplane.c)
+#: has work, before the queue's loop gets its turn (see csrc/dataplane.c)
 POLL_US = 1000
 #: how long a batch worker the kernel aborted waits for its fetches to end
 GRACE_SECONDS = 2.0

@@ -39,13 +39,15 @@ from typing import Any
 
 from aioublk import logs
 from aioublk._uring import ffi, lib
-from aioublk.dataplane import DataPlane, EventHandler
+from aioublk.dataplane import UD_MARK, DataPlane, EventHandler
 
 log = logs.get_logger("aioublk.ring")
 
 CQE = struct.Struct("=QiI")
 _REAP_BATCH = 256
 _iter_cqes = CQE.iter_unpack
+#: Python's user_data count up from 1 to this and wrap: the data plane's are above
+_LAST_UD = UD_MARK - 1
 
 #: A completion handler: called with (res, cqe_flags) on the loop's thread.
 Handler = Callable[[int, int], None]
@@ -158,7 +160,7 @@ class Ring:
 
     def _new_ud(self) -> int:
         ud = self._next_ud
-        self._next_ud = ud + 1 if ud < 0x7FFF_FFFF_FFFF_FFFF else 1
+        self._next_ud = ud + 1 if ud < _LAST_UD else 1
         return ud
 
     def add_flush_hook(self, hook: Callable[[], None]) -> None:
@@ -286,7 +288,7 @@ class Ring:
         if self._closed:
             raise RuntimeError("ring is closed")
         ud = self._next_ud
-        self._next_ud = ud + 1 if ud < 0x7FFF_FFFF_FFFF_FFFF else 1
+        self._next_ud = ud + 1 if ud < _LAST_UD else 1
         self._handlers[ud] = handler
         self._keep[ud] = view
         if not self._flush_scheduled:
@@ -413,8 +415,9 @@ class Ring:
         keep = self._keep
         more = lib.IORING_CQE_F_MORE
         dp_event = self._dp_event
+        mark = UD_MARK
         for ud, res, flags in _iter_cqes(self._cqe_view[: 16 * n]):
-            if ud >> 63:
+            if ud & mark:
                 if dp_event is not None:
                     dp_event(ud, res, flags)
                 continue
@@ -438,7 +441,7 @@ class Ring:
                    on_event: EventHandler) -> DataPlane:
         """This ring's C data plane (one per ring, freed by ``close``): from
         now on every reap goes through it, and the records it hands to
-        Python (user_data with bit 63 set) go to ``on_event``."""
+        Python (user_data with ``UD_MARK`` set) go to ``on_event``."""
         if self._dp is not None:
             raise RuntimeError("the ring has a data plane already")
         err = ffi.new("int *")

@@ -20,13 +20,8 @@ import pytest
 
 from aioublk import uapi
 from aioublk._uring import ffi, lib
-from aioublk.dataplane import EV_COMMIT, EV_IO, Linear, Map, Striped, decode
+from aioublk.dataplane import EV_COMMIT, EV_FETCH, EV_IO, Linear, Map, Striped, decode, encode
 from aioublk.options import DeviceConfig, UblkError
-
-
-def ud_of(kind: int, local: int, tag: int, aux: int = 0) -> int:
-    """A data-plane user_data, laid out as _dataplane.c's DP_UD."""
-    return (1 << 63) | (kind << 56) | (local << 40) | (tag << 16) | aux
 
 
 class Plane:
@@ -64,7 +59,7 @@ class Plane:
         """The kernel hands ``tag`` a request (per-I/O path)."""
         uapi.IO_DESC.pack_into(self.descs, tag * uapi.IO_DESC.size, op, sectors, start, 0)
         assert lib.aur_prep(self.ring.raw, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0,
-                            ud_of(EV_IO, 0, tag)) == 0
+                            encode(EV_IO, 0, tag)) == 0
         self.ring.submit_now()
 
     async def wait_for(self, pred: Any, timeout: float = 5.0) -> None:
@@ -107,8 +102,16 @@ def test_max_io_size_the_encoding_cannot_hold_is_refused_in_one_line(size: int) 
 def test_the_largest_max_io_size_is_accepted() -> None:
     from aioublk.options import MAX_IO_SIZE
 
-    assert MAX_IO_SIZE >> 9 <= 0xFFFF and MAX_IO_SIZE % mmap.PAGESIZE == 0
+    assert MAX_IO_SIZE >> 9 <= lib.AUR_DP_MAX_SECTORS and MAX_IO_SIZE % mmap.PAGESIZE == 0
     DeviceConfig(max_io_size=MAX_IO_SIZE).validate()
+
+
+@pytest.mark.parametrize("fields", [(EV_IO, 0, 0, 0), (EV_FETCH, 3, 4095, 8),
+                                    (0x7F, 0xFFFF, 0xFFFF, lib.AUR_DP_MAX_SECTORS)])
+def test_encode_is_decodes_inverse(fields: tuple[int, int, int, int]) -> None:
+    """Every field at its widest too: none spills into the next or the mark."""
+    ud = encode(*fields)
+    assert decode(ud) == fields and ud >> lib.AUR_DP_UD_MARK_SHIFT == 1
 
 
 @pytest.mark.asyncio
@@ -307,7 +310,7 @@ def _armed_select_after_close() -> bytes:
                 "fetch_buf_bytes": 2, "fetch_buf_entries": 32768}, 1, lambda *a: None)
             assert lib.aur_dp_provide(dp.c, 0) == 0
             assert lib.aur_prep(ring.raw, 27, b.fileno(), 0, 2, 0, 0, 0,  # IORING_OP_RECV, group 0
-                                lib.IOSQE_BUFFER_SELECT, ud_of(3, 0, 0)) == 0
+                                lib.IOSQE_BUFFER_SELECT, encode(EV_FETCH, 0, 0)) == 0
             ring.submit_now()
             alive = os.dup(lib.aur_ring_fd(ring.raw))
             ring.close()

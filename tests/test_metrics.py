@@ -95,7 +95,7 @@ def _fetched(driver: Any, tag: int, op: int) -> None:
     the data plane takes for a per-I/O fetch (a NOP carrying its user_data)."""
     qm = driver.w.spec.work[0][0]
     uapi.IO_DESC.pack_into(qm.descs, tag * uapi.IO_DESC.size, op, 8, 0, 0)
-    ud = (1 << 63) | (dataplane.EV_IO << 56) | (tag << 16)
+    ud = dataplane.encode(dataplane.EV_IO, 0, tag)
     assert lib.aur_prep(driver.ring._r, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0, ud) == 0
     assert lib.aur_submit(driver.ring._r) >= 0
 

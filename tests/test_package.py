@@ -217,8 +217,8 @@ def test_a_missing_c_part_fails_the_build(tmp_path: Path,
     from aioublk import _uring_build
 
     for name in _uring_build.PARTS:
-        shutil.copy(PACKAGE / f"{name}.h", tmp_path)
-        shutil.copy(PACKAGE / f"{name}.c", tmp_path)
+        shutil.copy(PACKAGE / "csrc" / f"{name}.h", tmp_path)
+        shutil.copy(PACKAGE / "csrc" / f"{name}.c", tmp_path)
     monkeypatch.setattr(_uring_build, "_HERE", tmp_path)
     assert _uring_build._parts()[1]
     last = _uring_build.PARTS[-1]

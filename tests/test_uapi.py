@@ -1,8 +1,11 @@
 """The Python encoding of the ublk ABI checked against the kernel's own header.
 
-The header comes from Debian sid's ``linux-libc-dev`` (the one matching the
-guest kernel, with the BATCH_IO structs); a small C program compiled against
-it prints every size, offset and opcode we rely on.
+Twice: against the copy the C data plane is built with
+(``aioublk/csrc/ublk_cmd.h``, no download), and against Debian sid's
+``linux-libc-dev`` (the one matching the guest kernel, with the BATCH_IO
+structs), which also has the block layer's headers. Each time a small C
+program compiled against the header prints every size, offset and value we
+rely on.
 """
 
 from __future__ import annotations
@@ -10,27 +13,108 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from aioublk import uapi
 from aioublk.testing.sid import SidApt, cache_dir, extract, locked
 
+CSRC = Path(uapi.__file__).parent / "csrc"
+
 PROBE = r"""
 #include <stdio.h>
 #include <stddef.h>
 #include <sys/ioctl.h>
-#include <linux/ublk_cmd.h>
-#include <linux/blkzoned.h>
-#include <linux/fs.h>
+%INCLUDES%
 #define S(t) printf("\"sizeof %s\": %zu,\n", #t, sizeof(struct t))
 #define O(t, f) printf("\"offsetof %s.%s\": %zu,\n", #t, #f, offsetof(struct t, f))
 #define V(x) printf("\"%s\": %llu,\n", #x, (unsigned long long)(x))
 int main(void) {
     printf("{\n");
-    S(ublksrv_ctrl_cmd); S(ublksrv_ctrl_dev_info); S(ublksrv_io_desc); S(ublksrv_io_cmd);
-    S(ublk_params); S(ublk_param_basic); S(ublk_param_discard); S(ublk_param_segment);
-    S(ublk_batch_io); S(ublk_elem_header); S(ublk_param_zoned); S(blk_zone);
+%CALLS%
+    printf("\"end\": 0}\n");
+    return 0;
+}
+"""
+
+
+def probe(includes: list[str], calls: str, flags: list[str], build: Path) -> dict[str, int]:
+    """What a program built in ``build`` with ``flags`` prints for ``calls`` (of
+    S(struct), O(struct, field), V(expression)) after ``#include`` of ``includes``."""
+    src = build / "probe.c"
+    src.write_text(PROBE.replace("%INCLUDES%", "".join(f"#include {i}\n" for i in includes))
+                   .replace("%CALLS%", calls))
+    exe = build / "probe"
+    subprocess.run(["cc", *flags, "-o", str(exe), str(src)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    values: dict[str, int] = json.loads(out)
+    return values
+
+
+def python_abi() -> dict[str, int]:
+    """Each value of ``uapi`` that ublk_cmd.h defines too, by the probe's key for it
+    (``sizeof <struct>`` or the header's name)."""
+    want: dict[str, int] = {f"UBLK_U_CMD_{c.name}": c for c in uapi.Cmd}
+    want |= {f"UBLK_U_IO_{c.name}": c for c in uapi.IoCmd}
+    want |= {f"UBLK_F_{f.name}": f for f in uapi.Feature}
+    want |= {f"UBLK_IO_OP_{op.name}": op for op in uapi.Op}
+    want |= {f"UBLK_S_DEV_{s.name}": s for s in uapi.State}
+    for name in ("FUA", "NOUNMAP", "NEED_REG_BUF", "INTEGRITY", "SHMEM_ZC"):
+        want[f"UBLK_IO_F_{name}"] = getattr(uapi, f"IO_F_{name}")
+    for name in ("BASIC", "DISCARD", "DEVT", "ZONED", "DMA_ALIGN", "SEGMENT", "INTEGRITY"):
+        want[f"UBLK_PARAM_TYPE_{name}"] = getattr(uapi, f"PARAM_TYPE_{name}")
+    for name in ("READ_ONLY", "ROTATIONAL", "VOLATILE_CACHE", "FUA"):
+        want[f"UBLK_ATTR_{name}"] = getattr(uapi, f"ATTR_{name}")
+    want |= {
+        "UBLK_IO_RES_OK": uapi.IO_RES_OK,
+        "UBLK_IO_RES_NEED_GET_DATA": uapi.IO_RES_NEED_GET_DATA,
+        "UBLK_MAX_QUEUE_DEPTH": uapi.MAX_QUEUE_DEPTH,
+        "UBLK_MAX_NR_QUEUES": uapi.MAX_NR_QUEUES,
+        "UBLKSRV_IO_BUF_OFFSET": uapi.IO_BUF_OFFSET,
+        "UBLK_IO_BUF_BITS": uapi.IO_BUF_BITS,
+        "UBLK_TAG_OFF": uapi.TAG_OFF,
+        "UBLK_QID_OFF": uapi.QID_OFF,
+        "UBLKSRV_IO_INTEGRITY_FLAG": uapi.IO_INTEGRITY_FLAG,
+        "UBLK_SHMEM_BUF_READ_ONLY": uapi.SHMEM_BUF_READ_ONLY,
+        "sizeof ublksrv_ctrl_cmd": uapi.CTRL_CMD.size,
+        "sizeof ublksrv_ctrl_dev_info": uapi.DevInfo.SIZE,
+        "sizeof ublksrv_io_desc": uapi.IO_DESC.size,
+        "sizeof ublksrv_io_cmd": uapi.IO_CMD.size,
+        "sizeof ublk_params": uapi.PARAMS_SIZE,
+        "sizeof ublk_batch_io": uapi.BATCH_IO.size,
+        "sizeof ublk_elem_header": uapi.ELEM_HEADER.size,
+        "sizeof ublk_shmem_buf_reg": uapi.SHMEM_BUF_REG.size,
+    }
+    return {k: int(v) for k, v in want.items()}
+
+
+def probe_calls(keys: list[str]) -> str:
+    """The calls that print ``keys`` (python_abi's)."""
+    return "".join(f"    S({k.split()[1]});\n" if k.startswith("sizeof ") else f"    V({k});\n"
+                   for k in keys)
+
+
+@pytest.fixture(scope="module")
+def vendored_abi(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
+    """The values of python_abi's names in csrc/ublk_cmd.h, by the system compiler."""
+    return probe(['"ublk_cmd.h"'], probe_calls(list(python_abi())), ["-I", str(CSRC)],
+                 tmp_path_factory.mktemp("vendored-uapi"))
+
+
+@pytest.fixture(scope="module")
+def kernel_abi(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
+    """The same and more (the block layer's values, layouts) in the guest kernel's
+    headers."""
+    root = cache_dir() / "uapi"
+    header = root / "usr" / "include" / "linux" / "ublk_cmd.h"
+    with locked("uapi"):
+        if not header.exists():
+            (deb,) = SidApt().download(["linux-libc-dev"])
+            shutil.rmtree(root, ignore_errors=True)
+            extract(deb, root)
+    calls = """
+    S(ublk_param_zoned); S(blk_zone);
     O(blk_zone, wp); O(blk_zone, type); O(blk_zone, cond); O(blk_zone, capacity);
     O(ublk_params, basic); O(ublk_params, discard); O(ublk_params, devt);
     O(ublk_params, zoned); O(ublk_params, dma); O(ublk_params, seg);
@@ -40,59 +124,36 @@ int main(void) {
     O(ublk_param_integrity, csum_type); O(ublk_param_integrity, tag_size);
     O(ublksrv_ctrl_dev_info, flags); O(ublksrv_ctrl_dev_info, ublksrv_pid);
     O(ublksrv_ctrl_cmd, data); O(ublksrv_ctrl_cmd, addr);
-    S(ublk_shmem_buf_reg); O(ublk_shmem_buf_reg, len); O(ublk_shmem_buf_reg, flags);
+    O(ublk_shmem_buf_reg, len); O(ublk_shmem_buf_reg, flags);
     V(ublk_shmem_zc_addr(0xbeef, 0xdeadbeefu));
-    %OPS%
-    printf("\"end\": 0}\n");
-    return 0;
-}
+    V(BLK_ZONE_TYPE_SEQWRITE_REQ); V(BLK_ZONE_COND_CLOSED); V(BLK_ZONE_COND_FULL);
+    V(LBMD_PI_CAP_INTEGRITY); V(LBMD_PI_CAP_REFTAG); V(LBMD_PI_CSUM_NONE); V(LBMD_PI_CSUM_IP);
+    V(LBMD_PI_CSUM_CRC16_T10DIF); V(LBMD_PI_CSUM_CRC64_NVME);
 """
+    include = header.parents[1]
+    return probe(["<linux/ublk_cmd.h>", "<linux/blkzoned.h>", "<linux/fs.h>"],
+                 calls + probe_calls(list(python_abi())),
+                 ["-I", str(include), "-I", str(include / "x86_64-linux-gnu")],
+                 tmp_path_factory.mktemp("guest-uapi"))
 
 
-@pytest.fixture(scope="module")
-def kernel_abi() -> dict[str, int]:
-    root = cache_dir() / "uapi"
-    header = root / "usr" / "include" / "linux" / "ublk_cmd.h"
-    with locked("uapi"):
-        if not header.exists():
-            (deb,) = SidApt().download(["linux-libc-dev"])
-            shutil.rmtree(root, ignore_errors=True)
-            extract(deb, root)
-    ops = [f"V(UBLK_U_CMD_{c.name});" for c in uapi.Cmd]
-    ops += [f"V(UBLK_U_IO_{c.name});" for c in uapi.IoCmd]
-    ops += [f"V(UBLK_F_{f.name});" for f in uapi.Feature]
-    ops += ["V(UBLK_IO_F_FUA);", "V(UBLK_IO_F_NOUNMAP);", "V(UBLKSRV_IO_BUF_OFFSET);",
-            "V(UBLK_MAX_QUEUE_DEPTH);", "V(UBLK_PARAM_TYPE_DMA_ALIGN);",
-            "V(UBLK_PARAM_TYPE_SEGMENT);", "V(UBLK_ATTR_VOLATILE_CACHE);",
-            "V(UBLK_PARAM_TYPE_ZONED);", "V(BLK_ZONE_TYPE_SEQWRITE_REQ);",
-            "V(BLK_ZONE_COND_CLOSED);", "V(BLK_ZONE_COND_FULL);",
-            "V(UBLK_PARAM_TYPE_INTEGRITY);", "V(UBLK_IO_F_INTEGRITY);",
-            "V(UBLKSRV_IO_INTEGRITY_FLAG);", "V(LBMD_PI_CAP_INTEGRITY);",
-            "V(LBMD_PI_CAP_REFTAG);", "V(LBMD_PI_CSUM_NONE);", "V(LBMD_PI_CSUM_IP);",
-            "V(LBMD_PI_CSUM_CRC16_T10DIF);", "V(LBMD_PI_CSUM_CRC64_NVME);",
-            "V(UBLK_IO_F_SHMEM_ZC);", "V(UBLK_SHMEM_BUF_READ_ONLY);"]
-    ops += [f"V(UBLK_IO_OP_{op.name});" for op in uapi.Op]
-    build = cache_dir() / "uapi-probe"
-    build.mkdir(exist_ok=True)
-    src = build / "probe.c"
-    src.write_text(PROBE.replace("%OPS%", "\n    ".join(ops)))
-    exe = build / "probe"
-    subprocess.run(["gcc", "-I", str(header.parents[1]), "-I",
-                    str(header.parents[1] / "x86_64-linux-gnu"), "-o", str(exe), str(src)],
-                   check=True)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
-    values: dict[str, int] = json.loads(out)
-    return values
+def test_python_abi_matches_the_vendored_header(vendored_abi: dict[str, int]) -> None:
+    want = python_abi()
+    assert {k: vendored_abi[k] for k in want} == want
 
 
-def test_struct_sizes(kernel_abi: dict[str, int]) -> None:
-    assert kernel_abi["sizeof ublksrv_ctrl_cmd"] == uapi.CTRL_CMD.size == uapi.CTRL_CMD_SIZE
-    assert kernel_abi["sizeof ublksrv_ctrl_dev_info"] == uapi.DevInfo.SIZE
-    assert kernel_abi["sizeof ublksrv_io_desc"] == uapi.IO_DESC.size
-    assert kernel_abi["sizeof ublksrv_io_cmd"] == uapi.IO_CMD.size == uapi.IO_CMD_SIZE
-    assert kernel_abi["sizeof ublk_params"] == uapi.PARAMS_SIZE
-    assert kernel_abi["sizeof ublk_batch_io"] == uapi.BATCH_IO.size
-    assert kernel_abi["sizeof ublk_elem_header"] == uapi.ELEM_HEADER.size
+def test_vendored_header_is_the_guest_kernels(kernel_abi: dict[str, int],
+                                              vendored_abi: dict[str, int]) -> None:
+    """csrc/ublk_cmd.h is a copy of the guest kernel's (copy it again when that one
+    changes); with the test above, the Python values are the guest kernel's too."""
+    assert {k: kernel_abi[k] for k in vendored_abi} == vendored_abi
+
+
+def test_opcodes_encode_the_struct_sizes() -> None:
+    """(python_abi holds the structs' sizes against the headers)"""
+    assert uapi.CTRL_CMD.size == uapi.CTRL_CMD_SIZE
+    assert uapi.IO_CMD.size == uapi.IO_CMD_SIZE
+    assert uapi.BATCH_IO.size == uapi.BATCH_IO_SIZE
 
 
 def test_params_layout(kernel_abi: dict[str, int]) -> None:
@@ -116,12 +177,9 @@ def test_zoned_layout(kernel_abi: dict[str, int]) -> None:
     assert kernel_abi["sizeof blk_zone"] == uapi.BLK_ZONE.size
     assert [kernel_abi[f"offsetof blk_zone.{f}"] for f in ("wp", "type", "cond", "capacity")] \
         == [16, 24, 25, 32]
-    assert kernel_abi["UBLK_PARAM_TYPE_ZONED"] == uapi.PARAM_TYPE_ZONED
     assert kernel_abi["BLK_ZONE_TYPE_SEQWRITE_REQ"] == uapi.ZONE_TYPE_SEQWRITE_REQ
     assert kernel_abi["BLK_ZONE_COND_CLOSED"] == uapi.ZONE_COND_CLOSED
     assert kernel_abi["BLK_ZONE_COND_FULL"] == uapi.ZONE_COND_FULL
-    for op in uapi.Op:
-        assert kernel_abi[f"UBLK_IO_OP_{op.name}"] == op, op
     raw = uapi.Params(dev_sectors=1 << 20, chunk_sectors=2048, zoned=(4, 6, 256)).pack()
     off = kernel_abi["offsetof ublk_params.zoned"]
     assert [int.from_bytes(raw[off + i:off + i + 4], "little") for i in (0, 4, 8)] == [4, 6, 256]
@@ -133,9 +191,6 @@ def test_integrity_layout(kernel_abi: dict[str, int]) -> None:
     assert [kernel_abi[f"offsetof ublk_param_integrity.{f}"] for f in (
         "max_integrity_segments", "interval_exp", "metadata_size", "pi_offset", "csum_type",
         "tag_size")] == [4, 6, 7, 8, 9, 10]
-    assert kernel_abi["UBLK_PARAM_TYPE_INTEGRITY"] == uapi.PARAM_TYPE_INTEGRITY
-    assert kernel_abi["UBLK_IO_F_INTEGRITY"] == uapi.IO_F_INTEGRITY
-    assert kernel_abi["UBLKSRV_IO_INTEGRITY_FLAG"] == uapi.IO_INTEGRITY_FLAG
     assert kernel_abi["LBMD_PI_CAP_INTEGRITY"] == uapi.PI_CAP_INTEGRITY
     assert kernel_abi["LBMD_PI_CAP_REFTAG"] == uapi.PI_CAP_REFTAG
     for name, csum in (("NONE", "none"), ("IP", "ip"), ("CRC16_T10DIF", "t10dif"),
@@ -171,30 +226,13 @@ def test_ctrl_cmd_layout(kernel_abi: dict[str, int]) -> None:
     assert int.from_bytes(raw[off:off + 8], "little") == 99
 
 
-@pytest.mark.parametrize("enum,prefix", [(uapi.Cmd, "UBLK_U_CMD_"), (uapi.IoCmd, "UBLK_U_IO_"),
-                                         (uapi.Feature, "UBLK_F_")])
-def test_opcodes_and_flags(kernel_abi: dict[str, int], enum: type, prefix: str) -> None:
-    for member in enum:  # type: ignore[attr-defined]
-        assert kernel_abi[prefix + member.name] == member.value, member
-
-
-def test_constants(kernel_abi: dict[str, int]) -> None:
-    assert kernel_abi["UBLK_IO_F_FUA"] == uapi.IO_F_FUA
-    assert kernel_abi["UBLK_IO_F_NOUNMAP"] == uapi.IO_F_NOUNMAP
-    assert kernel_abi["UBLKSRV_IO_BUF_OFFSET"] == uapi.IO_BUF_OFFSET
-    assert kernel_abi["UBLK_MAX_QUEUE_DEPTH"] == uapi.MAX_QUEUE_DEPTH
-    assert kernel_abi["UBLK_ATTR_VOLATILE_CACHE"] == uapi.ATTR_VOLATILE_CACHE
-
-
 def test_shmem_buf_reg_layout(kernel_abi: dict[str, int]) -> None:
-    assert kernel_abi["sizeof ublk_shmem_buf_reg"] == uapi.SHMEM_BUF_REG.size == 24
+    assert uapi.SHMEM_BUF_REG.size == 24
     raw = uapi.SHMEM_BUF_REG.pack(0x7F00_0000_0000, 4 << 20, uapi.SHMEM_BUF_READ_ONLY, 0)
     off = kernel_abi["offsetof ublk_shmem_buf_reg.len"]
     assert int.from_bytes(raw[off:off + 8], "little") == 4 << 20
     off = kernel_abi["offsetof ublk_shmem_buf_reg.flags"]
     assert int.from_bytes(raw[off:off + 4], "little") == uapi.SHMEM_BUF_READ_ONLY
-    assert kernel_abi["UBLK_SHMEM_BUF_READ_ONLY"] == uapi.SHMEM_BUF_READ_ONLY
-    assert kernel_abi["UBLK_IO_F_SHMEM_ZC"] == uapi.IO_F_SHMEM_ZC
 
 
 def test_shmem_zc_place(kernel_abi: dict[str, int]) -> None:

@@ -42,6 +42,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "extents.h"
+
 #define EXT_NIL UINT32_MAX
 #define EXT_MIN_BITS 6
 #define EXT_MAX_BITS 31

@@ -1,5 +1,11 @@
 /* The extent table: device range -> (fd, host offset, writable) per granule,
-   filled from Python, read by the C data plane. Thread-safe; see _extents.c. */
+   filled from Python, read by the C data plane. Thread-safe; see extents.c. */
+#ifndef AIOUBLK_EXTENTS_H
+#define AIOUBLK_EXTENTS_H
+
+#include <stdint.h>
+
+/* cdef: begin (plain declarations and `#define NAME value` only) */
 struct aur_ext;
 struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off; };
 
@@ -14,3 +20,6 @@ int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write
                     struct aur_ext_piece *pieces, unsigned max_pieces,
                     uint32_t *ids, unsigned max_ids);
 void aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n);
+/* cdef: end */
+
+#endif

@@ -1,7 +1,28 @@
-/* The per-worker data plane (see _dataplane.c). Plain declarations only:
-   this text is also the cffi cdef. */
+/* The per-worker data plane (see dataplane.c). */
+#ifndef AIOUBLK_DATAPLANE_H
+#define AIOUBLK_DATAPLANE_H
 
-/* what a record handed to Python is (bits 56..62 of its user_data) */
+#include <stdint.h>
+
+#include "extents.h"
+#include "ring.h"
+
+/* cdef: begin (plain declarations and `#define NAME value` only) */
+
+/* The user_data of the data plane's own operations and of the records it
+   hands to Python (dataplane.c), one field a (shift, mask) pair: the mark bit,
+   which Python's own operations never reach, then a kind, the queue's local
+   index, the tag and aux, 16 bits more. */
+#define AUR_DP_UD_MARK_SHIFT 63
+#define AUR_DP_UD_KIND_SHIFT 56
+#define AUR_DP_UD_KIND_MASK 0x7f
+#define AUR_DP_UD_LOCAL_SHIFT 40
+#define AUR_DP_UD_LOCAL_MASK 0xffff
+#define AUR_DP_UD_TAG_SHIFT 16
+#define AUR_DP_UD_TAG_MASK 0xffff
+#define AUR_DP_UD_AUX_MASK 0xffff   /* (at bit 0) */
+
+/* what a record handed to Python is (the kind of its user_data) */
 #define AUR_DP_EV_IO 1        /* a per-I/O command's CQE, as the kernel sent it */
 #define AUR_DP_EV_FETCH 3     /* a batch fetch's CQE: its tags came as EV_TAG */
 #define AUR_DP_EV_TAG 6       /* a fetched request the map did not take */
@@ -10,8 +31,8 @@
 #define AUR_DP_EV_LOST 9      /* a request finished after the seal: not answered */
 #define AUR_DP_EV_IDLE 10     /* stopping, and C holds no request any more */
 
-/* the most sectors a request may have: user_data carries a piece's length
-   in 16 bits (max_io_size is bounded by it) */
+/* the most sectors a request may have: a piece's length is carried in aux
+   (max_io_size is bounded by it) */
 #define AUR_DP_MAX_SECTORS 0xffff
 /* the most backend pieces C splits a request into */
 #define AUR_DP_MAX_PIECES 64
@@ -60,7 +81,7 @@ struct aur_dp_counts {
 
 struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err);
 void aur_dp_free(struct aur_dp *dp);
-/* before the ring's exit: unregister the fetch buffers (see _dataplane.c) */
+/* before the ring's exit: unregister the fetch buffers (see dataplane.c) */
 unsigned aur_dp_withdraw(struct aur_dp *dp);
 /* queue `local`: its q_id, descriptor area and (copy modes) tag buffers */
 void aur_dp_queue(struct aur_dp *dp, unsigned local, uint16_t q_id, const void *descs,
@@ -102,3 +123,6 @@ unsigned aur_dp_pending(struct aur_dp *dp, unsigned local, void *out, unsigned m
    left in the ring signal the eventfd again. */
 unsigned aur_dp_room(struct aur_dp *dp);
 unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max);
+/* cdef: end */
+
+#endif

@@ -31,10 +31,11 @@
  * piece of it has completed: C never answers anything but full success, and
  * a buffer is never handed back while a piece may still write it.
  *
- * user_data: Python's operations count up from 1 and never reach bit 63;
- * ours set it and carry a kind, the queue's local index, the tag and 16
- * bits more (a piece's length in sectors, a commit slot). The same layout
- * marks the records handed to Python (AUR_DP_EV_*).
+ * user_data (AUR_DP_UD_* in dataplane.h): Python's operations count up
+ * from 1 and never reach the mark bit; ours set it and carry a kind, the
+ * queue's local index, the tag and aux (a piece's length in sectors, a
+ * commit slot). The same layout marks the records handed to Python
+ * (AUR_DP_EV_*).
  *
  * Counters (struct aur_dp_counts) live in memory Python owns, so the control
  * thread may read them while the worker closes.
@@ -48,23 +49,39 @@
  * build for).
  */
 
+#include <errno.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <linux/nvme_ioctl.h>
+#include <liburing.h>
+
+#include "dataplane.h"
+#include "extents.h"
+#include "ring.h"
+#include "ublk_cmd.h"
 
 _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
                AUR_LAT_OPS * AUR_LAT_BUCKETS * sizeof(uint64_t), "lat's shape");
 
-#define DP_BIT (1ULL << 63)
+#define DP_BIT (1ULL << AUR_DP_UD_MARK_SHIFT)
 /* each field masked to its width: a value too large must never reach the
    next field (a piece's sectors spilling into the tag completes another
    request); aur_dp_new refuses a max_io whose sectors aux cannot hold */
 #define DP_UD(kind, local, tag, aux) \
-    (DP_BIT | (((uint64_t)(kind) & 0x7f) << 56) | (((uint64_t)(local) & 0xffff) << 40) | \
-     (((uint64_t)(tag) & 0xffff) << 16) | ((uint64_t)(aux) & AUR_DP_MAX_SECTORS))
-#define DP_KIND(ud) ((unsigned)((ud) >> 56) & 0x7f)
-#define DP_LOCAL(ud) ((unsigned)((ud) >> 40) & 0xffff)
-#define DP_TAG(ud) ((uint16_t)((ud) >> 16))
-#define DP_AUX(ud) ((unsigned)(ud) & 0xffff)
+    (DP_BIT | (((uint64_t)(kind) & AUR_DP_UD_KIND_MASK) << AUR_DP_UD_KIND_SHIFT) | \
+     (((uint64_t)(local) & AUR_DP_UD_LOCAL_MASK) << AUR_DP_UD_LOCAL_SHIFT) | \
+     (((uint64_t)(tag) & AUR_DP_UD_TAG_MASK) << AUR_DP_UD_TAG_SHIFT) | \
+     ((uint64_t)(aux) & AUR_DP_UD_AUX_MASK))
+#define DP_KIND(ud) ((unsigned)((ud) >> AUR_DP_UD_KIND_SHIFT) & AUR_DP_UD_KIND_MASK)
+#define DP_LOCAL(ud) ((unsigned)((ud) >> AUR_DP_UD_LOCAL_SHIFT) & AUR_DP_UD_LOCAL_MASK)
+#define DP_TAG(ud) ((uint16_t)(((ud) >> AUR_DP_UD_TAG_SHIFT) & AUR_DP_UD_TAG_MASK))
+#define DP_AUX(ud) ((unsigned)(ud) & AUR_DP_UD_AUX_MASK)
+
+_Static_assert(AUR_DP_MAX_SECTORS == AUR_DP_UD_AUX_MASK, "a piece's sectors fill aux");
 
 /* kinds of our own operations (EV_IO and EV_FETCH are also kinds) */
 #define DP_K_RW 2
@@ -74,25 +91,10 @@ _Static_assert(sizeof(((struct aur_dp_counts *)0)->lat) ==
 
 #define DP_MAX_PIECES AUR_DP_MAX_PIECES
 
-#define UBLK_IO_RES_NEED_GET_DATA 1
-#define UBLK_OP_READ 0
-#define UBLK_OP_WRITE 1
-#define UBLK_F_FUA (1U << 13)
-#define UBLK_F_NEED_REG_BUF (1U << 17)
-#define UBLK_F_SHMEM_ZC (1U << 19)
-#define UBLK_BATCH_F_HAS_ZONE_LBA (1U << 0)
-#define UBLK_BATCH_F_HAS_BUF_ADDR (1U << 1)
-#define UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK (1U << 2)
 /* -u: where a request's data is on /dev/ublkcN (64-bit: the queue id sits at bit 41) */
-#define UBLK_USER_COPY_OFF(q, tag) \
-    (0x80000000ULL + (((uint64_t)(q) << 41) | ((uint64_t)(tag) << 25)))
-
-struct dp_desc {
-    uint32_t op_flags;
-    uint32_t nr_sectors;
-    uint64_t start_sector;
-    uint64_t addr;
-};
+#define DP_USER_COPY_OFF(q, tag) \
+    ((uint64_t)UBLKSRV_IO_BUF_OFFSET + \
+     (((uint64_t)(q) << UBLK_QID_OFF) | ((uint64_t)(tag) << UBLK_TAG_OFF)))
 
 struct dp_piece { int fd; uint32_t len; uint64_t host_off; uint32_t buf_off; };
 
@@ -123,7 +125,7 @@ struct dp_commit {
 
 struct dp_queue {
     uint16_t q_id;
-    const struct dp_desc *descs;
+    const struct ublksrv_io_desc *descs;
     char *bufs;
     struct aur_dp_counts *counts;
     struct dp_tag *tags;
@@ -214,7 +216,8 @@ struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
         return NULL;
     dp->r = r;
     dp->s = *s;
-    dp->elem_bytes = 8 + (s->mode == AUR_DP_COPY ? 8 : 0) + (s->zoned ? 8 : 0);
+    dp->elem_bytes = sizeof(struct ublk_elem_header) + (s->mode == AUR_DP_COPY ? 8 : 0) +
+        (s->zoned ? 8 : 0);
     dp->batch_flags = (s->mode == AUR_DP_COPY ? UBLK_BATCH_F_HAS_BUF_ADDR : 0) |
         (s->zoned ? UBLK_BATCH_F_HAS_ZONE_LBA : 0) |
         (s->mode == AUR_DP_AUTO_ZC && s->auto_zc_fallback ?
@@ -321,7 +324,7 @@ static void dp_clock_start(struct aur_dp *dp, unsigned local, uint16_t tag)
 
     if (!dp->timing)
         return;
-    op = q->descs[tag].op_flags & 0xff;
+    op = ublksrv_get_op(&q->descs[tag]);
     q->tags[tag].lat_op = (uint8_t)(op < AUR_LAT_OPS - 1 ? op : AUR_LAT_OPS - 1);
     q->tags[tag].t0 = dp_now_ns();
 }
@@ -405,8 +408,14 @@ static int dp_io_cmd(struct aur_dp *dp, unsigned local, uint16_t tag, uint32_t o
     uint64_t sqe_addr = 0;
     struct dp_tag *t = dp_tag(dp, local, tag);
 
-    if (dp->s.mode == AUR_DP_AUTO_ZC)
-        sqe_addr = t->buf_index | (dp->s.auto_zc_fallback ? (1U << 16) : 0);
+    if (dp->s.mode == AUR_DP_AUTO_ZC) {
+        struct ublk_auto_buf_reg reg = {
+            .index = t->buf_index,
+            .flags = dp->s.auto_zc_fallback ? UBLK_AUTO_BUF_REG_FALLBACK : 0,
+        };
+
+        sqe_addr = ublk_auto_buf_reg_to_sqe_addr(&reg);
+    }
     /* a zone append's sector goes where a fetch's buffer address would
        (the union's zone_append_lba; zoned devices have no buffer address) */
     return aur_prep_ublk_io(dp->r, dp->s.char_fd, op, dp->q[local].q_id, tag, res,
@@ -419,19 +428,12 @@ int aur_dp_fetch_req(struct aur_dp *dp, unsigned local, uint16_t tag)
     return dp_io_cmd(dp, local, tag, dp->s.op_fetch_req, 0);
 }
 
-struct dp_batch_cmd {
-    uint16_t q_id;
-    uint16_t flags;
-    uint16_t nr_elem;
-    uint8_t elem_bytes;
-    uint8_t reserved;
-    uint64_t reserved2;
-};
-
 int aur_dp_fetch_io_cmds(struct aur_dp *dp, unsigned local)
 {
-    struct dp_batch_cmd cmd = { dp->q[local].q_id, 0,
-                                (uint16_t)(dp->s.fetch_buf_bytes / 2), 2, 0, 0 };
+    /* the buffer the kernel picks is filled with tags, 2 bytes each */
+    struct ublk_batch_io cmd = { .q_id = dp->q[local].q_id,
+                                 .nr_elem = (uint16_t)(dp->s.fetch_buf_bytes / 2),
+                                 .elem_bytes = 2 };
 
     return aur_prep_cmd(dp->r, dp->s.char_fd, dp->s.op_fetch_io_cmds, &cmd, sizeof(cmd),
                         0, 0, IORING_URING_CMD_MULTISHOT, (uint16_t)local,
@@ -469,8 +471,9 @@ static void dp_send_commit(struct aur_dp *dp, unsigned local, struct dp_commit *
                            uint16_t slot)
 {
     struct dp_queue *q = &dp->q[local];
-    struct dp_batch_cmd cmd = { q->q_id, (uint16_t)dp->batch_flags, (uint16_t)c->nr,
-                                (uint8_t)dp->elem_bytes, 0, 0 };
+    struct ublk_batch_io cmd = { .q_id = q->q_id, .flags = (uint16_t)dp->batch_flags,
+                                 .nr_elem = (uint16_t)c->nr,
+                                 .elem_bytes = (uint8_t)dp->elem_bytes };
 
     q->commits[slot] = c;
     if (aur_prep_cmd(dp->r, dp->s.char_fd, dp->s.op_commit_io_cmds, &cmd, sizeof(cmd),
@@ -554,19 +557,22 @@ static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t
 {
     struct dp_queue *q = &dp->q[local];
     char *e = q->elems + (size_t)q->nr_elems * dp->elem_bytes;
-    uint16_t index = dp->s.mode == AUR_DP_AUTO_ZC ? dp_tag(dp, local, tag)->buf_index : 0;
+    struct ublk_elem_header h = {
+        .tag = tag,
+        .buf_index = dp->s.mode == AUR_DP_AUTO_ZC ? dp_tag(dp, local, tag)->buf_index : 0,
+        .result = res,
+    };
     uint64_t addr;
 
-    memcpy(e, &tag, 2);
-    memcpy(e + 2, &index, 2);
-    memcpy(e + 4, &res, 4);
+    memcpy(e, &h, sizeof(h));
+    e += sizeof(h);
     if (dp->batch_flags & UBLK_BATCH_F_HAS_BUF_ADDR) {
         addr = dp_io_addr(dp, local, tag);
-        memcpy(e + 8, &addr, 8);
+        memcpy(e, &addr, 8);
         e += 8;
     }
     if (dp->batch_flags & UBLK_BATCH_F_HAS_ZONE_LBA)
-        memcpy(e + 8, &q->tags[tag].zone_lba, 8);
+        memcpy(e, &q->tags[tag].zone_lba, 8);
     q->nr_elems++;
 }
 
@@ -795,7 +801,7 @@ static int dp_uc_copy(struct aur_dp *dp, unsigned local, uint16_t tag)
     struct dp_tag *t = dp_tag(dp, local, tag);
     int ret = aur_prep(dp->r, t->write ? IORING_OP_READ : IORING_OP_WRITE, dp->s.char_fd,
                        (uint64_t)(uintptr_t)dp_buf(dp, local, tag), t->len,
-                       UBLK_USER_COPY_OFF(dp->q[local].q_id, tag), 0, 0, 0,
+                       DP_USER_COPY_OFF(dp->q[local].q_id, tag), 0, 0, 0,
                        DP_UD(DP_K_UC, local, tag, t->len >> 9));
 
     if (ret == 0)
@@ -821,19 +827,19 @@ static int dp_sq_room(struct aur_dp *dp, unsigned n)
 static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
     struct dp_queue *q = &dp->q[local];
-    const struct dp_desc *d = &q->descs[tag];
+    const struct ublksrv_io_desc *d = &q->descs[tag];
     struct dp_tag *t = &q->tags[tag];
     struct dp_piece p[DP_MAX_PIECES];
-    unsigned op = d->op_flags & 0xff, n, need;
+    unsigned op = ublksrv_get_op(d), n, need;
     uint64_t off = d->start_sector << 9;
     uint32_t len = d->nr_sectors << 9;
-    int write = op == UBLK_OP_WRITE, uc = dp->s.mode == AUR_DP_USER_COPY;
+    int write = op == UBLK_IO_OP_WRITE, uc = dp->s.mode == AUR_DP_USER_COPY;
 
     if (dp->map == AUR_MAP_NONE || dp->stopping)
         return 0;
-    if (op > UBLK_OP_WRITE || !len || (write && (d->op_flags & UBLK_F_FUA)))
+    if (op > UBLK_IO_OP_WRITE || !len || (write && (d->op_flags & UBLK_IO_F_FUA)))
         return 0;
-    if (dp->s.mode == AUR_DP_AUTO_ZC && (d->op_flags & UBLK_F_NEED_REG_BUF))
+    if (dp->s.mode == AUR_DP_AUTO_ZC && (d->op_flags & UBLK_IO_F_NEED_REG_BUF))
         return 0;
     if (len > dp->s.max_io)  /* (never from the kernel: its buffer, its encoding) */
         return 0;
@@ -853,7 +859,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     }
     /* --shmem_zc: the data is in a shared buffer, not where the mode puts it;
        Python serves it there (null, above, has no data to move) */
-    if (d->op_flags & UBLK_F_SHMEM_ZC)
+    if (d->op_flags & UBLK_IO_F_SHMEM_ZC)
         return 0;
     n = dp_resolve(dp, t, off, len, write, p);
     if (!n)
@@ -986,14 +992,14 @@ static void dp_commit_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int
     uint16_t slot = DP_TAG(ud), tag;
     struct dp_queue *q = &dp->q[local];
     struct dp_commit *c = q->commits[slot];
+    struct ublk_elem_header h;
     int32_t result;
-    char *e;
 
     done = res >= 0 ? (unsigned)res / dp->elem_bytes : 0;
     if (done < c->nr && res != -ENODEV) {  /* (ENODEV: the device is gone) */
-        e = c->elems + (size_t)done * dp->elem_bytes;
-        memcpy(&tag, e, 2);
-        memcpy(&result, e + 4, 4);
+        memcpy(&h, c->elems + (size_t)done * dp->elem_bytes, sizeof(h));
+        tag = h.tag;
+        result = h.result;
         /* the refused element: a request still waiting is failed, once */
         dp_emit(o, DP_UD(AUR_DP_EV_COMMIT, local, tag, result >= 0 ? 0 : 1),
                 res < 0 ? res : 0, (uint32_t)result);
