@@ -133,7 +133,12 @@ async def _start(ctrl: Control, spec: DeviceSpec) -> _Served:
     reattach = await _reattach(ctrl, spec)
     # off the loop: a target may connect to a server (nbd, rbd) for seconds,
     # and the loop must go on answering signals and metrics meanwhile
-    target = await asyncio.to_thread(spec.build_target)
+    build = asyncio.ensure_future(asyncio.to_thread(spec.build_target))
+    try:
+        target = await asyncio.shield(build)
+    except asyncio.CancelledError:
+        build.add_done_callback(_close_late)  # (the thread cannot be stopped)
+        raise
     try:
         dev = Device(target, spec.config)
         await dev.start(recover=reattach)
@@ -141,6 +146,12 @@ async def _start(ctrl: Control, spec: DeviceSpec) -> _Served:
         target.close()
         raise
     return _Served(spec, dev, target, reattach)
+
+
+def _close_late(build: asyncio.Future[Target]) -> None:
+    """Close a target whose build finished after its start was cancelled."""
+    if not build.cancelled() and build.exception() is None:
+        build.result().close()
 
 
 async def _reattach(ctrl: Control, spec: DeviceSpec) -> bool:

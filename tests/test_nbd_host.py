@@ -628,6 +628,42 @@ async def test_serve_connects_off_its_loop(tmp_path: Path,
 
 
 @pytest.mark.asyncio
+async def test_a_target_built_after_serve_gave_up_is_closed() -> None:
+    """SIGTERM (a cancel) while a target is built in its thread: the build
+    cannot be stopped, so what it makes is closed when it is done, never
+    left holding its files, locks or connections."""
+    from aioublk import serve
+
+    started, release, closed = threading.Event(), threading.Event(), threading.Event()
+
+    class Built:
+        def close(self) -> None:
+            closed.set()
+
+    class Spec:
+        config = type("C", (), {"dev_id": -1})()
+
+        def build_target(self) -> Built:
+            started.set()
+            release.wait(10)
+            return Built()
+
+    start = asyncio.ensure_future(serve._start(None, Spec()))  # type: ignore[arg-type]
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert not closed.is_set()
+    release.set()
+    for _ in range(500):  # (the thread's result reaches the loop, then the callback runs)
+        if closed.is_set():
+            break
+        await asyncio.sleep(0.01)
+    assert closed.is_set()
+
+
+@pytest.mark.asyncio
 async def test_queue_connect_to_a_silent_server_times_out(
         qemu_nbd: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server answered the probe, then a silent one took its socket: the
