@@ -378,10 +378,21 @@ def test_a_uri_that_would_split_the_error_line_is_refused_quoted(uri: str) -> No
     ("nbds://example.com:10809/e%20x", True, "tcp"),
     ("nbd+unix:///e?socket=/tmp/s", False, "unix"),
     ("nbds+vsock:///", True, "vsock"),
+    ("nbd+vsock://2:100000/", False, "vsock"),  # a vsock port has 32 bits
     ("nbd+ssh://user@host/disk", False, "ssh"),
 ])
 def test_parse_uri(uri: str, tls: bool, transport: str) -> None:
     assert nbd.parse_uri(uri) == nbd.NbdUri(tls, transport)
+
+
+def test_tls_with_a_pre_shared_key_over_unix_is_not_refused_for_its_host_name() -> None:
+    """A PSK authenticates both ends with no certificate: the missing host
+    name costs nothing there, so only the connect (no server) fails."""
+    uri = "nbds+unix:///e?socket=/nonexistent.sock&tls-psk-file=/nonexistent.psk"
+    assert nbd.parse_uri(uri).psk
+    with pytest.raises(NbdError) as e:
+        NbdTarget(uri)
+    assert "--tls-hostname" not in str(e.value), e.value
 
 
 def test_missing_export_is_one_line(qemu_nbd: Server) -> None:

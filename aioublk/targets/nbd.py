@@ -105,6 +105,7 @@ class NbdUri:
 
     tls: bool
     transport: str  # tcp, unix, vsock or ssh
+    psk: bool = False  # TLS with a pre-shared key (tls-psk-file=): no certificate to check
 
 
 def parse_uri(uri: str) -> NbdUri:
@@ -118,17 +119,18 @@ def parse_uri(uri: str) -> NbdUri:
     scheme, sep, _ = uri.partition("://")
     if not sep or scheme not in _SCHEMES:  # (libnbd's schemes are lower case only)
         raise NbdError(f"NBD URI {uri}: not an NBD URI: use {_FORMS}")
+    tls, transport = _SCHEMES[scheme]
     try:
         parts = urllib.parse.urlsplit(uri)
-        parts.port  # noqa: B018 - read only to refuse a bad one now (libnbd takes 99999)
+        if transport != "vsock":  # (a vsock port has 32 bits)
+            parts.port  # noqa: B018 - read to refuse a bad one now (libnbd takes 99999)
         query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
     except ValueError as e:
         raise NbdError(f"NBD URI {uri}: {e}") from None
-    tls, transport = _SCHEMES[scheme]
     if transport == "unix" and not query.get("socket", [""])[0]:
         raise NbdError(f"NBD URI {uri}: a unix socket URI names its socket: "
                        f"{scheme}:///EXPORT?socket=PATH")
-    return NbdUri(tls, transport)
+    return NbdUri(tls, transport, psk="tls-psk-file" in query)
 
 
 def _lib() -> tuple[Any, Any]:
@@ -425,7 +427,7 @@ class NbdTarget(Target):
                 raise NbdError(f"NBD server {self.uri}: --tls-hostname needs libnbd 1.22 or "
                                "later (nbd_set_tls_hostname); with this one use TLS over TCP "
                                "(nbds://HOST:PORT/EXPORT), where the URI's host is checked")
-        elif uri.tls and uri.transport in ("unix", "vsock"):
+        elif uri.tls and uri.transport in ("unix", "vsock") and not uri.psk:
             raise NbdError(f"NBD server {self.uri}: TLS over a {uri.transport} socket checks "
                            "no host name, so any certificate would pass: give the name the "
                            "server's certificate holds (--tls-hostname)")
