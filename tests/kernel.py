@@ -7,7 +7,9 @@ timeout so that a hang fails the test instead of stalling the suite.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import logging
 import os
 import re
 import select
@@ -79,25 +81,38 @@ def parse_list(out: str) -> list[DevListing]:
 
 
 def fork_cli(argv: list[str], stdout: int, stderr: int, cwd: Path | str | None = None,
-             as_uid: int | None = None) -> int:
+             as_uid: int | None = None, close: tuple[int, ...] = ()) -> int:
     """``aioublk ARGV`` in a child forked from this process, its stdout and
     stderr on the given descriptors: the CLI's own code (parsing, daemonizing,
     serving, its lines and its exit status) without starting an interpreter,
     which costs 10-15 s per command in the emulated guest. `as_uid` drops to
     that uid (group the same, no others) first, as setpriv would; what was
-    decided at import (stats.RUN_DIR) stays root's. Returns the child's
-    pid; the caller reaps it. ``python -m aioublk`` itself is run by the
-    tests that are about the process."""
-    pid = os.fork()
-    if pid != 0:
-        return pid
-    code = 1  # the child: never returns into pytest
+    decided at import (stats.RUN_DIR) stays root's. The child closes the
+    descriptors `close`. Returns the child's pid; the caller reaps it.
+    ``python -m aioublk`` itself is run by the tests that are about the
+    process."""
+    gc.freeze()  # (a daemon's collector then leaves pytest's heap shared, not copied)
     try:
+        pid = os.fork()
+    except BaseException:
+        gc.unfreeze()
+        raise
+    if pid != 0:
+        gc.unfreeze()
+        return pid
+    code = 1  # the child: never returns into pytest, whatever happens
+    try:
+        for fd in close:
+            os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         for src, dst in ((null, 0), (stdout, 1), (stderr, 2)):
             os.dup2(src, dst)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        # what the interpreter would report, not pytest's capture of it
+        sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__
+        threading.excepthook = threading.__excepthook__
+        logging.root.handlers.clear()
         if cwd is not None:  # (as root, as subprocess's cwd= would)
             os.chdir(cwd)
         if as_uid is not None:
@@ -113,22 +128,34 @@ def fork_cli(argv: list[str], stdout: int, stderr: int, cwd: Path | str | None =
     except BaseException:  # noqa: BLE001 - a traceback, as the interpreter prints it
         traceback.print_exc()
     finally:
-        for f in (sys.stdout, sys.stderr):
-            f.flush()
-        os._exit(code)
+        try:
+            for f in (sys.stdout, sys.stderr):
+                f.flush()
+        finally:
+            os._exit(code)
 
 
 def wait_exit(pid: int, timeout: float) -> int:
-    """The exit status of child `pid`; killed and reaped past `timeout`."""
-    fd = os.pidfd_open(pid)
+    """The exit status of child `pid`; killed and reaped past `timeout` or
+    if the wait itself fails (never a child left running or a zombie)."""
     try:
-        if not select.select([fd], [], [], timeout)[0]:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise subprocess.TimeoutExpired(["aioublk"], timeout)
-    finally:
-        os.close(fd)
+        fd = os.pidfd_open(pid)
+        try:
+            if not _ready(fd, timeout):
+                raise subprocess.TimeoutExpired(["aioublk"], timeout)
+        finally:
+            os.close(fd)
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _ready(fd: int, timeout: float) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
 
 
 def cli(*args: str, timeout: float = 60, check: bool = True, cwd: Path | str | None = None,
@@ -285,7 +312,7 @@ def start_server(args: list[str], log: Path, timeout: float = 120,
     rfd, wfd = os.pipe()
     err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        pid = fork_cli([cmd, *args, "--foreground"], wfd, err)
+        pid = fork_cli([cmd, *args, "--foreground"], wfd, err, close=(rfd,))
     finally:
         os.close(err)
     os.close(wfd)
