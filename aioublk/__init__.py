@@ -101,20 +101,4 @@ if TYPE_CHECKING:
     from aioublk.targets.zoned import ZonedError as ZonedError
     from aioublk.targets.zoned import ZonedTarget as ZonedTarget
 
-__all__ = [
-    # devices
-    "Control", "CopyMode", "Device", "DeviceConfig",
-    # targets
-    "Buffer", "Done", "FixedBuf", "Geometry", "QueueContext", "Target", "current_queue",
-    "LoopTarget", "NullTarget", "Qcow2Target", "StripeTarget", "ZonedTarget",
-    # the data plane
-    "ExtentTable", "Extents", "Linear", "Map", "Null", "Striped",
-    # I/O
-    "Ring", "current_ring",
-    # qcow2 without ublk
-    "Qcow2Image",
-    # errors
-    "BackingError", "ConfigError", "Error", "ExtentConflict", "InUse", "IntegrityError",
-    "LockFailed", "LogFileError", "MetricsError", "NbdError", "NvmeError", "Qcow2Error",
-    "QueueSetupError", "RbdError", "RunDirError", "UblkError", "ZonedError",
-]
+__all__ = sorted(_WHERE)  # (every lazy name, and only those)

@@ -28,5 +28,4 @@ if TYPE_CHECKING:
     from aioublk.targets.rbd import RbdTarget as RbdTarget
     from aioublk.targets.stripe import StripeTarget as StripeTarget
 
-__all__ = ["BackingError", "LoopTarget", "NbdError", "NbdTarget", "NullTarget", "RbdError",
-           "RbdTarget", "StripeTarget"]
+__all__ = sorted(_WHERE)  # (every lazy name, and only those)
