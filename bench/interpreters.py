@@ -95,8 +95,7 @@ Start = Callable[[int, memoryview, Any], bool]  # done: (res) for qcow2, (res, f
 
 
 async def _drive(backend: str, mode: str, path: str, count: int) -> dict[str, Any]:
-    from aioublk.queue import queue_ring_flags
-    from aioublk.ring import Ring
+    from aioublk.ring import Ring, queue_ring_flags
 
     loop = asyncio.get_running_loop()
     factory = await _set_eager(loop) if mode == "eager" else None

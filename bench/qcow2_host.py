@@ -90,10 +90,9 @@ def _open_flags(path: str) -> list[int]:
 async def _drive(path: str, write: bool, depth: int, count: int, step: int,
                  bufsize: int, ring_kind: str) -> dict[str, object]:
     from aioublk.qcow2 import Qcow2Image
-    from aioublk.queue import queue_ring_flags
-    from aioublk.ring import Ring
+    from aioublk.ring import Ring, queue_ring_flags
 
-    # Sized like a ublk queue's ring (aioublk/queue.py) for a queue of this depth.
+    # Sized like a ublk queue's ring (ring.queue_ring_flags) for a queue of this depth.
     flags = queue_ring_flags()
     ring = Ring(max(2 * depth, 64), cq_entries=max(8 * depth, 256), flags=flags,
                 bind_thread=True)

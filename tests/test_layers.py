@@ -34,7 +34,6 @@ LAYERS: list[list[str]] = [
     ["aioublk.driver"],
     ["aioublk.perio", "aioublk.batch"],
     ["aioublk.worker"],
-    ["aioublk.queue"],  # the old names, re-exported; nothing in aioublk imports it
     ["aioublk.device"],
     ["aioublk.stats", "aioublk.config", "aioublk.udev", "aioublk.metrics"],
     ["aioublk.kublk_lines", "aioublk.runner"],  # what cli and serve share
