@@ -11,30 +11,30 @@ from aioublk._version import __version__ as __version__
 
 #: where each exported name lives; imported on first use (see aioublk._lazy)
 _WHERE = {
-    "ConfigError": "aioublk.config",
-    "Extents": "aioublk.dataplane",
-    "Linear": "aioublk.dataplane",
-    "Map": "aioublk.dataplane",
-    "Null": "aioublk.dataplane",
-    "Striped": "aioublk.dataplane",
+    "ConfigError": "aioublk.frontend.config",
+    "Extents": "aioublk.queue.dataplane",
+    "Linear": "aioublk.queue.dataplane",
+    "Map": "aioublk.queue.dataplane",
+    "Null": "aioublk.queue.dataplane",
+    "Striped": "aioublk.queue.dataplane",
     "Control": "aioublk.device",
     "Device": "aioublk.device",
     "Error": "aioublk.errors",
-    "ExtentConflict": "aioublk.extents",
-    "ExtentTable": "aioublk.extents",
-    "InUse": "aioublk.locking",
-    "LockFailed": "aioublk.locking",
+    "ExtentConflict": "aioublk.queue.extents",
+    "ExtentTable": "aioublk.queue.extents",
+    "InUse": "aioublk.io.locking",
+    "LockFailed": "aioublk.io.locking",
     "LogFileError": "aioublk.logs",
-    "MetricsError": "aioublk.metrics",
-    "CopyMode": "aioublk.options",
-    "DeviceConfig": "aioublk.options",
-    "IntegrityError": "aioublk.options",
-    "UblkError": "aioublk.options",
+    "MetricsError": "aioublk.frontend.metrics",
+    "CopyMode": "aioublk.queue.options",
+    "DeviceConfig": "aioublk.queue.options",
+    "IntegrityError": "aioublk.queue.options",
+    "UblkError": "aioublk.queue.options",
     "Qcow2Error": "aioublk.qcow2.format",
     "Qcow2Image": "aioublk.qcow2.image",
     "Ring": "aioublk.ring",
     "current_ring": "aioublk.ring",
-    "RunDirError": "aioublk.stats",
+    "RunDirError": "aioublk.frontend.stats",
     "Buffer": "aioublk.target",
     "Done": "aioublk.target",
     "FixedBuf": "aioublk.target",
@@ -58,30 +58,30 @@ _WHERE = {
 __getattr__, __dir__ = exports(__name__, _WHERE)
 
 if TYPE_CHECKING:
-    from aioublk.config import ConfigError as ConfigError
-    from aioublk.dataplane import Extents as Extents
-    from aioublk.dataplane import Linear as Linear
-    from aioublk.dataplane import Map as Map
-    from aioublk.dataplane import Null as Null
-    from aioublk.dataplane import Striped as Striped
     from aioublk.device import Control as Control
     from aioublk.device import Device as Device
     from aioublk.errors import Error as Error
-    from aioublk.extents import ExtentConflict as ExtentConflict
-    from aioublk.extents import ExtentTable as ExtentTable
-    from aioublk.locking import InUse as InUse
-    from aioublk.locking import LockFailed as LockFailed
+    from aioublk.frontend.config import ConfigError as ConfigError
+    from aioublk.frontend.metrics import MetricsError as MetricsError
+    from aioublk.frontend.stats import RunDirError as RunDirError
+    from aioublk.io.locking import InUse as InUse
+    from aioublk.io.locking import LockFailed as LockFailed
     from aioublk.logs import LogFileError as LogFileError
-    from aioublk.metrics import MetricsError as MetricsError
-    from aioublk.options import CopyMode as CopyMode
-    from aioublk.options import DeviceConfig as DeviceConfig
-    from aioublk.options import IntegrityError as IntegrityError
-    from aioublk.options import UblkError as UblkError
     from aioublk.qcow2.format import Qcow2Error as Qcow2Error
     from aioublk.qcow2.image import Qcow2Image as Qcow2Image
+    from aioublk.queue.dataplane import Extents as Extents
+    from aioublk.queue.dataplane import Linear as Linear
+    from aioublk.queue.dataplane import Map as Map
+    from aioublk.queue.dataplane import Null as Null
+    from aioublk.queue.dataplane import Striped as Striped
+    from aioublk.queue.extents import ExtentConflict as ExtentConflict
+    from aioublk.queue.extents import ExtentTable as ExtentTable
+    from aioublk.queue.options import CopyMode as CopyMode
+    from aioublk.queue.options import DeviceConfig as DeviceConfig
+    from aioublk.queue.options import IntegrityError as IntegrityError
+    from aioublk.queue.options import UblkError as UblkError
     from aioublk.ring import Ring as Ring
     from aioublk.ring import current_ring as current_ring
-    from aioublk.stats import RunDirError as RunDirError
     from aioublk.target import Buffer as Buffer
     from aioublk.target import Done as Done
     from aioublk.target import FixedBuf as FixedBuf

@@ -2,6 +2,6 @@
 
 import sys
 
-from aioublk.cli import main
+from aioublk.frontend.cli import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """A package's names, imported when first used (PEP 562).
 
-``import aioublk.cli`` runs ``aioublk/__init__.py`` first; importing every
+``import aioublk.frontend.cli`` runs ``aioublk/__init__.py`` first; importing every
 target and the qcow2 engine there cost each command seconds of start-up
 in an emulated guest, and a user's ``aioublk del`` needs none of it."""
 

@@ -44,12 +44,12 @@ import struct
 from dataclasses import dataclass, field
 from functools import partial
 
-from aioublk import uapi
 from aioublk._uring import lib
-from aioublk.dataplane import EV_COMMIT, EV_FETCH, EV_TAG
-from aioublk.driver import Driver, IoPath, Serving
-from aioublk.lifecycle import BATCH, Action, Event
-from aioublk.options import CopyMode
+from aioublk.kernel import uapi
+from aioublk.queue.dataplane import EV_COMMIT, EV_FETCH, EV_TAG
+from aioublk.queue.driver import Driver, IoPath, Serving
+from aioublk.queue.lifecycle import BATCH, Action, Event
+from aioublk.queue.options import CopyMode
 from aioublk.ring import Ring, buffer_address
 
 F_HAS_ZONE_LBA = 1 << 0

@@ -27,12 +27,13 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from aioublk import logs, uapi
-from aioublk.driver import QueueMem, WorkerSpec
-from aioublk.options import MAX_DEV_ID, CopyMode, DeviceConfig, UblkError, layout
+from aioublk import logs
+from aioublk.kernel import uapi
+from aioublk.queue.driver import QueueMem, WorkerSpec
+from aioublk.queue.options import MAX_DEV_ID, CopyMode, DeviceConfig, UblkError, layout
+from aioublk.queue.worker import Worker
 from aioublk.ring import Ring, buffer_address
 from aioublk.target import QueueSetupError, Target
-from aioublk.worker import Worker
 
 log = logs.get_logger("aioublk.device")
 
@@ -606,7 +607,7 @@ class Device:
     def latency(self) -> dict[int, list[tuple[list[int], int]]]:
         """Per queue, summed over its workers, per op: the latency buckets
         and sum (ns) the data planes keep while timing is on (all zero
-        otherwise; see ``aioublk.metrics``)."""
+        otherwise; see ``aioublk.frontend.metrics``)."""
         out: dict[int, list[tuple[list[int], int]]] = {}
         for w in self.workers:
             driver = w.driver

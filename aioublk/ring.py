@@ -39,7 +39,7 @@ from typing import Any
 
 from aioublk import logs
 from aioublk._uring import ffi, lib
-from aioublk.dataplane import UD_MARK, DataPlane, EventHandler
+from aioublk.queue.dataplane import UD_MARK, DataPlane, EventHandler
 
 log = logs.get_logger("aioublk.ring")
 

@@ -51,9 +51,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aioublk import logs, uapi
-from aioublk.dataplane import Map
+from aioublk import logs
 from aioublk.errors import Error
+from aioublk.kernel import uapi
+from aioublk.queue.dataplane import Map
 
 
 @dataclass
@@ -328,7 +329,7 @@ class Target:
 
     def map(self) -> Map | None:
         """Where the device's data lives, for the C data plane (see
-        ``aioublk.dataplane``): READ and non-FUA WRITE requests the map
+        ``aioublk.queue.dataplane``): READ and non-FUA WRITE requests the map
         resolves are served in C without reaching ``read``/``write``. Called
         on each queue's loop before its first request; None (the default):
         every request comes to the coroutines."""

@@ -45,7 +45,7 @@ CASES = [(t, p) for t in ("loop", "qcow2", "stripe") for p in ("-b", "--no-batch
 
 def _round(target: str, path: str, work: Path) -> dict[str, object]:
     """One round; raises AssertionError (from the test helpers) on any failure."""
-    from aioublk import cli as cli_mod
+    from aioublk.frontend import cli as cli_mod
     from tests import kernel
     from tests.test_kernel_lifecycle import (
         fio_result,

@@ -1,10 +1,10 @@
 """mkdocs hooks: the references generated from the code, and the benchmark results.
 
 The CLI and config references are written at build time from the objects the
-program itself uses (``aioublk.cli._parser()``, ``aioublk.config``), so they
+program itself uses (``aioublk.frontend.cli._parser()``, ``aioublk.frontend.config``), so they
 cannot drift from it: a page holds a marker (``<!-- cli-reference -->``,
 ``<!-- config-reference -->``) that ``on_page_markdown`` replaces. The
-targets' options come from ``aioublk.registry.TARGETS`` (type, default,
+targets' options come from ``aioublk.frontend.registry.TARGETS`` (type, default,
 bounds, flags, help); the other tables' keys from ``config_sections`` and
 their meanings from the comments of ``examples/serve.toml``, the one place
 those are written down.
@@ -25,7 +25,8 @@ from typing import Any
 from mkdocs.structure.files import File, Files
 
 import aioublk
-from aioublk import cli, config, registry, uapi
+from aioublk.frontend import cli, config, registry
+from aioublk.kernel import uapi
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

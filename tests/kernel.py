@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from aioublk import cli as cli_mod
 from aioublk.device import Control, Device
-from aioublk.options import DeviceConfig, UblkError
+from aioublk.frontend import cli as cli_mod
+from aioublk.queue.options import DeviceConfig, UblkError
 from aioublk.target import Target
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from aioublk import locking
+from aioublk.io import locking
 from aioublk.ring import Ring
 from aioublk.target import Target
 from aioublk.targets import BackingError, LoopTarget, StripeTarget

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from aioublk import uapi
 from aioublk.batch import (
     F_HAS_BUF_ADDR,
     F_HAS_ZONE_LBA,
@@ -19,6 +18,7 @@ from aioublk.batch import (
     elem_bytes,
     fetched_tags,
 )
+from aioublk.kernel import uapi
 
 
 def test_elem_sizes_follow_flags() -> None:
@@ -109,14 +109,14 @@ def test_fetched_tags_decode_u16s() -> None:
 # -- worker layout and option resolution ------------------------------------
 
 def test_layout_one_worker_per_queue_by_default() -> None:
-    from aioublk.options import layout
+    from aioublk.queue.options import layout
 
     plan = layout(2, 4, 2, batch=False, per_io_tasks=False)
     assert plan == [[(0, [0, 1, 2, 3])], [(1, [0, 1, 2, 3])]]
 
 
 def test_layout_batch_maps_n_workers_onto_m_queues() -> None:
-    from aioublk.options import layout
+    from aioublk.queue.options import layout
 
     one_loop = layout(4, 2, 1, batch=True, per_io_tasks=False)
     assert [[q for q, _ in w] for w in one_loop] == [[0, 1, 2, 3]]
@@ -127,7 +127,7 @@ def test_layout_batch_maps_n_workers_onto_m_queues() -> None:
 
 
 def test_layout_per_io_tasks_deals_every_tag_once() -> None:
-    from aioublk.options import layout
+    from aioublk.queue.options import layout
 
     plan = layout(2, 3, 4, batch=False, per_io_tasks=True)
     pairs = [(q, t) for w in plan for q, tags in w for t in tags]
@@ -141,7 +141,7 @@ ALL = int(uapi.Feature.CMD_IOCTL_ENCODE | uapi.Feature.BATCH_IO | uapi.Feature.U
 
 
 def test_batch_is_the_default_where_the_kernel_has_it() -> None:
-    from aioublk.options import DeviceConfig
+    from aioublk.queue.options import DeviceConfig
 
     assert DeviceConfig().resolve(ALL) == (True, uapi.Feature.BATCH_IO)
     assert DeviceConfig().resolve(ALL & ~uapi.Feature.BATCH_IO) == (False, 0)
@@ -163,7 +163,7 @@ def test_batch_is_the_default_where_the_kernel_has_it() -> None:
 ])
 def test_resolve_refuses_with_one_line(kw: dict[str, object], features: int,
                                        message: str) -> None:
-    from aioublk.options import CopyMode, DeviceConfig, UblkError
+    from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
 
     if "copy" in kw:
         kw["copy"] = CopyMode(kw["copy"])
@@ -178,7 +178,7 @@ def test_one_loop_targets_get_one_worker_on_either_path() -> None:
     """A target that keeps per-loop state (qcow2) sees all queues on one loop:
     batch maps them N:1, the per-I/O path deals the tags to one daemon."""
     from aioublk.device import Device
-    from aioublk.options import UblkError, layout
+    from aioublk.queue.options import UblkError, layout
     from aioublk.target import Geometry, Target
 
     class OneLoop(Target):
@@ -197,7 +197,7 @@ def test_one_loop_targets_get_one_worker_on_either_path() -> None:
 
 
 def test_auto_zc_fallback_adds_zero_copy_and_needs_auto_zc() -> None:
-    from aioublk.options import CopyMode, DeviceConfig, UblkError
+    from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
 
     batch, flags = DeviceConfig(copy=CopyMode.AUTO_ZC, auto_zc_fallback=True).resolve(ALL)
     assert flags & uapi.Feature.SUPPORT_ZERO_COPY and flags & uapi.Feature.AUTO_BUF_REG
@@ -221,7 +221,7 @@ class _Path:
     debug = False
 
     def __init__(self, mode: Any = None) -> None:
-        from aioublk.options import CopyMode
+        from aioublk.queue.options import CopyMode
 
         self.mode = mode or CopyMode.COPY
         self.started: list[int] = []
@@ -249,9 +249,9 @@ def _driver(ring: Any, path: _Path, batch: bool = True, char_fd: int = -1) -> An
     import structlog
 
     from aioublk.batch import BatchDriver
-    from aioublk.driver import WorkerSpec
-    from aioublk.options import DeviceConfig
-    from aioublk.perio import PerIoDriver
+    from aioublk.queue.driver import WorkerSpec
+    from aioublk.queue.options import DeviceConfig
+    from aioublk.queue.perio import PerIoDriver
 
     bufs = mmap.mmap(-1, 8 * 4096)
     qm = SimpleNamespace(q_id=0, addrs=[0x1000 * (t + 1) for t in range(8)],
@@ -265,7 +265,7 @@ def _driver(ring: Any, path: _Path, batch: bool = True, char_fd: int = -1) -> An
 
 def _deliver(driver: Any, tags: list[int]) -> None:
     """Fetched requests the data plane leaves to Python (no map)."""
-    from aioublk.dataplane import EV_TAG
+    from aioublk.queue.dataplane import EV_TAG
 
     for tag in tags:
         driver.event(EV_TAG, 0, tag, 0, 0, 0)
@@ -334,7 +334,7 @@ async def test_per_io_requests_arriving_after_the_worker_began_stopping_are_not_
     """The same on the per-I/O path (a detach after a failed QUIESCE_DEV):
     a request the kernel hands a re-armed tag once the worker is stopping
     is left to the kernel."""
-    from aioublk.dataplane import EV_IO
+    from aioublk.queue.dataplane import EV_IO
     from aioublk.ring import Ring
 
     ring = Ring(16)
@@ -373,8 +373,8 @@ async def test_a_request_that_outlives_the_drain_is_not_acknowledged(
     write-back (qcow2 metadata) runs next. A request that finishes after it
     must not be acknowledged, its data may not be in that write-back: it is
     left to the kernel (failed or reissued when /dev/ublkcN closes)."""
-    from aioublk import driver as driver_mod
-    from aioublk.dataplane import EV_IO
+    from aioublk.queue import driver as driver_mod
+    from aioublk.queue.dataplane import EV_IO
     from aioublk.ring import Ring
 
     monkeypatch.setattr(driver_mod, "DRAIN_SECONDS", 0.01)
@@ -408,7 +408,7 @@ async def test_c_commit_elements_match_the_python_model(mode: str) -> None:
     layout above) packs for the same answers."""
     from aioublk._uring import ffi, lib
     from aioublk.batch import F_AUTO_BUF_REG_FALLBACK
-    from aioublk.options import CopyMode
+    from aioublk.queue.options import CopyMode
     from aioublk.ring import Ring
 
     cmode = {"copy": CopyMode.COPY, "auto_zc": CopyMode.AUTO_ZC, "z": CopyMode.ZERO_COPY}[mode]

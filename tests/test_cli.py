@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import cli, uapi
+from aioublk.frontend import cli
+from aioublk.kernel import uapi
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -75,7 +76,8 @@ def test_bad_size_is_one_line_naming_the_option(args: list[str], option: str,
 #: says whether per-request logs are on (no kernel: run_device is replaced)
 _LOGGING_SERVER = """
 import sys
-from aioublk import cli, logs
+from aioublk.frontend import cli
+from aioublk import logs
 async def run_device(target, cfg, on_live=None, recover=False):
     log = logs.get_logger("aioublk.device")
     log.debug("debug line")
@@ -137,7 +139,8 @@ def test_contradictory_log_options_are_refused(args: list[str], message: str,
 #: syslog address may be pointed at the test's socket
 _FAILING_SERVER = """
 import os, sys
-from aioublk import cli, logs
+from aioublk.frontend import cli
+from aioublk import logs
 logs.SYSLOG_ADDRESS = os.environ.get("TEST_SYSLOG", logs.SYSLOG_ADDRESS)
 async def run_device(target, cfg, on_live=None, recover=False):
     log = logs.get_logger("aioublk.device")
@@ -236,7 +239,7 @@ def test_serve_logs_to_the_configured_file(tmp_path: Path) -> None:
                                           '[[devices]]\ntarget = "null"\n')
     script = """
 import sys
-from aioublk import serve
+from aioublk.frontend import serve
 async def fake_serve(cfg):
     serve.log.warning("serving line")
     return 0
@@ -274,7 +277,7 @@ def test_kublk_spellings_parse(args: list[str], expect: dict[str, object]) -> No
 
 
 def test_get_data_asks_for_need_get_data_on_the_per_io_path() -> None:
-    from aioublk import uapi
+    from aioublk.kernel import uapi
 
     cfg = cli.device_config(cli._parser().parse_args(["add", "-t", "null", "-g"]))
     assert cfg.get_data
@@ -290,7 +293,7 @@ def test_get_data_asks_for_need_get_data_on_the_per_io_path() -> None:
      "command): drop -b/--batch"),
 ])
 def test_get_data_refusals_are_one_line(args: list[str], message: str) -> None:
-    from aioublk.options import UblkError
+    from aioublk.queue.options import UblkError
 
     with pytest.raises(UblkError) as e:
         cli.device_config(cli._parser().parse_args(["add", "-t", "null", *args]))
@@ -298,7 +301,7 @@ def test_get_data_refusals_are_one_line(args: list[str], message: str) -> None:
 
 
 def test_get_data_on_a_kernel_without_it_is_one_line() -> None:
-    from aioublk.options import UblkError
+    from aioublk.queue.options import UblkError
 
     cfg = cli.device_config(cli._parser().parse_args(["add", "-t", "null", "-g"]))
     with pytest.raises(UblkError, match="does not support UBLK_F_NEED_GET_DATA"):
@@ -405,7 +408,7 @@ def test_update_size_refuses_to_grow_past_the_backing_files(
     """A loop device over a 64 MiB file must not become 1 GiB: past its
     files a target has nothing to serve (and a write there grows the file).
     The files are those ``add`` recorded; up to them the resize is sent."""
-    from aioublk import stats
+    from aioublk.frontend import stats
 
     paths = []
     for name, content in files.items():

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import cli, registry, serve
-from aioublk.config import ConfigError, build_target, load, parse_size
-from aioublk.options import CopyMode
+from aioublk.frontend import cli, registry, serve
+from aioublk.frontend.config import ConfigError, build_target, load, parse_size
 from aioublk.qcow2 import Qcow2Error
+from aioublk.queue.options import CopyMode
 from aioublk.targets import LoopTarget, NullTarget, StripeTarget
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -116,7 +116,7 @@ options = { size = 1073741824, delay_us = 0 }
 def test_get_data_is_a_device_setting_on_the_per_io_path(cfg: Path) -> None:
     """kublk's -g as a config key: UBLK_F_NEED_GET_DATA asked of the kernel,
     and "auto" batch settles on the per-I/O path (batch has no get-data)."""
-    from aioublk import uapi
+    from aioublk.kernel import uapi
 
     cfg.write_text(NULL + "get_data = true\n")
     (null,) = load("config.toml").devices

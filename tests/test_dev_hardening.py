@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from aioublk import uapi
 from aioublk.device import Control
-from aioublk.options import UblkError
+from aioublk.kernel import uapi
+from aioublk.queue.options import UblkError
 
 
 def _control() -> Control:
@@ -63,7 +63,7 @@ def test_recovery_refuses_a_device_another_user_created(flags: int) -> None:
     import os
 
     from aioublk.device import Device
-    from aioublk.options import DeviceConfig
+    from aioublk.queue.options import DeviceConfig
     from aioublk.targets.null import NullTarget
 
     info = uapi.DevInfo(dev_id=3, state=uapi.State.QUIESCED,

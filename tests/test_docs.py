@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import aioublk
-from aioublk import cli, config, registry
+from aioublk.frontend import cli, config, registry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,7 +123,7 @@ def test_benchmark_results_and_charts_are_on_the_site(site: Path) -> None:
 
 def test_operating_page_names_every_metric_and_op(site: Path) -> None:
     pytest.importorskip("prometheus_client")
-    from aioublk import metrics
+    from aioublk.frontend import metrics
 
     page = _page(site, "operating")
     names = [f.name + "_total" * (f.type == "counter")

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from aioublk import uapi
 from aioublk._uring import ffi, lib
-from aioublk.dataplane import EV_COMMIT, EV_FETCH, EV_IO, Linear, Map, Striped, decode, encode
-from aioublk.options import DeviceConfig, UblkError
+from aioublk.kernel import uapi
+from aioublk.queue.dataplane import EV_COMMIT, EV_FETCH, EV_IO, Linear, Map, Striped, decode, encode
+from aioublk.queue.options import DeviceConfig, UblkError
 
 
 class Plane:
@@ -100,7 +100,7 @@ def test_max_io_size_the_encoding_cannot_hold_is_refused_in_one_line(size: int) 
 
 
 def test_the_largest_max_io_size_is_accepted() -> None:
-    from aioublk.options import MAX_IO_SIZE
+    from aioublk.queue.options import MAX_IO_SIZE
 
     assert MAX_IO_SIZE >> 9 <= lib.AUR_DP_MAX_SECTORS and MAX_IO_SIZE % mmap.PAGESIZE == 0
     DeviceConfig(max_io_size=MAX_IO_SIZE).validate()
@@ -131,7 +131,7 @@ async def test_the_data_plane_refuses_a_max_io_it_cannot_encode(backing: int) ->
 async def test_the_largest_request_commits_its_own_tag(backing: int) -> None:
     """A read of the largest size (its sectors fill the 16-bit field) is
     served by C and committed on its own tag, counted in full."""
-    from aioublk.options import MAX_IO_SIZE
+    from aioublk.queue.options import MAX_IO_SIZE
     from aioublk.ring import Ring
 
     ring = Ring(16)

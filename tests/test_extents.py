@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from aioublk.extents import ExtentConflict, ExtentTable, Handle, Piece
+from aioublk.queue.extents import ExtentConflict, ExtentTable, Handle, Piece
 
 G = 64 * 1024        # granule of most tests (a default qcow2 cluster)
 MB = 1 << 20

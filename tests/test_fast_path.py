@@ -110,8 +110,8 @@ async def test_fast_path_unless_per_request_logging_was_asked_for(ring: Ring) ->
     import structlog
 
     from aioublk import logs
-    from aioublk.driver import IoPath
-    from aioublk.options import CopyMode
+    from aioublk.queue.driver import IoPath
+    from aioublk.queue.options import CopyMode
     from aioublk.targets.null import NullTarget
 
     structlog.reset_defaults()

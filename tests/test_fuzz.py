@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import config
+from aioublk.frontend import config
 from tests.qcow2_util import missing_tool
 
 FUZZ = Path(__file__).parent / "fuzz"

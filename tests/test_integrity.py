@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import cli, uapi
-from aioublk.options import DeviceConfig, UblkError
+from aioublk.frontend import cli
+from aioublk.kernel import uapi
+from aioublk.queue.options import DeviceConfig, UblkError
 
 
 def _config(*args: str) -> DeviceConfig:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from aioublk.options import CopyMode
+from aioublk.queue.options import CopyMode
 from aioublk.target import Target
 from aioublk.targets import LoopTarget, StripeTarget
 from aioublk.targets.nvme import NvmeTarget

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk.options import CopyMode
+from aioublk.queue.options import CopyMode
 from aioublk.targets import LoopTarget, StripeTarget
 from tests.kernel import fio, make_file, served
 

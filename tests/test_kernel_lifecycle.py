@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import cli as cli_mod
-from aioublk import stats
+from aioublk.frontend import cli as cli_mod
+from aioublk.frontend import stats
 from tests import kernel
 from tests.kernel import delete, start_server
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from aioublk import Device
-from aioublk.options import CopyMode, DeviceConfig, UblkError
+from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
 from aioublk.target import Target
 from aioublk.targets import LoopTarget, NullTarget, StripeTarget
 from tests import kernel
@@ -143,7 +143,7 @@ async def test_tiny_fetch_buffers_lose_no_request(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_zero_copy_needs_a_fixed_buffer_target() -> None:
-    from aioublk.options import CopyMode
+    from aioublk.queue.options import CopyMode
     from tests.test_kernel_embed import RamDisk
 
     with pytest.raises(UblkError, match="cannot serve zero-copy"):

@@ -4,7 +4,7 @@ config and start-up failures that leave nothing behind, and a device
 quiesced by SIGTERM then reattached by the next serve.
 
 Only the first test starts ``python -m aioublk serve``; the others fork
-this process and call ``aioublk.serve.main`` (the same code, without the
+this process and call ``aioublk.frontend.serve.main`` (the same code, without the
 6-20 s an interpreter start costs in the emulated guest)."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import stats
 from aioublk.device import Control
+from aioublk.frontend import stats
 from aioublk.targets.null import NullTarget
 from tests import kernel
 from tests.kernel import DevListing, fio, listing, make_file, parse_list, run
@@ -69,7 +69,7 @@ class Server:
                     os.dup2(src, dst)
                 sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
                 sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-                from aioublk.serve import main
+                from aioublk.frontend.serve import main
 
                 code = main(cfg.name)
             except BaseException:  # noqa: BLE001 - reported through the log

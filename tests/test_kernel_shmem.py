@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from aioublk.options import CopyMode
+from aioublk.queue.options import CopyMode
 from aioublk.target import Buffer
 from aioublk.targets import LoopTarget
 from tests.kernel import add, cli, delete, fio, make_file, served

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import uapi, udev
+from aioublk.frontend import udev
+from aioublk.kernel import uapi
 from aioublk.testing.sid import cache_dir
 from tests import kernel
 

@@ -16,29 +16,47 @@ import aioublk
 
 PACKAGE = Path(aioublk.__file__).parent
 
+#: the package root: the modules the design names (the ring, the device, the
+#: batch driver, the target base class) and what everything shares; the rest
+#: lives in a folder per layer
+ROOT_MODULES = {"aioublk", "aioublk.__main__", "aioublk._lazy", "aioublk._uring",
+                "aioublk._uring_build", "aioublk._version", "aioublk.batch", "aioublk.device",
+                "aioublk.errors", "aioublk.logs", "aioublk.ring", "aioublk.target"}
+
+#: the folders, lowest first: a module in one may import from an earlier
+#: folder (or the root), never from a later one
+FOLDERS = ["aioublk.testing", "aioublk.kernel", "aioublk.io", "aioublk.queue", "aioublk.qcow2",
+           "aioublk.targets", "aioublk.frontend"]
+
 #: each module (or subpackage, with everything in it) in its layer; a module
 #: may import only from earlier layers (and its own subpackage)
 LAYERS: list[list[str]] = [
     ["aioublk._uring", "aioublk._uring_build"],
-    ["aioublk.errors", "aioublk._version", "aioublk._lazy"],
+    ["aioublk.errors", "aioublk._version", "aioublk._lazy",
+     "aioublk.queue", "aioublk.frontend"],  # (docstrings only)
     ["aioublk.logs"],  # (its LogFileError is an aioublk.Error)
-    ["aioublk.uapi", "aioublk.notify",
-     "aioublk.directio", "aioublk.locking", "aioublk.extents", "aioublk.testing"],
-    ["aioublk.dataplane"],
+    ["aioublk.testing"],
+    ["aioublk.kernel"],
+    ["aioublk.io"],
+    ["aioublk.queue.extents"],
+    ["aioublk.queue.dataplane"],
     ["aioublk.ring"],
     ["aioublk.target"],
     ["aioublk.qcow2"],
     ["aioublk.targets"],
-    ["aioublk.registry"],  # the built-in targets declared: config and cli build from it
-    ["aioublk.options", "aioublk.lifecycle"],
-    ["aioublk.driver"],
-    ["aioublk.perio", "aioublk.batch"],
-    ["aioublk.worker"],
+    ["aioublk.queue.options", "aioublk.queue.lifecycle"],
+    ["aioublk.queue.driver"],
+    ["aioublk.queue.perio", "aioublk.batch"],
+    ["aioublk.queue.worker"],
     ["aioublk.device"],
-    ["aioublk.stats", "aioublk.config", "aioublk.udev", "aioublk.metrics"],
-    ["aioublk.kublk_lines", "aioublk.runner"],  # what cli and serve share
-    ["aioublk.serve"],
-    ["aioublk.cli"],
+    # the built-in targets declared: config and cli build from it
+    ["aioublk.frontend.registry", "aioublk.frontend.notify"],
+    ["aioublk.frontend.stats", "aioublk.frontend.config", "aioublk.frontend.udev",
+     "aioublk.frontend.metrics"],
+    # what cli and serve share
+    ["aioublk.frontend.kublk_lines", "aioublk.frontend.runner"],
+    ["aioublk.frontend.serve"],
+    ["aioublk.frontend.cli"],
     ["aioublk.__main__", "aioublk"],
 ]
 
@@ -55,6 +73,9 @@ def modules() -> dict[str, Path]:
 
 def layer_of(module: str) -> tuple[int, str]:
     """(layer index, the entry that placed it: a module or a subpackage)."""
+    for i, layer in enumerate(LAYERS):
+        if module in layer:
+            return i, module
     for i, layer in enumerate(LAYERS):
         for entry in layer:
             if module == entry or (entry != "aioublk" and module.startswith(entry + ".")):
@@ -133,17 +154,45 @@ def test_no_import_cycles() -> None:
             visit(m, [m])
 
 
+def folder_of(module: str) -> str | None:
+    return next((f for f in FOLDERS if module.startswith(f + ".") or module == f), None)
+
+
+def test_the_root_holds_at_most_a_dozen_modules() -> None:
+    root = {m for m in [*modules(), "aioublk._uring"] if m.count(".") <= 1
+            and folder_of(m) is None}
+    assert root == ROOT_MODULES and len(root) <= 12
+
+
+def test_every_other_module_lives_in_a_layer_folder() -> None:
+    homeless = [m for m in modules() if m not in ROOT_MODULES and folder_of(m) is None]
+    assert not homeless, f"{homeless}: put each in one of {FOLDERS}"
+
+
+def test_folders_import_only_earlier_folders() -> None:
+    bad = []
+    for mod, deps in graph().items():
+        mine = folder_of(mod)
+        for dep in deps:
+            theirs = folder_of(dep)
+            if mine and theirs and FOLDERS.index(theirs) > FOLDERS.index(mine):
+                bad.append(f"{mod} imports {dep}")
+    assert not bad, bad
+
+
 def test_the_queue_layer_order() -> None:
-    order = ["aioublk.uapi", "aioublk.ring", "aioublk.target", "aioublk.options",
-             "aioublk.driver", "aioublk.perio", "aioublk.worker", "aioublk.device"]
+    order = ["aioublk.kernel.uapi", "aioublk.ring", "aioublk.target", "aioublk.queue.options",
+             "aioublk.queue.driver", "aioublk.queue.perio", "aioublk.queue.worker",
+             "aioublk.device"]
     assert [layer_of(m)[0] for m in order] == sorted({layer_of(m)[0] for m in order})
-    assert layer_of("aioublk.batch")[0] == layer_of("aioublk.perio")[0]
+    assert layer_of("aioublk.batch")[0] == layer_of("aioublk.queue.perio")[0]
 
 
 #: ``serve`` is a subcommand of the CLI: cli may call its ``main`` and nothing
 #: else of it; what both use (the run-until-signal loop, kublk's device lines)
 #: lives in modules below both, so that neither grows into the other
-FRONT_ENDS = {("aioublk.cli", "aioublk.serve"): {"main"}, ("aioublk.serve", "aioublk.cli"): set()}
+FRONT_ENDS = {("aioublk.frontend.cli", "aioublk.frontend.serve"): {"main"},
+              ("aioublk.frontend.serve", "aioublk.frontend.cli"): set()}
 
 
 def names_imported(module: str, source: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""The queue lifecycle table (aioublk/lifecycle.py): every (state, event)
+"""The queue lifecycle table (aioublk/queue/lifecycle.py): every (state, event)
 pair of both paths against the rules it is meant to encode, the sequences
 of the last two bug fixes, and the drivers carrying the actions out on a
 host ring with no device (as in test_batch.py)."""
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from aioublk import uapi
-from aioublk.lifecycle import BATCH, PER_IO, Action, Event, Lifecycle, State, Table
+from aioublk.kernel import uapi
+from aioublk.queue.lifecycle import BATCH, PER_IO, Action, Event, Lifecycle, State, Table
 from tests.test_batch import _deliver, _driver, _Path, _SlowPath
 
 TABLES = {"per-io": PER_IO, "batch": BATCH}
@@ -129,7 +129,7 @@ class _Worker:
 
 @pytest.mark.asyncio
 async def test_per_io_abort_of_an_idle_worker_ends_it_and_its_siblings() -> None:
-    from aioublk.dataplane import EV_IO
+    from aioublk.queue.dataplane import EV_IO
     from aioublk.ring import Ring
 
     ring = Ring(16)
@@ -152,8 +152,8 @@ async def test_per_io_abort_of_an_idle_worker_ends_it_and_its_siblings() -> None
 @pytest.mark.asyncio
 async def test_batch_abort_ends_the_worker_after_the_grace_period(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from aioublk import driver as driver_mod
-    from aioublk.dataplane import EV_FETCH
+    from aioublk.queue import driver as driver_mod
+    from aioublk.queue.dataplane import EV_FETCH
     from aioublk.ring import Ring
 
     monkeypatch.setattr(driver_mod, "GRACE_SECONDS", 0.01)

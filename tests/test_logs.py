@@ -21,8 +21,10 @@ import asyncio, logging, os, sys
 import structlog
 {setup}
 import aioublk
-from aioublk import directio, logs, uapi
-from aioublk.driver import serve_request
+from aioublk.io import directio
+from aioublk import logs
+from aioublk.kernel import uapi
+from aioublk.queue.driver import serve_request
 
 fd = os.open({path!r}, os.O_RDWR | os.O_CREAT, 0o600)
 directio.make_buffered(fd, {path!r}, "a test")

@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
-from aioublk import config, dataplane, metrics, uapi
 from aioublk._uring import lib
 from aioublk.device import Device
+from aioublk.frontend import config, metrics
+from aioublk.kernel import uapi
+from aioublk.queue import dataplane
 from tests.test_batch import _driver, _Path
 
 NULL = {"devices": [{"target": "null"}]}

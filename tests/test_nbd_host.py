@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk.cli import main as cli_main
+from aioublk.frontend.cli import main as cli_main
 from aioublk.target import QueueContext, QueueSetupError, setup_queue, teardown_queue
 from aioublk.targets import nbd
 from aioublk.targets.nbd import NbdError, NbdTarget
@@ -537,7 +537,7 @@ def test_tls_wrong_ca_is_refused_on_both_transports(tmp_path: Path, transport: s
 
 
 def test_tls_hostname_is_a_target_option() -> None:
-    from aioublk.registry import TARGETS
+    from aioublk.frontend.registry import TARGETS
 
     o = TARGETS["nbd"].option("tls_hostname")
     assert o is not None and o.flags == ("--tls-hostname",)
@@ -614,8 +614,8 @@ async def test_serve_connects_off_its_loop(tmp_path: Path,
     """serve builds each target in a thread: while an NBD server stays
     silent the loop still runs (it answers signals and metrics), then the
     connect's one-line error comes out of serve's start."""
-    from aioublk import config, serve
-    from aioublk.options import DeviceConfig
+    from aioublk.frontend import config, serve
+    from aioublk.queue.options import DeviceConfig
 
     monkeypatch.setattr(nbd, "CONNECT_TIMEOUT", 1.0, raising=False)
     lsn, uri = _silent(tmp_path, "tcp")
@@ -643,7 +643,7 @@ async def test_a_target_built_after_serve_gave_up_is_closed() -> None:
     """SIGTERM (a cancel) while a target is built in its thread: the build
     cannot be stopped, so what it makes is closed when it is done, never
     left holding its files, locks or connections."""
-    from aioublk import serve
+    from aioublk.frontend import serve
 
     started, release, closed = threading.Event(), threading.Event(), threading.Event()
 

@@ -1,4 +1,4 @@
-"""``aioublk.notify`` against a socket the test binds, as systemd's would be
+"""``aioublk.frontend.notify`` against a socket the test binds, as systemd's would be
 (a path and an abstract ``@`` address), and what ``serve`` tells it when no
 device can start. The sequence with LIVE devices is in
 test_kernel_serve.py: it needs the kernel."""
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from aioublk import notify
-from aioublk.config import load
-from aioublk.serve import serve
+from aioublk.frontend import notify
+from aioublk.frontend.config import load
+from aioublk.frontend.serve import serve
 
 
 class Manager:

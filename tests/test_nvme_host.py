@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import Error, FixedBuf, cli, registry
+from aioublk import Error, FixedBuf
 from aioublk._uring import lib
-from aioublk.dataplane import Passthrough
+from aioublk.frontend import cli, registry
+from aioublk.queue.dataplane import Passthrough
 from aioublk.ring import Ring, buffer_address
 from aioublk.targets import nvme
 from aioublk.targets.nvme import CMD, NvmeError, NvmeTarget

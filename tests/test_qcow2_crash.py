@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import locking
+from aioublk.io import locking
 from tests.qcow2_crasher import pattern, write_through_ops
 
 MiB = 1 << 20

@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from aioublk.extents import ExtentTable
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2.format import COPIED, OFFSET_MASK, ZERO
+from aioublk.queue.extents import ExtentTable
 from aioublk.ring import Ring
 from tests.qcow2_util import K, M, create, qemu_img, qemu_io
 from tests.test_qcow2_writes import (
@@ -446,8 +446,8 @@ async def test_run_op_reads_through_the_stand_in(tmp_path: Path, ring: Ring) -> 
 async def test_target_map(tmp_path: Path, ring: Ring) -> None:
     """``Qcow2Target.map`` is the image's table; user recovery makes what it
     publishes read-only; a corrupt image has no map."""
-    from aioublk import uapi
-    from aioublk.dataplane import Extents
+    from aioublk.kernel import uapi
+    from aioublk.queue.dataplane import Extents
     from aioublk.targets.qcow2 import Qcow2Target
 
     t = Qcow2Target(str(mixed(tmp_path / "a.qcow2")))

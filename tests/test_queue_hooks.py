@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from aioublk import worker as worker_mod
-from aioublk.driver import WorkerSpec
-from aioublk.options import DeviceConfig
+from aioublk.queue import worker as worker_mod
+from aioublk.queue.driver import WorkerSpec
+from aioublk.queue.options import DeviceConfig
 from aioublk.ring import current_ring
 from aioublk.target import (
     Geometry,

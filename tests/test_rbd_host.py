@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from aioublk.cli import main as cli_main
+from aioublk.frontend.cli import main as cli_main
 from aioublk.target import QueueContext, setup_queue, teardown_queue
 from aioublk.targets.rbd import RbdError, RbdTarget
 from aioublk.testing.ceph import Cluster

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from aioublk import cli, stats
-from aioublk.kublk_lines import device_ids, target_line
-from aioublk.options import DeviceConfig
+from aioublk.frontend import cli, stats
+from aioublk.frontend.kublk_lines import device_ids, target_line
+from aioublk.queue.options import DeviceConfig
 from aioublk.target import Target
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import Geometry, Target, UblkError, cli, config, registry
+from aioublk import Geometry, Target, UblkError
+from aioublk.frontend import cli, config, registry
 
 
 def _add_parser() -> argparse.ArgumentParser:

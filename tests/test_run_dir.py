@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from aioublk import stats
+from aioublk.frontend import stats
 
 ROWS = [{"queue": 0, "ios": 1, "bytes": 512, "errors": 0, "inflight": 0}]
 
@@ -146,7 +146,7 @@ def test_read_does_not_follow_a_symlink(run_dir: Path, tmp_path: Path) -> None:
 
 DAEMON = """
 import os, sys
-from aioublk import cli
+from aioublk.frontend import cli
 os.umask(0o077)
 os.chdir(sys.argv[1])
 def serve(wfd: int) -> int:

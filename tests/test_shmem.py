@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from aioublk import cli, uapi
-from aioublk.config import load
-from aioublk.driver import IoPath
-from aioublk.options import CopyMode, DeviceConfig, UblkError
+from aioublk.frontend import cli
+from aioublk.frontend.config import load
+from aioublk.kernel import uapi
+from aioublk.queue.driver import IoPath
+from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
 from aioublk.ring import Ring
 from aioublk.targets import LoopTarget, NullTarget
 

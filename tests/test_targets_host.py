@@ -154,7 +154,8 @@ def test_cli_bad_input_is_one_line(args: list[str], message: str) -> None:
 
 _FAILING_LOCK = """
 import errno, os, sys
-from aioublk import cli, locking
+from aioublk.frontend import cli
+from aioublk.io import locking
 def conflict(*args):
     raise OSError(errno.EIO, os.strerror(errno.EIO))
 locking.conflict = conflict
@@ -184,8 +185,8 @@ def test_cli_without_driver_says_what_to_do() -> None:
 
 
 def test_device_refuses_flags_it_cannot_serve() -> None:
-    from aioublk import uapi
-    from aioublk.options import DeviceConfig, UblkError
+    from aioublk.kernel import uapi
+    from aioublk.queue.options import DeviceConfig, UblkError
 
     DeviceConfig(flags=uapi.Feature.NO_AUTO_PART_SCAN).validate()
     with pytest.raises(UblkError, match="UBLK_F_USER_COPY"):

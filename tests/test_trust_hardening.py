@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from aioublk import cli, config, logs, udev
-from aioublk.options import UblkError
+from aioublk import logs
+from aioublk.frontend import cli, config, udev
 from aioublk.qcow2 import Qcow2Error
 from aioublk.qcow2.backing_policy import BackingPolicy
+from aioublk.queue.options import UblkError
 from aioublk.ring import Ring
 from tests.test_qcow2_untrusted import image, refused, served
 
@@ -295,7 +296,7 @@ def test_udev_rule_passes_through_a_sticky_directory_only(tmp_path: Path) -> Non
     """A checkout under /tmp: a sticky world-writable directory on the way is safe
     (others cannot replace the root-owned entry the walk goes on to); the same
     directory without the sticky bit is not."""
-    from aioublk import udev
+    from aioublk.frontend import udev
 
     shared = tmp_path / "shared"
     (shared / "pkg").mkdir(parents=True)

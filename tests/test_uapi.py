@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import uapi
+from aioublk.kernel import uapi
 from aioublk.testing.sid import SidApt, cache_dir, extract, locked
 
-CSRC = Path(uapi.__file__).parent / "csrc"
+CSRC = Path(uapi.__file__).parent.parent / "csrc"
 
 PROBE = r"""
 #include <stdio.h>

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from aioublk import cli, config, uapi, udev
-from aioublk.options import CopyMode, DeviceConfig, UblkError
+from aioublk.frontend import cli, config, udev
+from aioublk.kernel import uapi
+from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
 
 ROOT = Path(__file__).resolve().parent.parent
 

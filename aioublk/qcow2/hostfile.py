@@ -3,7 +3,7 @@ writes through the current queue's ring, with O_DIRECT where the file
 system has it and bounce buffers where a caller's buffer is not aligned.
 
 The engine reads and writes in 512-byte sectors, so direct I/O is kept only
-where the file takes 512-byte aligned I/O (``aioublk.directio``); otherwise,
+where the file takes 512-byte aligned I/O (``aioublk.io.directio``); otherwise,
 and whenever O_DIRECT refuses a request all the same, the file goes
 buffered (one log line) and the request is retried that way, once."""
 
@@ -15,7 +15,7 @@ import os
 import stat
 from typing import Any
 
-from aioublk import directio, locking
+from aioublk.io import directio, locking
 from aioublk.qcow2.backing_policy import Checked
 from aioublk.qcow2.format import Qcow2Error
 from aioublk.ring import buffer_address, current_ring

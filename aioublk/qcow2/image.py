@@ -38,7 +38,7 @@ Data writes go only to clusters outside the image's metadata (checked as
 QEMU's overlap checks do); a write that would land on metadata marks the
 image corrupt and fails with EIO instead.
 
-The data plane (``extent_table``; ``aioublk.dataplane``, ``aioublk.extents``):
+The data plane (``extent_table``; ``aioublk.queue.dataplane``, ``aioublk.queue.extents``):
 the image owns an extent table, one granule per cluster, from which C serves
 reads and in-place writes without entering Python.
 
@@ -112,7 +112,7 @@ class Qcow2Image(Writes):
     #: the ring ``__aenter__`` made, closed with the image
     _own_ring: Ring | None = None
 
-    # Sized as a queue ring at the default depth, 128 (aioublk.worker): room
+    # Sized as a queue ring at the default depth, 128 (aioublk.queue.worker): room
     # for a write-back's table writes beside the caller's requests.
     _OWN_RING_ENTRIES = 256
     _OWN_RING_CQ_ENTRIES = 1024

@@ -2,7 +2,7 @@
 
 Opened with O_DIRECT where the file system allows it (so the page cache is not
 filled twice); file systems that refuse O_DIRECT get buffered I/O. What direct
-I/O needs is read at open (``aioublk.directio``): the device advertises it as
+I/O needs is read at open (``aioublk.io.directio``): the device advertises it as
 its logical block size, and a request O_DIRECT refuses all the same makes the
 file buffered and is retried once that way. Block devices report their size
 through BLKGETSIZE64.
@@ -19,8 +19,9 @@ import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from aioublk import directio, locking, logs
+from aioublk import logs
 from aioublk.errors import Error
+from aioublk.io import directio, locking
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, FixedBuf, Geometry
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from aioublk import uapi
-from aioublk.dataplane import Linear, Map
+from aioublk.kernel import uapi
+from aioublk.queue.dataplane import Linear, Map
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, Geometry, Target, rw_handler
 from aioublk.targets.backing import Backing, BackingError, fit_geometry

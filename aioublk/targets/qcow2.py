@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from aioublk import uapi
-from aioublk.dataplane import Extents, Map
+from aioublk.kernel import uapi
 from aioublk.qcow2 import Qcow2Image
+from aioublk.queue.dataplane import Extents, Map
 from aioublk.target import Done, Geometry, Target
 
 

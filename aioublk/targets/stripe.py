@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from aioublk.dataplane import Map, Striped
+from aioublk.queue.dataplane import Map, Striped
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, gather_all, rw_handler
 from aioublk.targets.backing import Backing, BackingError, fit_geometry

@@ -26,8 +26,8 @@ import os
 import stat
 import struct
 
-from aioublk import uapi
 from aioublk.errors import Error
+from aioublk.kernel import uapi
 from aioublk.ring import current_ring
 from aioublk.target import Geometry, Target
 from aioublk.targets.backing import Backing, fit_geometry

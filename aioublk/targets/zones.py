@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 from dataclasses import dataclass, field
 
-from aioublk import uapi
+from aioublk.kernel import uapi
 
 CONVENTIONAL = uapi.ZONE_TYPE_CONVENTIONAL
 SEQUENTIAL = uapi.ZONE_TYPE_SEQWRITE_REQ

@@ -1,4 +1,4 @@
-"""Fuzz target: ``aioublk.config.load`` over the bytes of a serve config
+"""Fuzz target: ``aioublk.frontend.config.load`` over the bytes of a serve config
 file. Only the parsed config or a one-line ConfigError may come out.
 
 The files the examples name (disk.img, vm.qcow2...) exist in the target's
@@ -17,7 +17,7 @@ import tempfile
 import types
 from pathlib import Path
 
-from aioublk import config
+from aioublk.frontend import config
 from tests.fuzz.common import check_error
 
 FILES = ("disk.img", "vm.qcow2", "stripe0.img", "stripe1.img", "meta.img")

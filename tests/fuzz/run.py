@@ -38,7 +38,7 @@ ROOT = HERE.parent.parent
 TARGETS = ("header", "image", "snapshots", "config", "nbd_uri")
 #: the code each target measures coverage in (modules and their submodules)
 INSTRUMENT = {"header": ["aioublk.qcow2.format"], "snapshots": ["aioublk.qcow2.format"],
-              "config": ["aioublk.config", "aioublk.options", "tomllib"],
+              "config": ["aioublk.frontend.config", "aioublk.queue.options", "tomllib"],
               "image": ["aioublk.qcow2"], "nbd_uri": ["aioublk.targets.nbd", "urllib.parse"]}
 #: the longest input each target gets (libFuzzer -max_len): an image's
 #: seeds are up to 81 KiB (extended L2 needs 16 KiB clusters)

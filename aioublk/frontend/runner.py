@@ -18,10 +18,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from aioublk import logs, stats, uapi
+from aioublk import logs
 from aioublk.device import Device
 from aioublk.errors import Error
-from aioublk.options import DeviceConfig
+from aioublk.frontend import stats
+from aioublk.kernel import uapi
+from aioublk.queue.options import DeviceConfig
 from aioublk.target import Target
 
 log = logs.get_logger("aioublk.runner")

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, cast
 
-from aioublk import dataplane, logs, uapi
+from aioublk import logs
 from aioublk._uring import ffi, lib
-from aioublk.dataplane import EV_IDLE, EV_LOST, EV_RETRY, decode
-from aioublk.lifecycle import Action, Event, Lifecycle, State, Table
-from aioublk.options import CopyMode, DeviceConfig
+from aioublk.kernel import uapi
+from aioublk.queue import dataplane
+from aioublk.queue.dataplane import EV_IDLE, EV_LOST, EV_RETRY, decode
+from aioublk.queue.lifecycle import Action, Event, Lifecycle, State, Table
+from aioublk.queue.options import CopyMode, DeviceConfig
 from aioublk.ring import Ring, buffer_address, keep
 from aioublk.target import Buffer, Done, FixedBuf, Target
 

@@ -1,7 +1,7 @@
 """``serve config.toml``: the devices of a config file, served in the
 foreground by one process until SIGTERM or SIGINT.
 
-- The whole file is checked first (``aioublk.config``); a bad file costs one
+- The whole file is checked first (``aioublk.frontend.config``); a bad file costs one
   line and creates nothing.
 - Start-up is all or nothing: if a device cannot start, the ones started
   before it are undone (deleted, or handed back QUIESCED if they were
@@ -12,7 +12,7 @@ foreground by one process until SIGTERM or SIGINT.
   target flushes) or, with ``on_stop = "quiesce"``, left QUIESCED for the
   next server. A device deleted or quiesced from outside is released and
   the others keep serving; when none is left, serve exits 0.
-- Under systemd (``$NOTIFY_SOCKET``, ``aioublk.notify``): STATUS= lines as
+- Under systemd (``$NOTIFY_SOCKET``, ``aioublk.frontend.notify``): STATUS= lines as
   it goes, READY=1 only once every device is LIVE (never after a failed
   start), STOPPING=1 when the stop begins, watchdog pings until it ends.
 """
@@ -24,12 +24,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aioublk import logs, metrics, notify, stats, uapi
-from aioublk.config import ConfigError, DeviceSpec, ServeConfig, load
+from aioublk import logs
 from aioublk.device import Control, Device, settled_info, state_name
-from aioublk.kublk_lines import print_device
-from aioublk.options import UblkError
-from aioublk.runner import ONE_LINE_ERRORS, run_loop, until_signal
+from aioublk.frontend import metrics, notify, stats
+from aioublk.frontend.config import ConfigError, DeviceSpec, ServeConfig, load
+from aioublk.frontend.kublk_lines import print_device
+from aioublk.frontend.runner import ONE_LINE_ERRORS, run_loop, until_signal
+from aioublk.kernel import uapi
+from aioublk.queue.options import UblkError
 from aioublk.target import Target
 
 log = logs.get_logger("aioublk.serve")

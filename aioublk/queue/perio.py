@@ -19,10 +19,10 @@ from __future__ import annotations
 import errno
 from functools import partial
 
-from aioublk import uapi
 from aioublk._uring import lib
-from aioublk.driver import Driver, IoPath, QueueMem, Serving
-from aioublk.lifecycle import PER_IO, Event
+from aioublk.kernel import uapi
+from aioublk.queue.driver import Driver, IoPath, QueueMem, Serving
+from aioublk.queue.lifecycle import PER_IO, Event
 from aioublk.ring import Ring
 
 

@@ -31,10 +31,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from aioublk import dataplane
 from aioublk._uring import lib
 from aioublk.device import Device
 from aioublk.errors import Error
+from aioublk.queue import dataplane
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry

@@ -18,9 +18,9 @@ import structlog
 
 from aioublk._uring import lib
 from aioublk.batch import BatchDriver
-from aioublk.driver import Driver, IoPath, WorkerSpec, log
-from aioublk.options import DeviceConfig
-from aioublk.perio import PerIoDriver
+from aioublk.queue.driver import Driver, IoPath, WorkerSpec, log
+from aioublk.queue.options import DeviceConfig
+from aioublk.queue.perio import PerIoDriver
 from aioublk.ring import Ring, queue_cq_entries, queue_ring_flags
 from aioublk.target import QueueContext, Target, setup_queue, teardown_queue
 

@@ -38,13 +38,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, NoReturn
 
-from aioublk import logs, registry, stats, uapi, udev
+from aioublk import logs
 from aioublk._version import __version__
-from aioublk.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.device import Control, Device
-from aioublk.kublk_lines import device_ids, dump, print_device, target_line
-from aioublk.options import MAX_DEV_ID, CopyMode, DeviceConfig, UblkError, integrity
-from aioublk.runner import ONE_LINE_ERRORS, run_device, run_loop
+from aioublk.frontend import registry, stats, udev
+from aioublk.frontend.config import SIZE_FORMS, build_target, parse_size, target_options
+from aioublk.frontend.kublk_lines import device_ids, dump, print_device, target_line
+from aioublk.frontend.runner import ONE_LINE_ERRORS, run_device, run_loop
+from aioublk.kernel import uapi
+from aioublk.queue.options import MAX_DEV_ID, CopyMode, DeviceConfig, UblkError, integrity
 from aioublk.target import Target
 
 log = logs.get_logger("aioublk.cli")
@@ -891,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("add", "recover"):
             return cmd_add(args)
         if args.cmd == "serve":
-            from aioublk.serve import main as serve_main
+            from aioublk.frontend.serve import main as serve_main
 
             return serve_main(args.config)
         if args.cmd == "udev":

@@ -27,9 +27,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aioublk import device, locking, registry, uapi
+from aioublk import device
 from aioublk.errors import Error
-from aioublk.options import CopyMode, DeviceConfig, IntegrityError, UblkError, integrity
+from aioublk.frontend import registry
+from aioublk.io import locking
+from aioublk.kernel import uapi
+from aioublk.queue.options import CopyMode, DeviceConfig, IntegrityError, UblkError, integrity
 from aioublk.target import Target
 
 BUILTIN_TARGETS = tuple(registry.TARGETS)

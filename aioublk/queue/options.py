@@ -14,9 +14,9 @@ import enum
 import mmap
 from dataclasses import dataclass
 
-from aioublk import uapi
 from aioublk._uring import lib
 from aioublk.errors import Error
+from aioublk.kernel import uapi
 
 MAX_DEV_ID = 1 << 20  # ublk_drv's UBLK_MAX_UBLKS
 #: the largest max_io_size: the data plane carries a request's sectors in 16

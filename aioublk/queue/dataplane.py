@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from aioublk._uring import ffi, lib
 
 if TYPE_CHECKING:
-    from aioublk.extents import ExtentTable
+    from aioublk.queue.extents import ExtentTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +111,7 @@ def encode(kind: int, local: int, tag: int, aux: int = 0) -> int:
 
 
 #: time every request from fetch to commit on data planes made from now on
-#: (the latency histograms of ``aioublk.metrics``); off, it costs nothing
+#: (the latency histograms of ``aioublk.frontend.metrics``); off, it costs nothing
 #: measurable. Switched by ``metrics.enable_timing``.
 timing = False
 
