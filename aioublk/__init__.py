@@ -17,7 +17,7 @@ _WHERE = {
     "Map": "aioublk.queue.dataplane",
     "Null": "aioublk.queue.dataplane",
     "Striped": "aioublk.queue.dataplane",
-    "Control": "aioublk.device",
+    "Control": "aioublk.kernel.control",
     "Device": "aioublk.device",
     "Error": "aioublk.errors",
     "ExtentConflict": "aioublk.queue.extents",
@@ -29,7 +29,7 @@ _WHERE = {
     "CopyMode": "aioublk.queue.options",
     "DeviceConfig": "aioublk.queue.options",
     "IntegrityError": "aioublk.queue.options",
-    "UblkError": "aioublk.queue.options",
+    "UblkError": "aioublk.errors",
     "Qcow2Error": "aioublk.qcow2.format",
     "Qcow2Image": "aioublk.qcow2.image",
     "Ring": "aioublk.ring",
@@ -58,14 +58,15 @@ _WHERE = {
 __getattr__, __dir__ = exports(__name__, _WHERE)
 
 if TYPE_CHECKING:
-    from aioublk.device import Control as Control
     from aioublk.device import Device as Device
     from aioublk.errors import Error as Error
+    from aioublk.errors import UblkError as UblkError
     from aioublk.frontend.config import ConfigError as ConfigError
     from aioublk.frontend.metrics import MetricsError as MetricsError
     from aioublk.frontend.stats import RunDirError as RunDirError
     from aioublk.io.locking import InUse as InUse
     from aioublk.io.locking import LockFailed as LockFailed
+    from aioublk.kernel.control import Control as Control
     from aioublk.logs import LogFileError as LogFileError
     from aioublk.qcow2.format import Qcow2Error as Qcow2Error
     from aioublk.qcow2.image import Qcow2Image as Qcow2Image
@@ -79,7 +80,6 @@ if TYPE_CHECKING:
     from aioublk.queue.options import CopyMode as CopyMode
     from aioublk.queue.options import DeviceConfig as DeviceConfig
     from aioublk.queue.options import IntegrityError as IntegrityError
-    from aioublk.queue.options import UblkError as UblkError
     from aioublk.ring import Ring as Ring
     from aioublk.ring import current_ring as current_ring
     from aioublk.target import Buffer as Buffer

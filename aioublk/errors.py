@@ -14,3 +14,7 @@ from __future__ import annotations
 
 class Error(Exception):
     """An error aioublk raised, explained in one line."""
+
+
+class UblkError(Error):
+    """A failure explained in one line for the user."""

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from aioublk.device import Control, Device
+from aioublk.device import Device
+from aioublk.errors import UblkError
 from aioublk.frontend import cli as cli_mod
-from aioublk.queue.options import DeviceConfig, UblkError
+from aioublk.kernel.control import Control
+from aioublk.queue.options import DeviceConfig
 from aioublk.target import Target
 
 T = TypeVar("T")

@@ -163,7 +163,8 @@ def test_batch_is_the_default_where_the_kernel_has_it() -> None:
 ])
 def test_resolve_refuses_with_one_line(kw: dict[str, object], features: int,
                                        message: str) -> None:
-    from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
+    from aioublk.errors import UblkError
+    from aioublk.queue.options import CopyMode, DeviceConfig
 
     if "copy" in kw:
         kw["copy"] = CopyMode(kw["copy"])
@@ -178,7 +179,8 @@ def test_one_loop_targets_get_one_worker_on_either_path() -> None:
     """A target that keeps per-loop state (qcow2) sees all queues on one loop:
     batch maps them N:1, the per-I/O path deals the tags to one daemon."""
     from aioublk.device import Device
-    from aioublk.queue.options import UblkError, layout
+    from aioublk.errors import UblkError
+    from aioublk.queue.options import layout
     from aioublk.target import Geometry, Target
 
     class OneLoop(Target):
@@ -197,7 +199,8 @@ def test_one_loop_targets_get_one_worker_on_either_path() -> None:
 
 
 def test_auto_zc_fallback_adds_zero_copy_and_needs_auto_zc() -> None:
-    from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
+    from aioublk.errors import UblkError
+    from aioublk.queue.options import CopyMode, DeviceConfig
 
     batch, flags = DeviceConfig(copy=CopyMode.AUTO_ZC, auto_zc_fallback=True).resolve(ALL)
     assert flags & uapi.Feature.SUPPORT_ZERO_COPY and flags & uapi.Feature.AUTO_BUF_REG

@@ -293,7 +293,7 @@ def test_get_data_asks_for_need_get_data_on_the_per_io_path() -> None:
      "command): drop -b/--batch"),
 ])
 def test_get_data_refusals_are_one_line(args: list[str], message: str) -> None:
-    from aioublk.queue.options import UblkError
+    from aioublk.errors import UblkError
 
     with pytest.raises(UblkError) as e:
         cli.device_config(cli._parser().parse_args(["add", "-t", "null", *args]))
@@ -301,7 +301,7 @@ def test_get_data_refusals_are_one_line(args: list[str], message: str) -> None:
 
 
 def test_get_data_on_a_kernel_without_it_is_one_line() -> None:
-    from aioublk.queue.options import UblkError
+    from aioublk.errors import UblkError
 
     cfg = cli.device_config(cli._parser().parse_args(["add", "-t", "null", "-g"]))
     with pytest.raises(UblkError, match="does not support UBLK_F_NEED_GET_DATA"):

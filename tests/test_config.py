@@ -580,7 +580,7 @@ def test_config_writable_by_others_is_accepted_when_not_root(
         cfg: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A user serving their own config as themselves gains nothing from it."""
     monkeypatch.setattr("os.geteuid", lambda: 12345)
-    monkeypatch.setattr("aioublk.device.has_cap_sys_admin", lambda: False)
+    monkeypatch.setattr("aioublk.kernel.control.has_cap_sys_admin", lambda: False)
     cfg.write_text(NULL)
     cfg.chmod(0o666)
     assert len(load("config.toml").devices) == 1

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from aioublk.device import Control
+from aioublk.errors import UblkError
 from aioublk.kernel import uapi
-from aioublk.queue.options import UblkError
+from aioublk.kernel.control import Control
 
 
 def _control() -> Control:
@@ -84,7 +84,7 @@ def test_a_kernel_that_never_answers_add_or_start_is_one_line(
         what: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """ADD_DEV and START_DEV are awaited with a time limit: a driver that
     never completes them costs one line, not a server hung for ever."""
-    from aioublk import device
+    from aioublk.kernel import control
 
     ctrl = _control()
 
@@ -92,7 +92,7 @@ def test_a_kernel_that_never_answers_add_or_start_is_one_line(
         await asyncio.get_running_loop().create_future()
         return 0
     ctrl._raw = never  # type: ignore[method-assign]
-    monkeypatch.setattr(device, "CTRL_TIMEOUT", 0.2, raising=False)
+    monkeypatch.setattr(control, "CTRL_TIMEOUT", 0.2)
 
     async def run() -> None:
         if what == "ADD_DEV":

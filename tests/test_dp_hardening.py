@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from aioublk._uring import ffi, lib
+from aioublk.errors import UblkError
 from aioublk.kernel import uapi
 from aioublk.queue.dataplane import EV_COMMIT, EV_FETCH, EV_IO, Linear, Map, Striped, decode, encode
-from aioublk.queue.options import DeviceConfig, UblkError
+from aioublk.queue.options import DeviceConfig
 
 
 class Plane:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from aioublk.errors import UblkError
 from aioublk.frontend import cli
 from aioublk.kernel import uapi
-from aioublk.queue.options import DeviceConfig, UblkError
+from aioublk.queue.options import DeviceConfig
 
 
 def _config(*args: str) -> DeviceConfig:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from aioublk import Device
-from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
+from aioublk.errors import UblkError
+from aioublk.queue.options import CopyMode, DeviceConfig
 from aioublk.target import Target
 from aioublk.targets import LoopTarget, NullTarget, StripeTarget
 from tests import kernel

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
+from aioublk.errors import UblkError
 from aioublk.io import locking
-from aioublk.queue.options import UblkError
 from tests import kernel
 from tests.kernel import add, delete, run, start_server, tail
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from aioublk.device import Control
 from aioublk.frontend import stats
+from aioublk.kernel.control import Control
 from aioublk.targets.null import NullTarget
 from tests import kernel
 from tests.kernel import DevListing, fio, listing, make_file, parse_list, run

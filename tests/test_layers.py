@@ -36,11 +36,12 @@ LAYERS: list[list[str]] = [
      "aioublk.queue", "aioublk.frontend"],  # (docstrings only)
     ["aioublk.logs"],  # (its LogFileError is an aioublk.Error)
     ["aioublk.testing"],
-    ["aioublk.kernel"],
+    ["aioublk.kernel", "aioublk.kernel.uapi"],
     ["aioublk.io"],
     ["aioublk.queue.extents"],
     ["aioublk.queue.dataplane"],
     ["aioublk.ring"],
+    ["aioublk.kernel.control"],
     ["aioublk.target"],
     ["aioublk.qcow2"],
     ["aioublk.targets"],

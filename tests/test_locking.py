@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from aioublk.errors import UblkError
 from aioublk.frontend.config import ConfigError, build_target, load
 from aioublk.io import locking
 from aioublk.qcow2 import Qcow2Error
-from aioublk.queue.options import UblkError
 from aioublk.target import Target
 from aioublk.targets import BackingError, LoopTarget, StripeTarget
 from aioublk.targets.qcow2 import Qcow2Target

@@ -42,11 +42,12 @@ def test_py_typed_is_in_the_package_and_its_package_data() -> None:
 def _raise_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         tuple[type[BaseException], Callable[[], object]]]:
     """(class, a call into aioublk that raises it) for each of the library's errors."""
+    from aioublk.errors import UblkError
     from aioublk.frontend import config, stats
     from aioublk.io import locking
     from aioublk.qcow2.format import Qcow2Error, parse_header
     from aioublk.queue.extents import ExtentConflict, ExtentTable
-    from aioublk.queue.options import DeviceConfig, UblkError
+    from aioublk.queue.options import DeviceConfig
     from aioublk.targets.backing import Backing, BackingError
 
     yield UblkError, lambda: DeviceConfig(queues=0).validate()

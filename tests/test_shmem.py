@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
+from aioublk.errors import UblkError
 from aioublk.frontend import cli
 from aioublk.frontend.config import load
 from aioublk.kernel import uapi
 from aioublk.queue.driver import IoPath
-from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
+from aioublk.queue.options import CopyMode, DeviceConfig
 from aioublk.ring import Ring
 from aioublk.targets import LoopTarget, NullTarget
 

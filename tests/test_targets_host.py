@@ -185,8 +185,9 @@ def test_cli_without_driver_says_what_to_do() -> None:
 
 
 def test_device_refuses_flags_it_cannot_serve() -> None:
+    from aioublk.errors import UblkError
     from aioublk.kernel import uapi
-    from aioublk.queue.options import DeviceConfig, UblkError
+    from aioublk.queue.options import DeviceConfig
 
     DeviceConfig(flags=uapi.Feature.NO_AUTO_PART_SCAN).validate()
     with pytest.raises(UblkError, match="UBLK_F_USER_COPY"):

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from aioublk import logs
+from aioublk.errors import UblkError
 from aioublk.frontend import cli, config, udev
 from aioublk.qcow2 import Qcow2Error
 from aioublk.qcow2.backing_policy import BackingPolicy
-from aioublk.queue.options import UblkError
 from aioublk.ring import Ring
 from tests.test_qcow2_untrusted import image, refused, served
 
@@ -238,7 +238,7 @@ def test_privilege_is_the_capability_not_the_uid(euid: int, cap: bool,
 def with_cap_sys_admin_as_user(monkeypatch: pytest.MonkeyPatch) -> None:
     """A service user with CAP_SYS_ADMIN (AmbientCapabilities=CAP_SYS_ADMIN)."""
     monkeypatch.setattr("os.geteuid", lambda: USER)
-    monkeypatch.setattr("aioublk.device.has_cap_sys_admin", lambda: True)
+    monkeypatch.setattr("aioublk.kernel.control.has_cap_sys_admin", lambda: True)
 
 
 @pytest.mark.parametrize("mode,uid", [(0o666, USER), (0o644, 4321)])

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from aioublk.errors import UblkError
 from aioublk.frontend import cli, config, udev
 from aioublk.kernel import uapi
-from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
+from aioublk.queue.options import CopyMode, DeviceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

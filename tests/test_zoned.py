@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from aioublk.errors import UblkError
 from aioublk.kernel import uapi
 from aioublk.queue.driver import serve_request
-from aioublk.queue.options import CopyMode, DeviceConfig, UblkError
+from aioublk.queue.options import CopyMode, DeviceConfig
 from aioublk.target import Geometry
 from aioublk.targets.zoned import ZonedError, ZonedTarget
 from aioublk.targets.zones import (

@@ -40,13 +40,15 @@ from typing import Any, NoReturn
 
 from aioublk import logs
 from aioublk._version import __version__
-from aioublk.device import Control, Device
+from aioublk.device import Device
+from aioublk.errors import UblkError
 from aioublk.frontend import registry, stats, udev
 from aioublk.frontend.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.frontend.kublk_lines import device_ids, dump, print_device, target_line
 from aioublk.frontend.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.kernel import uapi
-from aioublk.queue.options import MAX_DEV_ID, CopyMode, DeviceConfig, UblkError, integrity
+from aioublk.kernel.control import Control
+from aioublk.queue.options import CopyMode, DeviceConfig, integrity
 from aioublk.target import Target
 
 log = logs.get_logger("aioublk.cli")
@@ -93,9 +95,9 @@ def _dev_id(value: str) -> int:
         dev_id = int(value)
     except ValueError:
         dev_id = -2
-    if not -1 <= dev_id < MAX_DEV_ID:
+    if not -1 <= dev_id < uapi.MAX_DEV_ID:
         raise argparse.ArgumentTypeError(f"device id {value} is out of range: use "
-                                         f"0..{MAX_DEV_ID - 1}")
+                                         f"0..{uapi.MAX_DEV_ID - 1}")
     return dev_id
 
 

@@ -27,12 +27,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aioublk import device
-from aioublk.errors import Error
+from aioublk.errors import Error, UblkError
 from aioublk.frontend import registry
 from aioublk.io import locking
-from aioublk.kernel import uapi
-from aioublk.queue.options import CopyMode, DeviceConfig, IntegrityError, UblkError, integrity
+from aioublk.kernel import control, uapi
+from aioublk.queue.options import CopyMode, DeviceConfig, IntegrityError, integrity
 from aioublk.target import Target
 
 BUILTIN_TARGETS = tuple(registry.TARGETS)
@@ -202,7 +201,7 @@ def privileged(*, euid: int | None = None, cap_sys_admin: bool | None = None) ->
     if euid is None:
         euid = os.geteuid()
     if cap_sys_admin is None:
-        cap_sys_admin = device.has_cap_sys_admin()
+        cap_sys_admin = control.has_cap_sys_admin()
     return euid == 0 or cap_sys_admin
 
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from aioublk.device import Control, state_name
+from aioublk.kernel.control import Control, state_name
 
 _CHAR_DEVICE = re.compile(r"ublkc(\d+)")
 

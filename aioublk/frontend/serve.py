@@ -25,13 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aioublk import logs
-from aioublk.device import Control, Device, settled_info, state_name
+from aioublk.device import Device
+from aioublk.errors import UblkError
 from aioublk.frontend import metrics, notify, stats
 from aioublk.frontend.config import ConfigError, DeviceSpec, ServeConfig, load
 from aioublk.frontend.kublk_lines import print_device
 from aioublk.frontend.runner import ONE_LINE_ERRORS, run_loop, until_signal
 from aioublk.kernel import uapi
-from aioublk.queue.options import UblkError
+from aioublk.kernel.control import Control, settled_info, state_name
 from aioublk.target import Target
 
 log = logs.get_logger("aioublk.serve")

@@ -34,9 +34,9 @@ import stat
 import sys
 import sysconfig
 
-from aioublk.device import Control
+from aioublk.errors import UblkError
 from aioublk.kernel import uapi
-from aioublk.queue.options import UblkError
+from aioublk.kernel.control import Control
 
 RULES_FILE = "/etc/udev/rules.d/99-aioublk.rules"
 _NODE = re.compile(r"ublk[bc](\d+)(?:p\d+)?")

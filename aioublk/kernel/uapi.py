@@ -166,6 +166,7 @@ MAX_QUEUE_DEPTH = 4096
 MAX_NR_QUEUES = 4096
 CTRL_QUEUE_NONE = 0xFFFF
 DEV_ID_ANY = 0xFFFF_FFFF
+MAX_DEV_ID = 1 << 20  # ublk_drv's UBLK_MAX_UBLKS: ids are 0..MAX_DEV_ID-1
 
 # /dev/ublkcN offsets for mmap (descriptors) and pread/pwrite (USER_COPY)
 IO_BUF_OFFSET = 0x8000_0000

@@ -15,18 +15,13 @@ import mmap
 from dataclasses import dataclass
 
 from aioublk._uring import lib
-from aioublk.errors import Error
+from aioublk.errors import UblkError
 from aioublk.kernel import uapi
 
-MAX_DEV_ID = 1 << 20  # ublk_drv's UBLK_MAX_UBLKS
 #: the largest max_io_size: the data plane carries a request's sectors in 16
 #: bits of user_data, and ublk_drv rounds the size down to whole pages (its
 #: own limit, user copy's 25-bit buffer offset, is 32 MiB: above this one)
 MAX_IO_SIZE = (lib.AUR_DP_MAX_SECTORS << 9) // mmap.PAGESIZE * mmap.PAGESIZE
-
-
-class UblkError(Error):
-    """A failure explained in one line for the user."""
 
 
 class CopyMode(enum.Enum):
@@ -177,9 +172,9 @@ class DeviceConfig:
                             f"{mmap.PAGESIZE}..{MAX_IO_SIZE} bytes")
         if not 1 <= self.queues <= 32:
             raise UblkError(f"{self.queues} queues out of range: use 1..32")
-        if not -1 <= self.dev_id < MAX_DEV_ID:
+        if not -1 <= self.dev_id < uapi.MAX_DEV_ID:
             raise UblkError(f"device id {self.dev_id} is invalid: use -1 (any) or "
-                            f"0..{MAX_DEV_ID - 1}")
+                            f"0..{uapi.MAX_DEV_ID - 1}")
         if not 0 <= self.nthreads <= 64:
             raise UblkError(f"--nthreads {self.nthreads} out of range: use 1..64")
         if self.per_io_tasks and self.batch:
