@@ -43,7 +43,7 @@ _WHERE = {
     "QueueSetupError": "aioublk.target",
     "Target": "aioublk.target",
     "current_queue": "aioublk.target",
-    "BackingError": "aioublk.targets.backing",
+    "BackingError": "aioublk.io.hostfile",
     "LoopTarget": "aioublk.targets.loop",
     "NbdError": "aioublk.targets.nbd",
     "NullTarget": "aioublk.targets.null",
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from aioublk.frontend.config import ConfigError as ConfigError
     from aioublk.frontend.metrics import MetricsError as MetricsError
     from aioublk.frontend.stats import RunDirError as RunDirError
+    from aioublk.io.hostfile import BackingError as BackingError
     from aioublk.io.locking import InUse as InUse
     from aioublk.io.locking import LockFailed as LockFailed
     from aioublk.kernel.control import Control as Control
@@ -90,7 +91,6 @@ if TYPE_CHECKING:
     from aioublk.target import QueueSetupError as QueueSetupError
     from aioublk.target import Target as Target
     from aioublk.target import current_queue as current_queue
-    from aioublk.targets.backing import BackingError as BackingError
     from aioublk.targets.loop import LoopTarget as LoopTarget
     from aioublk.targets.nbd import NbdError as NbdError
     from aioublk.targets.null import NullTarget as NullTarget

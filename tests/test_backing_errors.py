@@ -14,10 +14,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from aioublk.io import locking
+from aioublk.io.hostfile import Backing
 from aioublk.ring import Ring
 from aioublk.target import Target
 from aioublk.targets import BackingError, LoopTarget, StripeTarget
-from aioublk.targets.backing import Backing
 
 K = 1024
 M = 1 << 20
@@ -104,7 +104,7 @@ def test_close_logs_a_failed_final_fsync(target: tuple[Target, int],
 
     def fsync(f: int) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
-    monkeypatch.setattr("aioublk.targets.backing.os.fsync", fsync)
+    monkeypatch.setattr("aioublk.io.hostfile.os.fsync", fsync)
     with capture_logs() as logs:
         t.close()  # does not raise
     errors = [e for e in logs if e["log_level"] == "error"]
@@ -120,10 +120,10 @@ def test_open_failing_after_the_lock_is_one_line_and_closes_the_file(
 
     def alignment(fd: int) -> None:
         raise OSError(errno.ENOTTY, os.strerror(errno.ENOTTY))
-    monkeypatch.setattr("aioublk.targets.backing.directio.alignment", alignment)
+    monkeypatch.setattr("aioublk.io.hostfile.directio.alignment", alignment)
     fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(BackingError, match=f"^backing file {path}: .*Inappropriate ioctl"):
-        Backing.open(str(path))
+        Backing(str(path))
     assert set(os.listdir("/proc/self/fd")) <= fds
     assert not locking.in_use(str(path))
 
@@ -147,15 +147,15 @@ def test_a_lock_failing_for_another_reason_is_one_line(
     finally:
         os.close(fd)
     with pytest.raises(BackingError, match=f"^cannot lock {path}: Input/output error$"):
-        Backing.open(str(path))
+        Backing(str(path))
 
 
 @pytest.mark.parametrize("where", ["alignment", "lock"])
 def test_qcow2_host_file_failing_after_open_is_one_line_and_closes_the_file(
         where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same for a qcow2 image's file: one line, no fd or lock left."""
+    from aioublk.io.hostfile import HostFile
     from aioublk.qcow2 import Qcow2Error
-    from aioublk.qcow2.hostfile import HostFile
 
     path = tmp_path / "img"
     path.write_bytes(bytes(M))
@@ -163,11 +163,11 @@ def test_qcow2_host_file_failing_after_open_is_one_line_and_closes_the_file(
     def fail(*args: object) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
     if where == "alignment":
-        monkeypatch.setattr("aioublk.qcow2.hostfile.directio.alignment", fail)
+        monkeypatch.setattr("aioublk.io.hostfile.directio.alignment", fail)
     else:
         monkeypatch.setattr(locking, "conflict", fail)
     fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(Qcow2Error, match=f"{path}: .*Input/output error$"):
-        HostFile(str(path), read_only=False, direct=True)
+        HostFile(str(path), read_only=False, direct=True, error=Qcow2Error)
     assert set(os.listdir("/proc/self/fd")) <= fds
     assert not locking.in_use(str(path))

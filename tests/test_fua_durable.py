@@ -225,7 +225,7 @@ async def test_the_recording_sees_a_write_that_is_not_durable(recorder: Recorder
             assert_kept(recorder, when, files, {t.backing.fd: (64 * K, data)})
 
         async def sync_too_early(offset: int, buf: Any, fua: bool = False) -> None:
-            await asyncio.gather(t.backing.write_full(buf, offset), t.backing.sync())
+            await asyncio.gather(t.backing.write(buf, offset), t.backing.sync())
         data = os.urandom(8 * K)
         when = await completes_at(recorder, sync_too_early(128 * K, aligned(data), True))
         with pytest.raises(AssertionError, match="loses its data"):

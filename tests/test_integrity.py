@@ -120,7 +120,7 @@ def test_recovering_keeps_the_metadata(tmp_path: Path) -> None:
 
 
 def test_loop_without_metadata_file_is_one_line(tmp_path: Path) -> None:
-    from aioublk.targets.backing import BackingError
+    from aioublk.io.hostfile import BackingError
     from aioublk.targets.loop import LoopTarget
 
     (tmp_path / "data").write_bytes(bytes(1 << 20))

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from aioublk.qcow2.hostfile import HostFile
+from aioublk.io.hostfile import Backing, HostFile
 from aioublk.ring import Ring
-from aioublk.targets.backing import Backing
 from aioublk.targets.stripe import split
 from tests import kernel
 from tests.kernel import add, cli, delete, fio, make_file, run
@@ -364,12 +363,12 @@ async def test_loop_backing_refused_by_direct_io_goes_buffered(ring: Ring,
     """A request O_DIRECT refuses (512 bytes on 4 KiB sectors, as a config's
     logical_block_size = 512 would send) is retried buffered, not failed."""
     with sectors_4k(tmp_path) as back:
-        b = Backing.open(back)
+        b = Backing(back)
         try:
             data = _aligned(os.urandom(512))
-            await asyncio.wait_for(b.write_full(data, 512), 30)
+            await asyncio.wait_for(b.write(data, 512), 30)
             got = _aligned(512)
-            await b.read_full(got, 512)
+            await b.read_into(got, 512)
             assert got == data
             assert not b.direct and b.align.offset == 4096
         finally:

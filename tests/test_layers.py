@@ -43,6 +43,8 @@ LAYERS: list[list[str]] = [
     ["aioublk.ring"],
     ["aioublk.kernel.control"],
     ["aioublk.target"],
+    # the one host-file module: the ring's I/O on a target's buffers
+    ["aioublk.io.hostfile"],
     ["aioublk.qcow2"],
     ["aioublk.targets"],
     ["aioublk.queue.options", "aioublk.queue.lifecycle"],

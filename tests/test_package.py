@@ -45,17 +45,17 @@ def _raise_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     from aioublk.errors import UblkError
     from aioublk.frontend import config, stats
     from aioublk.io import locking
+    from aioublk.io.hostfile import Backing, BackingError
     from aioublk.qcow2.format import Qcow2Error, parse_header
     from aioublk.queue.extents import ExtentConflict, ExtentTable
     from aioublk.queue.options import DeviceConfig
-    from aioublk.targets.backing import Backing, BackingError
 
     yield UblkError, lambda: DeviceConfig(queues=0).validate()
     bad = tmp_path / "bad.toml"
     bad.write_text("[[devices]]\nqeues = 1\n")
     yield config.ConfigError, lambda: config.load(str(bad))
     yield Qcow2Error, lambda: parse_header(b"not an image", 12)
-    yield BackingError, lambda: Backing.open(str(tmp_path / "missing.img"))
+    yield BackingError, lambda: Backing(str(tmp_path / "missing.img"))
 
     image = tmp_path / "held.img"
     image.write_bytes(bytes(4096))

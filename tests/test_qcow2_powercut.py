@@ -36,9 +36,9 @@ from typing import Any
 
 import pytest
 
+from aioublk.io.hostfile import HostFile
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2 import writeback as wbplan
-from aioublk.qcow2.hostfile import HostFile
 from aioublk.ring import Ring
 from tests.qcow2_util import SECTOR, K, M, create, qemu_img, qemu_io, to_raw
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 
-from aioublk.qcow2.hostfile import HostFile
+from aioublk.io.hostfile import HostFile
 from aioublk.ring import Ring
 from tests.qcow2_util import (
     CHUNKS_B,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from aioublk.qcow2.hostfile import HostFile
+from aioublk.io.hostfile import HostFile
 from aioublk.ring import Ring
 from aioublk.target import FixedBuf
 from aioublk.targets import BackingError, LoopTarget, StripeTarget

@@ -38,7 +38,7 @@ nothing about host files outside the allowed places.
 The decisions are plain functions of names, real paths and ``st_mode``; the
 image resolves the name (``resolve``) and checks what ``lstat`` says of the
 real path. Then the file is opened as it was checked (``open_dir``, then
-``hostfile.HostFile``): from ``/`` one directory at a time, each with
+``aioublk.io.hostfile.HostFile``): from ``/`` one directory at a time, each with
 ``O_NOFOLLOW``, the file itself with ``O_NOFOLLOW|O_NONBLOCK`` in the last,
 so that no symlink made since the check is followed anywhere in the path;
 and before a byte is read, ``fstat`` on the descriptor must show the

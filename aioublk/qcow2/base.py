@@ -14,8 +14,8 @@ from collections import OrderedDict
 from typing import Any, NoReturn
 
 from aioublk import logs
+from aioublk.io.hostfile import HostFile, aligned
 from aioublk.qcow2 import format as fmt
-from aioublk.qcow2.hostfile import HostFile, aligned
 from aioublk.queue.extents import ExtentTable
 
 log = logs.get_logger("aioublk.qcow2")

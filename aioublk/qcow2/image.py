@@ -86,16 +86,31 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from aioublk.io.hostfile import HostFile
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.backing_policy import BackingPolicy, Checked
 from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, _nclusters
 from aioublk.qcow2.format import OFFSET_MASK, Qcow2Error
-from aioublk.qcow2.hostfile import HostFile, RawBacking
 from aioublk.qcow2.writeback import HEADER, L1, L2, REFBLOCK, REFTABLE, SNAPSHOT
 from aioublk.qcow2.writes import Writes
 from aioublk.ring import Ring, bound_ring, queue_ring_flags
 
 __all__ = ["Qcow2Image"]
+
+
+class RawBacking:
+    """A raw backing file: its bytes, zeros past its end."""
+
+    def __init__(self, path: str, direct: bool, checked: Checked | None = None) -> None:
+        self.file = HostFile(path, read_only=True, direct=direct, checked=checked,
+                             error=Qcow2Error)
+        self.size = self.file.size
+
+    async def read(self, offset: int, buf: memoryview) -> None:
+        await self.file.read_into(buf, offset)
+
+    def release(self) -> None:
+        self.file.close()
 
 
 class Qcow2Image(Writes):
@@ -178,7 +193,8 @@ class Qcow2Image(Writes):
         try:
             if len(chain) >= MAX_CHAIN:
                 raise Qcow2Error(f"backing chain deeper than {MAX_CHAIN} images at {path}")
-            f = HostFile(real, read_only=read_only, direct=direct, checked=checked)
+            f = HostFile(real, read_only=read_only, direct=direct, checked=checked,
+                         error=Qcow2Error)
             try:
                 st = os.fstat(f.fd)
                 if chain:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 from array import array
 
+from aioublk.io.hostfile import aligned
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.base import L2Table, log
 from aioublk.qcow2.flush import WriteBack
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
-from aioublk.qcow2.hostfile import aligned
 from aioublk.qcow2.writeback import KIND_NAMES, L2
 from aioublk.queue.extents import ExtentConflict, ExtentTable
 

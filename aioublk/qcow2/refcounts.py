@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from array import array
 
+from aioublk.io.hostfile import aligned
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.base import ImageBase, _eio, log
 from aioublk.qcow2.format import COMPRESSED, OFFSET_MASK
-from aioublk.qcow2.hostfile import aligned
 from aioublk.qcow2.writeback import REFBLOCK, REFTABLE
 
 

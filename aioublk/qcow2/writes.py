@@ -9,9 +9,9 @@ import asyncio
 import errno
 from typing import Any
 
+from aioublk.io.hostfile import aligned
 from aioublk.qcow2.base import _ZEROS, L2Table, _zero_buf
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
-from aioublk.qcow2.hostfile import aligned
 from aioublk.qcow2.reads import Reads
 from aioublk.ring import current_ring
 from aioublk.target import Done, rw_handler

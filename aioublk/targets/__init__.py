@@ -6,7 +6,7 @@ from aioublk._lazy import exports
 
 #: imported on first use: `-t null` need not load librbd (see aioublk._lazy)
 _WHERE = {
-    "BackingError": "aioublk.targets.backing",
+    "BackingError": "aioublk.io.hostfile",
     "LoopTarget": "aioublk.targets.loop",
     "NbdError": "aioublk.targets.nbd",
     "NbdTarget": "aioublk.targets.nbd",
@@ -19,7 +19,7 @@ _WHERE = {
 __getattr__, __dir__ = exports(__name__, _WHERE)
 
 if TYPE_CHECKING:
-    from aioublk.targets.backing import BackingError as BackingError
+    from aioublk.io.hostfile import BackingError as BackingError
     from aioublk.targets.loop import LoopTarget as LoopTarget
     from aioublk.targets.nbd import NbdError as NbdError
     from aioublk.targets.nbd import NbdTarget as NbdTarget

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from functools import partial
 
+from aioublk.io.hostfile import Backing, BackingError, fit_geometry
 from aioublk.kernel import uapi
 from aioublk.queue.dataplane import Linear, Map
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, Geometry, Target, rw_handler
-from aioublk.targets.backing import Backing, BackingError, fit_geometry
 
 #: bytes written at a time when a new device's metadata file is set to 0xFF
 _FILL_CHUNK = 1 << 20
@@ -29,7 +30,7 @@ class LoopTarget(Target):
 
     def __init__(self, path: str, *, direct: bool = True, read_only: bool = False,
                  metadata_file: str | None = None) -> None:
-        self.backing = Backing.open(path, direct=direct, read_only=read_only)
+        self.backing = Backing(path, direct=direct, read_only=read_only)
         self.geometry = fit_geometry(
             Geometry(size=self.backing.size, volatile_cache=True, read_only=read_only,
                      discard=True, write_zeroes=True), [self.backing])
@@ -37,7 +38,7 @@ class LoopTarget(Target):
         self.integrity: uapi.Integrity | None = None
         if metadata_file is not None:
             try:
-                self.meta = Backing.open(metadata_file, direct=False, read_only=read_only)
+                self.meta = Backing(metadata_file, direct=False, read_only=read_only)
             except BaseException:
                 self.backing.close()
                 raise
@@ -63,15 +64,15 @@ class LoopTarget(Target):
         return Linear(self.backing.fd)
 
     async def read(self, offset: int, buf: Buffer, meta: memoryview | None = None) -> None:
-        await self.backing.read_full(buf, offset)
+        await self.backing.read_into(buf, offset)
         if meta is not None and self.meta is not None and self.integrity is not None:
-            await self.meta.read_full(meta, self.integrity.meta_bytes(offset))
+            await self.meta.read_into(meta, self.integrity.meta_bytes(offset))
 
     async def write(self, offset: int, buf: Buffer, fua: bool = False,
                     meta: memoryview | None = None) -> None:
-        await self.backing.write_full(buf, offset)
+        await self.backing.write(buf, offset)
         if meta is not None and self.meta is not None and self.integrity is not None:
-            await self.meta.write_full(meta, self.integrity.meta_bytes(offset))
+            await self.meta.write(meta, self.integrity.meta_bytes(offset))
         if fua:
             await self.sync()
 
@@ -83,13 +84,13 @@ class LoopTarget(Target):
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
         current_ring().start_read(self.backing.fd, buf, offset,
                                   rw_handler(len(buf), done, lambda: self.read(offset, buf),
-                                             self.backing.einval("a read")))
+                                             partial(self.backing.refused, "a read")))
         return True
 
     def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
         current_ring().start_write(self.backing.fd, buf, offset,
                                    rw_handler(len(buf), done, lambda: self.write(offset, buf),
-                                              self.backing.einval("a write")))
+                                              partial(self.backing.refused, "a write")))
         return True
 
     async def flush(self) -> None:

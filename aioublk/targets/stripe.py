@@ -7,12 +7,14 @@ flight at once."""
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Awaitable
+from functools import partial
 
+from aioublk.io.hostfile import Backing, BackingError, fit_geometry
 from aioublk.queue.dataplane import Map, Striped
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, gather_all, rw_handler
-from aioublk.targets.backing import Backing, BackingError, fit_geometry
 
 MAX_FILES = 4
 
@@ -51,7 +53,7 @@ class StripeTarget(Target):
         self.files: list[Backing] = []
         try:
             for p in paths:
-                self.files.append(Backing.open(p, read_only=read_only))
+                self.files.append(Backing(p, read_only=read_only))
             sizes = [b.size & ~(chunk_size - 1) for b in self.files]
             for b, s in zip(self.files, sizes, strict=True):
                 if s == 0:
@@ -75,7 +77,7 @@ class StripeTarget(Target):
             await self._rw_once(offset, buf, write)
         except OSError as e:  # O_DIRECT refusing it? Then buffered, and once more
             what = f"a {'write' if write else 'read'} of {len(buf)} bytes at {offset}"
-            if not [b for b in self.files if b.refused(e, what)]:
+            if e.errno != errno.EINVAL or not [b for b in self.files if b.refused(what)]:
                 raise
             await self._rw_once(offset, buf, write)
 
@@ -127,7 +129,7 @@ class StripeTarget(Target):
         f, file_off = where
         current_ring().start_read(f.fd, buf, file_off,
                                   rw_handler(len(buf), done, lambda: self.read(offset, buf),
-                                             f.einval("a read")))
+                                             partial(f.refused, "a read")))
         return True
 
     def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
@@ -137,7 +139,7 @@ class StripeTarget(Target):
         f, file_off = where
         current_ring().start_write(f.fd, buf, file_off,
                                    rw_handler(len(buf), done, lambda: self.write(offset, buf),
-                                              f.einval("a write")))
+                                              partial(f.refused, "a write")))
         return True
 
     async def read(self, offset: int, buf: Buffer) -> None:

@@ -27,10 +27,10 @@ import stat
 import struct
 
 from aioublk.errors import Error
+from aioublk.io.hostfile import Backing, fit_geometry
 from aioublk.kernel import uapi
 from aioublk.ring import current_ring
 from aioublk.target import Geometry, Target
-from aioublk.targets.backing import Backing, fit_geometry
 from aioublk.targets.zones import CONVENTIONAL, ZoneTable
 
 #: the state file: magic, zone sectors, zones, conventional zones; then per zone
@@ -87,7 +87,7 @@ class ZonedTarget(Target):
             self.geometry = geo
             return
         _grow(file, size)
-        self.backing = Backing.open(file, direct=direct)
+        self.backing = Backing(file, direct=direct)
         try:
             self.state_path = file + ".zones"
             self._load_state()
@@ -146,14 +146,14 @@ class ZonedTarget(Target):
             buf[:] = self.ram[offset:offset + len(buf)]
             return
         assert self.backing is not None
-        await self.backing.read_full(buf, offset)
+        await self.backing.read_into(buf, offset)
 
     async def _put(self, offset: int, buf: memoryview, fua: bool) -> None:
         if self.ram is not None:
             self.ram[offset:offset + len(buf)] = buf
             return
         assert self.backing is not None
-        await self.backing.write_full(buf, offset)
+        await self.backing.write(buf, offset)
         if fua:
             await self.flush()
 
