@@ -35,22 +35,38 @@ import os
 import struct
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aioublk import logs
 from aioublk._uring import ffi, lib
-from aioublk.queue.dataplane import UD_MARK, DataPlane, EventHandler
 
 log = logs.get_logger("aioublk.ring")
 
 CQE = struct.Struct("=QiI")
 _REAP_BATCH = 256
 _iter_cqes = CQE.iter_unpack
+#: set in every user_data the data plane makes (C's layout); Python's own stay below it
+UD_MARK = 1 << lib.AUR_DP_UD_MARK_SHIFT
 #: Python's user_data count up from 1 to this and wrap: the data plane's are above
 _LAST_UD = UD_MARK - 1
 
 #: A completion handler: called with (res, cqe_flags) on the loop's thread.
 Handler = Callable[[int, int], None]
+
+#: A handler for the records the data plane hands to Python: (user_data, res, flags).
+EventHandler = Callable[[int, int, int], None]
+
+
+class DataPlaneLike(Protocol):
+    """What a ring's owner hands it with ``attach`` (the queue's
+    ``DataPlane``): ``c``, a ``struct aur_dp *`` made on this ring's ``raw``,
+    reaps in the ring's place, and the records it leaves to Python (user_data
+    with ``UD_MARK`` set) go to ``on_event``, called straight from the reap.
+    The ring frees ``c`` when it closes (it must outlive the ring's exit)."""
+
+    c: Any
+    on_event: EventHandler
+
 
 _local = threading.local()
 
@@ -437,25 +453,18 @@ class Ring:
 
     # -- the data plane -----------------------------------------------------
 
-    def data_plane(self, setup: dict[str, int], nr_queues: int,
-                   on_event: EventHandler) -> DataPlane:
-        """This ring's C data plane (one per ring, freed by ``close``): from
-        now on every reap goes through it, and the records it hands to
-        Python (user_data with ``UD_MARK`` set) go to ``on_event``."""
+    def attach(self, dp: DataPlaneLike) -> None:
+        """From now on every reap goes through ``dp`` (one per ring, freed by
+        ``close``); a ring without one reaps everything into Python."""
         if self._dp is not None:
             raise RuntimeError("the ring has a data plane already")
-        err = ffi.new("int *")
-        c = lib.aur_dp_new(self._r, ffi.new("struct aur_dp_setup *", setup), err)
-        if c == ffi.NULL:
-            raise OSError(-err[0], f"data plane setup failed: {os.strerror(-err[0])}")
-        self._dp = c
-        self._dp_event = on_event
-        size = 16 * max(_REAP_BATCH, 4 * lib.aur_dp_room(c))
+        self._dp = dp.c
+        self._dp_event = dp.on_event
+        size = 16 * max(_REAP_BATCH, 4 * lib.aur_dp_room(dp.c))
         if size > len(self._cqes):
             self._cqes = bytearray(size)
             self._cqe_buf = ffi.from_buffer(self._cqes)
             self._cqe_view = memoryview(self._cqes)
-        return DataPlane(c, ffi.new("struct aur_dp_counts[]", max(nr_queues, 1)))
 
     def _dp_busy(self) -> bool:
         return self._dp is not None and lib.aur_dp_inflight(self._dp) > 0

@@ -21,7 +21,17 @@ import pytest
 from aioublk._uring import ffi, lib
 from aioublk.errors import UblkError
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import EV_COMMIT, EV_FETCH, EV_IO, Linear, Map, Striped, decode, encode
+from aioublk.queue.dataplane import (
+    EV_COMMIT,
+    EV_FETCH,
+    EV_IO,
+    DataPlane,
+    Linear,
+    Map,
+    Striped,
+    decode,
+    encode,
+)
 from aioublk.queue.options import DeviceConfig
 
 
@@ -36,7 +46,7 @@ class Plane:
         self.events: list[tuple[int, int, int, int]] = []  # kind, tag, aux, res
         self.descs = bytearray(depth * uapi.IO_DESC.size)
         self.bufs = mmap.mmap(-1, depth * max_io)
-        self.dp = ring.data_plane({
+        self.dp = DataPlane(ring, {
             "char_fd": self.pipe[1], "batch": batch, "mode": mode, "nr_queues": 1,
             "depth": depth, "max_io": max_io,
             "op_fetch_req": uapi.IoCmd.FETCH_REQ,
@@ -305,7 +315,7 @@ def _armed_select_after_close() -> bytes:
         a, b = socket.socketpair()
         null = os.pipe()
         try:
-            dp = ring.data_plane({
+            dp = DataPlane(ring, {
                 "char_fd": null[1], "batch": 1, "nr_queues": 1, "depth": 2, "max_io": 4096,
                 # a buffer ring the allocator maps alone (see the caller), 2-byte buffers
                 "fetch_buf_bytes": 2, "fetch_buf_entries": 32768}, 1, lambda *a: None)

@@ -37,10 +37,11 @@ LAYERS: list[list[str]] = [
     ["aioublk.logs"],  # (its LogFileError is an aioublk.Error)
     ["aioublk.testing"],
     ["aioublk.kernel", "aioublk.kernel.uapi"],
+    # below every queue module: its owner hands it the data plane (Ring.attach)
+    ["aioublk.ring"],
     ["aioublk.io"],
     ["aioublk.queue.extents"],
     ["aioublk.queue.dataplane"],
-    ["aioublk.ring"],
     ["aioublk.kernel.control"],
     ["aioublk.target"],
     # the one host-file module: the ring's I/O on a target's buffers
@@ -189,6 +190,13 @@ def test_the_queue_layer_order() -> None:
              "aioublk.device"]
     assert [layer_of(m)[0] for m in order] == sorted({layer_of(m)[0] for m in order})
     assert layer_of("aioublk.batch")[0] == layer_of("aioublk.queue.perio")[0]
+
+
+def test_the_ring_imports_nothing_of_the_queue() -> None:
+    """The data plane is handed to the ring by its owner, not imported by it."""
+    assert not {d for d in graph()["aioublk.ring"] if d.startswith("aioublk.queue")}
+    queue = [layer_of(m)[0] for m in modules() if m.startswith("aioublk.queue.")]
+    assert layer_of("aioublk.ring")[0] < min(queue)
 
 
 #: ``serve`` is a subcommand of the CLI: cli may call its ``main`` and nothing

@@ -13,7 +13,7 @@ import pytest
 from aioublk import Error, FixedBuf
 from aioublk._uring import lib
 from aioublk.frontend import cli, registry
-from aioublk.queue.dataplane import Passthrough
+from aioublk.queue.dataplane import DataPlane, Passthrough
 from aioublk.ring import Ring, buffer_address
 from aioublk.targets import nvme
 from aioublk.targets.nvme import CMD, NvmeError, NvmeTarget
@@ -243,8 +243,8 @@ async def test_the_data_plane_takes_passthrough_only_on_a_ring_of_big_sqes(sqe12
     rather than writing past it."""
     ring = Ring(8, sqe128=sqe128, cqe32=sqe128)
     try:
-        dp = ring.data_plane({"char_fd": -1, "nr_queues": 1, "depth": 1, "max_io": 4096}, 1,
-                             lambda ud, res, flags: None)
+        dp = DataPlane(ring, {"char_fd": -1, "nr_queues": 1, "depth": 1, "max_io": 4096}, 1,
+                       lambda ud, res, flags: None)
         if sqe128:
             dp.set_map(Passthrough(-1, 1, 4096))
             assert dp.map == Passthrough(-1, 1, 4096)

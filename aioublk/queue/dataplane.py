@@ -32,11 +32,12 @@ logs every request) keeps every request in Python.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aioublk._uring import ffi, lib
+from aioublk.ring import UD_MARK, EventHandler, Ring
 
 if TYPE_CHECKING:
     from aioublk.queue.extents import ExtentTable
@@ -88,8 +89,6 @@ EV_IO, EV_FETCH, EV_TAG, EV_RETRY, EV_COMMIT, EV_LOST, EV_IDLE = (
     lib.AUR_DP_EV_IO, lib.AUR_DP_EV_FETCH, lib.AUR_DP_EV_TAG, lib.AUR_DP_EV_RETRY,
     lib.AUR_DP_EV_COMMIT, lib.AUR_DP_EV_LOST, lib.AUR_DP_EV_IDLE)
 
-#: set in every user_data the data plane makes; Python's own stay below it
-UD_MARK = 1 << lib.AUR_DP_UD_MARK_SHIFT
 # the layout's fields, as C defines them (dataplane.h)
 _KIND_SHIFT, _KIND_MASK = lib.AUR_DP_UD_KIND_SHIFT, lib.AUR_DP_UD_KIND_MASK
 _LOCAL_SHIFT, _LOCAL_MASK = lib.AUR_DP_UD_LOCAL_SHIFT, lib.AUR_DP_UD_LOCAL_MASK
@@ -117,15 +116,28 @@ timing = False
 
 
 class DataPlane:
-    """A worker's C data plane: made by ``Ring.data_plane``, freed with the ring."""
+    """A worker's C data plane, made on ``ring`` and handed to it (the ring
+    reaps through it from now on and frees it when it closes); the records
+    C leaves to Python go to ``on_event``."""
 
-    def __init__(self, cdata: Any, counts: Any) -> None:
-        self.c = cdata
+    def __init__(self, ring: Ring, setup: dict[str, int], nr_queues: int,
+                 on_event: EventHandler) -> None:
+        err = ffi.new("int *")
+        c = lib.aur_dp_new(ring.raw, ffi.new("struct aur_dp_setup *", setup), err)
+        if c == ffi.NULL:
+            raise OSError(-err[0], f"data plane setup failed: {os.strerror(-err[0])}")
+        self.c = c
+        self.on_event = on_event
         #: per local queue, the counters C keeps (Python owns the memory)
-        self.counts = counts
+        self.counts = ffi.new("struct aur_dp_counts[]", max(nr_queues, 1))
         #: held, not just recorded: C reads an Extents map's table, which is
         #: freed with its last Python reference
         self.map: Map | None = None
+        try:
+            ring.attach(self)
+        except BaseException:
+            lib.aur_dp_free(c)
+            raise
 
     def set_map(self, m: Map | None) -> None:
         """Serve ``m`` in C from now on (None: every request goes to Python)."""
@@ -167,6 +179,3 @@ class DataPlane:
         if ret < 0:
             raise OSError(-ret, f"{what}: {os.strerror(-ret)}")
 
-
-#: A handler for the records the data plane hands to Python: (user_data, res, flags).
-EventHandler = Callable[[int, int, int], None]

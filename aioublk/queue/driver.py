@@ -25,7 +25,7 @@ from aioublk import logs
 from aioublk._uring import ffi, lib
 from aioublk.kernel import uapi
 from aioublk.queue import dataplane
-from aioublk.queue.dataplane import EV_IDLE, EV_LOST, EV_RETRY, decode
+from aioublk.queue.dataplane import EV_IDLE, EV_LOST, EV_RETRY, DataPlane, decode
 from aioublk.queue.lifecycle import Action, Event, Lifecycle, State, Table
 from aioublk.queue.options import CopyMode, DeviceConfig
 from aioublk.ring import Ring, buffer_address, keep
@@ -382,7 +382,7 @@ class Driver:
         cfg = worker.cfg
         self.depth = cfg.depth
         work = worker.spec.work
-        self.dp = ring.data_plane({
+        self.dp = DataPlane(ring, {
             "char_fd": worker.char_fd, "batch": int(batch), "mode": path.mode.data_plane,
             "auto_zc_fallback": int(cfg.auto_zc_fallback), "zoned": int(cfg.zoned),
             "nr_queues": len(work),
