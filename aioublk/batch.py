@@ -1,5 +1,6 @@
-"""``UBLK_F_BATCH_IO``: the command encoding and commit bookkeeping (plain
-classes, no I/O), and ``BatchDriver``, the queue driver built on them.
+"""``UBLK_F_BATCH_IO``: ``BatchDriver``, the queue driver. The commands and
+their elements are encoded in C (``csrc/dataplane.c``), the one place: the
+data plane's commits and fetches, and the PREP it builds for ``arm``.
 
 How a worker serves its queues with batch I/O:
 
@@ -40,120 +41,14 @@ Facts from the kernel (drivers/block/ublk_drv.c, Linux 7.2):
 from __future__ import annotations
 
 import errno
-import struct
-from dataclasses import dataclass, field
 from functools import partial
 
-from aioublk._uring import lib
+from aioublk._uring import ffi, lib
 from aioublk.kernel import uapi
 from aioublk.queue.dataplane import EV_COMMIT, EV_FETCH, EV_TAG
 from aioublk.queue.driver import Driver, IoPath, Serving
 from aioublk.queue.lifecycle import BATCH, Action, Event
-from aioublk.queue.options import CopyMode
 from aioublk.ring import Ring, buffer_address
-
-F_HAS_ZONE_LBA = 1 << 0
-F_HAS_BUF_ADDR = 1 << 1
-F_AUTO_BUF_REG_FALLBACK = 1 << 2
-
-_HEADER = uapi.ELEM_HEADER  # =HHi
-_ADDR = struct.Struct("=Q")
-
-
-def elem_bytes(flags: int) -> int:
-    """Size of one element for the given ``UBLK_BATCH_F_*`` flags."""
-    size = _HEADER.size
-    if flags & F_HAS_BUF_ADDR:
-        size += 8
-    if flags & F_HAS_ZONE_LBA:
-        size += 8
-    return size
-
-
-def batch_header(q_id: int, flags: int, nr_elem: int) -> bytes:
-    """The 16-byte ``ublk_batch_io`` command area."""
-    return uapi.BATCH_IO.pack(q_id, flags, nr_elem, elem_bytes(flags), 0, 0)
-
-
-def fetch_header(q_id: int, nr_tags: int) -> bytes:
-    """The command area of ``FETCH_IO_CMDS``: elements are u16 tags."""
-    return uapi.BATCH_IO.pack(q_id, 0, nr_tags, 2, 0, 0)
-
-
-#: the kernel copies at most this many tags into one fetch completion
-MAX_TAGS_PER_FETCH = 128
-
-
-def fetched_tags(buf: bytes | bytearray | memoryview, nbytes: int) -> list[int]:
-    """The tags a FETCH_IO_CMDS completion delivered (``res`` bytes of u16)."""
-    tags: list[int] = memoryview(buf)[:nbytes].cast("H").tolist()
-    return tags
-
-
-@dataclass
-class Batch:
-    """One PREP or COMMIT command: the elements, packed, ready to send."""
-
-    q_id: int
-    flags: int
-    tags: list[int]
-    data: bytearray
-
-    @property
-    def nr_elem(self) -> int:
-        return len(self.tags)
-
-    def header(self) -> bytes:
-        return batch_header(self.q_id, self.flags, self.nr_elem)
-
-    def after(self, res: int) -> tuple[Batch | None, tuple[int, int] | None]:
-        """Given the kernel's answer, the batch still to send (None when all
-        went through) and the element it refused as (tag, result), or None."""
-        size = elem_bytes(self.flags)
-        done = res // size if res >= 0 else 0
-        if done >= self.nr_elem:
-            return None, None
-        tag, _index, result = _HEADER.unpack_from(self.data, done * size)
-        refused = (tag, result)
-        rest = self.tags[done + 1:]
-        if not rest:
-            return None, refused
-        return Batch(self.q_id, self.flags, rest, self.data[(done + 1) * size:]), refused
-
-
-@dataclass
-class BatchBuilder:
-    """Packs (tag, result[, buffer address]) elements for one queue into
-    commands of at most ``depth`` elements each."""
-
-    q_id: int
-    depth: int
-    flags: int = 0
-    _tags: list[int] = field(default_factory=list)
-    _data: bytearray = field(default_factory=bytearray)
-
-    def add(self, tag: int, result: int = 0, *, buf_addr: int = 0, buf_index: int = 0) -> None:
-        self._tags.append(tag)
-        self._data += _HEADER.pack(tag, buf_index, result)
-        if self.flags & F_HAS_BUF_ADDR:
-            self._data += _ADDR.pack(buf_addr)
-        if self.flags & F_HAS_ZONE_LBA:
-            self._data += _ADDR.pack(0)
-
-    def __len__(self) -> int:
-        return len(self._tags)
-
-    def take(self) -> list[Batch]:
-        """Everything added so far, as commands of at most ``depth`` elements."""
-        size = elem_bytes(self.flags)
-        out = []
-        for i in range(0, len(self._tags), self.depth):
-            tags = self._tags[i:i + self.depth]
-            out.append(Batch(self.q_id, self.flags, tags,
-                             self._data[i * size:(i + len(tags)) * size]))
-        self._tags = []
-        self._data = bytearray()
-        return out
 
 
 class BatchDriver(Driver):
@@ -164,16 +59,6 @@ class BatchDriver(Driver):
 
     def __init__(self, worker: Serving, ring: Ring, path: IoPath) -> None:
         super().__init__(worker, ring, path, BATCH, batch=True)
-        cfg = worker.cfg
-        self.mode = worker.mode
-        flags = 0
-        if self.mode is CopyMode.COPY:
-            flags |= F_HAS_BUF_ADDR
-        if self.mode is CopyMode.AUTO_ZC and cfg.auto_zc_fallback:
-            flags |= F_AUTO_BUF_REG_FALLBACK
-        if cfg.zoned:  # (the data plane's commits carry it too)
-            flags |= F_HAS_ZONE_LBA
-        self.flags = flags
         self.queues = [qm for qm, _tags in worker.spec.work]
         for local in range(len(self.queues)):
             for tag in range(self.depth):
@@ -194,18 +79,18 @@ class BatchDriver(Driver):
         for local, qm in enumerate(self.queues):
             if qm.q_id not in self.w.spec.prep:
                 continue
-            builder = BatchBuilder(qm.q_id, self.depth, self.flags)
-            for tag in range(self.depth):
-                if self.path.arming is not None:
+            if self.path.arming is not None:
+                for tag in range(self.depth):
                     self.path.arming(qm.q_id, tag)
-                index = self._index(local, tag) if self.mode is CopyMode.AUTO_ZC else 0
-                builder.add(tag, 0, buf_addr=qm.addrs[tag], buf_index=index)
-            for b in builder.take():
-                data = b.data
-                self.ring.prep_cmd(self.char_fd, uapi.IoCmd.PREP_IO_CMDS, b.header(),
-                                   addr=buffer_address(data), length=len(data),
-                                   handler=lambda res, _f: results.append(res), keep=data)
-                expected += 1
+            cmd = bytearray(uapi.BATCH_IO.size)
+            data = bytearray(self.depth * lib.AUR_DP_MAX_ELEM_BYTES)
+            n = lib.aur_dp_prep_io_cmds(self.dp.c, local, ffi.from_buffer(cmd),
+                                        ffi.from_buffer(data), len(data))
+            self.dp.check(n, "cannot build PREP_IO_CMDS")
+            self.ring.prep_cmd(self.char_fd, uapi.IoCmd.PREP_IO_CMDS, bytes(cmd),
+                               addr=buffer_address(data), length=n,
+                               handler=lambda res, _f: results.append(res), keep=data)
+            expected += 1
         for local in range(len(self.queues)):
             ret = lib.aur_dp_provide(self.dp.c, local)
             if ret < 0:

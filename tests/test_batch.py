@@ -1,4 +1,5 @@
-"""The UBLK_F_BATCH_IO encoding and commit/resubmit logic, without a kernel."""
+"""The UBLK_F_BATCH_IO encoding C builds (PREP, COMMIT) and the batch driver's
+bookkeeping, without a kernel."""
 
 from __future__ import annotations
 
@@ -9,101 +10,35 @@ from typing import Any
 
 import pytest
 
-from aioublk.batch import (
-    F_HAS_BUF_ADDR,
-    F_HAS_ZONE_LBA,
-    Batch,
-    BatchBuilder,
-    batch_header,
-    elem_bytes,
-    fetched_tags,
-)
+from aioublk._uring import ffi, lib
 from aioublk.kernel import uapi
+
+_ADDR = struct.Struct("=Q")
+
+
+def _elems(flags: int, elems: list[tuple[int, int, int, int, int]]) -> bytes:
+    """PREP/COMMIT elements (tag, buf_index, result, buffer address, zone LBA)
+    in the kernel's layout: the header, then what ``flags`` ask for."""
+    out = b""
+    for tag, index, res, addr, lba in elems:
+        out += uapi.ELEM_HEADER.pack(tag, index, res)
+        if flags & uapi.BatchFlag.HAS_BUF_ADDR:
+            out += _ADDR.pack(addr)
+        if flags & uapi.BatchFlag.HAS_ZONE_LBA:
+            out += _ADDR.pack(lba)
+    return out
+
+
+def _elem_bytes(flags: int) -> int:
+    return len(_elems(flags, [(0, 0, 0, 0, 0)]))
 
 
 def test_elem_sizes_follow_flags() -> None:
-    assert elem_bytes(0) == uapi.ELEM_HEADER.size == 8
-    assert elem_bytes(F_HAS_BUF_ADDR) == 16
-    assert elem_bytes(F_HAS_BUF_ADDR | F_HAS_ZONE_LBA) == 24
-
-
-def test_header_layout() -> None:
-    raw = batch_header(3, F_HAS_BUF_ADDR, 17)
-    assert len(raw) == 16
-    assert struct.unpack_from("=HHHB", raw) == (3, F_HAS_BUF_ADDR, 17, 16)
-
-
-def test_elements_pack_tag_index_result_and_address() -> None:
-    b = BatchBuilder(q_id=1, depth=8, flags=F_HAS_BUF_ADDR)
-    b.add(5, 4096, buf_addr=0x7F00_0000_1000)
-    b.add(6, -5, buf_addr=0x7F00_0000_2000)
-    (batch,) = b.take()
-    assert batch.tags == [5, 6] and batch.nr_elem == 2
-    assert struct.unpack("=HHiQHHiQ", bytes(batch.data)) == (
-        5, 0, 4096, 0x7F00_0000_1000, 6, 0, -5, 0x7F00_0000_2000)
-    assert len(b) == 0 and b.take() == []
-
-
-def test_take_splits_at_queue_depth() -> None:
-    b = BatchBuilder(q_id=0, depth=4)
-    for tag in range(10):
-        b.add(tag, tag * 512)
-    batches = b.take()
-    assert [x.tags for x in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert all(len(x.data) == 8 * x.nr_elem for x in batches)
-    assert struct.unpack_from("=HHi", batches[2].data, 8) == (9, 0, 9 * 512)
-
-
-def _batch(tags: list[int], flags: int = 0) -> Batch:
-    b = BatchBuilder(q_id=2, depth=64, flags=flags)
-    for t in tags:
-        b.add(t, 100 + t)
-    (batch,) = b.take()
-    return batch
-
-
-def test_full_commit_leaves_nothing() -> None:
-    assert _batch([1, 2, 3]).after(24) == (None, None)
-
-
-@pytest.mark.parametrize("flags", [0, F_HAS_BUF_ADDR])
-def test_partial_commit_drops_the_refused_element_and_resends_the_rest(flags: int) -> None:
-    size = elem_bytes(flags)
-    rest, refused = _batch([1, 2, 3, 4, 5], flags).after(2 * size)
-    assert refused == (3, 103)  # (tag, the result it carried)
-    assert rest is not None and rest.tags == [4, 5]
-    # the remainder is exactly the original elements 4 and 5, byte for byte
-    assert rest.data == _batch([4, 5], flags).data
-    assert rest.header() == batch_header(2, flags, 2)
-
-
-def test_error_on_the_first_element_drops_it() -> None:
-    rest, refused = _batch([7, 8]).after(-16)  # -EBUSY
-    assert refused == (7, 107)
-    assert rest is not None and rest.tags == [8]
-
-
-def test_refused_last_element_leaves_nothing_to_resend() -> None:
-    assert _batch([1, 2]).after(8) == (None, (2, 102))
-
-
-def test_resubmission_converges() -> None:
-    """Whatever the kernel refuses, resending the rest ends."""
-    batch: Batch | None = _batch(list(range(10)))
-    refused = []
-    answers = iter([24, -16, 0, 8])  # elements processed before each refusal
-    while batch is not None:
-        batch, bad = batch.after(next(answers, batch.nr_elem * 8))
-        if bad is not None:
-            refused.append(bad[0])
-    assert refused == [3, 4, 5, 7]
-
-
-def test_fetched_tags_decode_u16s() -> None:
-    buf = bytearray(64)
-    struct.pack_into("=4H", buf, 0, 0, 17, 4095, 3)
-    assert fetched_tags(buf, 8) == [0, 17, 4095, 3]
-    assert fetched_tags(buf, 0) == []
+    f = uapi.BatchFlag
+    assert _elem_bytes(0) == uapi.ELEM_HEADER.size == 8
+    assert _elem_bytes(f.HAS_BUF_ADDR) == 16
+    assert _elem_bytes(f.HAS_BUF_ADDR | f.HAS_ZONE_LBA) == 24
+    assert _elem_bytes(f.HAS_BUF_ADDR | f.HAS_ZONE_LBA) <= lib.AUR_DP_MAX_ELEM_BYTES
 
 
 # -- worker layout and option resolution ------------------------------------
@@ -208,13 +143,6 @@ def test_auto_zc_fallback_adds_zero_copy_and_needs_auto_zc() -> None:
         DeviceConfig(auto_zc_fallback=True).validate()
 
 
-def test_fetch_header_is_u16_tags() -> None:
-    from aioublk.batch import fetch_header
-
-    q_id, flags, nr, eb = struct.unpack_from("=HHHB", fetch_header(2, 64))
-    assert (q_id, flags, nr, eb) == (2, 0, 64, 2)
-
-
 # -- the driver's bookkeeping, on a real ring but without a device ------------
 
 class _Path:
@@ -242,10 +170,12 @@ class _NoMap:
         return None
 
 
-def _driver(ring: Any, path: _Path, batch: bool = True, char_fd: int = -1) -> Any:
+def _driver(ring: Any, path: _Path, batch: bool = True, char_fd: int = -1,
+            prep: bool = False, **cfg: Any) -> Any:
     """A driver serving queue 0 (depth 8) of no device: its commands go to
     ``char_fd`` (nowhere, or /dev/null, which refuses every one), what it
-    starts and commits is what the tests look at."""
+    starts and commits is what the tests look at; ``prep``: it arms queue 0,
+    ``cfg``: more of the device's options."""
     import mmap
     from types import SimpleNamespace
 
@@ -257,11 +187,10 @@ def _driver(ring: Any, path: _Path, batch: bool = True, char_fd: int = -1) -> An
     from aioublk.queue.perio import PerIoDriver
 
     bufs = mmap.mmap(-1, 8 * 4096)
-    qm = SimpleNamespace(q_id=0, addrs=[0x1000 * (t + 1) for t in range(8)],
-                         descs=bytearray(8 * uapi.IO_DESC.size), bufs=bufs)
+    qm = SimpleNamespace(q_id=0, descs=bytearray(8 * uapi.IO_DESC.size), bufs=bufs)
     worker = SimpleNamespace(
-        cfg=DeviceConfig(depth=8, max_io_size=4096), mode=path.mode, char_fd=char_fd,
-        target=_NoMap(), spec=WorkerSpec(0, [(qm, list(range(8)))], set()),
+        cfg=DeviceConfig(depth=8, max_io_size=4096, **cfg), mode=path.mode, char_fd=char_fd,
+        target=_NoMap(), spec=WorkerSpec(0, [(qm, list(range(8)))], {0} if prep else set()),
         log=structlog.get_logger("test"), device_ending=lambda: None, finished=lambda: None)
     return (BatchDriver if batch else PerIoDriver)(worker, ring, path)
 
@@ -276,11 +205,9 @@ def _deliver(driver: Any, tags: list[int]) -> None:
 
 def _pending(driver: Any) -> list[tuple[int, int]]:
     """(tag, result) of the elements C holds for queue 0's next commit."""
-    from aioublk._uring import ffi, lib
-
     out = bytearray(8 * 16)
     n = lib.aur_dp_pending(driver.dp.c, 0, ffi.from_buffer(out), len(out))
-    size = elem_bytes(F_HAS_BUF_ADDR)
+    size = _elem_bytes(uapi.BatchFlag.HAS_BUF_ADDR)
     return [uapi.ELEM_HEADER.unpack_from(out, i)[::2] for i in range(0, n, size)]
 
 
@@ -403,37 +330,105 @@ async def test_a_request_that_outlives_the_drain_is_not_acknowledged(
         ring.close()
 
 
-@pytest.mark.parametrize("mode", ["copy", "auto_zc", "z"])
-@pytest.mark.asyncio
-async def test_c_commit_elements_match_the_python_model(mode: str) -> None:
-    """The elements C packs for COMMIT_IO_CMDS are byte for byte what
-    ``BatchBuilder`` (the encoding's model, checked against the kernel's
-    layout above) packs for the same answers."""
-    from aioublk._uring import ffi, lib
-    from aioublk.batch import F_AUTO_BUF_REG_FALLBACK
+#: copy mode, --auto_zc_fallback, zoned: the flags C must send
+_MODES = {"copy": ("COPY", False, False, uapi.BatchFlag.HAS_BUF_ADDR),
+          "auto_zc": ("AUTO_ZC", False, False, 0),
+          "auto_zc_fallback": ("AUTO_ZC", True, False, uapi.BatchFlag.AUTO_BUF_REG_FALLBACK),
+          "z": ("ZERO_COPY", False, False, 0),
+          "zoned": ("USER_COPY", False, True, uapi.BatchFlag.HAS_ZONE_LBA)}
+
+
+def _mode_driver(ring: Any, mode: str, **kw: Any) -> tuple[Any, int]:
+    """A batch driver in ``mode`` (one of _MODES), and the flags it must send."""
     from aioublk.queue.options import CopyMode
+
+    name, fallback, zoned, flags = _MODES[mode]
+    driver = _driver(ring, _Path(CopyMode[name]), auto_zc_fallback=fallback, zoned=zoned, **kw)
+    return driver, int(flags)
+
+
+def _addr(driver: Any, tag: int) -> int:
+    """The address of ``tag``'s buffer (what copy mode hands the kernel)."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(driver.queues[0].bufs))) + tag * 4096
+
+
+@pytest.mark.parametrize("mode", sorted(_MODES))
+@pytest.mark.asyncio
+async def test_c_prep_arms_every_tag_in_the_kernels_layout(mode: str) -> None:
+    """PREP_IO_CMDS, as C builds it for ``arm``: the command area names the
+    queue, the flags, every tag and the element size; each element is the
+    tag, its buffer slot (auto_zc), result 0 and (copy) its buffer."""
     from aioublk.ring import Ring
 
-    cmode = {"copy": CopyMode.COPY, "auto_zc": CopyMode.AUTO_ZC, "z": CopyMode.ZERO_COPY}[mode]
     ring = Ring(16)
     try:
-        driver = _driver(ring, _Path(cmode))
+        driver, flags = _mode_driver(ring, mode)
+        cmd, out = bytearray(uapi.BATCH_IO.size), bytearray(8 * lib.AUR_DP_MAX_ELEM_BYTES)
+        n = lib.aur_dp_prep_io_cmds(driver.dp.c, 0, ffi.from_buffer(cmd), ffi.from_buffer(out),
+                                    len(out))
+        size = _elem_bytes(flags)
+        assert uapi.BATCH_IO.unpack(cmd) == (0, flags, 8, size, 0, 0)
+        zc = mode.startswith("auto_zc")
+        assert bytes(out[:n]) == _elems(flags, [(t, t if zc else 0, 0, _addr(driver, t), 0)
+                                                for t in range(8)])
+        assert lib.aur_dp_prep_io_cmds(driver.dp.c, 0, ffi.from_buffer(cmd),
+                                       ffi.from_buffer(out), n - 1) == -errno.ENOSPC
+    finally:
+        ring.close()
+
+
+@pytest.mark.asyncio
+async def test_arm_sends_c_prep_and_reports_its_refusal() -> None:
+    """``arm`` calls the target's arming hook for every tag, sends C's PREP
+    (here to fd -1: refused) and fails with the kernel's answer."""
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    try:
+        path = _Path()
+        armed: list[tuple[int, int]] = []
+        path.arming = lambda q, tag: armed.append((q, tag))  # type: ignore[assignment]
+        driver = _driver(ring, path, prep=True)
+        sent: list[tuple[int, bytes, bytes]] = []
+        prep_cmd = ring.prep_cmd
+
+        def spy(fd: int, op: int, cmd: bytes, **kw: Any) -> Any:
+            sent.append((op, cmd, bytes(kw["keep"][:kw["length"]])))
+            return prep_cmd(fd, op, cmd, **kw)
+        ring.prep_cmd = spy  # type: ignore[method-assign]
+        driver.arm()
+        assert armed == [(0, t) for t in range(8)]
+        flags = uapi.BatchFlag.HAS_BUF_ADDR
+        assert sent == [(uapi.IoCmd.PREP_IO_CMDS, uapi.BATCH_IO.pack(0, flags, 8, 16, 0, 0),
+                         _elems(flags, [(t, 0, 0, _addr(driver, t), 0) for t in range(8)]))]
+        assert driver.failed == -errno.EBADF
+    finally:
+        ring.close()
+
+
+@pytest.mark.parametrize("mode", sorted(_MODES))
+@pytest.mark.asyncio
+async def test_c_commit_elements_are_in_the_kernels_layout(mode: str) -> None:
+    """The elements C packs for COMMIT_IO_CMDS are the answers in the
+    kernel's layout, in order; a zone append's commit carries its sector."""
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    try:
+        driver, flags = _mode_driver(ring, mode)
         driver.ring = _NoFlush(ring)
         answers = [(3, 4096), (0, -errno.EIO), (7, 512), (5, 0)]
+        lbas = {7: 0x1234} if flags & uapi.BatchFlag.HAS_ZONE_LBA else {}
+        for tag, lba in lbas.items():
+            lib.aur_dp_zone_lba(driver.dp.c, 0, tag, lba)
         for tag, res in answers:
             driver.commit(0, tag, res)
-        out = bytearray(8 * 16)
+        out = bytearray(8 * lib.AUR_DP_MAX_ELEM_BYTES)
         n = lib.aur_dp_pending(driver.dp.c, 0, ffi.from_buffer(out), len(out))
-        flags = F_HAS_BUF_ADDR if cmode is CopyMode.COPY else 0
-        if cmode is CopyMode.AUTO_ZC and driver.w.cfg.auto_zc_fallback:
-            flags |= F_AUTO_BUF_REG_FALLBACK
-        model = BatchBuilder(0, 8, flags)
-        base = ffi.cast("uintptr_t", ffi.from_buffer(driver.queues[0].bufs))
-        for tag, res in answers:
-            model.add(tag, res, buf_addr=int(base) + tag * 4096,
-                      buf_index=tag if cmode is CopyMode.AUTO_ZC else 0)
-        (batch,) = model.take()
-        assert bytes(out[:n]) == bytes(batch.data)
+        zc = mode.startswith("auto_zc")
+        assert bytes(out[:n]) == _elems(flags, [
+            (tag, tag if zc else 0, res, _addr(driver, tag), lbas.get(tag, 0))
+            for tag, res in answers])
         lib_flush(driver)
     finally:
         ring.close()

@@ -58,6 +58,7 @@ def python_abi() -> dict[str, int]:
     want: dict[str, int] = {f"UBLK_U_CMD_{c.name}": c for c in uapi.Cmd}
     want |= {f"UBLK_U_IO_{c.name}": c for c in uapi.IoCmd}
     want |= {f"UBLK_F_{f.name}": f for f in uapi.Feature}
+    want |= {f"UBLK_BATCH_F_{f.name}": f for f in uapi.BatchFlag}
     want |= {f"UBLK_IO_OP_{op.name}": op for op in uapi.Op}
     want |= {f"UBLK_S_DEV_{s.name}": s for s in uapi.State}
     for name in ("FUA", "NOUNMAP", "NEED_REG_BUF", "INTEGRITY", "SHMEM_ZC"):

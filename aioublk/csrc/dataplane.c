@@ -465,15 +465,22 @@ int aur_dp_provide(struct aur_dp *dp, unsigned local)
     return 0;
 }
 
+/* The command area of PREP or COMMIT_IO_CMDS with nr elements of queue `local`. */
+static struct ublk_batch_io dp_batch_cmd(struct aur_dp *dp, unsigned local, unsigned nr)
+{
+    struct ublk_batch_io cmd = { .q_id = dp->q[local].q_id, .flags = (uint16_t)dp->batch_flags,
+                                 .nr_elem = (uint16_t)nr, .elem_bytes = (uint8_t)dp->elem_bytes };
+
+    return cmd;
+}
+
 /* A COMMIT_IO_CMDS from its slot. One the SQ cannot take is held and sent
    by the next flush: its requests wait for it, it is never dropped. */
 static void dp_send_commit(struct aur_dp *dp, unsigned local, struct dp_commit *c,
                            uint16_t slot)
 {
     struct dp_queue *q = &dp->q[local];
-    struct ublk_batch_io cmd = { .q_id = q->q_id, .flags = (uint16_t)dp->batch_flags,
-                                 .nr_elem = (uint16_t)c->nr,
-                                 .elem_bytes = (uint8_t)dp->elem_bytes };
+    struct ublk_batch_io cmd = dp_batch_cmd(dp, local, c->nr);
 
     q->commits[slot] = c;
     if (aur_prep_cmd(dp->r, dp->s.char_fd, dp->s.op_commit_io_cmds, &cmd, sizeof(cmd),
@@ -553,10 +560,11 @@ int aur_dp_flush(struct aur_dp *dp)
     return first;
 }
 
-static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
+/* One element of PREP or COMMIT_IO_CMDS at e (elem_bytes): the header, then
+   the fields the batch flags ask for. The one place the layout is written. */
+static void dp_put_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res,
+                        uint64_t zone_lba, char *e)
 {
-    struct dp_queue *q = &dp->q[local];
-    char *e = q->elems + (size_t)q->nr_elems * dp->elem_bytes;
     struct ublk_elem_header h = {
         .tag = tag,
         .buf_index = dp->s.mode == AUR_DP_AUTO_ZC ? dp_tag(dp, local, tag)->buf_index : 0,
@@ -572,8 +580,33 @@ static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t
         e += 8;
     }
     if (dp->batch_flags & UBLK_BATCH_F_HAS_ZONE_LBA)
-        memcpy(e, &q->tags[tag].zone_lba, 8);
+        memcpy(e, &zone_lba, 8);
+}
+
+static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
+{
+    struct dp_queue *q = &dp->q[local];
+
+    dp_put_elem(dp, local, tag, res, q->tags[tag].zone_lba,
+                q->elems + (size_t)q->nr_elems * dp->elem_bytes);
     q->nr_elems++;
+}
+
+int aur_dp_prep_io_cmds(struct aur_dp *dp, unsigned local, void *cmd, void *out,
+                        unsigned max)
+{
+    struct ublk_batch_io c = dp_batch_cmd(dp, local, dp->s.depth);
+    unsigned bytes = dp->s.depth * dp->elem_bytes;
+    uint16_t tag;
+
+    if (!dp->s.batch)
+        return -EINVAL;
+    if (bytes > max)
+        return -ENOSPC;
+    for (tag = 0; tag < dp->s.depth; tag++)
+        dp_put_elem(dp, local, tag, 0, 0, (char *)out + (size_t)tag * dp->elem_bytes);
+    memcpy(cmd, &c, sizeof(c));
+    return (int)bytes;
 }
 
 /* An answer for the kernel: counted, then committed (or held until the SQ

@@ -36,6 +36,8 @@
 #define AUR_DP_MAX_SECTORS 0xffff
 /* the most backend pieces C splits a request into */
 #define AUR_DP_MAX_PIECES 64
+/* the largest PREP/COMMIT element: header, buffer address, zone LBA */
+#define AUR_DP_MAX_ELEM_BYTES 24
 
 /* maps */
 #define AUR_MAP_NONE 0
@@ -116,6 +118,11 @@ int aur_dp_answer(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res);
 void aur_dp_zone_lba(struct aur_dp *dp, unsigned local, uint16_t tag, uint64_t lba);
 /* queue the COMMIT_IO_CMDS of what was answered since the last one */
 int aur_dp_flush(struct aur_dp *dp);
+/* batch: PREP_IO_CMDS for every tag of queue `local`, encoded as its commits
+   are: the 16-byte command area into cmd, the elements into out; returns
+   their bytes (at most depth * AUR_DP_MAX_ELEM_BYTES), -ENOSPC if max is less */
+int aur_dp_prep_io_cmds(struct aur_dp *dp, unsigned local, void *cmd, void *out,
+                        unsigned max);
 /* the elements queue `local` has for its next commit (bytes copied; tests) */
 unsigned aur_dp_pending(struct aur_dp *dp, unsigned local, void *out, unsigned max);
 /* Reap the ring: serve what the map covers, copy the rest (16-byte CQEs)

@@ -116,6 +116,15 @@ def flag_list(bits: int) -> str:
     return ", ".join(name for _bit, name in feature_names(bits))
 
 
+class BatchFlag(enum.IntFlag):
+    """``UBLK_BATCH_F_*``: what a PREP/COMMIT_IO_CMDS element carries after its
+    header (C encodes them: ``aur_dp_prep_io_cmds``; tests read them back)."""
+
+    HAS_ZONE_LBA = 1 << 0
+    HAS_BUF_ADDR = 1 << 1
+    AUTO_BUF_REG_FALLBACK = 1 << 2
+
+
 class State(enum.IntEnum):
     DEAD = 0
     LIVE = 1

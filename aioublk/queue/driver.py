@@ -28,7 +28,7 @@ from aioublk.queue import dataplane
 from aioublk.queue.dataplane import EV_IDLE, EV_LOST, EV_RETRY, DataPlane, decode
 from aioublk.queue.lifecycle import Action, Event, Lifecycle, State, Table
 from aioublk.queue.options import CopyMode, DeviceConfig
-from aioublk.ring import Ring, buffer_address, keep
+from aioublk.ring import Ring, keep
 from aioublk.target import Buffer, Done, FixedBuf, Target
 
 log = logs.get_logger("aioublk.queue")
@@ -137,12 +137,9 @@ class QueueMem:
         self.descs = mmap.mmap(char_fd, uapi.desc_area_size(depth), mmap.MAP_SHARED,
                                mmap.PROT_READ, offset=uapi.desc_mmap_offset(q_id))
         self.bufs: mmap.mmap | None = None
-        self.addrs = [0] * depth
         self.views: list[memoryview] = []
         if mode.own_buffers:
             self.bufs = mmap.mmap(-1, depth * max_io, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            base = buffer_address(self.bufs)
-            self.addrs = [base + t * max_io for t in range(depth)]
             view = memoryview(self.bufs)
             self.views = [view[t * max_io:(t + 1) * max_io] for t in range(depth)]
         self.unpack = partial(uapi.IO_DESC.unpack_from, self.descs)
