@@ -363,7 +363,7 @@ def run_guest(module: str, args: list[str], timeout: float, cpus: int = 2,
     ublk_drv), building kublk first (without `kublk`: ``--inner OUT``): (exit status, the
     JSON it left in OUT or None)."""
     from aioublk.testing.guest import run_in_guest
-    from aioublk.testing.kublk import ensure_kublk
+    from tools.kublk import ensure_kublk
 
     peer = [str(ensure_kublk())] if kublk else []
     with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:

@@ -98,7 +98,7 @@ def main() -> int:
         inner(ns.inner[0], ns.runtime, ns.rounds, Path(ns.inner[1]))
         return 0
     from aioublk.testing.guest import run_in_guest
-    from aioublk.testing.kublk import ensure_kublk
+    from tools.kublk import ensure_kublk
 
     kublk = str(ensure_kublk())
     with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:

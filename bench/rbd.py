@@ -2,7 +2,7 @@
 
     python -m bench.rbd [--runtime 5] [--rounds 2] [--quick]
 
-A throwaway one-node cluster (``aioublk.testing.ceph``: one monitor, one memstore
+A throwaway one-node cluster (``tools.ceph``: one monitor, one memstore
 OSD on 127.0.0.1, so the image lives in the guest's RAM) holds a 512 MiB image,
 written in full first so reads are not of absent objects. Two librbd clients of
 it, one at a time (each takes the image's exclusive lock), scheduler ``none``:
@@ -70,7 +70,7 @@ def _client_runs(client: str, conf: str, workloads: list[str],
 
 def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
     """Runs in the guest; rewrites `out` after every client so a crash keeps what was done."""
-    from aioublk.testing.ceph import Cluster
+    from tools.ceph import Cluster
 
     workloads = QUICK["workloads"] if quick else WORKLOADS
     start = time.monotonic()

@@ -15,7 +15,7 @@ import uvloop
 from aioublk.ring import Ring
 
 if TYPE_CHECKING:
-    from aioublk.testing.ceph import Cluster
+    from tools.ceph import Cluster
 
 pytest_plugins = ["pytester"]  # aioublk.testing comes through its pytest11 entry point
 
@@ -71,7 +71,7 @@ def no_devices_left() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def ceph() -> Iterator[Cluster]:
     """A throwaway one-node Ceph cluster, started once per test module using it."""
-    from aioublk.testing.ceph import Cluster
+    from tools.ceph import Cluster
 
     with Cluster() as c:
         yield c

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from aioublk.testing.ceph import Cluster
 from tests.kernel import add, cli, delete, fio, listing, run
 from tests.test_kernel_nbd import _write_error
+from tools.ceph import Cluster
 
 pytestmark = [
     pytest.mark.guest, pytest.mark.usefixtures("no_devices_left"),

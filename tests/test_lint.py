@@ -16,7 +16,7 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
 
 def test_ruff() -> None:
     p = _run("ruff", "check", "--output-format", "concise", "aioublk", "tests", "bench", "docs",
-             "examples")
+             "examples", "tools")
     assert p.returncode == 0, p.stdout + p.stderr
 
 

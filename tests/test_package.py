@@ -159,6 +159,20 @@ def test_every_error_class_of_the_library_is_exported() -> None:
         assert issubclass(getattr(aioublk, name), aioublk.Error)
 
 
+#: what aioublk.testing ships: the guest harness a user's tests run under, and the
+#: Debian sid kernel fetcher its default (`--guest-kernel` unset) needs at run time
+SHIPPED_TESTING = {"__init__", "guest", "pytest_plugin", "sid"}
+
+
+def test_the_wheel_carries_no_development_tooling() -> None:
+    """The project's own tooling (kublk builder, Ceph cluster, demo) lives in tools/,
+    which no listed package names: a wheel holds only aioublk and its subpackages."""
+    packages = pyproject()["tool"]["setuptools"]["packages"]  # type: ignore[index]
+    assert all(p == "aioublk" or p.startswith("aioublk.") for p in packages), packages
+    assert {p.stem for p in (PACKAGE / "testing").glob("*.py")} == SHIPPED_TESTING
+    assert (ROOT / "tools" / "kublk.py").is_file()
+
+
 def test_one_version_written_once_and_read_without_the_metadata() -> None:
     """aioublk/_version.py is the source; pyproject.toml takes it from there,
     the installed metadata agrees (a mismatch: run scripts/setup), and
@@ -206,6 +220,9 @@ def test_sdist_builds_a_wheel_that_imports_and_runs(tmp_path: Path) -> None:
                            cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert str(venv) in probe.stdout, probe.stdout
+    site = Path(probe.stdout.strip()).parent.parent
+    assert not (site / "tools").exists(), "the development tooling was installed"
+    assert {p.stem for p in (site / "aioublk" / "testing").glob("*.py")} == SHIPPED_TESTING
     version = subprocess.run([str(venv / "bin" / "aioublk"), "--version"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120, check=False)
     assert version.returncode == 0, version.stderr[-2000:]

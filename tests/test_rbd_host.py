@@ -1,5 +1,5 @@
 """The rbd target on the host, against a real throwaway one-node Ceph
-cluster (``aioublk.testing.ceph``, started once for the module): its
+cluster (``tools.ceph``, started once for the module): its
 methods driven directly on the test's loop, the image read back with
 ``rbd export``."""
 
@@ -20,7 +20,7 @@ import pytest_asyncio
 from aioublk.frontend.cli import main as cli_main
 from aioublk.target import QueueContext, setup_queue, teardown_queue
 from aioublk.targets.rbd import RbdError, RbdTarget
-from aioublk.testing.ceph import Cluster
+from tools.ceph import Cluster
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("aioublk.targets._rbd") is None,

@@ -1,7 +1,7 @@
 """The main job, shown end to end: a loop device over a file, a file system
 on it, data written, the file system remounted, the data read back.
 
-``scripts/demo`` runs it in the guest on a host without ublk_drv.
+``scripts/demo`` runs it (``python -m tools.demo``) in the guest on a host without ublk_drv.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ Facts this relies on (checked on a Debian 12 build machine):
   into the repository: it is all fetched from the Debian registry at run
   time into `$CACHE/kublk/`.
 
-`python -m aioublk.testing.kublk` prints the binary's path (building it first
+`python -m tools.kublk` prints the binary's path (building it first
 if needed). Run it in the guest, e.g.
-`python -m aioublk.testing.guest run -- $(python -m aioublk.testing.kublk) features`.
+`python -m aioublk.testing.guest run -- $(python -m tools.kublk) features`.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def ensure_kublk(rebuild: bool = False) -> Path:
 
 def main(args: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m aioublk.testing.kublk", description=__doc__.split("\n")[0]
+        prog="python -m tools.kublk", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--rebuild", action="store_true", help="build again even if cached")
     ns = parser.parse_args(args)
