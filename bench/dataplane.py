@@ -33,29 +33,33 @@ test of this script, not a measurement.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-from bench.modes import (
-    RAMP,
-    SERVERS,
-    _backing_file,
-    _device_runs,
-    _fmt,
-    _footer,
-    _median,
-    _notes,
-    _run,
+from bench.common import (
+    fmt,
+    footer,
+    load,
+    median,
+    met,
+    notes,
+    paired,
+    parser,
     publish,
+    ratio,
+    ratio_bars,
+    run,
     run_guest,
+    setup_line,
+    swapped,
+    table,
 )
+from bench.modes import RAMP, SERVERS, _backing_file, _device_runs
 
 
 class Device(NamedTuple):
@@ -116,8 +120,8 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, aioublk_args: list
     servers = {"kublk": [kublk], "aioublk": [sys.executable, "-m", "aioublk"]}
     plan = QUICK if quick else {name: d.workloads for name, d in DEVICES.items()}
     start = time.monotonic()
-    release, _ = _run(["uname", "-r"], timeout=10)
-    features, _ = _run([*servers["aioublk"], "features"], timeout=120)
+    release, _ = run(["uname", "-r"], timeout=10)
+    features, _ = run([*servers["aioublk"], "features"], timeout=120)
     runs: list[dict[str, object]] = []
     data: dict[str, object] = {
         "kernel": release.strip(), "cpus": os.cpu_count(),
@@ -132,9 +136,7 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, aioublk_args: list
         for name, workloads in plan.items():
             dev = DEVICES[name]
             files = [str(backing["path"])] if dev.target == "loop" else []
-            # who goes first swaps every round: drift over the run (the host's
-            # load, the guest's page cache) then does not favour one side
-            for server in SERVERS if r % 2 == 0 else SERVERS[::-1]:
+            for server in swapped(SERVERS, r):
                 flags = dev.kublk if server == "kublk" else [*dev.aioublk, *aioublk_args]
                 add_args = ["-t", dev.target, "-q", str(dev.queues), "-d", "128", *flags, *files]
                 for w, iops, err in _device_runs(servers[server], add_args, workloads, runtime,
@@ -147,14 +149,6 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, aioublk_args: list
                 out.write_text(json.dumps(data))
     data["complete"] = True
     out.write_text(json.dumps(data))
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _met(ratio: float | None, target: float) -> str:
-    return "—" if ratio is None else ("yes" if ratio >= target else "no")
 
 
 def _ran(runs: list[dict[str, object]], device: str, workload: str) -> bool:
@@ -170,31 +164,19 @@ class GoalRow(NamedTuple):
     target: float
 
 
-def _paired(runs: list[dict[str, object]], device: str, workload: str,
-            num: str = "aioublk", den: str = "kublk") -> float | None:
-    """The median over rounds of num / den (servers) within a round: both sides
-    ran minutes apart there, so drift between rounds (the host's load moved
-    kublk's loop reads from 10.7k to 16.2k IOPS in one run) cancels out."""
-    by_round: dict[object, dict[object, float]] = {}
-    for x in runs:
-        if x["device"] == device and x["workload"] == workload and x["iops"] is not None:
-            by_round.setdefault(x["round"], {})[x["server"]] = float(x["iops"])  # type: ignore[arg-type]
-    ratios = [r[num] / r[den] for r in by_round.values() if r.get(den) and num in r]
-    return statistics.median(ratios) if ratios else None
-
-
 def goal_rows(data: dict[str, object]) -> list[GoalRow]:
     """The issue's numbers that this run measured (all but in a --quick run)."""
     runs = data["runs"]
     assert isinstance(runs, list)
-    table = []
+    out = []
     for g in GOALS:
         if _ran(runs, g.device, g.workload):
-            k = _median(runs, "kublk", device=g.device, workload=g.workload)
-            a = _median(runs, "aioublk", device=g.device, workload=g.workload)
-            table.append(GoalRow(g.label, k, a, _ratio(a, k),
-                                 _paired(runs, g.device, g.workload), g.target))
-    return table
+            key = {"device": g.device, "workload": g.workload}
+            k, a = (median(runs, server=s, **key) for s in SERVERS)
+            out.append(GoalRow(g.label, k, a, ratio(a, k),
+                               paired(runs, {"server": "aioublk", **key},
+                                      {"server": "kublk", **key}), g.target))
+    return out
 
 
 class ZcRow(NamedTuple):
@@ -209,27 +191,26 @@ def zc_rows(data: dict[str, object]) -> list[ZcRow]:
     """Loop 128k reads in each copy mode that this run measured."""
     runs = data["runs"]
     assert isinstance(runs, list)
-    copy = {s: _median(runs, s, device=ZC_MODES["copy"], workload=SEQ_READ) for s in SERVERS}
-    table = []
+    copy = {s: median(runs, server=s, device=ZC_MODES["copy"], workload=SEQ_READ)
+            for s in SERVERS}
+    out = []
     for mode, dev in ZC_MODES.items():
         if _ran(runs, dev, SEQ_READ):
-            k, a = (_median(runs, s, device=dev, workload=SEQ_READ) for s in SERVERS)
-            table.append(ZcRow(mode, k, a, _ratio(k, copy["kublk"]), _ratio(a, copy["aioublk"])))
-    return table
+            k, a = (median(runs, server=s, device=dev, workload=SEQ_READ) for s in SERVERS)
+            out.append(ZcRow(mode, k, a, ratio(k, copy["kublk"]), ratio(a, copy["aioublk"])))
+    return out
 
 
 def report(data: dict[str, object], command: str) -> str:
     runs = data["runs"]
     assert isinstance(runs, list)
-    setup = ("One guest run: QEMU TCG software emulation (no KVM), 4 GiB RAM" if data["guest"]
-             else "One run on the host")
     batch = "it has" if data.get("batch_io") else "it lacks"
     extra = data.get("aioublk_args")
     lines = [
         "# aioublk vs kublk: the data plane's numbers (issue #12)",
         "",
-        f"{setup}, {data['cpus']} CPUs, Linux {data['kernel']}. fio with io_uring, O_DIRECT, "
-        f"{data['runtime']} s per workload after {data['ramp']} s ramp; median of "
+        f"{setup_line(data)}, {data['cpus']} CPUs, Linux {data['kernel']}. fio with io_uring, "
+        f"O_DIRECT, {data['runtime']} s per workload after {data['ramp']} s ramp; median of "
         f"{data['rounds']} round(s). Every device has depth 128; kublk runs with `-b` (batch "
         "I/O), aioublk with its defaults (no mode flags: batch I/O when the driver has "
         f"UBLK_F_BATCH_IO, and {batch})"
@@ -239,7 +220,7 @@ def report(data: dict[str, object], command: str) -> str:
         "IOPS mean little: **the ratios are the result**. qcow2 vs qemu-nbd is "
         "`bench.qcow2`'s.",
     ]
-    lines += _notes(data, "four devices, a workload or two each, one round")
+    lines += notes(data, "four devices, a workload or two each, one round")
     cpus = data["cpus"]
     if isinstance(cpus, int) and cpus < max(d.queues for d in DEVICES.values()):
         lines += ["", f"**Only {cpus} CPUs**: the driver gives a device no more queues than "
@@ -247,80 +228,59 @@ def report(data: dict[str, object], command: str) -> str:
     lines += ["", "IOPS are medians over the rounds. **aioublk / kublk** divides those "
               "medians; **paired** is the median over the rounds of each round's own "
               "aioublk / kublk (the two ran back to back), which drift between rounds does "
-              "not move: the target is judged on it.",
-              "", "| row | kublk IOPS | aioublk IOPS | aioublk / kublk | paired | target | met |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    lines += [f"| {r.label} | {_fmt(r.kublk)} | {_fmt(r.aioublk)} | {_fmt(r.ratio, '.2f')} "
-              f"| {_fmt(r.paired, '.2f')} | ≥ {r.target} | {_met(r.paired, r.target)} |"
-              for r in goal_rows(data)]
+              "not move: the target is judged on it.", "",
+              *table(["row", "kublk IOPS", "aioublk IOPS", "aioublk / kublk", "paired",
+                      "target", "met"], "lrrrrrl",
+                     ([r.label, fmt(r.kublk), fmt(r.aioublk), fmt(r.ratio, ".2f"),
+                       fmt(r.paired, ".2f"), f"≥ {r.target}", met(r.paired, r.target)]
+                      for r in goal_rows(data)))]
     scaling = [name for name in SCALING if any(x["device"] == name for x in runs)]
     if scaling:
-        base = {s: _median(runs, s, device=SCALING[0], workload=QD64_READ) for s in SERVERS}
+        base = {s: median(runs, server=s, device=SCALING[0], workload=QD64_READ)
+                for s in SERVERS}
+        cells = []
+        for name in scaling:
+            k, a = (median(runs, server=s, device=name, workload=QD64_READ) for s in SERVERS)
+            cells.append([DEVICES[name].queues, fmt(k), fmt(a), fmt(ratio(a, k), ".2f"),
+                          fmt(ratio(k, base["kublk"]), ".2f"),
+                          fmt(ratio(a, base["aioublk"]), ".2f")])
         lines += ["", "## Queue scaling", "",
                   "null, 4k randread iodepth 64, one fio job per queue (`--numjobs=Q "
                   "--group_reporting`: IOPS of all jobs together).", "",
-                  "| queues | kublk IOPS | aioublk IOPS | aioublk / kublk | kublk vs 1 queue "
-                  "| aioublk vs 1 queue |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for name in scaling:
-            k, a = (_median(runs, s, device=name, workload=QD64_READ) for s in SERVERS)
-            lines.append(f"| {DEVICES[name].queues} | {_fmt(k)} | {_fmt(a)} "
-                         f"| {_fmt(_ratio(a, k), '.2f')} "
-                         f"| {_fmt(_ratio(k, base['kublk']), '.2f')} "
-                         f"| {_fmt(_ratio(a, base['aioublk']), '.2f')} |")
+                  *table(["queues", "kublk IOPS", "aioublk IOPS", "aioublk / kublk",
+                          "kublk vs 1 queue", "aioublk vs 1 queue"], "rrrrrr", cells)]
     zc = zc_rows(data)
     if zc:
         lines += ["", "## Zero copy vs copy: loop, 128k sequential read iodepth 16", "",
                   "Each server's zero-copy mode against its own copy mode; the target is "
                   f"aioublk's zc / copy ≥ {ZC_TARGET}. kublk runs `-b` plus the mode's flag, "
                   "for reference.", "",
-                  "| mode | kublk IOPS | aioublk IOPS | aioublk / kublk | kublk mode / copy "
-                  "| aioublk mode / copy | met |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-        lines += [f"| {r.mode} | {_fmt(r.kublk)} | {_fmt(r.aioublk)} "
-                  f"| {_fmt(_ratio(r.aioublk, r.kublk), '.2f')} "
-                  f"| {_fmt(r.kublk_vs_copy, '.2f')} | {_fmt(r.aioublk_vs_copy, '.2f')} "
-                  f"| {_met(r.aioublk_vs_copy, ZC_TARGET) if r.mode != 'copy' else '—'} |"
-                  for r in zc]
+                  *table(["mode", "kublk IOPS", "aioublk IOPS", "aioublk / kublk",
+                          "kublk mode / copy", "aioublk mode / copy", "met"], "lrrrrrl",
+                         ([r.mode, fmt(r.kublk), fmt(r.aioublk),
+                           fmt(ratio(r.aioublk, r.kublk), ".2f"), fmt(r.kublk_vs_copy, ".2f"),
+                           fmt(r.aioublk_vs_copy, ".2f"),
+                           met(r.aioublk_vs_copy, ZC_TARGET) if r.mode != "copy" else "—"]
+                          for r in zc))]
     errors: dict[str, str] = {}
     for x in runs:
         if x["error"]:
             errors.setdefault(f"{x['server']} `{x['device']}`", str(x["error"]))
-    return "\n".join(lines + _footer(errors, "server/device", "dataplane.png", command))
+    return "\n".join(lines + footer(errors, "server/device", "dataplane.png", command))
 
 
 def plot(data: dict[str, object], path: Path) -> None:
     """One bar per number with its target drawn across it: green met, red not."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bars = [(r.label, r.paired, r.target) for r in goal_rows(data)]
+    bars: list[tuple[str, float | None, float | None]] = [
+        (r.label, r.paired, r.target) for r in goal_rows(data)]
     split = len(bars)
     bars += [(f"loop, 128k read qd16, aioublk {r.mode} / copy", r.aioublk_vs_copy, ZC_TARGET)
              for r in zc_rows(data) if r.mode != "copy"]
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(bars) + 2), 5.5))
-    top = 1.2
-    for i, (_, value, target) in enumerate(bars):
-        ok = value is not None and value >= target
-        ax.bar(i, value or 0, 0.6, color="tab:green" if ok else "tab:red", alpha=0.8)
-        ax.hlines(target, i - 0.4, i + 0.4, color="black", linewidth=2)
-        ax.annotate("n/a" if value is None else f"{value:.2f}", (i, value or 0),
-                    xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
-                    fontsize=8)
-        top = max(top, (value or 0) + 0.2)
-    if 0 < split < len(bars):
-        ax.axvline(split - 0.5, color="grey", linewidth=1, linestyle=":")
-    ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], rotation=30, ha="right",
-                  fontsize=8)
-    ax.set_ylim(0, top)
-    ax.set_ylabel("ratio (black line: target)")
     where = "QEMU TCG" if data["guest"] else "host"
-    ax.set_title(f"aioublk / kublk IOPS, paired by round (aioublk zc / copy for the last "
-                 f"bars)\n{where}, {data['cpus']} CPUs, Linux {data['kernel']}, median of "
-                 f"{data['rounds']} round(s)", fontsize=10)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    ratio_bars(path, bars, "ratio (black line: target)",
+               f"aioublk / kublk IOPS, paired by round (aioublk zc / copy for the last "
+               f"bars)\n{where}, {data['cpus']} CPUs, Linux {data['kernel']}, median of "
+               f"{data['rounds']} round(s)", height=5.5, split=split)
 
 
 def _guest_timeout(runtime: int, rounds: int, quick: bool) -> float:
@@ -331,26 +291,20 @@ def _guest_timeout(runtime: int, rounds: int, quick: bool) -> float:
     return 600 + rounds * (len(plan) * 180 + fio_runs * (runtime + RAMP + 30))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke test: 4 devices, a workload or two each, 2 s runs")
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, runtime=5, rounds=1,
+                quick="4 devices, a workload or two each, 2 s runs")
     ap.add_argument("--cpus", type=int, default=4,
                     help="guest vCPUs (default 4: the driver caps queues at the CPU count)")
     ap.add_argument("--aioublk-args", default="",
                     help="more flags for every aioublk add, e.g. --aioublk-args='--nthreads 2'")
-    ap.add_argument("--report", metavar="JSON",
-                    help="only write the report again from a run's results/dataplane.json")
-    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     runtime = ns.runtime or (2 if ns.quick else 5)
     if ns.report:
-        data = json.loads(Path(ns.report).read_text())
-        command = (".venv/bin/python -m bench.dataplane --runtime "
-                   f"{data['runtime']} --rounds {data['rounds']}")
-        return publish("dataplane", data, report(data, command), plot, 0)
+        data = load(ns.report)
+        command = data.get("command") or (".venv/bin/python -m bench.dataplane --runtime "
+                                          f"{data['runtime']} --rounds {data['rounds']}")
+        return publish("dataplane", data, report(data, command), plot, out=ns.out)
     if ns.inner:
         inner(ns.inner[0], runtime, ns.rounds, ns.quick, shlex.split(ns.aioublk_args),
               Path(ns.inner[1]))
@@ -367,7 +321,8 @@ def main() -> int:
         command += f" --runtime {runtime} --rounds {ns.rounds}"
     if ns.cpus != 4:
         command += f" --cpus {ns.cpus}"
-    return publish("dataplane", data, report(data, command), plot, code)
+    data["command"] = command
+    return publish("dataplane", data, report(data, command), plot, code, ns.out)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ an order that rotates each round (the machine is shared: medians, not means). Th
 ratios are against the baseline, by default what ``python3`` runs here (what
 ``scripts/setup`` used before it chose), each the median over rounds of the ratio of
 the two runs of the same round. Writes ``bench/results/interpreters.md`` and
-``.json``; ``--report`` rewrites the former from the latter.
+``.json``; ``--report JSON`` rewrites the former from the latter.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ import mmap
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,8 +65,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+from bench.common import ROOT, load, median, parser, publish
+from bench.common import paired as paired_runs
+
 CACHE = Path(os.environ.get("AIOUBLK_CACHE", Path.home() / ".cache" / "aioublk"))
 DEPTH = 64
 BUFSIZE = 4096
@@ -436,10 +436,9 @@ def medians(data: dict[str, Any], key: str) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name in data["interpreters"]:
         for workload in WORKLOADS:
-            values = [x[key] for x in data["runs"]
-                      if x["python"] == name and x["workload"] == workload and key in x]
-            if values:
-                out.setdefault(name, {})[workload] = statistics.median(values)
+            value = median(data["runs"], key, python=name, workload=workload)
+            if value is not None:
+                out.setdefault(name, {})[workload] = value
     return out
 
 
@@ -447,10 +446,8 @@ def paired(data: dict[str, Any], key: str, a: tuple[str, str],
            b: tuple[str, str]) -> float | None:
     """The median over rounds of a / b, each (python, workload), both from the same
     round: runs close in time share the machine's load of the moment."""
-    by = {(x["round"], x["python"], x["workload"]): x[key] for x in data["runs"] if key in x}
-    ratios = [by[(r, *a)] / by[(r, *b)] for r in range(1, data["rounds"] + 1)
-              if (r, *a) in by and (r, *b) in by]
-    return statistics.median(ratios) if ratios else None
+    return paired_runs(data["runs"], {"python": a[0], "workload": a[1]},
+                       {"python": b[0], "workload": b[1]}, key)
 
 
 def _build(info: dict[str, Any]) -> str:
@@ -554,29 +551,24 @@ def report(data: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=None, help="default 7 (1 with --quick)")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"smoke test: counts / {QUICK_DIVISOR}, 1 round")
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, rounds=None, rounds_help="default 7 (1 with --quick)",
+                quick=f"counts / {QUICK_DIVISOR}, 1 round", inner=None)
     ap.add_argument("--python", action="append", default=[], metavar="NAME=PATH",
                     help="interpreters to compare (default: Debian's and pyenv's, 3.11+)")
     ap.add_argument("--baseline", default=None,
                     help="the name ratios are against (default: the one python3 runs)")
     ap.add_argument("--dir", default="/var/tmp",
                     help="where the data files go (default /var/tmp; see the doc)")
-    ap.add_argument("--report", action="store_true",
-                    help="only rewrite the .md from results/interpreters.json")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     if ns.child:
         backend, mode, path, count = ns.child
         child_main(backend, mode, path, int(count))
         return 0
     if ns.report:
-        data = json.loads((RESULTS / "interpreters.json").read_text())
-        (RESULTS / "interpreters.md").write_text(report(data, data["command"]))
-        return 0
+        data = load(ns.report)
+        return publish("interpreters", data, report(data, data["command"]), out=ns.out)
     pythons = dict(p.split("=", 1) for p in ns.python) if ns.python else candidates()
     baseline = ns.baseline
     if baseline is None:
@@ -592,12 +584,8 @@ def main() -> int:
     if ns.dir != "/var/tmp":
         command += f" --dir {ns.dir}"
     data["command"] = command
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "interpreters.json").write_text(json.dumps(data, indent=1) + "\n")
-    text = report(data, command)
-    (RESULTS / "interpreters.md").write_text(text)
-    print(text)
-    return 0 if not any(x.get("error") for x in data["runs"]) else 1
+    return publish("interpreters", data, report(data, command), out=ns.out,
+                   ok=not any(x.get("error") for x in data["runs"]))
 
 
 if __name__ == "__main__":

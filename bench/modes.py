@@ -19,18 +19,29 @@ under software emulation mean little; the aioublk/kublk ratio is the result.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.common import (
+    fmt,
+    footer,
+    grouped_bars,
+    load,
+    median,
+    notes,
+    parser,
+    publish,
+    ratio,
+    run,
+    run_guest,
+    setup_line,
+    table,
+)
+
 SERVERS = ("kublk", "aioublk")  # kublk first in every pair, as in null_kublk
 TARGETS = ("null", "loop")
 # Mode flags per server: aioublk picks batch by itself unless told, kublk is per-I/O by default.
@@ -58,23 +69,10 @@ RAMP = 1
 BACKING_SIZE = 1 << 30
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[str, str | None]:
-    """(stdout, None) or (stdout, error): one failed step must not end the whole run."""
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return "", f"timed out after {timeout:.0f} s"
-    if p.returncode != 0:
-        msg = (p.stderr.strip() or p.stdout.strip()).splitlines()
-        return p.stdout, f"exit {p.returncode}: {' | '.join(msg[-5:])}"
-    return p.stdout, None
-
-
 def _fio(dev: str, workload: str, runtime: int,
          extra: list[str]) -> tuple[float | None, str | None]:
     args, side = WORKLOADS[workload] if workload in WORKLOADS else MORE_WORKLOADS[workload]
-    out, err = _run(["fio", "--name=w", f"--filename={dev}", "--ioengine=io_uring", "--direct=1",
+    out, err = run(["fio", "--name=w", f"--filename={dev}", "--ioengine=io_uring", "--direct=1",
                      *args, *extra, "--time_based", f"--runtime={runtime}",
                      f"--ramp_time={RAMP}", "--output-format=json"],
                     timeout=runtime + RAMP + 120)
@@ -111,7 +109,7 @@ def _backing_file() -> dict[str, object]:
         except OSError:
             o_direct = False
         if o_direct or folder == folders[-1]:  # else try the next folder
-            fstype, _ = _run(["stat", "-f", "-c", "%T", path], timeout=10)
+            fstype, _ = run(["stat", "-f", "-c", "%T", path], timeout=10)
             return {"path": path, "fs": fstype.strip(), "o_direct": o_direct}
         os.unlink(path)
     raise AssertionError("unreachable")
@@ -119,7 +117,7 @@ def _backing_file() -> dict[str, object]:
 
 def _add(cmd: list[str], args: list[str]) -> tuple[str | None, str | None]:
     """(device id, None) or (None, error)."""
-    out, err = _run([*cmd, "add", *args], timeout=120)
+    out, err = run([*cmd, "add", *args], timeout=120)
     if err:
         return None, f"add {err}"
     if "dev id " not in out:
@@ -149,7 +147,7 @@ def _device_runs(cmd: list[str], add_args: list[str], workloads: list[str], runt
             runs.append((w, iops, err))
     finally:
         t2 = time.monotonic()
-        _, del_err = _run([*cmd, "del", "-n", dev_id], timeout=120)
+        _, del_err = run([*cmd, "del", "-n", dev_id], timeout=120)
         if del_err:
             print(f"  del -n {dev_id} failed: {del_err}", flush=True)
         print(f"  {os.path.basename(cmd[-1])} {' '.join(add_args)}: add {t1 - t0:.1f} s, "
@@ -164,7 +162,7 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, out: Path) -> None
     modes = ["per-io", "batch"] if quick else list(MODES)
     workloads = ["4k randread qd64"] if quick else list(WORKLOADS)
     start = time.monotonic()  # elapsed time in the log shows where a long run spends it
-    release, _ = _run(["uname", "-r"], timeout=10)
+    release, _ = run(["uname", "-r"], timeout=10)
     data: dict[str, object] = {
         "kernel": release.strip(), "cpus": os.cpu_count(),
         "guest": os.environ.get("AIOUBLK_IN_GUEST") == "1", "runtime": runtime, "ramp": RAMP,
@@ -210,13 +208,6 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, out: Path) -> None
     save()
 
 
-def _median(records: list[dict[str, object]], server: str, **key: object) -> float | None:
-    values = [float(x["iops"]) for x in records
-              if x["server"] == server and x["iops"] is not None
-              and all(x[k] == v for k, v in key.items())]
-    return statistics.median(values) if values else None
-
-
 def _keys(records: list[dict[str, object]], *fields: str) -> list[tuple[object, ...]]:
     """Distinct field tuples in first-seen order (the order the guest ran them)."""
     return list(dict.fromkeys(tuple(x[f] for f in fields) for x in records))
@@ -226,127 +217,67 @@ def rows(data: dict[str, object]) -> list[dict[str, object]]:
     """One row per (target, mode, workload): median IOPS of each server and their ratio."""
     runs = data["runs"]
     assert isinstance(runs, list)
-    table = []
+    out = []
     for target, mode, workload in _keys(runs, "target", "mode", "workload"):
         key = {"target": target, "mode": mode, "workload": workload}
-        k = _median(runs, "kublk", **key)
-        a = _median(runs, "aioublk", **key)
-        table.append({**key, "kublk": k, "aioublk": a,
-                      "ratio": a / k if a is not None and k else None})
-    return table
-
-
-def _fmt(v: float | None, spec: str = ",.0f") -> str:
-    return "—" if v is None else format(v, spec)
-
-
-def _notes(data: dict[str, object], quick: str) -> list[str]:
-    """A report's paragraphs on the loop file, a --quick run (`quick`: what it ran), an early
-    stop."""
-    lines = []
-    backing = data.get("backing")
-    if isinstance(backing, dict):
-        o_direct = "accepted" if backing["o_direct"] else "refused"
-        lines += ["", f"The loop target's backing file is 1 GiB at `{backing['path']}` "
-                      f"({backing['fs']}, O_DIRECT {o_direct}), preallocated, shared by both "
-                      "servers."]
-    if data.get("quick"):
-        lines += ["", f"**Smoke run (`--quick`)**: {quick}; not a measurement."]
-    if not data.get("complete"):
-        lines += ["", "**Incomplete**: the guest run stopped early; rows below are what it "
-                      "finished."]
-    return lines
+        k = median(runs, server="kublk", **key)
+        a = median(runs, server="aioublk", **key)
+        out.append({**key, "kublk": k, "aioublk": a, "ratio": ratio(a, k)})
+    return out
 
 
 def report(data: dict[str, object], command: str) -> str:
     runs, scaling = data["runs"], data["scaling"]
     assert isinstance(runs, list) and isinstance(scaling, list)
-    rounds = data["rounds"]
-    setup = ("One guest run: QEMU TCG software emulation (no KVM), 4 GiB RAM" if data["guest"]
-             else "One run on the host")
     lines = [
         "# aioublk vs kublk across modes, targets and workloads",
         "",
-        f"{setup}, {data['cpus']} CPUs, Linux {data['kernel']}. fio with io_uring, "
+        f"{setup_line(data)}, {data['cpus']} CPUs, Linux {data['kernel']}. fio with io_uring, "
         f"O_DIRECT, {data['runtime']} s per workload after {data['ramp']} s ramp; median "
-        f"of {rounds} round(s). Each device has 1 queue of depth 128 unless stated; kublk "
-        "and aioublk alternate for every target/mode; copy mode unless the mode says "
+        f"of {data['rounds']} round(s). Each device has 1 queue of depth 128 unless stated; "
+        "kublk and aioublk alternate for every target/mode; copy mode unless the mode says "
         "otherwise. Under emulation the absolute IOPS mean little: **the aioublk/kublk "
         "ratios are the result**.",
     ]
-    lines += _notes(data, "null target, two modes, one workload, one round")
-    lines += ["", "| target | mode | workload | kublk IOPS | aioublk IOPS | aioublk / kublk |",
-              "| --- | --- | --- | ---: | ---: | ---: |"]
-    for row in rows(data):
-        lines.append(f"| {row['target']} | {row['mode']} | {row['workload']} "
-                     f"| {_fmt(row['kublk'])} | {_fmt(row['aioublk'])} "
-                     f"| {_fmt(row['ratio'], '.2f')} |")
+    lines += notes(data, "null target, two modes, one workload, one round")
+    lines += ["", *table(
+        ["target", "mode", "workload", "kublk IOPS", "aioublk IOPS", "aioublk / kublk"],
+        "lllrrr",
+        ([r["target"], r["mode"], r["workload"], fmt(r["kublk"]), fmt(r["aioublk"]),
+          fmt(r["ratio"], ".2f")] for r in rows(data)))]
     if scaling:
         lines += ["", "## Queue scaling", "",
                   "null target, batch mode (`-b`), depth 128; fio 4k randread iodepth 64 with "
-                  "`--numjobs=2 --group_reporting` (IOPS of both jobs together).", "",
-                  "| queues | kublk IOPS | aioublk IOPS | aioublk / kublk |",
-                  "| ---: | ---: | ---: | ---: |"]
+                  "`--numjobs=2 --group_reporting` (IOPS of both jobs together).", ""]
+        cells = []
         for (queues,) in _keys(scaling, "queues"):
-            k = _median(scaling, "kublk", queues=queues)
-            a = _median(scaling, "aioublk", queues=queues)
-            ratio = a / k if a is not None and k else None
-            lines.append(f"| {queues} | {_fmt(k)} | {_fmt(a)} | {_fmt(ratio, '.2f')} |")
+            k = median(scaling, server="kublk", queues=queues)
+            a = median(scaling, server="aioublk", queues=queues)
+            cells.append([queues, fmt(k), fmt(a), fmt(ratio(a, k), ".2f")])
+        lines += table(["queues", "kublk IOPS", "aioublk IOPS", "aioublk / kublk"], "rrrr",
+                       cells)
     errors: dict[str, str] = {}
     for x in [*runs, *scaling]:
         if x["error"]:
             where = (x["server"], x.get("target", "null"), x.get("mode", f"-q {x.get('queues')}"))
             errors.setdefault(" ".join(map(str, where)), str(x["error"]))
-    return "\n".join(lines + _footer(errors, "server/target/mode", "modes.png", command))
-
-
-def _footer(errors: dict[str, str], each: str, chart: str, command: str) -> list[str]:
-    """A report's last lines: the first error of each `each` verbatim, chart, command."""
-    lines = []
-    if errors:
-        lines += ["", "## Errors", "", "— in a table means the server produced no number; "
-                  f"the first error of each {each}, verbatim:", ""]
-        lines += [f"- {where}: `{e}`" for where, e in errors.items()]
-    return lines + ["", f"Chart: `{chart}`. Reproduce: `{command}` from the repository root "
-                        "(boots the guest when the host has no ublk_drv; builds kublk from "
-                        "Debian sid's linux-source).", ""]
+    return "\n".join(lines + footer(errors, "server/target/mode", "modes.png", command))
 
 
 def plot(data: dict[str, object], path: Path) -> None:
     """Grouped bars of the ratio: one group per workload, one bar per target+mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     table = rows(data)
-    workloads = list(dict.fromkeys(str(r["workload"]) for r in table))
     series = list(dict.fromkeys(f"{r['target']} {r['mode']}" for r in table))
-    ratio = {(f"{r['target']} {r['mode']}", r["workload"]): r["ratio"] for r in table}
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(workloads) + 2), 5.5))
-    top = 1.1
-    for i, name in enumerate(series):
-        xs = [j - 0.4 + width * (i + 0.5) for j in range(len(workloads))]
-        ys = [ratio.get((name, w)) for w in workloads]
-        bars = ax.bar(xs, [y or 0 for y in ys], width, label=name)
-        for bar, y in zip(bars, ys, strict=True):
-            text = "n/a" if y is None else f"{y:.2f}"
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y or 0), xytext=(0, 2),
-                        textcoords="offset points", ha="center", va="bottom", fontsize=7,
-                        rotation=90 if len(series) > 4 else 0)
-            top = max(top, (y or 0) + 0.25)
-    ax.axhline(1.0, color="black", linewidth=1, linestyle="-")
-    ax.axhline(0.5, color="grey", linewidth=1, linestyle="--")
-    ax.set_xticks(range(len(workloads)), workloads)
-    ax.set_ylim(0, top)
-    ax.set_ylabel("aioublk IOPS / kublk IOPS")
     where = "QEMU TCG" if data["guest"] else "host"
-    ax.set_title(f"aioublk / kublk IOPS\n{where}, {data['cpus']} CPUs, Linux {data['kernel']}, "
-                 f"median of {data['rounds']} round(s)", fontsize=10)
-    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    grouped_bars(
+        path, list(dict.fromkeys(str(r["workload"]) for r in table)), series,
+        {(str(r["workload"]), f"{r['target']} {r['mode']}"): r["ratio"]  # type: ignore[misc]
+         for r in table},
+        "aioublk IOPS / kublk IOPS",
+        f"aioublk / kublk IOPS\n{where}, {data['cpus']} CPUs, Linux {data['kernel']}, "
+        f"median of {data['rounds']} round(s)",
+        lines=[(1.0, "black", "-"), (0.5, "grey", "--")], height=5.5, per_group=2.2,
+        fontsize=10, legend={"ncol": 4, "loc": "upper center", "bbox_to_anchor": (0.5, -0.08)})
 
 
 def _guest_timeout(runtime: int, rounds: int, quick: bool) -> float:
@@ -357,52 +288,19 @@ def _guest_timeout(runtime: int, rounds: int, quick: bool) -> float:
     return 600 + rounds * (devices * 120 + fio_runs * (runtime + RAMP + 30))
 
 
-def run_guest(module: str, args: list[str], timeout: float, cpus: int = 2,
-              kublk: bool = True) -> tuple[int, dict[str, object] | None]:
-    """Run ``python -m MODULE ARGS --inner KUBLK OUT`` in the guest (here when this host has
-    ublk_drv), building kublk first (without `kublk`: ``--inner OUT``): (exit status, the
-    JSON it left in OUT or None)."""
-    from aioublk.testing.guest import run_in_guest
-    from tools.kublk import ensure_kublk
-
-    peer = [str(ensure_kublk())] if kublk else []
-    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
-        out = Path(rw) / "result.json"
-        argv = [sys.executable, "-m", module, *args, "--inner", *peer, str(out)]
-        if Path("/dev/ublk-control").exists():
-            code = subprocess.run(argv).returncode
-        else:
-            code = run_in_guest(argv, [rw], memory="4G", cpus=cpus, timeout=timeout,
-                                cwd=Path(__file__).resolve().parents[1])
-        if not out.exists():
-            print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
-            return code, None
-        return code, json.loads(out.read_text())
+def command(data: dict[str, object]) -> str:
+    """The command a report names: the run's own, else the default one."""
+    return str(data.get("command") or ".venv/bin/python -m bench.modes"
+               + (" --quick" if data.get("quick") else ""))
 
 
-def publish(name: str, data: dict[str, object], text: str,
-            plot_to: Callable[[dict[str, object], Path], None], code: int) -> int:
-    """Write results/NAME.json, .md (`text`, also printed) and .png; main's exit status."""
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (RESULTS / f"{name}.md").write_text(text)
-    print(text)
-    plot_to(data, RESULTS / f"{name}.png")
-    if code != 0:
-        print(f"benchmark incomplete (exit {code})", file=sys.stderr)
-        return 1
-    return 0
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
-    ap.add_argument("--rounds", type=int, default=None, help="default 1")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke test: null target, per-io and batch, 4k randread qd64, "
-                         "1 round of 2 s")
-    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, runtime=5, rounds=None, rounds_help="default 1",
+                quick="null target, per-io and batch, 4k randread qd64, 1 round of 2 s")
+    ns = ap.parse_args(argv)
+    if ns.report:
+        data = load(ns.report)
+        return publish("modes", data, report(data, command(data)), plot, out=ns.out)
     runtime = ns.runtime or (2 if ns.quick else 5)
     rounds = ns.rounds or 1
     if ns.inner:
@@ -412,10 +310,9 @@ def main() -> int:
     code, data = run_guest("bench.modes", argv, _guest_timeout(runtime, rounds, ns.quick))
     if data is None:
         return 1
-    command = ".venv/bin/python -m bench.modes" + (" --quick" if ns.quick else "")
-    if ns.runtime or ns.rounds:
-        command += f" --runtime {runtime} --rounds {rounds}"
-    return publish("modes", data, report(data, command), plot, code)
+    data["command"] = command(data) + (f" --runtime {runtime} --rounds {rounds}"
+                                       if ns.runtime or ns.rounds else "")
+    return publish("modes", data, report(data, command(data)), plot, code, ns.out)
 
 
 if __name__ == "__main__":

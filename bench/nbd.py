@@ -28,7 +28,6 @@ numbers under software emulation mean little; the ratios are the result.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -38,21 +37,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from bench.dataplane import _met, _paired, _ratio
-from bench.modes import (
-    BACKING_SIZE,
-    RAMP,
-    _fio,
-    _fmt,
-    _footer,
-    _median,
-    _notes,
-    _run,
+from bench.common import (
+    fmt,
+    footer,
+    load,
+    median,
+    met,
+    notes,
+    paired,
+    parser,
     publish,
+    ratio,
+    ratio_bars,
+    run,
     run_guest,
+    setup_line,
+    swapped,
+    table,
 )
+from bench.modes import BACKING_SIZE, RAMP, _fio
 from bench.qcow2 import AioublkServer, NbdServer, _free_nbd, _image_folder
 
 CLIENTS = ("kernel", "aioublk")
@@ -136,7 +141,7 @@ class KernelClient(NbdServer):
             cmd = ["nbd-client", *exp.nbd_client, dev, "-N", "disk"]
         else:
             cmd = ["qemu-nbd", "-f", "raw", "-c", dev, exp.uri]
-        _, err = _run(cmd, timeout=120)
+        _, err = run(cmd, timeout=120)
         if err:
             return None, f"{self.tool} {err}"
         self.dev = dev
@@ -193,7 +198,7 @@ def workload_runs(client: str, side: Detachable, attached: tuple[str | None, str
 
 def _fill(disk: str) -> str | None:
     """Data in every block of the export's file, so reads are not of holes."""
-    _, err = _run(["fio", "--name=fill", f"--filename={disk}", "--rw=write", "--bs=1M",
+    _, err = run(["fio", "--name=fill", f"--filename={disk}", "--rw=write", "--bs=1M",
                    f"--size={BACKING_SIZE}", "--ioengine=psync", "--refill_buffers"],
                   timeout=1800)
     return err
@@ -204,9 +209,9 @@ def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
     transports = QUICK["transports"] if quick else list(TRANSPORTS)
     workloads = QUICK["workloads"] if quick else WORKLOADS
     start = time.monotonic()
-    release, _ = _run(["uname", "-r"], timeout=10)
-    qsd, _ = _run(["qemu-storage-daemon", "--version"], timeout=30)
-    _run(["modprobe", "nbd"], timeout=60)  # the harness loads it already
+    release, _ = run(["uname", "-r"], timeout=10)
+    qsd, _ = run(["qemu-storage-daemon", "--version"], timeout=30)
+    run(["modprobe", "nbd"], timeout=60)  # the harness loads it already
     folder = _image_folder(BACKING_SIZE)
     disk = os.path.join(str(folder["path"]), "disk.raw")
     runs: list[dict[str, object]] = []
@@ -222,8 +227,7 @@ def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
     for r in range(rounds):
         for transport in transports:
             exp = _export(transport, str(folder["path"]))
-            # who goes first swaps every round: drift over the run then favours neither
-            for client in CLIENTS if r % 2 == 0 else CLIENTS[::-1]:
+            for client in swapped(CLIENTS, r):
                 proc, err = _start_daemon(transport, exp, disk)
                 done = (_client_runs(client, exp, workloads, runtime) if proc is not None
                         else [(w, None, err) for w in workloads])
@@ -254,32 +258,31 @@ def rows(data: dict[str, object], transports: tuple[str, ...] = TRANSPORTS,
     """Each transport and workload the run measured; ``clients``: (the peer, aioublk)."""
     runs = data["runs"]
     assert isinstance(runs, list)
-    table = []
+    out = []
     for t in transports:
         for w in WORKLOADS:
             if any(x["device"] == t and x["workload"] == w for x in runs):
-                k, a = (_median(runs, c, device=t, workload=w) for c in clients)
-                table.append(Row(t, w, k, a, _ratio(a, k),
-                                 _paired(runs, t, w, num=clients[1], den=clients[0])))
-    return table
+                k, a = (median(runs, server=c, device=t, workload=w) for c in clients)
+                key = {"device": t, "workload": w}
+                out.append(Row(t, w, k, a, ratio(a, k),
+                               paired(runs, {"server": clients[1], **key},
+                                      {"server": clients[0], **key})))
+    return out
 
 
-def table(table_rows: list[Row], first: str, peer: str) -> list[str]:
+def ratio_table(table_rows: list[Row], first: str, peer: str) -> list[str]:
     """The ratio table's lines: ``first`` heads the rows' transport column, ``peer``
     names the other client (bench.rbd's too)."""
-    return [f"| {first} | workload | {peer} IOPS | aioublk IOPS | aioublk / {peer} "
-            "| paired | goal | met |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
-            *(f"| {r.transport} | {r.workload} | {_fmt(r.kernel)} | {_fmt(r.aioublk)} "
-              f"| {_fmt(r.ratio, '.2f')} | {_fmt(r.paired, '.2f')} | ≥ {TARGET} "
-              f"| {_met(r.paired, TARGET)} |" for r in table_rows)]
+    return table([first, "workload", f"{peer} IOPS", "aioublk IOPS", f"aioublk / {peer}",
+                  "paired", "goal", "met"], "llrrrrrl",
+                 ([r.transport, r.workload, fmt(r.kernel), fmt(r.aioublk), fmt(r.ratio, ".2f"),
+                   fmt(r.paired, ".2f"), f"≥ {TARGET}", met(r.paired, TARGET)]
+                  for r in table_rows))
 
 
 def report(data: dict[str, object], command: str) -> str:
     runs = data["runs"]
     assert isinstance(runs, list)
-    setup = ("One guest run: QEMU TCG software emulation (no KVM), 4 GiB RAM" if data["guest"]
-             else "One run on the host")
     tool = data.get("kernel_client")
     hop = ("`nbd-client` hands nbd.ko a socket connected to the daemon" if tool == "nbd-client"
            else "no `nbd-client` in the guest, so `qemu-nbd -f raw -c /dev/nbdN URI`: qemu-nbd "
@@ -290,7 +293,7 @@ def report(data: dict[str, object], command: str) -> str:
              else "guest RAM")
     lines = [
         "# -t nbd vs the kernel's NBD client, same server (issue #14)", "",
-        f"{setup}, {data['cpus']} CPUs, Linux {data['kernel']}. "
+        f"{setup_line(data)}, {data['cpus']} CPUs, Linux {data['kernel']}. "
         f"{data.get('qemu_storage_daemon') or 'qemu-storage-daemon'} exports a 1 GiB raw "
         f"file in {where}, filled with data, over a unix socket and over TCP 127.0.0.1. "
         "Clients: `aioublk add -t nbd URI -q 1 -d 128`, and nbd.ko (depth 128, one "
@@ -300,16 +303,16 @@ def report(data: dict[str, object], command: str) -> str:
         "even ones. Under emulation the absolute IOPS mean little: **the ratios are the "
         "result**.",
     ]
-    lines += _notes(data, "unix socket, 4k randread, one round")
+    lines += notes(data, "unix socket, 4k randread, one round")
     lines += ["", "IOPS are medians over the rounds. **aioublk / kernel** divides those "
               "medians; **paired** is the median over the rounds of each round's own ratio "
               "(the two ran back to back): the goal is judged on it.",
-              "", *table(rows(data), "transport", "kernel")]
+              "", *ratio_table(rows(data), "transport", "kernel")]
     errors: dict[str, str] = {}
     for x in runs:
         if x["error"]:
             errors.setdefault(f"{x['server']} `{x['device']}`", str(x["error"]))
-    return "\n".join(lines + _footer(errors, "client/transport", "nbd.png", command))
+    return "\n".join(lines + footer(errors, "client/transport", "nbd.png", command))
 
 
 def plot(data: dict[str, object], path: Path) -> None:
@@ -321,50 +324,24 @@ def plot(data: dict[str, object], path: Path) -> None:
 
 def plot_ratios(table: list[Row], path: Path, ylabel: str, title: str) -> None:
     """The paired ratio of each row as a bar, TARGET drawn across (bench.rbd's too)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(table) + 2), 5))
-    top = 1.2
-    for i, r in enumerate(table):
-        ok = r.paired is not None and r.paired >= TARGET
-        ax.bar(i, r.paired or 0, 0.6, color="tab:green" if ok else "tab:red", alpha=0.8)
-        ax.annotate("n/a" if r.paired is None else f"{r.paired:.2f}", (i, r.paired or 0),
-                    xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
-                    fontsize=8)
-        top = max(top, (r.paired or 0) + 0.2)
-    ax.axhline(TARGET, color="black", linewidth=1)
-    ax.set_xticks(range(len(table)), [f"{r.transport}\n{r.workload}" for r in table],
-                  rotation=30, ha="right", fontsize=8)
-    ax.set_ylim(0, top)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    ratio_bars(path, [(f"{r.transport}\n{r.workload}", r.paired, TARGET) for r in table],
+               ylabel, title)
 
 
-def _command(runtime: int, rounds: int, quick: bool) -> str:
-    return shlex.join([".venv/bin/python", "-m", "bench.nbd", f"--runtime={runtime}",
-                       f"--rounds={rounds}", *(["--quick"] if quick else [])])
+def command(data: dict[str, Any], name: str = "nbd") -> str:
+    """The command a report names: the run's own."""
+    return str(data.get("command") or shlex.join(
+        [".venv/bin/python", "-m", f"bench.{name}", f"--runtime={data['runtime']}",
+         f"--rounds={data['rounds']}", *(["--quick"] if data["quick"] else [])]))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke test: unix socket, 4k randread, 2 s runs")
-    ap.add_argument("--report", metavar="JSON",
-                    help="only write the report again from a run's results/nbd.json")
-    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, runtime=5, rounds=2, quick="unix socket, 4k randread, 2 s runs")
+    ns = ap.parse_args(argv)
     runtime = ns.runtime or (2 if ns.quick else 5)
     if ns.report:
-        data = json.loads(Path(ns.report).read_text())
-        return publish("nbd", data, report(data, _command(data["runtime"], data["rounds"],
-                                                          data["quick"])), plot, 0)
+        data = load(ns.report)
+        return publish("nbd", data, report(data, command(data)), plot, out=ns.out)
     if ns.inner:  # (run_guest passes a kublk: this benchmark has no use for it)
         inner(runtime, ns.rounds, ns.quick, Path(ns.inner[1]))
         return 0
@@ -376,8 +353,7 @@ def main() -> int:
                            timeout=1800 + attaches * 180 + fio_runs * (runtime + RAMP + 30))
     if data is None:
         return 1
-    return publish("nbd", data, report(data, _command(runtime, ns.rounds, ns.quick)), plot,
-                   code)
+    return publish("nbd", data, report(data, command(data)), plot, code, ns.out)
 
 
 if __name__ == "__main__":

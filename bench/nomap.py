@@ -22,23 +22,22 @@ mean little: the ratio is the result.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from bench.modes import RESULTS, _fio, _fmt, _median
+from bench.common import ROOT, fmt, load, median, parser, publish, ratio, run_guest, swapped, table
+from bench.modes import _fio
 
 BASELINE = "2169c59"
 WORKLOADS = ["4k randread qd64", "4k randwrite qd64", "4k randread qd1"]
 TREES = ("before", "today")
-REPO = Path(__file__).resolve().parents[1]
 
 # The server each tree runs: examples/ramdisk.py's target on one queue.
 SERVER = """
@@ -106,7 +105,7 @@ def inner(pythons: dict[str, str], runtime: int, rounds: int, out: Path) -> None
     data: dict[str, object] = {"cpus": os.cpu_count(), "runtime": runtime, "rounds": rounds,
                                "kernel": os.uname().release, "runs": runs, "complete": False}
     for r in range(rounds):
-        for tree in TREES if r % 2 == 0 else TREES[::-1]:
+        for tree in swapped(TREES, r):
             p, path = _serve(pythons[tree])
             try:
                 for w in WORKLOADS:
@@ -128,7 +127,7 @@ def baseline_tree(rev: str) -> Path:
     if not (tree / ".venv" / "bin" / "python").exists():
         if tree.exists():
             subprocess.run(["rm", "-rf", str(tree)], check=True)
-        subprocess.run(["git", "clone", "-q", "--no-checkout", str(REPO), str(tree)], check=True)
+        subprocess.run(["git", "clone", "-q", "--no-checkout", str(ROOT), str(tree)], check=True)
         subprocess.run(["git", "-C", str(tree), "checkout", "-q", rev], check=True)
         print(f"setting up the baseline {rev} in {tree}", flush=True)
         subprocess.run([str(tree / "scripts" / "setup")], cwd=tree, check=True)
@@ -162,65 +161,53 @@ def report(data: dict[str, object], baseline: str, command: str) -> str:
         *[f"- {tree}: Python {interpreters[tree]} (what that tree's `scripts/setup` "
           "picked)" for tree in TREES if tree in interpreters],
         "",
-        "| workload | before IOPS | today IOPS | today / before |",
-        "| --- | ---: | ---: | ---: |",
     ]
+    cells = []
     for w in WORKLOADS:
-        b, t = (_median(runs, s, workload=w) for s in TREES)
-        lines.append(f"| {w} | {_fmt(b)} | {_fmt(t)} | "
-                     f"{_fmt(t / b if t is not None and b else None, '.2f')} |")
+        b, t = (median(runs, server=s, workload=w) for s in TREES)
+        cells.append([w, fmt(b), fmt(t), fmt(ratio(t, b), ".2f")])
+    lines += table(["workload", "before IOPS", "today IOPS", "today / before"], "lrrr", cells)
     errors = [f"- {x['server']} {x['workload']}: `{x['error']}`" for x in runs if x["error"]]
     if errors:
         lines += ["", "## Errors", "", *errors]
     return "\n".join([*lines, "", f"Reproduce: `{command}` from the repository root.", ""])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runtime", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
+def command(data: dict[str, Any]) -> str:
+    """The command a report names: the run's own, else the one its settings give."""
+    baseline = data.get("baseline", BASELINE)
+    return str(data.get("command") or (
+        f".venv/bin/python -m bench.nomap --runtime {data['runtime']} --rounds "
+        f"{data['rounds']}" + (f" --baseline {baseline}" if baseline != BASELINE else "")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, rounds=3, inner=("BEFORE", "TODAY", "OUT"))
+    ap.add_argument("--runtime", type=int, default=5, help="seconds per fio run (default 5)")
     ap.add_argument("--baseline", default=BASELINE)
-    ap.add_argument("--report", metavar="JSON",
-                    help="only write the report again from a run's results/nomap.json")
-    ap.add_argument("--inner", nargs=3, metavar=("BEFORE", "TODAY", "OUT"),
-                    help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     if ns.inner:
         before, today, out = ns.inner
         inner({"before": before, "today": today}, ns.runtime, ns.rounds, Path(out))
         return 0
-    from aioublk.testing.guest import run_in_guest
-
-    before = baseline_tree(ns.baseline) / ".venv" / "bin" / "python"
-    interpreters = {"before": _interpreter(before), "today": _interpreter(sys.executable)}
+    code = 0
     if ns.report:
-        data = json.loads(Path(ns.report).read_text())
-        data["interpreters"] = interpreters
-        return _publish(data, ns, 0)
-    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
-        out = Path(rw) / "result.json"
-        argv = [sys.executable, "-m", "bench.nomap", "--runtime", str(ns.runtime),
-                "--rounds", str(ns.rounds), "--inner", str(before), sys.executable, str(out)]
+        data = load(ns.report)
+    else:
+        before = baseline_tree(ns.baseline) / ".venv" / "bin" / "python"
+        interpreters = {"before": _interpreter(before), "today": _interpreter(sys.executable)}
         timeout = ns.rounds * len(TREES) * (len(WORKLOADS) * (ns.runtime + 20) + 120) + 300
-        code = run_in_guest(argv, [rw], memory="4G", cpus=4, timeout=timeout, cwd=REPO)
-        if not out.exists():
-            print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
+        code, got = run_guest("bench.nomap", ["--runtime", str(ns.runtime), "--rounds",
+                                              str(ns.rounds)], timeout, cpus=4, kublk=False,
+                              inner=[str(before), sys.executable], here=False)
+        if got is None:
             return 1
-        data = json.loads(out.read_text())
-    data["interpreters"] = interpreters
-    return _publish(data, ns, code)
-
-
-def _publish(data: dict[str, object], ns: argparse.Namespace, code: int) -> int:
-    command = (f".venv/bin/python -m bench.nomap --runtime {data['runtime']} --rounds "
-               f"{data['rounds']}" + (f" --baseline {ns.baseline}" if ns.baseline != BASELINE
-                                      else ""))
-    text = report(data, ns.baseline, command)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "nomap.json").write_text(json.dumps(data, indent=1) + "\n")
-    (RESULTS / "nomap.md").write_text(text)
-    print(text)
-    return 0 if code == 0 and data.get("complete") else 1
+        data = got
+        data["interpreters"] = interpreters
+        if ns.baseline != BASELINE:
+            data["baseline"] = ns.baseline
+    return publish("nomap", data, report(data, data.get("baseline", BASELINE), command(data)),
+                   code=code, out=ns.out, ok=bool(data.get("complete")))
 
 
 if __name__ == "__main__":

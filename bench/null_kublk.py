@@ -11,7 +11,6 @@ Writes ``bench/results/null_kublk.md`` and ``.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -20,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.common import load, parser, publish, run_guest, table
 
 
 def _sh(cmd: list[str], timeout: float = 120) -> str:
@@ -76,11 +75,10 @@ def report(data: dict[str, object]) -> str:
         "1 queue, depth 128, per-I/O FETCH/COMMIT path, copy mode. Median of "
         f"{len(iops['aioublk'])} alternating rounds.",
         "",
-        "| server | IOPS (median) | runs | aioublk / kublk |",
-        "| --- | ---: | --- | ---: |",
-        f"| kublk (C) | {k:,.0f} | {', '.join(f'{v:,.0f}' for v in iops['kublk'])} | |",
-        f"| aioublk | {a:,.0f} | {', '.join(f'{v:,.0f}' for v in iops['aioublk'])} "
-        f"| {a / k:.2f} |",
+        *table(["server", "IOPS (median)", "runs", "aioublk / kublk"], "lrlr",
+               [["kublk (C)", f"{k:,.0f}", ", ".join(f"{v:,.0f}" for v in iops["kublk"]), ""],
+                ["aioublk", f"{a:,.0f}", ", ".join(f"{v:,.0f}" for v in iops["aioublk"]),
+                 f"{a / k:.2f}"]]),
         "",
         "Reproduce: `python -m bench.null_kublk` (boots the guest when the host has no "
         "ublk_drv; builds kublk from Debian sid's linux-source).",
@@ -88,37 +86,21 @@ def report(data: dict[str, object]) -> str:
     ])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runtime", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, runtime=10, rounds=2)
+    ns = ap.parse_args(argv)
+    runtime = ns.runtime or 10
+    if ns.report:
+        data = load(ns.report)
+        return publish("null_kublk", data, report(data), out=ns.out)
     if ns.inner:
-        inner(ns.inner[0], ns.runtime, ns.rounds, Path(ns.inner[1]))
+        inner(ns.inner[0], runtime, ns.rounds, Path(ns.inner[1]))
         return 0
-    from aioublk.testing.guest import run_in_guest
-    from tools.kublk import ensure_kublk
-
-    kublk = str(ensure_kublk())
-    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
-        out = Path(rw) / "result.json"
-        argv = [sys.executable, "-m", "bench.null_kublk", "--runtime", str(ns.runtime),
-                "--rounds", str(ns.rounds), "--inner", kublk, str(out)]
-        if Path("/dev/ublk-control").exists():
-            code = subprocess.run(argv).returncode
-        else:
-            code = run_in_guest(argv, [rw], cwd=Path(__file__).resolve().parents[1])
-        if code != 0 or not out.exists():
-            print(f"benchmark failed (exit {code})", file=sys.stderr)
-            return 1
-        data = json.loads(out.read_text())
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "null_kublk.json").write_text(json.dumps(data, indent=1) + "\n")
-    text = report(data)
-    (RESULTS / "null_kublk.md").write_text(text)
-    print(text)
-    return 0
+    code, data = run_guest("bench.null_kublk", ["--runtime", str(runtime), "--rounds",
+                                                str(ns.rounds)], timeout=40 * 60.0)
+    if data is None:
+        return 1
+    return publish("null_kublk", data, report(data), code=code, out=ns.out)
 
 
 if __name__ == "__main__":

@@ -24,27 +24,31 @@ numbers under software emulation mean little; the ratios are the result.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from bench.modes import (
-    RAMP,
-    _device_runs,
-    _fio,
-    _fmt,
-    _footer,
-    _median,
-    _notes,
-    _run,
+from bench.common import (
+    fmt,
+    footer,
+    load,
+    median,
+    met,
+    notes,
+    parser,
     publish,
+    ratio,
+    ratio_bars,
+    run,
     run_guest,
+    swapped,
+    table,
 )
+from bench.modes import RAMP, _device_runs, _fio
 
 NG, BLOCK = "/dev/ng0n1", "/dev/nvme0n1"
 READ, WRITE = "4k randread qd64", "4k randwrite qd64"
@@ -88,19 +92,18 @@ def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
     aioublk = [sys.executable, "-m", "aioublk"]
     workloads = [READ] if quick else [READ, WRITE]
     start = time.monotonic()
-    release, _ = _run(["uname", "-r"], timeout=10)
+    release, _ = run(["uname", "-r"], timeout=10)
     runs: list[dict[str, object]] = []
     data: dict[str, object] = {
         "kernel": release.strip(), "cpus": os.cpu_count(),
         "guest": os.environ.get("AIOUBLK_IN_GUEST") == "1", "runtime": runtime, "ramp": RAMP,
         "rounds": rounds, "quick": quick, "complete": False, "runs": runs,
     }
-    _, err = _run(["fio", "--name=fill", f"--filename={BLOCK}", "--rw=write", "--bs=1M",
+    _, err = run(["fio", "--name=fill", f"--filename={BLOCK}", "--rw=write", "--bs=1M",
                    "--direct=1", "--ioengine=io_uring", "--iodepth=8"], timeout=1800)
     print(f"namespace filled: {err or 'ok'}", flush=True)
     for r in range(rounds):
-        names = list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]
-        for name in names:
+        for name in swapped(list(WAYS), r):
             way = WAYS[name]
             if way.add:
                 done = _device_runs(aioublk, [*way.add, "-q", "1", "-d", "128"], workloads,
@@ -122,13 +125,13 @@ def ratios(data: dict[str, object]) -> list[tuple[Ratio, str, float | None]]:
     """Each ratio of medians, per workload the run measured."""
     runs = data["runs"]
     assert isinstance(runs, list)
-    table = []
+    out = []
     for w in (READ, WRITE):
         for r in RATIOS:
-            a, b = (_median(runs, n, workload=w) for n in (r.num, r.den))
+            a, b = (median(runs, server=n, workload=w) for n in (r.num, r.den))
             if a is not None or b is not None:
-                table.append((r, w, a / b if a is not None and b else None))
-    return table
+                out.append((r, w, ratio(a, b)))
+    return out
 
 
 def report(data: dict[str, object], command: str) -> str:
@@ -143,62 +146,43 @@ def report(data: dict[str, object], command: str) -> str:
         f"{data['rounds']} round(s). aioublk devices: 1 queue, depth 128, copy mode. Under "
         "emulation the absolute IOPS mean little: **the ratios are the result**.",
     ]
-    lines += _notes(data, "4k randread only, one round")
-    lines += ["", "| way | " + " | ".join(w for w in (READ, WRITE)) + " |",
-              "| --- | ---: | ---: |"]
-    for name, way in WAYS.items():
-        lines.append(f"| {way.label} | " + " | ".join(
-            _fmt(_median(runs, name, workload=w)) for w in (READ, WRITE)) + " |")
-    lines += ["", "| ratio | workload | value | target | met |",
-              "| --- | --- | ---: | ---: | --- |"]
-    for r, w, value in ratios(data):
-        met = "—" if r.target is None or value is None else "yes" if value >= r.target else "no"
-        target = f"≥ {r.target}" if r.target else "—"
-        lines.append(f"| {r.label} | {w} | {_fmt(value, '.2f')} | {target} | {met} |")
+    lines += notes(data, "4k randread only, one round")
+    lines += ["", *table(["way", READ, WRITE], "lrr",
+                         ([way.label, *(fmt(median(runs, server=name, workload=w))
+                                        for w in (READ, WRITE))]
+                          for name, way in WAYS.items()))]
+    lines += ["", *table(["ratio", "workload", "value", "target", "met"], "llrrl",
+                         ([r.label, w, fmt(value, ".2f"), f"≥ {r.target}" if r.target else "—",
+                           "—" if r.target is None else met(value, r.target)]
+                          for r, w, value in ratios(data)))]
     errors: dict[str, str] = {}
     for x in runs:
         if x["error"]:
             errors.setdefault(f"`{x['device']}`", str(x["error"]))
-    return "\n".join(lines + _footer(errors, "way", "nvme.png", command))
+    return "\n".join(lines + footer(errors, "way", "nvme.png", command))
 
 
 def plot(data: dict[str, object], path: Path) -> None:
     """One bar per ratio, the goal drawn across its bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bars = ratios(data)
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(bars) + 2), 5))
-    for i, (r, _w, value) in enumerate(bars):
-        ok = r.target is None or (value is not None and value >= r.target)
-        ax.bar(i, value or 0, 0.6, color="tab:green" if ok else "tab:red", alpha=0.8)
-        if r.target is not None:
-            ax.hlines(r.target, i - 0.4, i + 0.4, color="black", linewidth=2)
-    ax.set_xticks(range(len(bars)), [f"{r.label}\n{w}" for r, w, _ in bars], rotation=30,
-                  ha="right", fontsize=7)
-    ax.set_ylabel("IOPS ratio (black line: goal)")
-    ax.set_title(f"-t nvme vs -t loop and their ceilings, Linux {data['kernel']}", fontsize=10)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    ratio_bars(path, [(f"{r.label}\n{w}", value, r.target) for r, w, value in ratios(data)],
+               "IOPS ratio (black line: goal)",
+               f"-t nvme vs -t loop and their ceilings, Linux {data['kernel']}", labels=7)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="smoke test: randread, 2 s runs")
-    ap.add_argument("--report", metavar="JSON",
-                    help="only write the report again from a run's results/nvme.json")
-    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+def command(data: dict[str, Any]) -> str:
+    """The command a report names: the run's own."""
+    return str(data.get("command") or shlex.join(
+        [".venv/bin/python", "-m", "bench.nvme", f"--runtime={data['runtime']}",
+         f"--rounds={data['rounds']}", *(["--quick"] if data["quick"] else [])]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, runtime=5, rounds=1, quick="randread, 2 s runs")
+    ns = ap.parse_args(argv)
     runtime = ns.runtime or (2 if ns.quick else 5)
-    command = shlex.join([".venv/bin/python", "-m", "bench.nvme", f"--runtime={runtime}",
-                          f"--rounds={ns.rounds}", *(["--quick"] if ns.quick else [])])
     if ns.report:
-        data = json.loads(Path(ns.report).read_text())
-        return publish("nvme", data, report(data, command), plot, 0)
+        data = load(ns.report)
+        return publish("nvme", data, report(data, command(data)), plot, out=ns.out)
     if ns.inner:  # (run_guest passes a kublk: this benchmark has no use for it)
         inner(runtime, ns.rounds, ns.quick, Path(ns.inner[1]))
         return 0
@@ -209,7 +193,7 @@ def main() -> int:
                            timeout=1800 + ns.rounds * 400 + fio_runs * (runtime + RAMP + 30))
     if data is None:
         return 1
-    return publish("nvme", data, report(data, command), plot, code)
+    return publish("nvme", data, report(data, command(data)), plot, code, ns.out)
 
 
 if __name__ == "__main__":

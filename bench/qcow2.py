@@ -35,20 +35,20 @@ not a measurement.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.modes import _add, _fmt, _run
+from bench.common import fmt as _fmt
+from bench.common import grouped_bars, load, parser, publish, run_guest
+from bench.common import run as _run
+from bench.modes import _add
 
-RESULTS = Path(__file__).resolve().parent / "results"
 IMAGE_SIZE = 2 << 30
 QUICK_IMAGE_SIZE = 256 << 20
 KINDS: dict[str, list[str]] = {  # image kind -> extra qemu-img create arguments
@@ -523,39 +523,17 @@ def _step_index(r: dict[str, object]) -> int:
 
 def plot(data: dict[str, object], path: Path) -> None:
     """Grouped bars of the aioublk/qemu-nbd ratio: one group per workload, one bar per kind."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     table = sorted(rows(data), key=_step_index)
-    groups = list(dict.fromkeys(f"{r['workload']}\nqd{r['qd']}" for r in table))
-    kinds = list(dict.fromkeys(str(r["kind"]) for r in table))
-    ratio = {(f"{r['workload']}\nqd{r['qd']}", r["kind"]): r["ratio"] for r in table}
-    width = 0.8 / max(len(kinds), 1)
-    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(groups) + 2), 5))
-    top = 1.1
-    for i, kind in enumerate(kinds):
-        xs = [j - 0.4 + width * (i + 0.5) for j in range(len(groups))]
-        ys = [ratio.get((g, kind)) for g in groups]
-        bars = ax.bar(xs, [y or 0 for y in ys], width, label=f"{kind} image")
-        for bar, y in zip(bars, ys, strict=True):
-            ax.annotate("n/a" if y is None else f"{y:.2f}",
-                        (bar.get_x() + bar.get_width() / 2, y or 0), xytext=(0, 2),
-                        textcoords="offset points", ha="center", va="bottom", fontsize=7)
-            top = max(top, (y or 0) + 0.2)
-    ax.axhline(1.0, color="black", linewidth=1)
-    ax.set_xticks(range(len(groups)), groups, fontsize=8)
-    ax.set_ylim(0, top)
     nbd, _ = nbd_choice(data)
-    ax.set_ylabel(f"aioublk IOPS / {nbd} IOPS")
     where = "QEMU TCG" if data["guest"] else "host"
-    ax.set_title(f"qcow2: aioublk / {nbd} (nbd.ko)\n{where}, {data['cpus']} CPUs, "
-                 f"Linux {data['kernel']}" + (", --quick" if data.get("quick") else ""),
-                 fontsize=10)
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    grouped_bars(
+        path, list(dict.fromkeys(f"{r['workload']}\nqd{r['qd']}" for r in table)),
+        [f"{k} image" for k in dict.fromkeys(str(r["kind"]) for r in table)],
+        {(f"{r['workload']}\nqd{r['qd']}", f"{r['kind']} image"): r["ratio"]  # type: ignore[misc]
+         for r in table},
+        f"aioublk IOPS / {nbd} IOPS",
+        f"qcow2: aioublk / {nbd} (nbd.ko)\n{where}, {data['cpus']} CPUs, "
+        f"Linux {data['kernel']}" + (", --quick" if data.get("quick") else ""))
 
 
 def _guest_timeout(runtime: int, quick: bool, servers: int) -> float:
@@ -566,55 +544,37 @@ def _guest_timeout(runtime: int, quick: bool, servers: int) -> float:
     return 600 + len(KINDS) * servers * per_device
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 10)")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke test: 256 MiB images, 3 s runs")
+def command(data: dict[str, object]) -> str:
+    """The command a report names: the run's own, else the one its settings give."""
+    return str(data.get("command") or ".venv/bin/python -m bench.qcow2"
+               + (" --quick" if data.get("quick") else "") + f" --runtime {data['runtime']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, runtime=10, quick="256 MiB images, 3 s runs", inner=("OUT",))
     ap.add_argument("--nbd-aio", choices=("both", *NBD_AIO), default="both",
                     help="qemu-nbd --aio settings to run (default both; the table uses the "
                          "faster)")
-    ap.add_argument("--inner", metavar="OUT", help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
+    if ns.report:
+        data = load(ns.report)
+        return publish("qcow2", data, report(data, command(data)), plot, out=ns.out)
     runtime = ns.runtime or (3 if ns.quick else 10)
     nbd_aio = list(NBD_AIO) if ns.nbd_aio == "both" else [ns.nbd_aio]
     if ns.inner:
-        inner(runtime, ns.quick, nbd_aio, Path(ns.inner))
+        inner(runtime, ns.quick, nbd_aio, Path(ns.inner[0]))
         return 0
-    from aioublk.testing.guest import run_in_guest
-
-    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
-        out = Path(rw) / "result.json"
-        argv = [sys.executable, "-m", "bench.qcow2", "--runtime", str(runtime),
-                "--nbd-aio", ns.nbd_aio, *(["--quick"] if ns.quick else []), "--inner", str(out)]
-        if Path("/dev/ublk-control").exists():
-            code = subprocess.run(argv).returncode
-        else:
-            code = run_in_guest(argv, [rw], memory=GUEST_MEMORY, cpus=2,
-                                timeout=_guest_timeout(runtime, ns.quick, len(nbd_aio) + 1),
-                                cwd=Path(__file__).resolve().parents[1])
-        if not out.exists():
-            print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
-            return 1
-        data = json.loads(out.read_text())
-    command = ".venv/bin/python -m bench.qcow2" + (" --quick" if ns.quick else "")
-    if ns.runtime:
-        command += f" --runtime {runtime}"
-    if ns.nbd_aio != "both":
-        command += f" --nbd-aio {ns.nbd_aio}"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "qcow2.json").write_text(json.dumps(data, indent=1) + "\n")
-    text = report(data, command)
-    (RESULTS / "qcow2.md").write_text(text)
-    print(text)
-    try:
-        plot(data, RESULTS / "qcow2.png")
-    except ImportError:
-        print("no chart: matplotlib missing (pip install -e '.[bench]')", file=sys.stderr)
-    if code != 0 or not data.get("complete"):
-        print(f"benchmark incomplete (exit {code})", file=sys.stderr)
+    code, data = run_guest("bench.qcow2", ["--runtime", str(runtime), "--nbd-aio", ns.nbd_aio,
+                                           *(["--quick"] if ns.quick else [])],
+                           _guest_timeout(runtime, ns.quick, len(nbd_aio) + 1), kublk=False,
+                           memory=GUEST_MEMORY)
+    if data is None:
         return 1
-    return 0
+    data["command"] = (".venv/bin/python -m bench.qcow2" + (" --quick" if ns.quick else "")
+                       + (f" --runtime {runtime}" if ns.runtime else "")
+                       + (f" --nbd-aio {ns.nbd_aio}" if ns.nbd_aio != "both" else ""))
+    return publish("qcow2", data, report(data, command(data)), plot, code, ns.out,
+                   ok=bool(data.get("complete")))
 
 
 if __name__ == "__main__":

@@ -37,16 +37,15 @@ import json
 import mmap
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.modes import _run as _sh  # (stdout, error or None); a failed step never ends a run
+from bench.common import fmt as _fmt
+from bench.common import load, median, parser, publish
+from bench.common import run as _sh  # (stdout, error or None); a failed step never ends a run
 
-RESULTS = Path(__file__).resolve().parent / "results"
 IMAGE_SIZE = 1 << 30
 BUFSIZE = 4096
 STEP = 7919 * BUFSIZE
@@ -246,33 +245,24 @@ def run(folder: str, rounds: int, quick: bool, size: int, step: int) -> dict[str
     return data
 
 
-def _median(runs: list[dict[str, object]], who: str, workload: str) -> float | None:
-    values = [float(x["iops"]) for x in runs  # type: ignore[arg-type]
-              if x["who"] == who and x["workload"] == workload and x.get("iops")]
-    return statistics.median(values) if values else None
-
-
 def rows(data: dict[str, object]) -> list[dict[str, object]]:
     runs = data["runs"]
     assert isinstance(runs, list)
     table = []
     for workload in dict.fromkeys(str(x["workload"]) for x in runs):
-        qemu = {aio: _median(runs, f"qemu-img {aio}", workload) for aio in AIO_MODES}
+        qemu = {aio: median(runs, who=f"qemu-img {aio}", workload=workload)
+                for aio in AIO_MODES}
         best = max((a for a in AIO_MODES if qemu[a]), key=lambda a: qemu[a] or 0, default=None)
         q = qemu[best] if best else None
         count = next(x["count"] for x in runs if x["workload"] == workload)
         row: dict[str, object] = {"workload": workload, "count": count, "qemu": qemu,
                                   "best": best}
         for k in RINGS:
-            engine = _median(runs, _engine(k), workload)
+            engine = median(runs, who=_engine(k), workload=workload)
             row[k] = engine
             row[f"{k}_ratio"] = engine / q if engine and q else None
         table.append(row)
     return table
-
-
-def _fmt(v: float | None, spec: str = ",.0f") -> str:
-    return "—" if v is None else format(v, spec)
 
 
 def report(data: dict[str, object], command: str) -> str:
@@ -329,35 +319,35 @@ def report(data: dict[str, object], command: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=None, help="default 3 (1 with --quick)")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"smoke test: COUNT / {QUICK_DIVISOR}, 1 round")
+def command(data: dict[str, Any]) -> str:
+    """The command a report names: the run's own, else the default one."""
+    return str(data.get("command") or ".venv/bin/python -m bench.qcow2_host"
+               + (" --quick" if data.get("quick") else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, rounds=None, rounds_help="default 3 (1 with --quick)",
+                quick=f"COUNT / {QUICK_DIVISOR}, 1 round", inner=None)
     ap.add_argument("--dir", default=None,
                     help="folder for the 1 GiB image (default: a temporary folder in /var/tmp)")
     ap.add_argument("--step", type=int, default=STEP, help=f"bytes (default {STEP})")
     ap.add_argument("--driver", nargs=7, help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     if ns.driver:
         path, write, depth, count, step, bufsize, ring_kind = ns.driver
         driver_main(path, write == "1", int(depth), int(count), int(step), int(bufsize),
                     ring_kind)
         return 0
+    if ns.report:
+        data = load(ns.report)
+        return publish("qcow2_host", data, report(data, command(data)), out=ns.out)
     rounds = ns.rounds or (1 if ns.quick else 3)
     with tempfile.TemporaryDirectory(dir=ns.dir or "/var/tmp", prefix="qcow2bench.") as folder:
         data = run(folder, rounds, ns.quick, IMAGE_SIZE, ns.step)
-    command = ".venv/bin/python -m bench.qcow2_host" + (" --quick" if ns.quick else "")
-    if ns.rounds:
-        command += f" --rounds {rounds}"
-    if ns.step != STEP:
-        command += f" --step {ns.step}"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "qcow2_host.json").write_text(json.dumps(data, indent=1) + "\n")
-    text = report(data, command)
-    (RESULTS / "qcow2_host.md").write_text(text)
-    print(text)
-    return 0 if not any(x.get("error") for x in data["runs"]) else 1  # type: ignore[union-attr]
+    data["command"] = (command(data) + (f" --rounds {rounds}" if ns.rounds else "")
+                       + (f" --step {ns.step}" if ns.step != STEP else ""))
+    return publish("qcow2_host", data, report(data, command(data)), out=ns.out,
+                   ok=not any(x.get("error") for x in data["runs"]))
 
 
 if __name__ == "__main__":

@@ -21,16 +21,24 @@ writes JSON; the host writes ``bench/results/rbd.md``, ``.json`` and ``rbd.png``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
-from bench.modes import RAMP, _footer, _notes, _run, publish, run_guest
-from bench.nbd import QUICK, WORKLOADS, Row, plot_ratios, rows, table, workload_runs
+from bench.common import footer, load, notes, parser, publish, run, run_guest, setup_line, swapped
+from bench.modes import RAMP
+from bench.nbd import (
+    QUICK,
+    WORKLOADS,
+    Row,
+    command,
+    plot_ratios,
+    ratio_table,
+    rows,
+    workload_runs,
+)
 from bench.qcow2 import AioublkServer
 
 IMAGE, IMAGE_MIB = "rbd/bench", 512
@@ -46,7 +54,7 @@ class RbdNbd:
         self.dev: str | None = None
 
     def attach(self, image: str) -> tuple[str | None, str | None]:
-        out, err = _run(["rbd-nbd", "map", "-c", self.conf, image], timeout=300)
+        out, err = run(["rbd-nbd", "map", "-c", self.conf, image], timeout=300)
         if err:
             return None, f"rbd-nbd map {err}"
         self.dev = out.strip().splitlines()[-1]
@@ -54,7 +62,7 @@ class RbdNbd:
 
     def detach(self) -> str | None:
         assert self.dev is not None
-        _, err = _run(["rbd-nbd", "unmap", "-c", self.conf, self.dev], timeout=120)
+        _, err = run(["rbd-nbd", "unmap", "-c", self.conf, self.dev], timeout=120)
         self.dev = None
         return err
 
@@ -74,9 +82,9 @@ def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
 
     workloads = QUICK["workloads"] if quick else WORKLOADS
     start = time.monotonic()
-    release, _ = _run(["uname", "-r"], timeout=10)
-    version, _ = _run(["rbd", "--version"], timeout=30)
-    _run(["modprobe", "nbd"], timeout=60)
+    release, _ = run(["uname", "-r"], timeout=10)
+    version, _ = run(["rbd", "--version"], timeout=30)
+    run(["modprobe", "nbd"], timeout=60)
     runs: list[dict[str, object]] = []
     data: dict[str, object] = {
         "kernel": release.strip(), "cpus": os.cpu_count(),
@@ -91,8 +99,7 @@ def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
                     "--io-total", f"{IMAGE_MIB}M", IMAGE, timeout=1800)
         print(f"cluster up in {data['cluster_start_seconds']} s, {IMAGE} written", flush=True)
         for r in range(rounds):
-            # who goes first swaps every round: drift over the run then favours neither
-            for client in CLIENTS if r % 2 == 0 else CLIENTS[::-1]:
+            for client in swapped(CLIENTS, r):
                 for w, iops, e in _client_runs(client, cluster.conf, workloads, runtime):
                     runs.append({"round": r + 1, "device": DEVICE, "workload": w,
                                  "server": client, "iops": iops, "error": e})
@@ -111,11 +118,10 @@ def _rows(data: dict[str, object]) -> list[Row]:
 def report(data: dict[str, object], command: str) -> str:
     runs = data["runs"]
     assert isinstance(runs, list)
-    setup = ("One guest run: QEMU TCG software emulation (no KVM), 4 GiB RAM" if data["guest"]
-             else "One run on the host")
     lines = [
         "# -t rbd vs rbd-nbd, same Ceph cluster (issue #14)", "",
-        f"{setup}, {data['cpus']} CPUs, Linux {data['kernel']}, {data['ceph']}. A one-node "
+        f"{setup_line(data)}, {data['cpus']} CPUs, Linux {data['kernel']}, {data['ceph']}. "
+        "A one-node "
         f"cluster (one monitor, one memstore OSD, up in {data.get('cluster_start_seconds')} "
         f"s) holds `{IMAGE}`, {IMAGE_MIB} MiB written in full. Clients, one at a time: "
         "`aioublk add -t rbd rbd/bench -q 1 -d 128`, and `rbd-nbd map` (librbd in its "
@@ -124,15 +130,15 @@ def report(data: dict[str, object], command: str) -> str:
         f"{data['rounds']} round(s), rbd-nbd first in odd rounds. Under emulation the "
         "absolute IOPS mean little: **the ratios are the result**.",
     ]
-    lines += _notes(data, "4k randread, one round")
+    lines += notes(data, "4k randread, one round")
     lines += ["", "IOPS are medians over the rounds; **paired** is the median of each "
               "round's own ratio: the goal is judged on it.", "",
-              *table(_rows(data), "cluster", "rbd-nbd")]
+              *ratio_table(_rows(data), "cluster", "rbd-nbd")]
     errors: dict[str, str] = {}
     for x in runs:
         if x["error"]:
             errors.setdefault(str(x["server"]), str(x["error"]))
-    return "\n".join(lines + _footer(errors, "client", "rbd.png", command))
+    return "\n".join(lines + footer(errors, "client", "rbd.png", command))
 
 
 def plot(data: dict[str, object], path: Path) -> None:
@@ -141,25 +147,13 @@ def plot(data: dict[str, object], path: Path) -> None:
                 f"median of {data['rounds']} round(s)")
 
 
-def _command(runtime: int, rounds: int, quick: bool) -> str:
-    return shlex.join([".venv/bin/python", "-m", "bench.rbd", f"--runtime={runtime}",
-                       f"--rounds={rounds}", *(["--quick"] if quick else [])])
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runtime", type=int, default=None, help="seconds per fio run (default 5)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="smoke test: 4k randread, 2 s runs")
-    ap.add_argument("--report", metavar="JSON",
-                    help="only write the report again from a run's results/rbd.json")
-    ap.add_argument("--inner", nargs=2, metavar=("KUBLK", "OUT"), help=argparse.SUPPRESS)
-    ns = ap.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, runtime=5, rounds=2, quick="4k randread, 2 s runs")
+    ns = ap.parse_args(argv)
     runtime = ns.runtime or (2 if ns.quick else 5)
     if ns.report:
-        data = json.loads(Path(ns.report).read_text())
-        return publish("rbd", data, report(data, _command(data["runtime"], data["rounds"],
-                                                          data["quick"])), plot, 0)
+        data = load(ns.report)
+        return publish("rbd", data, report(data, command(data, "rbd")), plot, out=ns.out)
     if ns.inner:  # (run_guest passes a kublk: this benchmark has no use for it)
         inner(runtime, ns.rounds, ns.quick, Path(ns.inner[1]))
         return 0
@@ -171,8 +165,7 @@ def main() -> int:
                            timeout=1800 + attaches * 180 + fio_runs * (runtime + RAMP + 30))
     if data is None:
         return 1
-    return publish("rbd", data, report(data, _command(runtime, ns.rounds, ns.quick)), plot,
-                   code)
+    return publish("rbd", data, report(data, command(data, "rbd")), plot, code, ns.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ hour of it is a soak, not a test.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -37,7 +36,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.modes import RESULTS, run_guest
+from bench.common import load, parser, publish, run_guest, table
 
 SIZE = 32 << 20
 CASES = [(t, p) for t in ("loop", "qcow2", "stripe") for p in ("-b", "--no-batch")]
@@ -139,38 +138,37 @@ def report(data: dict[str, object]) -> str:
              f"the {float(str(data['minutes'])) / 60:.2f} h asked: {len(rounds)} rounds, "
              f"{handovers} hand-overs (each a recover), {verified / (1 << 20):.0f} MiB written "
              f"and read back verified, **{len(errors)} errors**.", "",
-             "| target | queue path | rounds | hand-overs | MiB verified | qemu-img check |",
-             "| --- | --- | ---: | ---: | ---: | --- |"]
+             ]
+    cells = []
     for target, path in CASES:
         mine = [r for r in ok if (r["target"], r["path"]) == (target, path)]
         checks = sorted({str(r["check"]) for r in mine if r["check"]}) or ["-"]
-        lines.append(f"| {target} | `{path}` | {len(mine)} | "
-                     f"{sum(len(r['handovers']) for r in mine)} | "
-                     f"{sum(int(r['verified']) for r in mine) / (1 << 20):.0f} | "
-                     f"{', '.join(checks)} |")
+        cells.append([target, f"`{path}`", len(mine), sum(len(r["handovers"]) for r in mine),
+                      f"{sum(int(r['verified']) for r in mine) / (1 << 20):.0f}",
+                      ", ".join(checks)])
+    lines += table(["target", "queue path", "rounds", "hand-overs", "MiB verified",
+                    "qemu-img check"], "llrrrl", cells)
     for e in errors:
         lines += ["", f"- round {e['round']} ({e['target']} `{e['path']}`): `{e['error']}`"]
     return "\n".join(lines + ["", "Reproduce: `python -m bench.soak --minutes 60`.", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    ap = parser(__doc__, rounds=False, inner=("OUT",))
+    ap.prog = "python -m bench.soak"
     ap.add_argument("--minutes", type=float, default=60.0)
-    ap.add_argument("--inner", metavar="OUT", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
+    if ns.report:
+        data = load(ns.report)
+        return publish("soak", data, report(data), out=ns.out)
     if ns.inner:
-        return inner(ns.minutes, Path(ns.inner))
+        return inner(ns.minutes, Path(ns.inner[0]))
     # a round that hangs is bounded by the test helpers' own timeouts
     code, data = run_guest("bench.soak", ["--minutes", str(ns.minutes)],
                            timeout=ns.minutes * 60 + 1800, kublk=False)
     if data is None:
         return 1
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "soak.json").write_text(json.dumps(data, indent=1) + "\n")
-    text = report(data)
-    (RESULTS / "soak.md").write_text(text)
-    print(text)
-    return code
+    return publish("soak", data, report(data), code=code, out=ns.out)
 
 
 if __name__ == "__main__":
