@@ -45,14 +45,14 @@ CASES = [(t, p) for t in ("loop", "qcow2", "stripe") for p in ("-b", "--no-batch
 def _round(target: str, path: str, work: Path) -> dict[str, object]:
     """One round; raises AssertionError (from the test helpers) on any failure."""
     from aioublk.frontend import cli as cli_mod
-    from tests import kernel
-    from tests.test_kernel_lifecycle import (
+    from tests.guest.test_kernel_lifecycle import (
         fio_result,
         reap,
         start_fio_verify,
         start_server,
         wait_state,
     )
+    from tests.support import kernel
 
     files: list[str]
     if target == "qcow2":
@@ -111,7 +111,7 @@ def inner(minutes: float, out: Path) -> int:
             try:
                 result = _round(target, path, Path(work))
             except Exception as e:  # noqa: BLE001 - every failure is a finding to report
-                from tests import kernel
+                from tests.support import kernel
                 errors.append({"round": n, "target": target, "path": path,
                                "error": f"{type(e).__name__}: {e}"[:2000],
                                "trace": traceback.format_exc()[-3000:]})

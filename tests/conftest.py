@@ -59,7 +59,7 @@ async def ring() -> AsyncIterator[Ring]:
 @pytest.fixture
 def no_devices_left() -> Iterator[None]:
     """Kernel tests start with no device and fail if they leave one behind."""
-    from tests import kernel
+    from tests.support import kernel
 
     kernel.delete_all()
     yield

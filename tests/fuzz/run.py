@@ -1,7 +1,7 @@
 """Run a fuzz target: ``python -m tests.fuzz.run TARGET [options]`` from the
 repository root, TARGET one of header, image, snapshots, config.
 
-Bounded (the default; what tests/test_fuzz.py runs): ``--runs N --seed S``
+Bounded (the default; what tests/host/test_fuzz.py runs): ``--runs N --seed S``
 over the kept corpus (``corpus/TARGET``), new inputs in a scratch directory
 that is thrown away. Long (``--minutes M``): fuzz for M minutes from the
 kept corpus, then merge what grew into it (``-merge=1``: only inputs that

@@ -1,0 +1,1 @@
+"""Host tests: no ublk driver needed; they run wherever pytest runs."""

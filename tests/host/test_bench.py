@@ -1,0 +1,47 @@
+"""Every benchmark's report and chart render from its committed results
+(``--report JSON``, bench/common.py's scaffolding) without running anything: the
+report is the very one committed, so a change to the shared tables or a bench's
+report shows here, not at the next hour-long run."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py")
+                 if p.stem not in ("__init__", "common"))
+
+
+def test_every_bench_has_results() -> None:
+    results = sorted(p.stem for p in RESULTS.glob("*.json"))
+    assert results == BENCHES
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_report_renders_from_the_committed_json(name: str, tmp_path: Path) -> None:
+    bench = importlib.import_module(f"bench.{name}")
+    assert bench.main(["--report", str(RESULTS / f"{name}.json"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / f"{name}.md").read_text() == (RESULTS / f"{name}.md").read_text()
+    assert json.loads((tmp_path / f"{name}.json").read_text()) == \
+        json.loads((RESULTS / f"{name}.json").read_text())
+    try:
+        import matplotlib  # noqa: F401 - the bench extra, not the test one
+    except ImportError:
+        return
+    if (RESULTS / f"{name}.png").exists():
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = importlib.import_module(f"bench.{name}")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--report JSON" in out and "--out" in out

@@ -1,0 +1,361 @@
+"""The C data plane's edges, on a real ring but without a device: the test
+plays the kernel. It writes a queue's descriptors, "fetches" a tag by
+posting a NOP whose user_data is that tag's fetch, and sends the commands
+C queues for /dev/ublkcN to a pipe, which refuses each one (EOPNOTSUPP): a
+request's commit comes back as a record of its tag with that result."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aioublk._uring import ffi, lib
+from aioublk.errors import UblkError
+from aioublk.kernel import uapi
+from aioublk.queue.dataplane import (
+    EV_COMMIT,
+    EV_FETCH,
+    EV_IO,
+    DataPlane,
+    Linear,
+    Map,
+    Striped,
+    decode,
+    encode,
+)
+from aioublk.queue.options import DeviceConfig
+
+
+class Plane:
+    """A data plane serving queue 0 (``depth`` tags of ``max_io`` bytes)
+    from ``backing``, its commands going to a pipe."""
+
+    def __init__(self, ring: Any, backing: int, *, depth: int = 4, max_io: int = 4096,
+                 mode: int = 0, batch: int = 0, map: Map | None = None) -> None:
+        self.ring = ring
+        self.pipe = os.pipe()
+        self.events: list[tuple[int, int, int, int]] = []  # kind, tag, aux, res
+        self.descs = bytearray(depth * uapi.IO_DESC.size)
+        self.bufs = mmap.mmap(-1, depth * max_io)
+        self.dp = DataPlane(ring, {
+            "char_fd": self.pipe[1], "batch": batch, "mode": mode, "nr_queues": 1,
+            "depth": depth, "max_io": max_io,
+            "op_fetch_req": uapi.IoCmd.FETCH_REQ,
+            "op_commit_and_fetch": uapi.IoCmd.COMMIT_AND_FETCH_REQ,
+            "op_register_buf": uapi.IoCmd.REGISTER_IO_BUF,
+            "op_unregister_buf": uapi.IoCmd.UNREGISTER_IO_BUF,
+            "op_commit_io_cmds": uapi.IoCmd.COMMIT_IO_CMDS,
+            "fetch_buf_bytes": 2 * depth, "fetch_buf_entries": 8,
+        }, 1, self._on_event)
+        self._views = (ffi.from_buffer(self.descs), ffi.from_buffer(self.bufs))
+        lib.aur_dp_queue(self.dp.c, 0, 0, self._views[0], self._views[1], self.dp.counts)
+        for tag in range(depth):
+            lib.aur_dp_buf_index(self.dp.c, 0, tag, tag)
+        self.dp.set_map(map or Linear(backing))
+
+    def _on_event(self, ud: int, res: int, flags: int) -> None:
+        kind, _local, tag, aux = decode(ud)
+        self.events.append((kind, tag, aux, res))
+
+    def fetch(self, tag: int, op: int, sectors: int, start: int = 0) -> None:
+        """The kernel hands ``tag`` a request (per-I/O path)."""
+        uapi.IO_DESC.pack_into(self.descs, tag * uapi.IO_DESC.size, op, sectors, start, 0)
+        assert lib.aur_prep(self.ring.raw, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0,
+                            encode(EV_IO, 0, tag)) == 0
+        self.ring.submit_now()
+
+    async def wait_for(self, pred: Any, timeout: float = 5.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not pred():
+            assert loop.time() < deadline, f"timed out; records: {self.events}"
+            lib.aur_wait(self.ring.raw, 20)
+            self.ring.reap_now()
+            await asyncio.sleep(0)
+
+    def close(self) -> None:
+        self.ring.close()
+        for v in self._views:
+            ffi.release(v)
+        self.bufs.close()
+        for fd in self.pipe:
+            os.close(fd)
+
+
+@pytest.fixture
+def backing(tmp_path: Path) -> Any:
+    fd = os.open(tmp_path / "backing", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 64 << 20)
+    yield fd
+    os.close(fd)
+
+
+# -- defect: the user_data aux field (a piece's sectors) spilling into the tag --
+
+@pytest.mark.parametrize("size", [0, 512, 32 << 20, 64 << 20])
+def test_max_io_size_the_encoding_cannot_hold_is_refused_in_one_line(size: int) -> None:
+    """A piece's length rides in 16 bits of user_data as sectors: a larger
+    request would complete the wrong tag, so such sizes are refused up front."""
+    with pytest.raises(UblkError, match="max_io_size") as e:
+        DeviceConfig(max_io_size=size).validate()
+    assert "\n" not in str(e.value)
+
+
+def test_the_largest_max_io_size_is_accepted() -> None:
+    from aioublk.queue.options import MAX_IO_SIZE
+
+    assert MAX_IO_SIZE >> 9 <= lib.AUR_DP_MAX_SECTORS and MAX_IO_SIZE % mmap.PAGESIZE == 0
+    DeviceConfig(max_io_size=MAX_IO_SIZE).validate()
+
+
+@pytest.mark.parametrize("fields", [(EV_IO, 0, 0, 0), (EV_FETCH, 3, 4095, 8),
+                                    (0x7F, 0xFFFF, 0xFFFF, lib.AUR_DP_MAX_SECTORS)])
+def test_encode_is_decodes_inverse(fields: tuple[int, int, int, int]) -> None:
+    """Every field at its widest too: none spills into the next or the mark."""
+    ud = encode(*fields)
+    assert decode(ud) == fields and ud >> lib.AUR_DP_UD_MARK_SHIFT == 1
+
+
+@pytest.mark.asyncio
+async def test_the_data_plane_refuses_a_max_io_it_cannot_encode(backing: int) -> None:
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    try:
+        with pytest.raises(OSError) as e:
+            Plane(ring, backing, max_io=32 << 20)
+        assert e.value.errno == errno.EINVAL
+    finally:
+        ring.close()
+
+
+@pytest.mark.asyncio
+async def test_the_largest_request_commits_its_own_tag(backing: int) -> None:
+    """A read of the largest size (its sectors fill the 16-bit field) is
+    served by C and committed on its own tag, counted in full."""
+    from aioublk.queue.options import MAX_IO_SIZE
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    plane = Plane(ring, backing, depth=2, max_io=MAX_IO_SIZE)
+    try:
+        plane.fetch(0, uapi.Op.READ, MAX_IO_SIZE >> 9)
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)]  # the commit, on tag 0
+        c = plane.dp.counts[0]
+        assert (c.ios, c.bytes, c.errors) == (1, MAX_IO_SIZE, 0)
+    finally:
+        plane.close()
+
+
+@pytest.mark.asyncio
+async def test_a_request_longer_than_max_io_is_left_to_python(backing: int) -> None:
+    """The kernel never sends more than max_io; if a descriptor says so
+    anyway, C does not serve it (its buffer is max_io, its length would not
+    fit the field): the request goes to Python as fetched."""
+    from aioublk.ring import Ring
+
+    ring = Ring(16)
+    plane = Plane(ring, backing, depth=2, max_io=4096)
+    try:
+        plane.fetch(1, uapi.Op.READ, 65536)  # 32 MiB: 1 << 16 sectors
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 1, 0, 0)]
+        assert plane.dp.inflight == 0
+    finally:
+        plane.close()
+
+
+# -- defect: a commit that cannot be queued was forgotten ---------------------
+
+class Owner:
+    """The thread a SINGLE_ISSUER ring belongs to: only it may submit. Any
+    other thread's submit fails (EEXIST), so from the test's thread the SQ
+    cannot drain, as when the kernel refuses a submit; the owner drains it
+    when the test says so."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]] | None] = \
+            queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, out = job
+            out.put(fn())
+
+    def __call__(self, fn: Callable[[], Any]) -> Any:
+        out: queue.Queue[Any] = queue.Queue()
+        self._jobs.put((fn, out))
+        return out.get(timeout=10)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(10)
+
+
+def _fill_sq(ring: Any) -> None:
+    """NOPs until the SQ is full (from this thread, the submit that would
+    make room fails)."""
+    for _ in range(64):
+        if lib.aur_prep(ring.raw, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0, 1) < 0:
+            return
+    raise AssertionError("the SQ never filled: a submit from this thread worked")
+
+
+def _reap(plane: Plane, owner: Owner, rounds: int = 20) -> None:
+    for _ in range(rounds):
+        owner(lambda: lib.aur_submit(plane.ring.raw))
+        lib.aur_wait(plane.ring.raw, 10)
+        plane.ring.reap_now()
+
+
+@pytest.mark.parametrize("batch", [0, 1], ids=["per-io", "batch"])
+def test_a_commit_the_sq_cannot_take_is_sent_later(batch: int, backing: int) -> None:
+    """Python answers a request while the SQ is full and will not drain:
+    the answer is kept and sent once there is room, never dropped (the
+    request would wait for it forever)."""
+    from aioublk.ring import Ring
+
+    loop = asyncio.new_event_loop()
+    owner = Owner()
+    ring = owner(lambda: Ring(4, flags=lib.IORING_SETUP_SINGLE_ISSUER, loop=loop))
+    plane = Plane(ring, backing, batch=batch)
+    try:
+        _fill_sq(ring)
+        lib.aur_dp_answer(plane.dp.c, 0, 2, 4096)
+        lib.aur_dp_flush(plane.dp.c)
+        _reap(plane, owner)
+        want = EV_COMMIT if batch else EV_IO
+        assert [e for e in plane.events if e[0] == want and e[1] == 2], plane.events
+    finally:
+        owner(plane.close)
+        owner.stop()
+        loop.close()
+
+
+@pytest.mark.asyncio
+async def test_c_takes_no_more_backend_io_than_the_cq_holds(backing: int) -> None:
+    """Every operation C has in flight completes into the CQ: a request
+    whose pieces the CQ could not hold besides each tag's command is left
+    to Python instead of overflowing it."""
+    from aioublk.ring import Ring
+
+    ring = Ring(8)  # a CQ of 16: 4 tags' commands and 12 more
+    plane = Plane(ring, backing, depth=4, max_io=8192, map=Striped([backing], 512))
+    try:
+        plane.fetch(1, uapi.Op.READ, 8)  # 8 pieces: C serves it
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 1, 0, -errno.EOPNOTSUPP)]
+        plane.fetch(2, uapi.Op.READ, 16)  # 16 pieces: more than the CQ has room for
+        await plane.wait_for(lambda: len(plane.events) > 1)
+        assert plane.events[1] == (EV_IO, 2, 0, 0)
+    finally:
+        plane.close()
+
+
+# -- defect: a -z chain split across two submissions ---------------------------
+
+def test_a_zero_copy_chain_is_queued_whole_or_not_at_all(backing: int) -> None:
+    """-z serves a request as one hard-linked chain (register, pieces,
+    unregister), and io_uring does not carry a link across submissions:
+    the unregister could run before the register. C starts a chain only
+    when all of it fits in the SQ; here the SQ cannot drain (see Owner),
+    so the request goes to Python whole, and no part of a chain is left
+    queued."""
+    from aioublk.ring import Ring
+
+    loop = asyncio.new_event_loop()
+    owner = Owner()
+    ring = owner(lambda: Ring(8, flags=lib.IORING_SETUP_SINGLE_ISSUER, loop=loop))
+    plane = Plane(ring, backing, mode=lib.AUR_DP_ZERO_COPY, map=Striped([backing], 512))
+
+    def fetch() -> None:  # (from the owner, so that it reaches the kernel)
+        plane.fetch(1, uapi.Op.READ, 4)  # 4 pieces: a chain of 6
+
+    try:
+        owner(fetch)
+        for _ in range(4):  # 4 of the SQ's 8 entries taken
+            assert lib.aur_prep(ring.raw, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0, 1) == 0
+        lib.aur_wait(ring.raw, 1000)
+        ring.reap_now()
+        assert lib.aur_pending_sqes(ring.raw) == 4, "part of a chain was queued"
+        assert plane.events == [(EV_IO, 1, 0, 0)]  # Python's, as fetched
+        assert plane.dp.inflight == 0
+    finally:
+        owner(plane.close)
+        owner.stop()
+        loop.close()
+
+
+# -- defect: the fetch buffers freed while the kernel may still write them ----
+
+def _armed_select_after_close() -> bytes:
+    """A batch data plane's fetch-buffer group, with an operation armed on
+    it that selects a buffer when data comes (a multishot fetch does so
+    when a request comes); the ring outlives its close (a second fd holds
+    it, as the kernel's teardown of it does for a while). Then the data
+    comes: what is left of it in the socket is returned."""
+    import socket
+
+    from aioublk.ring import Ring
+
+    async def main() -> bytes:
+        ring = Ring(16)
+        a, b = socket.socketpair()
+        null = os.pipe()
+        try:
+            dp = DataPlane(ring, {
+                "char_fd": null[1], "batch": 1, "nr_queues": 1, "depth": 2, "max_io": 4096,
+                # a buffer ring the allocator maps alone (see the caller), 2-byte buffers
+                "fetch_buf_bytes": 2, "fetch_buf_entries": 32768}, 1, lambda *a: None)
+            assert lib.aur_dp_provide(dp.c, 0) == 0
+            assert lib.aur_prep(ring.raw, 27, b.fileno(), 0, 2, 0, 0, 0,  # IORING_OP_RECV, group 0
+                                lib.IOSQE_BUFFER_SELECT, encode(EV_FETCH, 0, 0)) == 0
+            ring.submit_now()
+            alive = os.dup(lib.aur_ring_fd(ring.raw))
+            ring.close()
+            a.send(b"0123456789")
+            left = b.recv(100, socket.MSG_DONTWAIT)
+            os.close(alive)
+            return left
+        finally:
+            ring.close()
+            a.close()
+            b.close()
+            for fd in null:
+                os.close(fd)
+
+    return asyncio.run(main())
+
+
+def test_fetch_buffers_are_not_freed_while_the_kernel_may_select_them() -> None:
+    """Closing a ring whose fetches are armed freed their buffer ring and
+    buffers at once, while the kernel could still pick a buffer and write
+    fetched tags into freed memory. Here glibc maps the buffer ring alone
+    (MALLOC_MMAP_THRESHOLD_), so its pages, still pinned by the kernel,
+    keep their entries after the free, and the buffers are ordinary heap:
+    a buffer picked after the close is written in freed memory, which the
+    lost bytes show. The data plane now withdraws the group before the
+    ring's exit: nothing is picked, nothing is lost."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run(
+        [sys.executable, "-c", "from tests.host.test_dp_hardening import _armed_select_after_close "
+         "as f; print(f())"],
+        cwd=root, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == repr(b"0123456789"), "the kernel wrote into freed buffers"

@@ -1,0 +1,493 @@
+"""The qcow2 engine on the data plane (host only: no ublk, no kernel).
+
+The image publishes the clusters it looks up in its extent table, and takes
+them back before any change of where their data lives (the invariant in
+``aioublk.qcow2.image``, "The data plane"). Here:
+
+- which clusters are published after reads and writes, writable or
+  read-only, and which never are (zero, unallocated, compressed, backing);
+- every change of a mapping takes its extents back: discard, write_zeroes,
+  copy-on-write, L2 eviction, a corrupt mark;
+- an extent a request holds (``ExtentTable.acquire``, as C does) keeps the
+  change waiting until it is released;
+- random concurrent I/O of ``test_qcow2_writes``, with reads and writes the
+  table covers served as C serves them (straight to the image file, holding
+  the extent across awaits), leaves an image QEMU agrees with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aioublk.qcow2 import Qcow2Image
+from aioublk.qcow2.format import COPIED, OFFSET_MASK, ZERO
+from aioublk.queue.extents import ExtentTable
+from aioublk.ring import Ring
+from tests.host.test_qcow2_writes import (
+    Op,
+    hot_spots,
+    new_case,
+    random_io,
+    read_matches_mirror,
+    run_op,
+    verify,
+)
+from tests.support.qcow2_util import K, M, create, qemu_img, qemu_io
+
+pytestmark = pytest.mark.asyncio
+
+CS = 64 * K
+
+
+def published(table: ExtentTable, vc: int, cs: int = CS) -> str:
+    """'rw', 'ro' or '-': how cluster ``vc`` is in the table."""
+    if table.lookup(vc * cs, cs, write=True) is not None:
+        return "rw"
+    return "ro" if table.lookup(vc * cs, cs, write=False) is not None else "-"
+
+
+def host_of(img: Qcow2Image, vc: int) -> int:
+    e = img._lookup(vc)
+    assert e is not None
+    return int(e & OFFSET_MASK)
+
+
+def mixed(path: Path) -> Path:
+    """Clusters 0-1 data, 2 zero, 3 unallocated, 4 compressed, 5 data."""
+    create(path, 4 * M, cluster_size=CS)
+    qemu_io(path, "write -P 1 0 128k", "write -z 128k 64k", "write -c -P 3 256k 64k",
+            "write -P 5 320k 64k")
+    return path
+
+
+async def read_all(img: Qcow2Image, size: int, step: int = CS) -> None:
+    for off in range(0, size, step):
+        await img.read(off, bytearray(step))
+
+
+async def test_reads_publish_normal_clusters_only(tmp_path: Path, ring: Ring) -> None:
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        table = img.extent_table()
+        assert table is not None and table is img.extent_table()
+        await read_all(img, 6 * CS)
+        assert [published(table, vc) for vc in range(6)] == \
+            ["rw", "rw", "-", "-", "-", "rw"]
+        assert len(table) == 3
+        assert table.lookup(0, CS, write=False) == [(img.file.fd, host_of(img, 0), CS)]
+        # a read spanning clusters publishes each (the multi-cluster read path)
+        img.republish()
+        await img.read(0, bytearray(2 * CS))
+        assert [published(table, vc) for vc in range(2)] == ["rw", "rw"]
+    finally:
+        await img.close()
+    assert len(table) == 0  # closing takes everything back
+
+
+async def test_single_cluster_fast_paths_publish(tmp_path: Path, ring: Ring) -> None:
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await img.read(0, bytearray(CS))      # loads the L2 table
+        img.republish()
+        assert len(table) == 0
+        assert img._mapped(CS + 512, 4096, False) >= 0       # start_read's lookup
+        assert img._mapped(5 * CS, 4096, True) >= 0          # start_write's lookup
+        assert [published(table, vc) for vc in (0, 1, 5)] == ["-", "rw", "rw"]
+    finally:
+        await img.close()
+
+
+async def test_publishing_is_once_per_cluster(tmp_path: Path, ring: Ring) -> None:
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        calls: list[int] = []
+        real = table.insert
+
+        def counting(dev_off: int, *args: Any, **kw: Any) -> bool:
+            calls.append(dev_off)
+            return real(dev_off, *args, **kw)
+        table.insert = counting  # type: ignore[method-assign]
+        for _ in range(3):
+            await read_all(img, 6 * CS, 4096)
+            await img.write(4096, b"x" * 4096)
+        assert sorted(calls) == [0, CS, 5 * CS]
+    finally:
+        await img.close()
+
+
+async def test_no_table_until_asked(tmp_path: Path, ring: Ring) -> None:
+    """Without a data plane (no ``extent_table`` call) nothing is published."""
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        await read_all(img, 6 * CS)
+        assert img.extents is None
+        assert not any(1 in t.pub for t in img.l2cache.values())
+    finally:
+        await img.close()
+
+
+async def test_backing_clusters_are_not_published(tmp_path: Path, ring: Ring) -> None:
+    base = create(tmp_path / "base.qcow2", 4 * M, cluster_size=CS)
+    qemu_io(base, "write -P 7 0 256k")
+    top = create(tmp_path / "top.qcow2", None, cluster_size=CS, backing=base)
+    qemu_io(top, "write -P 8 64k 64k")
+    img = Qcow2Image.open(str(top))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await read_all(img, 4 * CS)
+        assert [published(table, vc) for vc in range(4)] == ["-", "rw", "-", "-"]
+        # a write to a backing cluster allocates it: then it is published
+        await img.write(0, b"y" * 4096)
+        assert published(table, 0) == "rw"
+    finally:
+        await img.close()
+
+
+async def test_read_only_and_write_through_publish_read_only(tmp_path: Path,
+                                                             ring: Ring) -> None:
+    path = mixed(tmp_path / "a.qcow2")
+    for kw in ({"read_only": True}, {"metadata_write_through": True}):
+        img = Qcow2Image.open(str(path), **kw)  # type: ignore[arg-type]
+        try:
+            table = img.extent_table()
+            assert table is not None
+            await read_all(img, 6 * CS)
+            assert [published(table, vc) for vc in range(6)] == \
+                ["ro", "ro", "-", "-", "-", "ro"], kw
+        finally:
+            await img.close()
+
+
+async def test_write_through_set_later_makes_extents_read_only(tmp_path: Path,
+                                                               ring: Ring) -> None:
+    """The target sets ``metadata_write_through`` in ``configure``: what was
+    published writable before is taken back."""
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await read_all(img, 2 * CS)
+        assert published(table, 0) == "rw"
+        img.metadata_write_through = True
+        img.republish()
+        assert published(table, 0) == "-"
+        await read_all(img, 2 * CS)
+        assert published(table, 0) == "ro"
+    finally:
+        await img.close()
+
+
+async def test_snapshot_shared_cluster_is_read_only_and_cow_moves_it(
+        tmp_path: Path, ring: Ring) -> None:
+    path = mixed(tmp_path / "a.qcow2")
+    qemu_img("snapshot", "-c", "s1", path)
+    img = Qcow2Image.open(str(path))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await read_all(img, 6 * CS)
+        assert [published(table, vc) for vc in range(6)] == \
+            ["ro", "ro", "-", "-", "-", "ro"]
+        old = host_of(img, 1)
+        await img.write(CS + 512, b"z" * 512)  # copy-on-write
+        new = host_of(img, 1)
+        assert new != old
+        assert table.lookup(CS, CS, write=True) == [(img.file.fd, new, CS)]
+    finally:
+        await img.close()
+    qemu_img("check", path)
+
+
+@pytest.mark.parametrize("how", ["discard", "zero", "zero-unmap"])
+async def test_changes_take_extents_back(how: str, tmp_path: Path, ring: Ring) -> None:
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await read_all(img, 6 * CS)
+        host = host_of(img, 1)
+        if how == "discard":
+            await img.discard(CS, CS)
+        else:
+            await img.write_zeroes(CS, CS, unmap=how == "zero-unmap")
+        assert published(table, 1) == "-"
+        assert [published(table, vc) for vc in (0, 5)] == ["rw", "rw"]
+        e = img._lookup(1)
+        if how == "zero":  # the cluster stays, with the zero flag: still not published
+            assert e == host | COPIED | ZERO
+        await read_all(img, 6 * CS)
+        assert published(table, 1) == "-"
+        await img.write(CS, b"w" * 4096)
+        assert published(table, 1) == "rw"
+    finally:
+        await img.close()
+    qemu_img("check", tmp_path / "a.qcow2")
+
+
+async def test_eviction_takes_extents_back(tmp_path: Path, ring: Ring) -> None:
+    """4 KiB clusters: an L2 table maps 2 MiB; the cache holds 4 tables."""
+    cs = 4 * K
+    path = create(tmp_path / "a.qcow2", 16 * M, cluster_size=cs)
+    qemu_io(path, *(f"write -P {i + 1} {i * 2 * M} 4k" for i in range(6)))
+    img = Qcow2Image.open(str(path), cache_bytes=4 * cs)
+    try:
+        table = img.extent_table()
+        assert table is not None
+        per = 2 * M // cs
+        await img.read(0, bytearray(cs))
+        assert published(table, 0, cs) == "rw"
+        for i in range(1, 6):
+            await img.read(i * 2 * M, bytearray(cs))
+        assert published(table, 0, cs) == "-"
+        assert published(table, 5 * per, cs) == "rw"
+        assert len(table) <= 4
+    finally:
+        await img.close()
+
+
+async def test_corrupt_mark_takes_everything_back(tmp_path: Path, ring: Ring) -> None:
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await read_all(img, 6 * CS)
+        assert len(table) == 3
+        with pytest.raises(OSError):
+            img._mark_corrupt("a test")
+        assert len(table) == 0
+        assert img.extent_table() is None
+        await read_all(img, 6 * CS)  # still readable, nothing published
+        assert len(table) == 0
+    finally:
+        img.release()
+
+
+async def test_aliased_l2_table_means_no_data_plane(tmp_path: Path, ring: Ring) -> None:
+    """An L1 table naming one L2 table twice: a change through one name would
+    leave the other's extents stale, so the image refuses a data plane."""
+    path = create(tmp_path / "a.qcow2", 2 * 512 * M, cluster_size=CS)
+    qemu_io(path, "write -P 1 0 64k")
+    img = Qcow2Image.open(str(path), read_only=True)
+    l1_off = img.h.l1_table_offset
+    img.release()
+    with open(path, "r+b") as f:
+        f.seek(l1_off)
+        first = f.read(8)
+        f.seek(l1_off + 8)
+        f.write(first)
+    img = Qcow2Image.open(str(path), read_only=True)
+    try:
+        assert img.extent_table() is None
+    finally:
+        img.release()
+
+
+# -- a held extent keeps the change waiting -----------------------------------------------
+
+
+async def _held_then_released(img: Qcow2Image, vc: int, change: Any, *,
+                              write: bool) -> tuple[list[str], int]:
+    """Hold cluster ``vc`` as C would, start ``change``, release later: the
+    events in order, and the entry after."""
+    table = img.extent_table()
+    assert table is not None
+    held = table.acquire(vc * CS, 4096, write=write)
+    assert held is not None
+    before = img._lookup(vc)
+    events: list[str] = []
+
+    async def run() -> None:
+        await change
+        events.append("changed")
+    task = asyncio.create_task(run())
+    for _ in range(30):
+        await asyncio.sleep(0.001)
+        assert img._lookup(vc) == before, "the mapping changed while held"
+    assert not task.done()
+    assert published(table, vc) == "-", "taken back before waiting"
+    events.append("released")
+    table.release(held[1])
+    await asyncio.wait_for(task, 5)
+    after = img._lookup(vc)
+    assert after is not None
+    return events, after
+
+
+@pytest.mark.parametrize("how", ["discard", "zero", "zero-unmap"])
+async def test_held_extent_delays_the_change(how: str, tmp_path: Path, ring: Ring) -> None:
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        img.extent_table()
+        await read_all(img, 2 * CS)
+        host = host_of(img, 1)
+        change = img.discard(CS, CS) if how == "discard" else \
+            img.write_zeroes(CS, CS, unmap=how == "zero-unmap")
+        events, after = await _held_then_released(img, 1, change, write=True)
+        assert events == ["released", "changed"]
+        assert after & OFFSET_MASK != host or after & ZERO
+    finally:
+        await img.close()
+
+
+async def test_held_read_delays_copy_on_write(tmp_path: Path, ring: Ring) -> None:
+    path = mixed(tmp_path / "a.qcow2")
+    qemu_img("snapshot", "-c", "s1", path)
+    img = Qcow2Image.open(str(path))
+    try:
+        img.extent_table()
+        await read_all(img, 2 * CS)
+        host = host_of(img, 1)
+        events, after = await _held_then_released(img, 1, img.write(CS, b"c" * 512),
+                                                  write=False)
+        assert events == ["released", "changed"]
+        assert after & OFFSET_MASK != host and after & COPIED
+    finally:
+        await img.close()
+    qemu_img("check", path)
+
+
+# -- random I/O with a stand-in for C -----------------------------------------------------
+
+
+class DataPlaneStandIn:
+    """The image as the device sees it with the data plane on: a read or
+    write the table covers goes straight to the image file (holding the
+    extents across awaits, so changes interleave with it); a miss, or an I/O
+    that fails, goes to the image (from the start), as C hands it to Python."""
+
+    def __init__(self, img: Qcow2Image, rng: random.Random) -> None:
+        self.img = img
+        self.rng = rng
+        table = img.extent_table()
+        assert table is not None
+        self.table = table
+        self.served = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.img, name)
+
+    async def _direct(self, off: int, view: memoryview, write: bool) -> bool:
+        held = self.table.acquire(off, len(view), write=write)
+        if held is None:
+            return False
+        pieces, handle = held
+        try:
+            await asyncio.sleep(self.rng.choice((0, 0, 0.0005, 0.002)))
+            pos = 0
+            for fd, host, n in pieces:
+                if write:
+                    done = os.pwrite(fd, view[pos:pos + n], host)
+                else:
+                    done = os.preadv(fd, [view[pos:pos + n]], host)
+                if done != n:
+                    return False
+                pos += n
+                await asyncio.sleep(0)
+        finally:
+            self.table.release(handle)
+        self.served += 1
+        return True
+
+    async def read(self, offset: int, buf: Any) -> None:
+        if not await self._direct(offset, memoryview(buf).cast("B"), False):
+            await self.img.read(offset, buf)
+
+    async def write(self, offset: int, data: Any) -> None:
+        if not await self._direct(offset, memoryview(data).cast("B"), True):
+            await self.img.write(offset, data)
+
+
+@pytest.mark.parametrize("cluster", [4 * K, 64 * K])
+async def test_random_io_with_the_data_plane(cluster: int, tmp_path: Path,
+                                             ring: Ring) -> None:
+    size = 8 * M
+    path = create(tmp_path / "img.qcow2", size, cluster_size=cluster)
+    case = new_case(path, tmp_path / "mirror.raw")
+    rng = random.Random(f"extents-{cluster}")
+    spots = hot_spots(size, cluster)
+    img = Qcow2Image.open(str(path), direct=False)  # the stand-in's I/O is buffered
+    try:
+        dp = DataPlaneStandIn(img, rng)
+        for _ in range(3):
+            await random_io(case, dp, rng, batches=8, per_batch=24, spots=spots)
+            await read_matches_mirror(case, dp, f"c{cluster}")
+        assert dp.served > 50
+    finally:
+        await img.close()
+    await verify(case, f"c{cluster} through the data plane")
+
+
+async def test_run_op_reads_through_the_stand_in(tmp_path: Path, ring: Ring) -> None:
+    """The stand-in really serves reads and writes (a guard for the test above)."""
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")), direct=False)
+    try:
+        dp = DataPlaneStandIn(img, random.Random(1))
+        await read_all(img, 2 * CS)
+        await run_op(dp, Op("write", 512, 512, b"q" * 512), b"")
+        assert dp.served == 1
+        buf = bytearray(512)
+        await img.read(512, buf)
+        assert bytes(buf) == b"q" * 512
+    finally:
+        await img.close()
+
+
+async def test_target_map(tmp_path: Path, ring: Ring) -> None:
+    """``Qcow2Target.map`` is the image's table; user recovery makes what it
+    publishes read-only; a corrupt image has no map."""
+    from aioublk.kernel import uapi
+    from aioublk.queue.dataplane import Extents
+    from aioublk.targets.qcow2 import Qcow2Target
+
+    t = Qcow2Target(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        m = t.map()
+        assert isinstance(m, Extents) and m.table is t.image.extents
+        await t.read(0, memoryview(bytearray(CS)))
+        assert published(m.table, 0) == "rw"
+        t.configure(uapi.Feature.USER_RECOVERY)
+        assert published(m.table, 0) == "-"
+        await t.read(0, memoryview(bytearray(CS)))
+        assert published(m.table, 0) == "ro"
+        with pytest.raises(OSError):
+            t.image._mark_corrupt("a test")
+        assert t.map() is None and len(m.table) == 0
+    finally:
+        t.close()
+
+
+async def test_a_free_cluster_still_published_is_corruption(tmp_path: Path, ring: Ring) -> None:
+    """On an image whose refcounts are too low a cluster can be free and still
+    hold a guest cluster's data. Allocating it while the data plane may write
+    guest data there would overwrite whatever it becomes (an L2 table, say):
+    the engine marks the image corrupt instead, and takes the extent back
+    first."""
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await read_all(img, 6 * CS)
+        assert published(table, 5) == "rw"
+        c = host_of(img, 5) // CS
+        # the refcount the file would have said, had it been corrupt
+        block = await img._refblock(c // img.rbe, create=False)
+        assert block is not None
+        block[c % img.rbe] = 0
+        img._free_hint = c
+        with pytest.raises(OSError, match="still holds the data of guest cluster 5"):
+            await img.write(10 * CS, bytes(CS))  # allocates: cluster c comes first
+        assert img.corrupt
+        assert published(table, 5) == "-"
+    finally:
+        await img.close()
