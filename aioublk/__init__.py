@@ -29,6 +29,7 @@ _WHERE = {
     "CopyMode": "aioublk.queue.options",
     "DeviceConfig": "aioublk.queue.options",
     "IntegrityError": "aioublk.queue.options",
+    "OptionError": "aioublk.queue.options",
     "UblkError": "aioublk.errors",
     "Qcow2Error": "aioublk.qcow2.format",
     "Qcow2Image": "aioublk.qcow2.image",
@@ -81,6 +82,7 @@ if TYPE_CHECKING:
     from aioublk.queue.options import CopyMode as CopyMode
     from aioublk.queue.options import DeviceConfig as DeviceConfig
     from aioublk.queue.options import IntegrityError as IntegrityError
+    from aioublk.queue.options import OptionError as OptionError
     from aioublk.ring import Ring as Ring
     from aioublk.ring import current_ring as current_ring
     from aioublk.target import Buffer as Buffer

@@ -1,5 +1,7 @@
 """What a device is asked to be, checked without I/O: the data-copy modes
-(``CopyMode``, the one place that knows them), ``DeviceConfig`` (kublk's add
+(``CopyMode``, the one place that knows them), the device options
+(``DEVICE_OPTIONS`` and ``CONFLICTS``, declared once: the command line,
+config files and docs are made from them), ``DeviceConfig`` (kublk's add
 options and how they resolve against the kernel's features) and ``layout``
 (which worker serves which queues and tags).
 
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import enum
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aioublk._uring import lib
 from aioublk.errors import UblkError
@@ -34,12 +38,9 @@ class CopyMode(enum.Enum):
 
     @property
     def flags(self) -> int:
-        return {
-            CopyMode.COPY: 0,
-            CopyMode.ZERO_COPY: uapi.Feature.SUPPORT_ZERO_COPY,
-            CopyMode.AUTO_ZC: uapi.Feature.AUTO_BUF_REG,
-            CopyMode.USER_COPY: uapi.Feature.USER_COPY,
-        }[self]
+        """The kernel feature the mode's flag (-z, --auto_zc, -u) declares."""
+        return next((o.feature for o in DEVICE_OPTIONS
+                     if o.attr == "copy" and o.value == self.value), 0)
 
     @property
     def own_buffers(self) -> bool:
@@ -61,14 +62,20 @@ class CopyMode(enum.Enum):
 
 
 
-class IntegrityError(UblkError):
-    """An integrity option refused; ``key`` is the one at fault
-    (metadata_size, pi_offset, csum_type, tag_size or integrity_reftag), for
-    a config file to name it."""
+class OptionError(UblkError):
+    """A device option refused; ``key`` is the one at fault, for a config
+    file to name it, and ``config`` the config file's own wording, if it
+    has one (the message speaks of flags)."""
 
-    def __init__(self, key: str, msg: str) -> None:
+    def __init__(self, key: str, msg: str, config: str = "") -> None:
         super().__init__(msg)
         self.key = key
+        self.config = config
+
+
+class IntegrityError(OptionError):
+    """An integrity option refused (metadata_size, pi_offset, csum_type,
+    tag_size or integrity_reftag); its message already names the key."""
 
 
 def integrity(metadata_size: int = 0, *, pi_offset: int = 0, csum_type: str = "none",
@@ -92,8 +99,9 @@ def integrity(metadata_size: int = 0, *, pi_offset: int = 0, csum_type: str = "n
         return None
     for key, value in (("metadata_size", metadata_size), ("pi_offset", pi_offset),
                        ("tag_size", tag_size)):
-        if not 0 <= value <= 255:
-            raise IntegrityError(key, f"{opt(key)} {value} out of range: use 0..255")
+        o = option(key)
+        if not o.within(value):
+            raise IntegrityError(key, f"{opt(key)} {value} out of range: use {o.lo}..{o.hi}")
     csum = uapi.PI_CSUM.get(csum_type)
     if csum is None:
         raise IntegrityError("csum_type", f"{opt('csum_type')} {csum_type} is unknown: use ip, "
@@ -112,24 +120,169 @@ def integrity(metadata_size: int = 0, *, pi_offset: int = 0, csum_type: str = "n
     return uapi.Integrity(metadata_size, 9, pi_offset, csum, tag_size, flags)
 
 
+#: how a device option is read: INT, BOOL (a flag, true/false), FLAG01 (kublk's
+#: "-r 0|1" on the command line, a bool in a config), CHOICE, PATH, ID (-n:
+#: an int the command line bounds by the kernel's id space) and TRISTATE
+#: (batch: a flag and its negation, "auto"/true/false in a config)
+INT, BOOL, FLAG01, CHOICE, PATH, ID, TRISTATE = (
+    "int", "bool", "0|1", "choice", "path", "id", "auto|true|false")
+
+
+@dataclass(frozen=True)
+class DeviceOption:
+    """One device option, for the command line (``flags``), a config file
+    (``key``), ``DeviceConfig`` (``field``) and the docs (``help``)."""
+
+    name: str                     # argparse's dest (records keep options by it)
+    help: str
+    flags: tuple[str, ...] = ()   # command-line spellings; none: config only
+    key: str = ""                 # the ``[[devices]]`` key; "": command line only
+    type: str = BOOL
+    default: Any = False
+    lo: int | None = None         # bounds, both surfaces
+    hi: int | None = None
+    choices: tuple[str, ...] = ()
+    feature: int = 0              # the UBLK_F_* flag it is about
+    sets_feature: bool = False    # ``resolve`` adds ``feature`` when the field is set
+    field: str | None = None      # the DeviceConfig field it fills (None: ``name``; "": none)
+    value: str = ""               # a flag choosing this value of ``field`` (-z: zero_copy)
+    metavar: str | None = None
+    #: ``validate``'s message for a value out of lo..hi (format: value, o);
+    #: a config file says it its own way, at the key
+    range_error: str = ""
+    off_flags: tuple[str, ...] = ()  # TRISTATE: the flag that says false
+    off_help: str = ""
+
+    @property
+    def attr(self) -> str:
+        """The DeviceConfig field it fills ("": none)."""
+        return self.name if self.field is None else self.field
+
+    def within(self, value: int) -> bool:
+        return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+
+
+_F = uapi.Feature
+
+#: every device option, once: the command line's flags (``cli``), a config's
+#: ``[[devices]]`` keys (``config``), the checks (``DeviceConfig.validate``)
+#: and both references (``docs/hooks.py``) are made from it. Order: ``--help``'s.
+DEVICE_OPTIONS: tuple[DeviceOption, ...] = (
+    DeviceOption("dev_id", "device id: -1 = auto allocation (the first free one)",
+                 flags=("-n", "--number"), key="id", type=ID, default=-1, lo=-1,
+                 metavar="DEV_ID"),
+    DeviceOption("queues", "number of hardware queues", flags=("-q", "--queues"), key="queues",
+                 type=INT, default=2, lo=1, hi=32, metavar="NR_QUEUES",
+                 range_error="{value} queues out of range: use {o.lo}..{o.hi}"),
+    DeviceOption("depth", "queue depth: requests in flight per queue", flags=("-d", "--depth"),
+                 key="depth", type=INT, default=128, lo=1, hi=uapi.MAX_QUEUE_DEPTH,
+                 range_error="queue depth {value} out of range: use {o.lo}..{o.hi}"),
+    DeviceOption("unprivileged", "as a user without root: a device of your own (needs the "
+                 "udev rule: aioublk udev rules)", flags=("--unprivileged",), key="unprivileged",
+                 feature=_F.UNPRIVILEGED_DEV, sets_feature=True),
+    DeviceOption("no_auto_part_scan", "do not scan the new disk for partitions",
+                 flags=("--no_auto_part_scan",), feature=_F.NO_AUTO_PART_SCAN, field="flags"),
+    DeviceOption("batch", "batch I/O: -b (true) requires it, --no-batch (false) uses the "
+                 "per-I/O FETCH/COMMIT path; by default (\"auto\") it is used when the kernel "
+                 "has it",
+                 flags=("-b", "--batch"), key="batch", type=TRISTATE, default=None,
+                 feature=_F.BATCH_IO, off_flags=("--no-batch",),
+                 off_help="use the per-I/O FETCH/COMMIT path"),
+    DeviceOption("copy", "how request data moves: copy (the kernel copies it to and from the "
+                 "server's buffers), zero_copy, auto_zc or user_copy", key="copy", type=CHOICE,
+                 default=CopyMode.COPY.value, choices=tuple(m.value for m in CopyMode)),
+    DeviceOption("zero_copy", "zero copy", flags=("-z", "--zero_copy"), field="copy",
+                 value=CopyMode.ZERO_COPY.value, feature=_F.SUPPORT_ZERO_COPY),
+    DeviceOption("auto_zc", "zero copy, the kernel registering the buffers",
+                 flags=("--auto_zc",), field="copy", value=CopyMode.AUTO_ZC.value,
+                 feature=_F.AUTO_BUF_REG),
+    DeviceOption("auto_zc_fallback", "with auto_zc: register buffers by hand when the kernel "
+                 "cannot", flags=("--auto_zc_fallback",), key="auto_zc_fallback",
+                 feature=_F.SUPPORT_ZERO_COPY, sets_feature=True),
+    DeviceOption("user_copy", "user copy", flags=("-u", "--user_copy"), field="copy",
+                 value=CopyMode.USER_COPY.value, feature=_F.USER_COPY),
+    DeviceOption("get_data", "a write's data is fetched (UBLK_IO_NEED_GET_DATA) only when the "
+                 "server asks, before the target runs (per-I/O path, default copy mode)",
+                 flags=("-g", "--get_data"), key="get_data", feature=_F.NEED_GET_DATA,
+                 sets_feature=True),
+    DeviceOption("metadata_size", "integrity: N bytes of metadata per 512-byte sector, 0 = "
+                 "none (needs user copy; loop keeps it in its metadata_file)",
+                 flags=("--metadata_size",), key="metadata_size", type=INT, default=0, lo=0,
+                 hi=255, metavar="N", feature=_F.INTEGRITY, sets_feature=True,
+                 field="integrity"),
+    DeviceOption("pi_offset", "integrity: where the PI tuple starts in the metadata",
+                 flags=("--pi_offset",), key="pi_offset", type=INT, default=0, lo=0, hi=255,
+                 metavar="N", field="integrity"),
+    DeviceOption("csum_type", "integrity: the PI tuple's checksum (none: metadata without PI)",
+                 flags=("--csum_type",), key="csum_type", type=CHOICE, default="none",
+                 choices=tuple(c for c in uapi.PI_CSUM if c != "none"), field="integrity"),
+    DeviceOption("tag_size", "integrity: bytes of application tag", flags=("--tag_size",),
+                 key="tag_size", type=INT, default=0, lo=0, hi=255, metavar="N",
+                 field="integrity"),
+    DeviceOption("integrity_capable", "integrity: the device checks PI itself "
+                 "(device_is_integrity_capable)", flags=("--integrity_capable",),
+                 key="integrity_capable", field="integrity"),
+    DeviceOption("integrity_reftag", "integrity: the PI carries a reference tag (T10 type 1)",
+                 flags=("--integrity_reftag",), key="integrity_reftag", field="integrity"),
+    DeviceOption("shmem_zc", "shared-memory zero copy: a request whose pages lie in a "
+                 "registered shared buffer (htlb) is served in it, uncopied",
+                 flags=("--shmem_zc",), key="shmem_zc", feature=_F.SHMEM_ZC, sets_feature=True),
+    DeviceOption("htlb", "with shmem_zc: map FILE (on hugetlbfs; clients map it too) and "
+                 "register it as the shared buffer", flags=("--htlb",), key="htlb", type=PATH,
+                 default=None, metavar="FILE"),
+    DeviceOption("rdonly_shmem_buf", "with htlb: map and register it read-only (only writes "
+                 "match)", flags=("--rdonly_shmem_buf",), key="rdonly_shmem_buf"),
+    DeviceOption("no_ublk_fixed_fd", "accepted for kublk's scripts: aioublk never registers "
+                 "/dev/ublkcN as a fixed file, so its commands always go on the plain fd",
+                 flags=("--no_ublk_fixed_fd",), field=""),
+    DeviceOption("nthreads", "number of worker threads, 0 = one per queue",
+                 flags=("--nthreads",), key="nthreads", type=INT, default=0, lo=0, hi=64,
+                 range_error="--nthreads {value} out of range: use 1..{o.hi}"),
+    DeviceOption("per_io_tasks", "spread each queue's tags over the threads (per-I/O path)",
+                 flags=("--per_io_tasks",), key="per_io_tasks", feature=_F.PER_IO_DAEMON),
+    DeviceOption("recovery_mode", "what the kernel does with I/O while no server is attached: "
+                 "none (the device goes with its server), requeue, reissue or fail_io (on the "
+                 "command line -r 1, -i 1 or -e 1)",
+                 key="recovery", type=CHOICE, default="none", field="recovery",
+                 choices=("none", "requeue", "reissue", "fail_io"), feature=_F.USER_RECOVERY),
+    DeviceOption("recovery", "1: the device outlives its server, QUIESCED until `recover`",
+                 flags=("-r", "--recovery"), type=FLAG01, feature=_F.USER_RECOVERY),
+    DeviceOption("recovery_fail_io", "1: recovery, and I/O fails while no server is attached",
+                 flags=("-e", "--recovery_fail_io"), type=FLAG01,
+                 feature=_F.USER_RECOVERY_FAIL_IO),
+    DeviceOption("recovery_reissue", "1: recovery, and requests the dead server held are "
+                 "reissued", flags=("-i", "--recovery_reissue"), type=FLAG01,
+                 feature=_F.USER_RECOVERY_REISSUE),
+)
+
+
+def option(name: str) -> DeviceOption:
+    """The option a flag's dest or a config key names (the first, if both)."""
+    return next(o for o in DEVICE_OPTIONS if name in (o.name, o.key))
+
+
 @dataclass
 class DeviceConfig:
-    """What a device is created with (kublk's add options)."""
+    """What a device is created with (kublk's add options). Defaults are
+    ``DEVICE_OPTIONS``' but for ``queues``: a program's device has one queue
+    unless it asks (the command line's and config's default is kublk's 2)."""
 
-    dev_id: int = -1
+    dev_id: int = option("dev_id").default
     queues: int = 1
-    depth: int = 128
+    depth: int = option("depth").default
     flags: int = 0               # extra UBLK_F_* flags (e.g. NO_AUTO_PART_SCAN)
     max_io_size: int = 1 << 20
     #: batch I/O: None = when the kernel has it, True = required (-b), False = never
-    batch: bool | None = None
-    copy: CopyMode = CopyMode.COPY
-    auto_zc_fallback: bool = False  # with AUTO_ZC: register by hand when the kernel cannot
+    batch: bool | None = option("batch").default
+    copy: CopyMode = CopyMode(option("copy").default)
+    #: with AUTO_ZC: register by hand when the kernel cannot
+    auto_zc_fallback: bool = option("auto_zc_fallback").default
     #: UBLK_F_NEED_GET_DATA (kublk -g): a write's data is copied into the tag's
     #: buffer only once the server asks (UBLK_IO_NEED_GET_DATA), not at fetch
-    get_data: bool = False
-    nthreads: int = 0            # worker threads; 0 = one per queue
-    per_io_tasks: bool = False   # per-I/O path: spread each queue's tags over the workers
+    get_data: bool = option("get_data").default
+    nthreads: int = option("nthreads").default  # worker threads; 0 = one per queue
+    #: per-I/O path: spread each queue's tags over the workers
+    per_io_tasks: bool = option("per_io_tasks").default
     one_loop: bool = False       # every queue on one thread (targets that need it set it)
     fetch_buf_bytes: int = 0     # batch: bytes per provided fetch buffer (0 = depth's tags)
     fetch_buf_entries: int = 0   # batch: provided buffers per queue and worker (0 = 8)
@@ -142,7 +295,7 @@ class DeviceConfig:
     recovery_fail_io: bool = False
     #: UBLK_F_UNPRIVILEGED_DEV: made by a user without CAP_SYS_ADMIN, who then
     #: owns it (its nodes are handed over by the udev rule, ``aioublk udev``)
-    unprivileged: bool = False
+    unprivileged: bool = option("unprivileged").default
     #: UBLK_F_ZONED: the target is zoned (set from it, like one_loop); needs user copy
     zoned: bool = False
     #: UBLK_F_INTEGRITY (kublk --metadata_size...; see ``integrity``): each
@@ -151,77 +304,34 @@ class DeviceConfig:
     #: UBLK_F_SHMEM_ZC (kublk --shmem_zc): a request whose pages lie in a
     #: registered shared buffer arrives by reference (index, offset) and is
     #: served in the server's own mapping of it; the others as the copy mode says
-    shmem_zc: bool = False
+    shmem_zc: bool = option("shmem_zc").default
     #: (--htlb FILE) the shared buffer: a hugetlbfs file the clients map too
-    htlb: str | None = None
+    htlb: str | None = option("htlb").default
     #: (--rdonly_shmem_buf) map and register it read-only: only writes match
-    rdonly_shmem_buf: bool = False
+    rdonly_shmem_buf: bool = option("rdonly_shmem_buf").default
 
     #: device flags a caller may pass in ``flags``; the rest come from the options
     SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
 
     def validate(self) -> None:
+        """Bounds and conflicts as ``DEVICE_OPTIONS`` and ``CONFLICTS``
+        declare them: the one check the command line and config files share."""
         unsupported = self.flags & ~self.SUPPORTED_FLAGS
         if unsupported:
             raise UblkError(f"aioublk does not serve {uapi.flag_list(unsupported)}: "
                             "leave it out")
-        if not 1 <= self.depth <= uapi.MAX_QUEUE_DEPTH:
-            raise UblkError(f"queue depth {self.depth} out of range: use 1..4096")
         if not mmap.PAGESIZE <= self.max_io_size <= MAX_IO_SIZE:
             raise UblkError(f"max_io_size {self.max_io_size} out of range: use "
                             f"{mmap.PAGESIZE}..{MAX_IO_SIZE} bytes")
-        if not 1 <= self.queues <= 32:
-            raise UblkError(f"{self.queues} queues out of range: use 1..32")
+        for o in DEVICE_OPTIONS:
+            if o.range_error and not o.within(value := getattr(self, o.attr)):
+                raise UblkError(o.range_error.format(value=value, o=o))
         if not -1 <= self.dev_id < uapi.MAX_DEV_ID:
             raise UblkError(f"device id {self.dev_id} is invalid: use -1 (any) or "
                             f"0..{uapi.MAX_DEV_ID - 1}")
-        if not 0 <= self.nthreads <= 64:
-            raise UblkError(f"--nthreads {self.nthreads} out of range: use 1..64")
-        if self.per_io_tasks and self.batch:
-            raise UblkError("--per_io_tasks and -b/--batch conflict: per-I/O tasks are a "
-                            "per-I/O path feature (use --nthreads alone with batch)")
-        if self.auto_zc_fallback and self.copy is not CopyMode.AUTO_ZC:
-            raise UblkError("--auto_zc_fallback needs --auto_zc")
-        if self.get_data and self.copy is not CopyMode.COPY:
-            raise UblkError(f"-g/--get_data and copy mode {self.copy.value} conflict (the "
-                            "kernel drops UBLK_F_NEED_GET_DATA with -z, --auto_zc and -u): "
-                            "pick one")
-        if self.get_data and self.batch:
-            raise UblkError("-g/--get_data needs the per-I/O path (batch I/O has no "
-                            "NEED_GET_DATA command): drop -b/--batch")
-        if self.recovery_reissue and self.recovery_fail_io:
-            raise UblkError("-i 1 (reissue) and -e 1 (fail I/O) are different recovery modes: "
-                            "pick one")
-        if self.unprivileged and self.copy is not CopyMode.COPY:
-            raise UblkError(f"copy mode {self.copy.value} needs root: the kernel refuses zero "
-                            "copy, auto buffer registration and user copy (-z, --auto_zc, -u) "
-                            "for unprivileged devices (drop it, or drop --unprivileged and "
-                            "run as root)")
-        if self.zoned and self.copy is not CopyMode.USER_COPY:
-            raise UblkError(f"a zoned device and copy mode {self.copy.value} conflict: aioublk "
-                            "serves zoned devices with user copy only (-u)")
-        if self.integrity is not None and self.copy is not CopyMode.USER_COPY:
-            raise UblkError(f"--metadata_size and copy mode {self.copy.value} conflict: the "
-                            "kernel moves integrity data only by user copy: add -u")
-        if self.unprivileged and self.recovery_flags:
-            raise UblkError("user recovery (-r/-e/-i) needs root: the kernel drops it for "
-                            "unprivileged devices (drop it, or drop --unprivileged and run as "
-                            "root)")
-        if self.htlb and not self.shmem_zc:
-            raise UblkError("--htlb needs --shmem_zc (the kernel registers shared buffers only "
-                            "on a device added with UBLK_F_SHMEM_ZC): add it")
-        if self.rdonly_shmem_buf and not self.htlb:
-            raise UblkError("--rdonly_shmem_buf needs --htlb FILE: it says how that buffer is "
-                            "registered")
-        if self.htlb and self.recovery_flags:
-            # (seen: REG_BUF from the recovering server answers EEXIST, and
-            # the dead server's registration still matches clients' pages)
-            raise UblkError("user recovery (-r/-i/-e) and --htlb conflict: the kernel keeps "
-                            "the dead server's shared-buffer registration and refuses the new "
-                            "server's (EEXIST), so its requests could not be served: drop one")
-        if self.shmem_zc and self.zoned:
-            raise UblkError("a zoned device and --shmem_zc conflict: aioublk serves zoned "
-                            "devices with user copy only (drop --shmem_zc)")
+        for c in CONFLICTS:
+            if c.test(self):
+                raise OptionError(c.key, c.message.format(c=self), c.config.format(c=self))
         if (self.fetch_buf_bytes and (self.fetch_buf_bytes % 2
                                       or not 2 <= self.fetch_buf_bytes <= 4096)) \
                 or self.fetch_buf_entries & (self.fetch_buf_entries - 1) \
@@ -264,20 +374,13 @@ class DeviceConfig:
             raise UblkError(f"--nthreads {nthreads} differs from -q {self.queues}: add "
                             "--per_io_tasks, or use batch I/O (-b)")
         flags = self.flags | self.copy.flags | self.recovery_flags
-        if self.get_data:
-            flags |= uapi.Feature.NEED_GET_DATA
-        if self.unprivileged:
-            flags |= uapi.Feature.UNPRIVILEGED_DEV
+        for o in DEVICE_OPTIONS:  # (the options that are a kernel feature when set)
+            if o.sets_feature and getattr(self, o.attr) not in (None, False):
+                flags |= o.feature
         if self.zoned:
             flags |= uapi.Feature.ZONED
-        if self.integrity is not None:
-            flags |= uapi.Feature.INTEGRITY
-        if self.shmem_zc:
-            flags |= uapi.Feature.SHMEM_ZC
         if flags & uapi.Feature.USER_RECOVERY and features & uapi.Feature.QUIESCE:
             flags |= uapi.Feature.QUIESCE  # as kublk: lets ``quiesce`` hand over the device
-        if self.auto_zc_fallback:
-            flags |= uapi.Feature.SUPPORT_ZERO_COPY
         if batch:
             flags |= uapi.Feature.BATCH_IO
             if self.copy is CopyMode.AUTO_ZC and nthreads > self.queues:
@@ -294,6 +397,119 @@ class DeviceConfig:
             raise UblkError("this kernel's ublk_drv does not support "
                             f"{uapi.flag_list(missing)}: drop the option that asks for it")
         return batch, flags
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Options that do not go together, checked once for both surfaces.
+    ``key`` is the option a config file names; messages are formatted with
+    ``c``, the DeviceConfig."""
+
+    key: str
+    test: Callable[[DeviceConfig], bool]
+    message: str
+    config: str = ""  # a config file's wording, if its own (at ``key``)
+
+
+CONFLICTS: tuple[Conflict, ...] = (
+    Conflict("per_io_tasks", lambda c: c.per_io_tasks and c.batch is True,
+             "--per_io_tasks and -b/--batch conflict: per-I/O tasks are a per-I/O path "
+             "feature (use --nthreads alone with batch)",
+             "conflicts with batch = true (per-I/O tasks are a per-I/O path feature): set "
+             "batch = false or \"auto\""),
+    Conflict("auto_zc_fallback", lambda c: c.auto_zc_fallback and c.copy is not CopyMode.AUTO_ZC,
+             "--auto_zc_fallback needs --auto_zc",
+             "needs copy = \"auto_zc\": set it, or drop auto_zc_fallback"),
+    Conflict("get_data", lambda c: c.get_data and c.copy is not CopyMode.COPY,
+             "-g/--get_data and copy mode {c.copy.value} conflict (the kernel drops "
+             "UBLK_F_NEED_GET_DATA with -z, --auto_zc and -u): pick one",
+             "conflicts with copy = \"{c.copy.value}\" (the kernel fetches a write's data only "
+             "into the server's own buffer): set copy = \"copy\", or drop get_data"),
+    Conflict("get_data", lambda c: c.get_data and c.batch is True,
+             "-g/--get_data needs the per-I/O path (batch I/O has no NEED_GET_DATA command): "
+             "drop -b/--batch",
+             "conflicts with batch = true (batch I/O has no NEED_GET_DATA command): set batch "
+             "= false or \"auto\""),
+    Conflict("recovery", lambda c: c.recovery_reissue and c.recovery_fail_io,
+             "-i 1 (reissue) and -e 1 (fail I/O) are different recovery modes: pick one"),
+    Conflict("unprivileged", lambda c: c.unprivileged and c.copy is not CopyMode.COPY,
+             "copy mode {c.copy.value} needs root: the kernel refuses zero copy, auto buffer "
+             "registration and user copy (-z, --auto_zc, -u) for unprivileged devices (drop "
+             "it, or drop --unprivileged and run as root)"),
+    Conflict("copy", lambda c: c.zoned and c.copy is not CopyMode.USER_COPY,
+             "a zoned device and copy mode {c.copy.value} conflict: aioublk serves zoned "
+             "devices with user copy only (-u)"),
+    Conflict("metadata_size", lambda c: c.integrity is not None
+             and c.copy is not CopyMode.USER_COPY,
+             "--metadata_size and copy mode {c.copy.value} conflict: the kernel moves "
+             "integrity data only by user copy: add -u",
+             "needs copy = \"user_copy\" (the kernel moves integrity data only by user copy): "
+             "set it, or drop the integrity keys"),
+    Conflict("unprivileged", lambda c: c.unprivileged and bool(c.recovery_flags),
+             "user recovery (-r/-e/-i) needs root: the kernel drops it for unprivileged "
+             "devices (drop it, or drop --unprivileged and run as root)"),
+    Conflict("htlb", lambda c: bool(c.htlb) and not c.shmem_zc,
+             "--htlb needs --shmem_zc (the kernel registers shared buffers only on a device "
+             "added with UBLK_F_SHMEM_ZC): add it"),
+    Conflict("rdonly_shmem_buf", lambda c: c.rdonly_shmem_buf and not c.htlb,
+             "--rdonly_shmem_buf needs --htlb FILE: it says how that buffer is registered"),
+    # (seen: REG_BUF from the recovering server answers EEXIST, and the dead
+    # server's registration still matches clients' pages)
+    Conflict("htlb", lambda c: bool(c.htlb) and bool(c.recovery_flags),
+             "user recovery (-r/-i/-e) and --htlb conflict: the kernel keeps the dead "
+             "server's shared-buffer registration and refuses the new server's (EEXIST), so "
+             "its requests could not be served: drop one"),
+    Conflict("shmem_zc", lambda c: c.shmem_zc and c.zoned,
+             "a zoned device and --shmem_zc conflict: aioublk serves zoned devices with user "
+             "copy only (drop --shmem_zc)"),
+)
+
+
+def device_config(values: dict[str, Any], *, prefix: str = "--") -> DeviceConfig:
+    """A checked DeviceConfig from option values by option name, as a
+    surface parsed them (the command line's dests, a config's keys, each
+    defaulting to the table's); ``prefix`` as ``integrity``'s."""
+    kwargs: dict[str, Any] = {}
+    chosen: dict[str, list[DeviceOption]] = {}
+    ints: dict[str, Any] = {}
+    for o in DEVICE_OPTIONS:
+        if o.name not in values or not o.attr:
+            continue
+        v = values[o.name]
+        if o.value:
+            if v:
+                chosen.setdefault(o.attr, []).append(o)
+        elif o.attr == "integrity":
+            ints[o.name] = v
+        elif o.attr == "flags":
+            kwargs["flags"] = kwargs.get("flags", 0) | (o.feature if v else 0)
+        elif o.attr == "copy":
+            kwargs["copy"] = CopyMode(v)
+        elif o.type == CHOICE and o.attr == "recovery":  # a config's one key for -r/-i/-e
+            kwargs |= {"recovery": v != "none", "recovery_reissue": v == "reissue",
+                       "recovery_fail_io": v == "fail_io"}
+        else:
+            kwargs[o.attr] = v
+    modes = chosen.get("copy", [])
+    if kwargs.get("auto_zc_fallback") and "auto_zc" in values:
+        # the command line's flags: kublk spells it "-z --auto_zc --auto_zc_fallback"
+        modes = [option("auto_zc")] + [o for o in modes if o.name not in ("zero_copy", "auto_zc")]
+    if len(modes) > 1:
+        raise OptionError("copy", f"{' and '.join(o.flags[0] for o in modes)} are different "
+                          "data-copy modes: pick one")
+    if modes:
+        kwargs["copy"] = CopyMode(modes[0].value)
+    if ints:
+        def arg(name: str) -> Any:
+            return ints.get(name, option(name).default)
+
+        kwargs["integrity"] = integrity(
+            arg("metadata_size"), pi_offset=arg("pi_offset"), csum_type=arg("csum_type"),
+            capable=arg("integrity_capable"), reftag=arg("integrity_reftag"),
+            tag_size=arg("tag_size"), prefix=prefix)
+    cfg = DeviceConfig(**kwargs)
+    cfg.validate()
+    return cfg
 
 
 def layout(queues: int, depth: int, nthreads: int, *, batch: bool,
