@@ -48,7 +48,18 @@ from aioublk.frontend.kublk_lines import device_ids, dump, print_device, target_
 from aioublk.frontend.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.kernel import uapi
 from aioublk.kernel.control import Control
-from aioublk.queue.options import CopyMode, DeviceConfig, integrity
+from aioublk.queue import options
+from aioublk.queue.options import (
+    BOOL,
+    CHOICE,
+    DEVICE_OPTIONS,
+    FLAG01,
+    ID,
+    INT,
+    PATH,
+    TRISTATE,
+    DeviceConfig,
+)
 from aioublk.target import Target
 
 log = logs.get_logger("aioublk.cli")
@@ -112,11 +123,7 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("-t", "--type", dest="target", required=True,
                      help="target: " + "|".join(registry.TARGETS) + ", or pkg.module:Class "
                      "with --opt")
-    _add_dev_id(add, "device id (default: -1, auto allocation)")
-    add.add_argument("-q", "--queues", type=int, default=2, metavar="NR_QUEUES",
-                     help="number of hardware queues (default: 2, max 32)")
-    add.add_argument("-d", "--depth", type=int, default=128,
-                     help=f"queue depth (default: 128, max {uapi.MAX_QUEUE_DEPTH})")
+    _add_device_options(add)
     add.add_argument("--foreground", action="store_true",
                      help="serve in this process instead of daemonizing")
     add.add_argument("--quiet", action="store_true",
@@ -124,63 +131,6 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("--debug_mask", type=_debug_mask, default=None, metavar="MASK",
                      help="kublk's hex mask: 0 = as --quiet, 0x20 (UBLK_LOG) = the default "
                      "logs, any of 0x1f = debug logs, as -v")
-    add.add_argument("--unprivileged", action="store_true",
-                     help="as a user without root: a device of your own "
-                     "(UBLK_F_UNPRIVILEGED_DEV; needs the udev rule: aioublk udev rules)")
-    add.add_argument("--no_auto_part_scan", action="store_true",
-                     help="do not scan the new disk for partitions "
-                     "(UBLK_F_NO_AUTO_PART_SCAN)")
-    batch = add.add_mutually_exclusive_group()
-    batch.add_argument("-b", "--batch", action="store_true", default=None,
-                       help="require UBLK_F_BATCH_IO (default: use it when the kernel has it)")
-    batch.add_argument("--no-batch", dest="batch", action="store_false",
-                       help="use the per-I/O FETCH/COMMIT path")
-    add.add_argument("-z", "--zero_copy", dest="zero_copy", action="store_true",
-                     help="zero copy (UBLK_F_SUPPORT_ZERO_COPY)")
-    add.add_argument("--auto_zc", action="store_true", help="UBLK_F_AUTO_BUF_REG")
-    add.add_argument("--auto_zc_fallback", action="store_true",
-                     help="with --auto_zc: register by hand when the kernel cannot")
-    add.add_argument("-u", "--user_copy", dest="user_copy", action="store_true",
-                     help="user copy (UBLK_F_USER_COPY)")
-    add.add_argument("-g", "--get_data", dest="get_data", action="store_true",
-                     help="a write's data is fetched (UBLK_IO_NEED_GET_DATA) only when the "
-                     "server asks, before the target runs (UBLK_F_NEED_GET_DATA; per-I/O "
-                     "path, default copy mode)")
-    add.add_argument("--metadata_size", type=int, default=0, metavar="N",
-                     help="integrity: N bytes of metadata per 512-byte sector "
-                     "(UBLK_F_INTEGRITY; needs -u)")
-    add.add_argument("--pi_offset", type=int, default=0, metavar="N",
-                     help="integrity: where the PI tuple starts in the metadata (default: 0)")
-    add.add_argument("--csum_type", choices=tuple(c for c in uapi.PI_CSUM if c != "none"),
-                     default="none", help="integrity: the PI tuple's checksum (default: none, "
-                     "metadata without PI)")
-    add.add_argument("--tag_size", type=int, default=0, metavar="N",
-                     help="integrity: bytes of application tag (default: 0)")
-    add.add_argument("--integrity_capable", action="store_true",
-                     help="integrity: the device checks PI itself (device_is_integrity_capable)")
-    add.add_argument("--integrity_reftag", action="store_true",
-                     help="integrity: the PI carries a reference tag (T10 type 1)")
-    add.add_argument("--shmem_zc", action="store_true",
-                     help="shared-memory zero copy (UBLK_F_SHMEM_ZC): a request whose pages lie "
-                     "in a registered shared buffer (--htlb) is served in it, uncopied")
-    add.add_argument("--htlb", metavar="FILE", default=None,
-                     help="with --shmem_zc: map FILE (on hugetlbfs; clients map it too) and "
-                     "register it as the shared buffer")
-    add.add_argument("--rdonly_shmem_buf", action="store_true",
-                     help="with --htlb: map and register it read-only (only writes match)")
-    add.add_argument("--no_ublk_fixed_fd", action="store_true",
-                     help="accepted for kublk's scripts: aioublk never registers /dev/ublkcN "
-                     "as a fixed file, so its commands always go on the plain fd")
-    add.add_argument("--nthreads", type=int, default=0,
-                     help="number of worker threads (default: 0, one per queue)")
-    add.add_argument("--per_io_tasks", action="store_true",
-                     help="spread each queue's tags over the threads (UBLK_F_PER_IO_DAEMON)")
-    add.add_argument("-r", "--recovery", type=_flag01, default=False, metavar="0|1",
-                     help="1: the device outlives its server, QUIESCED until `recover`")
-    add.add_argument("-e", "--recovery_fail_io", type=_flag01, default=False, metavar="0|1",
-                     help="1: recovery, and I/O fails while no server is attached")
-    add.add_argument("-i", "--recovery_reissue", type=_flag01, default=False, metavar="0|1",
-                     help="1: recovery, and requests the dead server held are reissued")
     add.add_argument("--read-only", "--read_only", dest="read_only", action="store_true",
                      help="a read-only disk, whatever the target (the files of those "
                      "that open some are opened read-only)")
@@ -193,6 +143,35 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
                      help="append the server's log lines (and a daemon's stderr) to PATH "
                      "(default: stderr with --foreground, else syslog)")
     _add_target_options(add)
+
+
+def _add_device_options(add: argparse.ArgumentParser) -> None:
+    """The device's flags, as ``options.DEVICE_OPTIONS`` declares them."""
+    for o in DEVICE_OPTIONS:
+        if not o.flags:
+            continue
+        help_ = o.help + (f" ({uapi.flag_list(o.feature)})" if o.feature else "")
+        if o.type in (INT, ID):
+            bounds = f", {o.lo}..{o.hi}" if o.hi is not None else ""
+            help_ += f" (default: {o.default}{bounds})"
+        kw: dict[str, Any] = {"dest": o.name, "help": help_}
+        if o.metavar:
+            kw["metavar"] = o.metavar
+        if o.type == TRISTATE:
+            group = add.add_mutually_exclusive_group()
+            group.add_argument(*o.flags, action="store_true", default=o.default, **kw)
+            group.add_argument(*o.off_flags, dest=o.name, action="store_false",
+                               help=o.off_help)
+        elif o.type == BOOL:
+            add.add_argument(*o.flags, action="store_true", **kw)
+        elif o.type == FLAG01:
+            add.add_argument(*o.flags, type=_flag01, default=o.default, metavar="0|1", **kw)
+        elif o.type == CHOICE:
+            add.add_argument(*o.flags, choices=o.choices, default=o.default, **kw)
+        else:
+            kind: Callable[[str], Any] = _dev_id if o.type == ID else int if o.type == INT \
+                else str
+            add.add_argument(*o.flags, type=kind, default=o.default, **kw)
 
 
 def _add_target_options(add: argparse.ArgumentParser) -> None:
@@ -661,35 +640,13 @@ def _opt_values(opts: list[str]) -> dict[str, Any]:
 
 
 def device_config(args: argparse.Namespace) -> DeviceConfig:
-    flags = 0
-    if args.no_auto_part_scan:
-        flags |= uapi.Feature.NO_AUTO_PART_SCAN
-    # kublk spells the fallback mode "-z --auto_zc --auto_zc_fallback"
-    modes = [m for on, m in ((args.zero_copy and not args.auto_zc_fallback, CopyMode.ZERO_COPY),
-                             (args.auto_zc or args.auto_zc_fallback, CopyMode.AUTO_ZC),
-                             (args.user_copy, CopyMode.USER_COPY)) if on]
-    if len(modes) > 1:
-        names = {CopyMode.ZERO_COPY: "-z", CopyMode.AUTO_ZC: "--auto_zc",
-                 CopyMode.USER_COPY: "-u"}
-        raise UblkError(f"{' and '.join(names[m] for m in modes)} are different data-copy "
-                        "modes: pick one")
-    cfg = DeviceConfig(dev_id=args.dev_id, queues=args.queues, depth=args.depth, flags=flags,
-                       batch=args.batch, copy=modes[0] if modes else CopyMode.COPY,
-                       auto_zc_fallback=args.auto_zc_fallback, get_data=args.get_data,
-                       nthreads=args.nthreads,
-                       per_io_tasks=args.per_io_tasks, recovery=args.recovery,
-                       recovery_fail_io=args.recovery_fail_io,
-                       recovery_reissue=args.recovery_reissue, unprivileged=args.unprivileged,
-                       integrity=integrity(args.metadata_size, pi_offset=args.pi_offset,
-                                           csum_type=args.csum_type,
-                                           capable=args.integrity_capable,
-                                           reftag=args.integrity_reftag,
-                                           tag_size=args.tag_size),
-                       shmem_zc=args.shmem_zc,  # (--htlb absolute: a daemon runs in /)
-                       htlb=os.path.abspath(args.htlb) if args.htlb else None,
-                       rdonly_shmem_buf=args.rdonly_shmem_buf)
-    cfg.validate()
-    return cfg
+    """The device the flags ask for (``options.device_config`` checks it);
+    a FILE given is made absolute (a daemon runs in /)."""
+    values = {o.name: getattr(args, o.name) for o in DEVICE_OPTIONS if o.flags}
+    for o in DEVICE_OPTIONS:
+        if o.type == PATH and values.get(o.name):
+            values[o.name] = os.path.abspath(values[o.name])
+    return options.device_config(values)
 
 
 #: kublk's debug_mask bits: UBLK_DBG_DEV..UBLK_DBG_CTRL_CMD are its debug
