@@ -30,25 +30,36 @@ from typing import Any
 from aioublk.errors import Error, UblkError
 from aioublk.frontend import registry
 from aioublk.io import locking
-from aioublk.kernel import control, uapi
-from aioublk.queue.options import CopyMode, DeviceConfig, IntegrityError, integrity
+from aioublk.kernel import control
+from aioublk.queue.options import (
+    BOOL,
+    DEVICE_OPTIONS,
+    ID,
+    INT,
+    PATH,
+    TRISTATE,
+    DeviceConfig,
+    DeviceOption,
+    IntegrityError,
+    OptionError,
+    device_config,
+)
 from aioublk.target import Target
 
 BUILTIN_TARGETS = tuple(registry.TARGETS)
 LEVELS = ("warning", "info", "debug")
 FORMATS = ("console", "json")
-RECOVERY = ("none", "requeue", "reissue", "fail_io")
 ON_STOP = ("delete", "quiesce")
 BLOCK_SIZES = (512, 1024, 2048, 4096)
 
 #: the keys of each target's ``[devices.options]`` (custom targets: their
 #: constructor's keyword arguments)
 TARGET_OPTIONS = {name: spec.keys() for name, spec in registry.TARGETS.items()}
-DEVICE_KEYS = ("target", "id", "queues", "depth", "batch", "copy", "auto_zc_fallback",
-               "get_data", "nthreads", "per_io_tasks", "recovery", "on_stop", "logical_block_size",
-               "physical_block_size", "read_only", "force_share", "unprivileged", "shmem_zc",
-               "htlb", "rdonly_shmem_buf", "metadata_size", "pi_offset", "csum_type", "tag_size",
-               "integrity_capable", "integrity_reftag", "options")
+#: the ``[[devices]]`` keys that are no device option (``DEVICE_OPTIONS``):
+#: what to serve, and how serve stops it and presents the disk
+SPEC_KEYS = ("target", "on_stop", "logical_block_size", "physical_block_size", "read_only",
+             "force_share", "options")
+DEVICE_KEYS = SPEC_KEYS[:1] + tuple(o.key for o in DEVICE_OPTIONS if o.key) + SPEC_KEYS[1:]
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 #: how a size may be written, for error messages
@@ -294,58 +305,23 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
                        f"{', '.join(BUILTIN_TARGETS)} or \"pkg.module:Class\"")
     kind = _target_kind(raw["target"], f"{at}.target")
     key = _keyer(at)
-    batch_raw = raw.get("batch", "auto")
-    batch = None if batch_raw == "auto" else batch_raw
-    if not isinstance(batch, bool | None):
-        raise _Invalid(key("batch"), f"{_show(batch_raw)} is not a batch setting: use "
-                       "\"auto\", true or false")
-    copy = CopyMode(_choice(raw.get("copy", "copy"), key("copy"),
-                            tuple(m.value for m in CopyMode)))
-    recovery = _choice(raw.get("recovery", "none"), key("recovery"), RECOVERY)
+    values = {o.name: _device_option(o, raw, key(o.key), base) for o in DEVICE_OPTIONS if o.key}
+    recovery = values["recovery_mode"]
     on_stop = _choice(raw.get("on_stop", "delete"), key("on_stop"), ON_STOP)
-    dev_id = _int(raw.get("id", -1), key("id"), -1)
-    cfg = DeviceConfig(
-        dev_id=dev_id,
-        queues=_int(raw.get("queues", 1), key("queues"), 1, 32),
-        depth=_int(raw.get("depth", 128), key("depth"), 1, uapi.MAX_QUEUE_DEPTH),
-        batch=batch, copy=copy,
-        auto_zc_fallback=_bool(raw.get("auto_zc_fallback", False), key("auto_zc_fallback")),
-        get_data=_bool(raw.get("get_data", False), key("get_data")),
-        nthreads=_int(raw.get("nthreads", 0), key("nthreads"), 0, 64),
-        per_io_tasks=_bool(raw.get("per_io_tasks", False), key("per_io_tasks")),
-        recovery=recovery != "none", recovery_reissue=recovery == "reissue",
-        recovery_fail_io=recovery == "fail_io",
-        unprivileged=_bool(raw.get("unprivileged", False), key("unprivileged")),
-        shmem_zc=_bool(raw.get("shmem_zc", False), key("shmem_zc")),
-        htlb=_existing(raw["htlb"], key("htlb"), base) if "htlb" in raw else None,
-        rdonly_shmem_buf=_bool(raw.get("rdonly_shmem_buf", False), key("rdonly_shmem_buf")),
-        integrity=_integrity(raw, key))
-    if cfg.auto_zc_fallback and copy is not CopyMode.AUTO_ZC:
-        raise _Invalid(key("auto_zc_fallback"), "needs copy = \"auto_zc\": set it, or drop "
-                       "auto_zc_fallback")
-    if cfg.get_data and copy is not CopyMode.COPY:
-        raise _Invalid(key("get_data"), f"conflicts with copy = \"{copy.value}\" (the kernel "
-                       "fetches a write's data only into the server's own buffer): set copy = "
-                       "\"copy\", or drop get_data")
-    if cfg.get_data and batch:
-        raise _Invalid(key("get_data"), "conflicts with batch = true (batch I/O has no "
-                       "NEED_GET_DATA command): set batch = false or \"auto\"")
-    if cfg.per_io_tasks and batch:
-        raise _Invalid(key("per_io_tasks"), "conflicts with batch = true (per-I/O tasks are "
-                       "a per-I/O path feature): set batch = false or \"auto\"")
-    if cfg.integrity is not None and copy is not CopyMode.USER_COPY:
-        raise _Invalid(key("metadata_size"), "needs copy = \"user_copy\" (the kernel moves "
-                       "integrity data only by user copy): set it, or drop the integrity keys")
+    dev_id = values["dev_id"]
+    try:
+        cfg = device_config(values, prefix="")
+    except OptionError as e:  # at its key if the message is the config's own
+        raise _Invalid(key(e.key) if e.config or isinstance(e, IntegrityError) else at,
+                       e.config or str(e)) from None
+    except UblkError as e:
+        raise _Invalid(at, str(e)) from None
     if on_stop == "quiesce" and recovery == "none":
         raise _Invalid(key("on_stop"), "\"quiesce\" needs recovery: set recovery = "
                        "\"requeue\", \"reissue\" or \"fail_io\", or on_stop = \"delete\"")
     if on_stop == "quiesce" and dev_id < 0:
         raise _Invalid(key("on_stop"), "\"quiesce\" needs a fixed id (the next serve finds "
                        "the device by it): set id = N")
-    try:
-        cfg.validate()
-    except UblkError as e:
-        raise _Invalid(at, str(e)) from None
     lbs = _block_size(raw.get("logical_block_size"), key("logical_block_size"))
     pbs = _block_size(raw.get("physical_block_size"), key("physical_block_size"))
     if lbs and pbs and pbs < lbs:
@@ -363,21 +339,28 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
                       logical_block_size=lbs, physical_block_size=pbs)
 
 
-def _integrity(raw: dict[str, Any], key: Callable[[str], str]) -> uapi.Integrity | None:
-    """The integrity keys, typed here and built (and refused) by
-    ``options.integrity`` as the command line's flags are."""
-    def number(name: str) -> int:
-        return _int(raw.get(name, 0), key(name), -(1 << 63))  # its range: integrity's
-
-    try:
-        return integrity(number("metadata_size"), pi_offset=number("pi_offset"),
-                         csum_type=_str(raw.get("csum_type", "none"), key("csum_type")),
-                         capable=_bool(raw.get("integrity_capable", False),
-                                       key("integrity_capable")),
-                         reftag=_bool(raw.get("integrity_reftag", False), key("integrity_reftag")),
-                         tag_size=number("tag_size"), prefix="")
-    except IntegrityError as e:
-        raise _Invalid(key(e.key), str(e)) from None
+def _device_option(o: DeviceOption, raw: dict[str, Any], at: str, base: str) -> Any:
+    """A device option's value (its default if absent), checked as the table
+    declares it; the integrity options' bounds and checksum names are
+    ``options.integrity``'s to refuse, as the command line's are."""
+    if o.key not in raw:
+        return o.default
+    v = raw[o.key]
+    if o.type in (INT, ID):
+        return _int(v, at, -(1 << 63)) if o.attr == "integrity" else _int(v, at, o.lo or 0, o.hi)
+    if o.type == BOOL:
+        return _bool(v, at)
+    if o.type == PATH:
+        return _existing(v, at, base)
+    if o.type == TRISTATE:
+        if v == "auto":
+            return None
+        if not isinstance(v, bool):
+            raise _Invalid(at, f"{_show(v)} is not a batch setting: use \"auto\", true or false")
+        return v
+    if o.attr == "integrity":
+        return _str(v, at)
+    return _choice(v, at, o.choices)
 
 
 def _metadata_file(kind: str, options: dict[str, Any], cfg: DeviceConfig,
