@@ -27,6 +27,7 @@ from mkdocs.structure.files import File, Files
 import aioublk
 from aioublk.frontend import cli, config, registry
 from aioublk.kernel import uapi
+from aioublk.queue import options
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -113,15 +114,16 @@ def _default(action: argparse.Action) -> str:
 
 def config_sections() -> list[tuple[str, str, list[str]]]:
     """(table, what it is, its keys) for each table of a serve config whose keys'
-    meanings are the comments of examples/serve.toml; the targets' options are
-    ``_target_section``'s, from the registry."""
+    meanings are the comments of examples/serve.toml; the device options among
+    ``[[devices]]``' keys are ``_device_rows``', from ``DEVICE_OPTIONS``, and the
+    targets' options ``_target_section``'s, from the registry."""
     return [
         ("[logging]", "optional; how the server logs",
          [f.name for f in dataclasses.fields(config.LogSettings)]),
         ("[metrics]", "optional; a Prometheus endpoint (needs `pip install "
          "'aioublk[metrics]'`; see [Operating](operating.md#prometheus-metrics))",
          [f.name for f in dataclasses.fields(config.MetricsSettings)]),
-        ("[[devices]]", "one per device", list(config.DEVICE_KEYS)),
+        ("[[devices]]", "one per device", list(config.SPEC_KEYS)),
     ]
 
 
@@ -140,9 +142,43 @@ def config_reference() -> str:
                 raise ValueError(f"config key {table} {key} has no meaning: add a comment "
                                  f"to it in {SERVE_EXAMPLE.relative_to(ROOT)}")
             rows.append(f"| `{key}` | {_text(meaning)} |")
+        if table == "[[devices]]":
+            rows += _device_rows()
         out.append("\n".join(rows))
     out += [_target_section(spec) for spec in registry.TARGETS.values()]
     return "\n\n".join(out)
+
+
+def _device_rows() -> list[str]:
+    """The device options' rows of ``[[devices]]``: each key's type, default,
+    bounds, command-line spelling and help, from ``DEVICE_OPTIONS``."""
+    rows = ["", "Device options: the same as `add`'s flags (those a config file does not "
+            "spell alike are given in the command line column).", "",
+            "| key | type | default | bounds | command line | kernel feature | meaning |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for o in options.DEVICE_OPTIONS:
+        if not o.key:
+            continue
+        flags = [f for d in options.DEVICE_OPTIONS
+                 if d.name == o.name or ((d.value or o.type == options.CHOICE)
+                                         and d.attr == o.attr)
+                 for f in d.flags + d.off_flags]
+        bounds = " \\| ".join(f"`{c}`" for c in o.choices) if o.choices else \
+            f"{o.lo}..{o.hi}" if o.hi is not None else f"≥ {o.lo}" if o.lo is not None else ""
+        feature = uapi.flag_list(o.feature) if o.feature else ""
+        rows.append(f"| `{o.key}` | {_text(o.type)} | {_device_default(o)} | {bounds} | "
+                    f"{', '.join(f'`{f}`' for f in flags)} | {feature} | {_text(o.help)} |")
+    return rows
+
+
+def _device_default(o: options.DeviceOption) -> str:
+    if o.type == options.TRISTATE:
+        return '`"auto"`'
+    if o.default is None:
+        return ""
+    if isinstance(o.default, bool):
+        return f"`{str(o.default).lower()}`"
+    return f'`"{o.default}"`' if isinstance(o.default, str) else f"`{o.default}`"
 
 
 def _target_section(spec: registry.TargetSpec) -> str:

@@ -16,6 +16,8 @@ import pytest
 
 import aioublk
 from aioublk.frontend import cli, config, registry
+from aioublk.kernel import uapi
+from aioublk.queue import options
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,6 +107,16 @@ def test_config_reference_lists_each_target_option_with_its_flag(site: Path) -> 
     assert missing == []
     assert "listen" in _rows(sections["[metrics]"])
     assert "UBLK_F_UNPRIVILEGED_DEV" in _rows(sections["[[devices]]"])["unprivileged"]
+
+
+def test_config_reference_lists_each_device_option_with_its_flag(site: Path) -> None:
+    """The device options' rows are ``DEVICE_OPTIONS``': help, flags, kernel feature."""
+    rows = _rows(_sections(_page(site, "config"))["[[devices]]"])
+    missing = [o.key for o in options.DEVICE_OPTIONS if o.key and (
+        o.key not in rows or html.unescape(o.help) not in rows[o.key]
+        or (o.flags and f"<code>{o.flags[0]}</code>" not in rows[o.key])
+        or (o.feature and uapi.flag_list(o.feature) not in rows[o.key]))]
+    assert missing == []
 
 
 def test_api_reference_documents_every_public_name(site: Path) -> None:
