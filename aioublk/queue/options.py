@@ -391,7 +391,7 @@ class DeviceConfig:
             if not self.per_io_tasks:
                 raise UblkError(f"this target serves all {self.queues} queues from one thread, "
                                 "which needs batch I/O or UBLK_F_PER_IO_DAEMON (kernel "
-                                "6.17+): use -q 1")
+                                "6.17+): use -q 1 (queues = 1 in a config)")
             missing |= uapi.Feature.PER_IO_DAEMON
         if missing:
             raise UblkError("this kernel's ublk_drv does not support "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from aioublk.errors import UblkError
 from aioublk.frontend import cli, config, registry
 from aioublk.queue.options import DEVICE_OPTIONS, OptionError, option
 
@@ -74,3 +75,17 @@ def test_a_conflict_is_one_check_for_both(flags: list[str], keys: str, tmp_path:
     e = flag_error.value  # the config's own wording at its key, or the same words
     said = f"devices[0].{e.key}: {e.config}" if e.config else f"devices[0]: {e}"
     assert str(key_error.value).endswith(said)
+
+
+def test_a_one_thread_target_on_an_older_kernel_is_told_both_spellings(tmp_path: Path) -> None:
+    """A config without ``queues`` now asks for kublk's 2; a target that serves
+    every queue from one thread cannot have 2 on a kernel with neither batch
+    I/O nor per-I/O daemons (6.4 to 6.16), and the error names the key too."""
+    from dataclasses import replace
+
+    from aioublk.kernel import uapi
+
+    (tmp_path / "c.toml").write_text('[[devices]]\ntarget = "null"\n')
+    cfg = replace(config.load(str(tmp_path / "c.toml")).devices[0].config, one_loop=True)
+    with pytest.raises(UblkError, match=r"use -q 1 \(queues = 1 in a config\)"):
+        cfg.resolve(uapi.Feature.USER_COPY)
