@@ -159,9 +159,7 @@ def _device_rows() -> list[str]:
     for o in options.DEVICE_OPTIONS:
         if not o.key:
             continue
-        flags = [f for d in options.DEVICE_OPTIONS
-                 if d.name == o.name or ((d.value or o.type == options.CHOICE)
-                                         and d.attr == o.attr)
+        flags = [f for d in options.DEVICE_OPTIONS if d.name == o.name or d.name in o.spelled_by
                  for f in d.flags + d.off_flags]
         bounds = " \\| ".join(f"`{c}`" for c in o.choices) if o.choices else \
             f"{o.lo}..{o.hi}" if o.hi is not None else f"≥ {o.lo}" if o.lo is not None else ""

@@ -152,6 +152,8 @@ class DeviceOption:
     range_error: str = ""
     off_flags: tuple[str, ...] = ()  # TRISTATE: the flag that says false
     off_help: str = ""
+    #: a config-only key the command line spells with other options' flags
+    spelled_by: tuple[str, ...] = ()
 
     @property
     def attr(self) -> str:
@@ -190,7 +192,8 @@ DEVICE_OPTIONS: tuple[DeviceOption, ...] = (
                  off_help="use the per-I/O FETCH/COMMIT path"),
     DeviceOption("copy", "how request data moves: copy (the kernel copies it to and from the "
                  "server's buffers), zero_copy, auto_zc or user_copy", key="copy", type=CHOICE,
-                 default=CopyMode.COPY.value, choices=tuple(m.value for m in CopyMode)),
+                 default=CopyMode.COPY.value, choices=tuple(m.value for m in CopyMode),
+                 spelled_by=("zero_copy", "auto_zc", "user_copy")),
     DeviceOption("zero_copy", "zero copy", flags=("-z", "--zero_copy"), field="copy",
                  value=CopyMode.ZERO_COPY.value, feature=_F.SUPPORT_ZERO_COPY),
     DeviceOption("auto_zc", "zero copy, the kernel registering the buffers",
@@ -244,7 +247,8 @@ DEVICE_OPTIONS: tuple[DeviceOption, ...] = (
                  "none (the device goes with its server), requeue, reissue or fail_io (on the "
                  "command line -r 1, -i 1 or -e 1)",
                  key="recovery", type=CHOICE, default="none", field="recovery",
-                 choices=("none", "requeue", "reissue", "fail_io"), feature=_F.USER_RECOVERY),
+                 choices=("none", "requeue", "reissue", "fail_io"), feature=_F.USER_RECOVERY,
+                 spelled_by=("recovery", "recovery_reissue", "recovery_fail_io")),
     DeviceOption("recovery", "1: the device outlives its server, QUIESCED until `recover`",
                  flags=("-r", "--recovery"), type=FLAG01, feature=_F.USER_RECOVERY),
     DeviceOption("recovery_fail_io", "1: recovery, and I/O fails while no server is attached",

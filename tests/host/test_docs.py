@@ -117,6 +117,10 @@ def test_config_reference_lists_each_device_option_with_its_flag(site: Path) -> 
         or (o.flags and f"<code>{o.flags[0]}</code>" not in rows[o.key])
         or (o.feature and uapi.flag_list(o.feature) not in rows[o.key]))]
     assert missing == []
+    # a key the command line spells with other flags names exactly those
+    assert "<code>-i</code>" in rows["recovery"] and "<code>-e</code>" in rows["recovery"]
+    assert "<code>-z</code>" in rows["copy"] and "<code>--csum_type</code>" in rows["csum_type"]
+    assert "<code>--pi_offset</code>" not in rows["csum_type"]
 
 
 def test_api_reference_documents_every_public_name(site: Path) -> None:
