@@ -166,6 +166,7 @@ class Ring:
         self._flush_hooks: list[Callable[[], None]] = []
         self._dp: Any = None  # the data plane's C side, once there is one
         self._dp_event: EventHandler | None = None
+        self._dp_owner: DataPlaneLike | None = None
         #: data-plane requests still in the kernel when the ring closed
         self.dp_stranded = 0
         self.loop.add_reader(self._efd, self._on_wake)
@@ -455,9 +456,13 @@ class Ring:
 
     def attach(self, dp: DataPlaneLike) -> None:
         """From now on every reap goes through ``dp`` (one per ring, freed by
-        ``close``); a ring without one reaps everything into Python."""
+        ``close``); a ring without one reaps everything into Python. The
+        ring holds ``dp`` too: C writes into memory it owns (its counters)."""
+        if self._closed:
+            raise RuntimeError("ring is closed")
         if self._dp is not None:
             raise RuntimeError("the ring has a data plane already")
+        self._dp_owner = dp
         self._dp = dp.c
         self._dp_event = dp.on_event
         size = 16 * max(_REAP_BATCH, 4 * lib.aur_dp_room(dp.c))
@@ -527,7 +532,7 @@ class Ring:
                 log.warning("ring closed with data-plane requests in the kernel: their "
                             "buffers are kept", n=self.dp_stranded)
             lib.aur_dp_free(self._dp)
-            self._dp = None
+            self._dp = self._dp_owner = None
         if getattr(_local, "ring", None) is self:
             _local.ring = None
 

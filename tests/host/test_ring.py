@@ -219,3 +219,26 @@ async def test_cqe32_ring_reaps_res_and_flags(datafile: int) -> None:
         assert [await big.nop() for _ in range(20)] == [0] * 20
     finally:
         big.close()
+
+
+@pytest.mark.asyncio
+async def test_the_ring_keeps_its_data_plane_alive_until_it_closes() -> None:
+    """C writes into memory the DataPlane object owns (its counters): a
+    driver dropping its reference must not free that under the ring."""
+    import gc
+    import weakref
+
+    from aioublk.queue.dataplane import DataPlane
+
+    ring = Ring(8)
+    dp = DataPlane(ring, {"char_fd": -1, "nr_queues": 1, "depth": 1, "max_io": 4096}, 1,
+                   lambda ud, res, flags: None)
+    alive = weakref.ref(dp)
+    del dp
+    gc.collect()
+    assert alive() is not None
+    ring.close()
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(RuntimeError, match="ring is closed"):
+        ring.attach(DataPlane.__new__(DataPlane))
