@@ -592,6 +592,9 @@ static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t
     q->nr_elems++;
 }
 
+/* cmd: the SQE's 16-byte command area (struct ublk_batch_io) */
+_Static_assert(sizeof(struct ublk_batch_io) == 16, "ublk_batch_io is 16 bytes");
+
 int aur_dp_prep_io_cmds(struct aur_dp *dp, unsigned local, void *cmd, void *out,
                         unsigned max)
 {
