@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -107,6 +109,23 @@ def run_guest(module: str, args: list[str], timeout: float, cpus: int = 2,
 
 
 # -- numbers ------------------------------------------------------------------------------
+
+
+def record(runs: list[dict[str, Any]], start: float, rnd: int, what: str,
+           iops: float | None, err: str | None, **fields: object) -> None:
+    """Keep one fio run's result (``fields`` say which row and server) and
+    print its progress line, so a long run shows how far it got."""
+    runs.append({"round": rnd, **fields, "iops": iops, "error": err})
+    shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {err}"
+    print(f"[{time.monotonic() - start:4.0f} s] round {rnd}: {what} {shown}", flush=True)
+
+
+def command(data: Mapping[str, Any], name: str) -> str:
+    """The command a report names: the run's own, else the one its settings
+    give (results written before runs kept their command)."""
+    return str(data.get("command") or shlex.join(
+        [".venv/bin/python", "-m", f"bench.{name}", f"--runtime={data['runtime']}",
+         f"--rounds={data['rounds']}", *(["--quick"] if data["quick"] else [])]))
 
 
 def median(records: Iterable[Mapping[str, Any]], value: str = "iops",
@@ -290,3 +309,28 @@ def publish(name: str, data: Data, text: str,
         print(f"benchmark incomplete (exit {code})", file=sys.stderr)
         return 1
     return 0
+
+
+def guest_main(name: str, doc: str | None, argv: list[str] | None, *, rounds: int,
+               quick: str, inner: Callable[[int, int, bool, Path], None],
+               report: Callable[[Data, str], str], plot: Callable[[Data, Path], None],
+               timeout: Callable[[int, bool, int], float], runtime: int = 5) -> int:
+    """A fio bench's whole command: render a run's report again (``--report``),
+    run inside the guest (``--inner``: its kublk is unused), or boot the guest
+    to run there and publish what it wrote. ``timeout(rounds, quick, runtime)``
+    bounds the guest run."""
+    ns = parser(doc, runtime=runtime, rounds=rounds, quick=quick).parse_args(argv)
+    seconds = ns.runtime or (2 if ns.quick else runtime)
+    if ns.report:
+        data = load(ns.report)
+        return publish(name, data, report(data, command(data, name)), plot, out=ns.out)
+    if ns.inner:
+        inner(seconds, ns.rounds, ns.quick, Path(ns.inner[1]))
+        return 0
+    options = [f"--runtime={seconds}", f"--rounds={ns.rounds}",
+               *(["--quick"] if ns.quick else [])]
+    code, data = run_guest(f"bench.{name}", options,
+                           timeout=timeout(ns.rounds, ns.quick, seconds))
+    if data is None:
+        return 1
+    return publish(name, data, report(data, command(data, name)), plot, code, ns.out)

@@ -53,6 +53,7 @@ from bench.common import (
     publish,
     ratio,
     ratio_bars,
+    record,
     run,
     run_guest,
     setup_line,
@@ -141,11 +142,8 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, aioublk_args: list
                 add_args = ["-t", dev.target, "-q", str(dev.queues), "-d", "128", *flags, *files]
                 for w, iops, err in _device_runs(servers[server], add_args, workloads, runtime,
                                                  _fio_jobs(dev.queues)):
-                    runs.append({"round": r + 1, "device": name, "workload": w,
-                                 "server": server, "iops": iops, "error": err})
-                    shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {err}"
-                    print(f"[{time.monotonic() - start:4.0f} s] round {r + 1}: {name:14} "
-                          f"{w:17} {server:7} {shown}", flush=True)
+                    record(runs, start, r + 1, f"{name:14} {w:17} {server:7}", iops, err,
+                           device=name, workload=w, server=server)
                 out.write_text(json.dumps(data))
     data["complete"] = True
     out.write_text(json.dumps(data))

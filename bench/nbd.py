@@ -30,29 +30,26 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from bench.common import (
     fmt,
     footer,
-    load,
+    guest_main,
     median,
     met,
     notes,
     paired,
-    parser,
-    publish,
     ratio,
     ratio_bars,
+    record,
     run,
-    run_guest,
     setup_line,
     swapped,
     table,
@@ -234,11 +231,8 @@ def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
                 if proc is not None:
                     _stop_daemon(proc)
                 for w, iops, e in done:
-                    runs.append({"round": r + 1, "device": transport, "workload": w,
-                                 "server": client, "iops": iops, "error": e})
-                    shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {e}"
-                    print(f"[{time.monotonic() - start:4.0f} s] round {r + 1}: {transport:4} "
-                          f"{w:17} {client:7} {shown}", flush=True)
+                    record(runs, start, r + 1, f"{transport:4} {w:17} {client:7}", iops, e,
+                           device=transport, workload=w, server=client)
                 out.write_text(json.dumps(data))
     data["complete"] = True
     out.write_text(json.dumps(data))
@@ -328,32 +322,14 @@ def plot_ratios(table: list[Row], path: Path, ylabel: str, title: str) -> None:
                ylabel, title)
 
 
-def command(data: dict[str, Any], name: str = "nbd") -> str:
-    """The command a report names: the run's own."""
-    return str(data.get("command") or shlex.join(
-        [".venv/bin/python", "-m", f"bench.{name}", f"--runtime={data['runtime']}",
-         f"--rounds={data['rounds']}", *(["--quick"] if data["quick"] else [])]))
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, runtime=5, rounds=2, quick="unix socket, 4k randread, 2 s runs")
-    ns = ap.parse_args(argv)
-    runtime = ns.runtime or (2 if ns.quick else 5)
-    if ns.report:
-        data = load(ns.report)
-        return publish("nbd", data, report(data, command(data)), plot, out=ns.out)
-    if ns.inner:  # (run_guest passes a kublk: this benchmark has no use for it)
-        inner(runtime, ns.rounds, ns.quick, Path(ns.inner[1]))
-        return 0
-    options = [f"--runtime={runtime}", f"--rounds={ns.rounds}",
-               *(["--quick"] if ns.quick else [])]
-    attaches = ns.rounds * len(CLIENTS) * (1 if ns.quick else len(TRANSPORTS))
-    fio_runs = attaches * (1 if ns.quick else len(WORKLOADS))
-    code, data = run_guest("bench.nbd", options,
-                           timeout=1800 + attaches * 180 + fio_runs * (runtime + RAMP + 30))
-    if data is None:
-        return 1
-    return publish("nbd", data, report(data, command(data)), plot, code, ns.out)
+    def timeout(rounds: int, quick: bool, runtime: int) -> float:
+        attaches = rounds * len(CLIENTS) * (1 if quick else len(TRANSPORTS))
+        fio_runs = attaches * (1 if quick else len(WORKLOADS))
+        return 1800 + attaches * 180 + fio_runs * (runtime + RAMP + 30)
+
+    return guest_main("nbd", __doc__, argv, rounds=2, quick="unix socket, 4k randread, 2 s runs",
+                      inner=inner, report=report, plot=plot, timeout=timeout)
 
 
 if __name__ == "__main__":

@@ -26,25 +26,22 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from bench.common import (
     fmt,
     footer,
-    load,
+    guest_main,
     median,
     met,
     notes,
-    parser,
-    publish,
     ratio,
     ratio_bars,
+    record,
     run,
-    run_guest,
     swapped,
     table,
 )
@@ -111,11 +108,8 @@ def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
             else:
                 done = [(w, *_fio(way.path, w, runtime, list(way.fio))) for w in workloads]
             for w, iops, e in done:
-                runs.append({"round": r + 1, "device": name, "workload": w,
-                             "server": name, "iops": iops, "error": e})
-                shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {e}"
-                print(f"[{time.monotonic() - start:4.0f} s] round {r + 1}: {name:6} {w:17} "
-                      f"{shown}", flush=True)
+                record(runs, start, r + 1, f"{name:6} {w:17}", iops, e,
+                       device=name, workload=w, server=name)
             out.write_text(json.dumps(data))
     data["complete"] = True
     out.write_text(json.dumps(data))
@@ -169,31 +163,13 @@ def plot(data: dict[str, object], path: Path) -> None:
                f"-t nvme vs -t loop and their ceilings, Linux {data['kernel']}", labels=7)
 
 
-def command(data: dict[str, Any]) -> str:
-    """The command a report names: the run's own."""
-    return str(data.get("command") or shlex.join(
-        [".venv/bin/python", "-m", "bench.nvme", f"--runtime={data['runtime']}",
-         f"--rounds={data['rounds']}", *(["--quick"] if data["quick"] else [])]))
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, runtime=5, rounds=1, quick="randread, 2 s runs")
-    ns = ap.parse_args(argv)
-    runtime = ns.runtime or (2 if ns.quick else 5)
-    if ns.report:
-        data = load(ns.report)
-        return publish("nvme", data, report(data, command(data)), plot, out=ns.out)
-    if ns.inner:  # (run_guest passes a kublk: this benchmark has no use for it)
-        inner(runtime, ns.rounds, ns.quick, Path(ns.inner[1]))
-        return 0
-    options = [f"--runtime={runtime}", f"--rounds={ns.rounds}",
-               *(["--quick"] if ns.quick else [])]
-    fio_runs = ns.rounds * len(WAYS) * (1 if ns.quick else 2)
-    code, data = run_guest("bench.nvme", options,
-                           timeout=1800 + ns.rounds * 400 + fio_runs * (runtime + RAMP + 30))
-    if data is None:
-        return 1
-    return publish("nvme", data, report(data, command(data)), plot, code, ns.out)
+    def timeout(rounds: int, quick: bool, runtime: int) -> float:
+        fio_runs = rounds * len(WAYS) * (1 if quick else 2)
+        return 1800 + rounds * 400 + fio_runs * (runtime + RAMP + 30)
+
+    return guest_main("nvme", __doc__, argv, rounds=1, quick="randread, 2 s runs",
+                      inner=inner, report=report, plot=plot, timeout=timeout)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import footer, load, notes, parser, publish, run, run_guest, setup_line, swapped
+from bench.common import footer, guest_main, notes, record, run, setup_line, swapped
 from bench.modes import RAMP
 from bench.nbd import (
     QUICK,
     WORKLOADS,
     Row,
-    command,
     plot_ratios,
     ratio_table,
     rows,
@@ -101,11 +100,8 @@ def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
         for r in range(rounds):
             for client in swapped(CLIENTS, r):
                 for w, iops, e in _client_runs(client, cluster.conf, workloads, runtime):
-                    runs.append({"round": r + 1, "device": DEVICE, "workload": w,
-                                 "server": client, "iops": iops, "error": e})
-                    shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {e}"
-                    print(f"[{time.monotonic() - start:4.0f} s] round {r + 1}: {w:17} "
-                          f"{client:7} {shown}", flush=True)
+                    record(runs, start, r + 1, f"{w:17} {client:7}", iops, e,
+                           device=DEVICE, workload=w, server=client)
                 out.write_text(json.dumps(data))
     data["complete"] = True
     out.write_text(json.dumps(data))
@@ -148,24 +144,13 @@ def plot(data: dict[str, object], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, runtime=5, rounds=2, quick="4k randread, 2 s runs")
-    ns = ap.parse_args(argv)
-    runtime = ns.runtime or (2 if ns.quick else 5)
-    if ns.report:
-        data = load(ns.report)
-        return publish("rbd", data, report(data, command(data, "rbd")), plot, out=ns.out)
-    if ns.inner:  # (run_guest passes a kublk: this benchmark has no use for it)
-        inner(runtime, ns.rounds, ns.quick, Path(ns.inner[1]))
-        return 0
-    options = [f"--runtime={runtime}", f"--rounds={ns.rounds}",
-               *(["--quick"] if ns.quick else [])]
-    attaches = ns.rounds * len(CLIENTS)
-    fio_runs = attaches * (1 if ns.quick else len(WORKLOADS))
-    code, data = run_guest("bench.rbd", options,
-                           timeout=1800 + attaches * 180 + fio_runs * (runtime + RAMP + 30))
-    if data is None:
-        return 1
-    return publish("rbd", data, report(data, command(data, "rbd")), plot, code, ns.out)
+    def timeout(rounds: int, quick: bool, runtime: int) -> float:
+        attaches = rounds * len(CLIENTS)
+        fio_runs = attaches * (1 if quick else len(WORKLOADS))
+        return 1800 + attaches * 180 + fio_runs * (runtime + RAMP + 30)
+
+    return guest_main("rbd", __doc__, argv, rounds=2, quick="4k randread, 2 s runs",
+                      inner=inner, report=report, plot=plot, timeout=timeout)
 
 
 if __name__ == "__main__":
