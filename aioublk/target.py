@@ -413,3 +413,10 @@ class Target:
     def describe(self) -> dict[str, object]:
         """Fields for logs and ``list``."""
         return {"target": self.name, "size": self.geometry.size}
+
+    @classmethod
+    def capacity(cls, files: list[str], options: dict[str, Any]) -> int | None:
+        """The bytes a device of this target over ``files`` (with ``add``'s
+        ``options``) can serve as the files are now: ``update_size`` grows it
+        no further. None: no file bounds it."""
+        return None

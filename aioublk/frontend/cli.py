@@ -538,31 +538,15 @@ def _backing_bytes(record: dict[str, Any]) -> int | None:
     """The bytes a recorded device's files hold now, which its target can
     serve and no more (past them a loop target would grow its file); None
     when no file bounds the target, or the files cannot be read."""
-    target, files = record.get("target"), record.get("files") or []
+    spec = registry.TARGETS.get(str(record.get("target")))
+    files = record.get("files") or []
+    if spec is None or not isinstance(files, list) or not files:
+        return None
     try:
-        sizes = [_file_bytes(f) for f in files]
-        if target == "loop" and sizes:
-            return sizes[0] & ~511
-        if target == "stripe" and sizes:
-            chunk = record["options"].get("chunk_size") or 65536
-            return min(s & ~(chunk - 1) for s in sizes) * len(sizes)
-        if target == "qcow2" and sizes:
-            with open(files[0], "rb") as f:
-                header = f.read(32)  # (its virtual size: big-endian, at byte 24)
-            if header[:4] == b"QFI\xfb" and len(header) == 32:
-                return int.from_bytes(header[24:], "big") & ~511
-    except (OSError, TypeError, AttributeError):
-        pass
-    return None
-
-
-def _file_bytes(path: str) -> int:
-    """A file's or a block device's size."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.lseek(fd, 0, os.SEEK_END)
-    finally:
-        os.close(fd)
+        return spec.target_class().capacity([str(f) for f in files],
+                                            dict(record.get("options") or {}))
+    except (OSError, TypeError, ValueError, AttributeError):
+        return None
 
 
 # --------------------------------------------------------------------- add --

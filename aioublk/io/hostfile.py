@@ -52,6 +52,15 @@ class Checked(Protocol):
     def same(self, st: os.stat_result) -> None: ...
 
 
+def file_bytes(path: str) -> int:
+    """A file's or a block device's size."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
+
+
 def aligned(n: int) -> memoryview:
     """A zeroed, page-aligned buffer (usable with O_DIRECT)."""
     return memoryview(mmap.mmap(-1, max(n, 1)))[:n]

@@ -53,6 +53,8 @@ COMPRESSION_ZLIB = 0
 COMPRESSION_ZSTD = 1
 
 _V2 = struct.Struct(">4sIQIIQIIQQIIQ")  # 72 bytes
+#: the version-2 header's bytes, which every image starts with
+HEADER_BYTES = _V2.size
 _V3 = struct.Struct(">QQQII")  # 32 bytes at offset 72
 _SNAP = struct.Struct(">QIHHIIQII")  # 40 bytes, then extra data, id, name
 
@@ -113,11 +115,20 @@ class Header:
         return INCOMPAT_NAMES.get(bit, f"bit {bit}") if kind == 0 else f"bit {bit}"
 
 
+def virtual_size(first: bytes) -> int | None:
+    """The virtual disk size an image's first ``HEADER_BYTES`` declare, unchecked
+    (None: not a qcow2 header): for a bound, not for serving the image."""
+    if len(first) < HEADER_BYTES or first[:4] != MAGIC:
+        return None
+    return Header(*_V2.unpack_from(first)[1:]).size
+
+
 def parse_header(first: bytes, file_size: int) -> Header:
     """Parse and check the header from the image's first bytes (at least one
     cluster, or the whole file if shorter)."""
-    if len(first) < 72:
-        raise Qcow2Error(f"not a qcow2 image: only {len(first)} bytes, the header needs 72")
+    if len(first) < HEADER_BYTES:
+        raise Qcow2Error(f"not a qcow2 image: only {len(first)} bytes, the header needs "
+                         f"{HEADER_BYTES}")
     v = _V2.unpack_from(first)
     if v[0] != MAGIC:
         raise Qcow2Error("not a qcow2 image (bad magic)")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
-from aioublk.io.hostfile import Backing, BackingError, fit_geometry
+from aioublk.io.hostfile import Backing, BackingError, file_bytes, fit_geometry
 from aioublk.kernel import uapi
 from aioublk.queue.dataplane import Linear, Map
 from aioublk.ring import current_ring
@@ -109,6 +110,10 @@ class LoopTarget(Target):
         self.backing.close()
         if self.meta is not None:
             self.meta.close()
+
+    @classmethod
+    def capacity(cls, files: list[str], options: dict[str, Any]) -> int | None:
+        return file_bytes(files[0]) & ~511 if files else None
 
     def describe(self) -> dict[str, object]:
         d: dict[str, object] = {"target": self.name, "size": self.geometry.size,

@@ -8,9 +8,11 @@ data plane from the image's extent table (``map``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from aioublk.kernel import uapi
 from aioublk.qcow2 import Qcow2Image
+from aioublk.qcow2.format import HEADER_BYTES, virtual_size
 from aioublk.queue.dataplane import Extents, Map
 from aioublk.target import Done, Geometry, Target
 
@@ -78,6 +80,14 @@ class Qcow2Target(Target):
         if not self._closed:  # never served: nothing cached, just the files
             self._closed = True
             self.image.release()
+
+    @classmethod
+    def capacity(cls, files: list[str], options: dict[str, Any]) -> int | None:
+        if not files:
+            return None
+        with open(files[0], "rb") as f:
+            size = virtual_size(f.read(HEADER_BYTES))
+        return None if size is None else size & ~511
 
     def describe(self) -> dict[str, object]:
         h = self.image.h

@@ -10,8 +10,9 @@ import asyncio
 import errno
 from collections.abc import Awaitable
 from functools import partial
+from typing import Any
 
-from aioublk.io.hostfile import Backing, BackingError, fit_geometry
+from aioublk.io.hostfile import Backing, BackingError, file_bytes, fit_geometry
 from aioublk.queue.dataplane import Map, Striped
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, gather_all, rw_handler
@@ -168,3 +169,8 @@ class StripeTarget(Target):
     def describe(self) -> dict[str, object]:
         return {"target": self.name, "size": self.geometry.size,
                 "files": [b.path for b in self.files], "chunk_size": self.chunk}
+
+    @classmethod
+    def capacity(cls, files: list[str], options: dict[str, Any]) -> int | None:
+        chunk = options.get("chunk_size") or 65536
+        return min(file_bytes(f) & ~(chunk - 1) for f in files) * len(files) if files else None

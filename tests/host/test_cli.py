@@ -393,7 +393,8 @@ class _ResizeControl:
 
 
 def _qcow2_header(size: int) -> bytes:
-    return b"QFI\xfb" + (3).to_bytes(4, "big") + bytes(16) + size.to_bytes(8, "big")
+    """A version-3 header's first 72 bytes (all an image's size needs)."""
+    return b"QFI\xfb" + (3).to_bytes(4, "big") + bytes(16) + size.to_bytes(8, "big") + bytes(40)
 
 
 @pytest.mark.parametrize("target,files,options,limit", [

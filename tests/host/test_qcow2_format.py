@@ -101,3 +101,17 @@ def test_header_refusals_name_the_problem(kw: dict[str, int], words: str) -> Non
     with pytest.raises(fmt.Qcow2Error, match=words) as err:
         fmt.parse_header(header(**kw), 1 << 20)
     assert "\n" not in str(err.value)
+
+
+def test_capacity_is_the_virtual_size_qemu_img_wrote(tmp_path: object) -> None:
+    """``update_size`` bounds a qcow2 device by the size in the image's header."""
+    import subprocess
+    from pathlib import Path
+
+    from aioublk.targets.qcow2 import Qcow2Target
+
+    img = Path(str(tmp_path)) / "a.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(img), "10000k"], check=True)
+    assert Qcow2Target.capacity([str(img)], {}) == 10000 << 10
+    assert fmt.virtual_size(img.read_bytes()[:fmt.HEADER_BYTES - 1]) is None
+    assert fmt.virtual_size(bytes(fmt.HEADER_BYTES)) is None
