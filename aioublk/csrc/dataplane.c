@@ -159,6 +159,7 @@ struct aur_dp {
     int stopping, sealed, timing;
     unsigned inflight;
     unsigned served;        /* requests C took, ever (wraps) */
+    unsigned completed;     /* requests C completed, ever (wraps) */
     /* CQEs C's backend I/O may have outstanding, and the most it may: the
        CQ less one per tag (its fetch or commit) and two fetches per queue */
     unsigned cqes, max_cqes;
@@ -686,11 +687,14 @@ static void dp_complete(struct aur_dp *dp, struct dp_out *o, unsigned local, uin
                         int32_t res)
 {
     dp->inflight--;
+    dp->completed++;
     dp_tag(dp, local, tag)->served = 0;
-    if (dp->sealed)
+    if (dp->sealed) {
         dp_emit(o, DP_UD(AUR_DP_EV_LOST, local, tag, 0), res, 0);
-    else
+    } else {
+        dp->q[local].counts->c_served++;
         dp_commit(dp, local, tag, res);
+    }
     dp_idle_check(dp, o);
 }
 
@@ -986,6 +990,7 @@ static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
     /* Python serves it from the start, on the coroutine path */
     dp->inflight--;
     t->served = 0;
+    dp->q[local].counts->py_handed++;
     dp_emit(o, DP_UD(AUR_DP_EV_RETRY, local, tag, 0), t->bad, 0);
     dp_idle_check(dp, o);
 }
@@ -996,8 +1001,11 @@ static void dp_fetched(struct aur_dp *dp, struct dp_out *o, unsigned local, uint
         dp->q[local].counts->started++;
         dp_clock_start(dp, local, tag);
     }
-    if (!dp_serve(dp, o, local, tag))
-        dp_emit(o, DP_UD(AUR_DP_EV_TAG, local, tag, 0), 0, 0);
+    if (dp_serve(dp, o, local, tag))
+        return;
+    if (!dp->stopping)
+        dp->q[local].counts->py_handed++;
+    dp_emit(o, DP_UD(AUR_DP_EV_TAG, local, tag, 0), 0, 0);
 }
 
 static void dp_fetch_done(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe)
@@ -1090,6 +1098,7 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
             dp_clock_start(dp, DP_LOCAL(ud), DP_TAG(ud));
             if (dp_serve(dp, o, DP_LOCAL(ud), DP_TAG(ud)))
                 return;
+            dp->q[DP_LOCAL(ud)].counts->py_handed++;
         }
         dp_emit(o, ud, cqe->res, cqe->flags);
         return;
@@ -1165,7 +1174,7 @@ unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
     struct dp_out o = { out, 0 };
     struct io_uring_cqe *cqe;
     uint64_t start = 0;
-    unsigned served = dp->served;
+    unsigned served = dp->served, completed = dp->completed;
     int full = 0, quiet = 0;
 
     for (;;) {
@@ -1182,10 +1191,17 @@ unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
         {
             struct __kernel_timespec ts = { 0, (long long)dp->s.poll_us * 1000 };
 
-            if (io_uring_wait_cqe_timeout(ring, &cqe, &ts) < 0)
+            int ret = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
+
+            if (ret < 0) {
+                if (ret == -ETIME)
+                    dp->q[0].counts->poll_timeouts++;
                 break;
+            }
         }
     }
+    if (dp->served != served || dp->completed != completed)
+        dp->q[0].counts->wakes++;
     if (quiet)
         io_uring_cq_eventfd_toggle(ring, true);
     if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring) || dp_waiting(dp)) {

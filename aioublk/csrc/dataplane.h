@@ -77,6 +77,11 @@ struct aur_dp_setup {
 #define AUR_LAT_BUCKETS 24
 struct aur_dp_counts {
     uint64_t started, ios, bytes, errors;
+    /* who served: c_served requests C took from fetch to commit, py_handed
+       ones handed to Python (EV_TAG, EV_IO, EV_RETRY); the data plane's own
+       (on its first queue): wakes, aur_dp_reap's returns after C served or
+       completed a request, poll_timeouts, its waits for more that timed out */
+    uint64_t c_served, py_handed, wakes, poll_timeouts;
     uint64_t lat_ns[7];        /* AUR_LAT_OPS: the latencies' sum */
     uint64_t lat[7][24];       /* AUR_LAT_OPS x AUR_LAT_BUCKETS */
 };

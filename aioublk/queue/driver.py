@@ -329,6 +329,28 @@ class QueueStats:
     def errors(self) -> int:
         return int(self._c.errors)
 
+    @property
+    def c_served(self) -> int:
+        """Requests the C data plane served from fetch to commit."""
+        return int(self._c.c_served)
+
+    @property
+    def py_handed(self) -> int:
+        """Requests C handed to Python: misses (as fetched) and retries."""
+        return int(self._c.py_handed)
+
+    @property
+    def wakes(self) -> int:
+        """The data plane's returns to Python after C served or completed
+        requests (counted on the data plane's first queue, 0 on the others)."""
+        return int(self._c.wakes)
+
+    @property
+    def poll_timeouts(self) -> int:
+        """The data plane's waits in C for more work that timed out (on its
+        first queue, as ``wakes``)."""
+        return int(self._c.poll_timeouts)
+
     def latency(self) -> list[tuple[list[int], int]]:
         """Per op (``metrics.OPS``): the log2 buckets' counts and the
         latencies' sum in ns; read while C adds to them (a bucket may be one

@@ -40,7 +40,8 @@ class Plane:
     from ``backing``, its commands going to a pipe."""
 
     def __init__(self, ring: Any, backing: int, *, depth: int = 4, max_io: int = 4096,
-                 mode: int = 0, batch: int = 0, map: Map | None = None) -> None:
+                 mode: int = 0, batch: int = 0, map: Map | None = None,
+                 poll_us: int = 0) -> None:
         self.ring = ring
         self.pipe = os.pipe()
         self.events: list[tuple[int, int, int, int]] = []  # kind, tag, aux, res
@@ -54,7 +55,7 @@ class Plane:
             "op_register_buf": uapi.IoCmd.REGISTER_IO_BUF,
             "op_unregister_buf": uapi.IoCmd.UNREGISTER_IO_BUF,
             "op_commit_io_cmds": uapi.IoCmd.COMMIT_IO_CMDS,
-            "fetch_buf_bytes": 2 * depth, "fetch_buf_entries": 8,
+            "fetch_buf_bytes": 2 * depth, "fetch_buf_entries": 8, "poll_us": poll_us,
         }, 1, self._on_event)
         self._views = (ffi.from_buffer(self.descs), ffi.from_buffer(self.bufs))
         lib.aur_dp_queue(self.dp.c, 0, 0, self._views[0], self._views[1], self.dp.counts)
@@ -173,6 +174,81 @@ async def test_a_request_longer_than_max_io_is_left_to_python(backing: int) -> N
         assert plane.dp.inflight == 0
     finally:
         plane.close()
+
+
+# -- who served: the counters behind list --stats' C share ---------------------
+
+@pytest.mark.asyncio
+async def test_a_hit_counts_as_c_served_a_miss_and_a_retry_as_handed_to_python(
+        backing: int) -> None:
+    """A read of a published granule is C's from fetch to commit; one of an
+    unpublished granule goes to Python as fetched, and one whose backend
+    read comes up short (its host offset past the file's end) goes to Python
+    as a retry. Only the hit and the retry, which C started, wake Python
+    for C's sake."""
+    from aioublk.queue.dataplane import EV_RETRY, Extents
+    from aioublk.queue.driver import QueueStats
+    from aioublk.queue.extents import ExtentTable
+    from aioublk.ring import Ring
+
+    table = ExtentTable(4096, max_entries=16)
+    table.insert(0, 4096, backing, 0, writable=True)
+    table.insert(8192, 4096, backing, 1 << 30, writable=True)  # the file is 64 MiB
+    ring = Ring(16)
+    plane = Plane(ring, backing, map=Extents(table))
+    c = plane.dp.counts[0]
+    try:
+        plane.fetch(0, uapi.Op.READ, 8, start=0)
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)]  # C committed it
+        assert (c.started, c.c_served, c.py_handed) == (1, 1, 0)
+        assert c.wakes >= 1
+        wakes = c.wakes
+
+        plane.fetch(1, uapi.Op.READ, 8, start=8)  # granule 1: not published
+        await plane.wait_for(lambda: len(plane.events) > 1)
+        assert plane.events[1] == (EV_IO, 1, 0, 0)  # as fetched: Python's
+        assert (c.started, c.c_served, c.py_handed) == (2, 1, 1)
+        assert c.wakes == wakes
+
+        plane.fetch(2, uapi.Op.READ, 8, start=16)
+        await plane.wait_for(lambda: len(plane.events) > 2)
+        assert plane.events[2] == (EV_RETRY, 2, 0, -errno.EIO)
+        assert (c.started, c.c_served, c.py_handed) == (3, 1, 2)
+        assert c.wakes > wakes
+        assert c.ios == 1 and plane.dp.inflight == 0  # Python answers the other two
+        assert table.busy(0, 3 * 4096) == 0
+        st = QueueStats(c)
+        assert (st.c_served, st.py_handed, st.wakes, st.poll_timeouts) == \
+            (1, 2, c.wakes, 0)
+    finally:
+        plane.close()
+
+
+@pytest.mark.asyncio
+async def test_a_wait_for_more_that_times_out_is_counted() -> None:
+    """C waits poll_us for the backend read it started (a pipe: nothing to
+    read yet) and gives the thread back to Python: one poll timeout. Once the
+    data is there the request is still C's."""
+    from aioublk.ring import Ring
+
+    r, w = os.pipe()
+    ring = Ring(16)
+    plane = Plane(ring, r, map=Linear(r), poll_us=1000)
+    c = plane.dp.counts[0]
+    try:
+        plane.fetch(0, uapi.Op.READ, 8)
+        await plane.wait_for(lambda: c.poll_timeouts >= 1)
+        assert not plane.events and (c.c_served, c.py_handed) == (0, 0)
+        assert c.wakes >= 1
+        os.write(w, bytes(4096))
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)]
+        assert (c.c_served, c.py_handed) == (1, 0)
+    finally:
+        plane.close()
+        os.close(r)
+        os.close(w)
 
 
 # -- defect: a commit that cannot be queued was forgotten ---------------------
