@@ -37,6 +37,8 @@ from aioublk.target import QueueSetupError, Target
 log = logs.get_logger("aioublk.device")
 
 STAT_FIELDS = ("queue", "ios", "bytes", "errors", "inflight")
+#: the data plane's counters, summed as they are (``QueueStats``)
+DP_FIELDS = ("c_served", "py_handed", "wakes", "poll_timeouts")
 
 #: seconds an unprivileged device's server waits for udev to hand it its node
 _UDEV_WAIT = 30.0
@@ -346,19 +348,23 @@ class Device:
 
     def stats(self) -> list[dict[str, int]]:
         """Per queue, summed over the workers serving it: requests answered
-        (``ios``), bytes read or written, errors, and requests in flight."""
+        (``ios``), bytes read or written, errors, requests in flight, and
+        the data plane's ``DP_FIELDS`` (who served them; its wake-ups)."""
         rows: dict[int, dict[str, int]] = {}
         for w in self.workers:
             driver = w.driver
             if driver is None:
                 continue
             for q, st in list(driver.stats.items()):
-                row = rows.setdefault(q, dict.fromkeys(STAT_FIELDS, 0) | {"queue": q})
+                row = rows.setdefault(q, dict.fromkeys(STAT_FIELDS + DP_FIELDS, 0)
+                                      | {"queue": q})
                 started, ios = st.started, st.ios
                 row["ios"] += ios
                 row["bytes"] += st.bytes
                 row["errors"] += st.errors
                 row["inflight"] += max(started - ios, 0)
+                for name in DP_FIELDS:
+                    row[name] += getattr(st, name)
         return [rows[q] for q in sorted(rows)]
 
     def latency(self) -> dict[int, list[tuple[list[int], int]]]:

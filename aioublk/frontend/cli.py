@@ -11,7 +11,7 @@ kublk keep working::
     python -m aioublk stop -n ID [--safe]
     python -m aioublk quiesce -n ID
     python -m aioublk update_size -n ID -s BYTES
-    python -m aioublk list [-n ID | -a] [--stats]
+    python -m aioublk list [-n ID | -a] [--stats] [--json]
     python -m aioublk features
     python -m aioublk serve config.toml
 
@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import errno
 import functools
+import json
 import logging
 import os
 import sys
@@ -47,7 +48,7 @@ from aioublk.frontend.config import SIZE_FORMS, build_target, parse_size, target
 from aioublk.frontend.kublk_lines import device_ids, dump, print_device, target_line
 from aioublk.frontend.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.kernel import uapi
-from aioublk.kernel.control import Control
+from aioublk.kernel.control import Control, state_name
 from aioublk.queue import options
 from aioublk.queue.options import (
     BOOL,
@@ -250,7 +251,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_dev_id(ls, "device to show (default: all)")
     ls.add_argument("-a", "--all", action="store_true", help="show all devices (the default)")
     ls.add_argument("--stats", action="store_true",
-                    help="also each queue's requests, bytes, errors and in-flight count")
+                    help="also each queue's requests, bytes, errors and in-flight count, "
+                    "and the share the C data plane served")
+    ls.add_argument("--json", action="store_true",
+                    help="one JSON list of the devices instead of kublk's lines")
 
     sub.add_parser("features", help="show the driver's features")
 
@@ -385,8 +389,36 @@ async def _with_control(fn: Callable[[Control], Awaitable[int]]) -> int:
         ctrl.close()
 
 
+async def _describe(ctrl: Control, dev_id: int, with_stats: bool) -> dict[str, Any]:
+    """``list --json``: one device as kublk's lines describe it, its recorded
+    target, and (``with_stats``) its server's published counters (None if
+    there are none)."""
+    info = await ctrl.get_info(dev_id)
+    params = await ctrl.get_params(dev_id)
+    pid = info.ublksrv_pid
+    record = stats.read_record(dev_id)
+    mine = record is not None and record.get("pid") == pid
+    out: dict[str, Any] = {
+        "dev_id": info.dev_id, "nr_hw_queues": info.nr_hw_queues,
+        "queue_depth": info.queue_depth, "block_size": 1 << params.logical_bs_shift,
+        "dev_capacity": params.dev_sectors, "max_io_buf_bytes": info.max_io_buf_bytes,
+        "pid": pid, "flags": info.flags, "state": state_name(info.state),
+        "target": record.get("target") if mine and record else None,
+        "files": [str(f) for f in record.get("files", [])] if mine and record else [],
+    }
+    if with_stats:
+        rows = stats.read(dev_id, pid)
+        out["stats"] = None if rows is None else stats.json_rows(rows)
+    return out
+
+
 async def cmd_list(args: argparse.Namespace) -> int:
+    found: list[dict[str, Any]] = []
+
     async def show(ctrl: Control, dev_id: int) -> None:
+        if args.json:
+            found.append(await _describe(ctrl, dev_id, args.stats))
+            return
         out = await dump(ctrl, dev_id)
         pid = (await ctrl.get_info(dev_id)).ublksrv_pid
         record = stats.read_record(dev_id)
@@ -403,12 +435,14 @@ async def cmd_list(args: argparse.Namespace) -> int:
     async def run(ctrl: Control) -> int:
         if args.dev_id >= 0:
             await show(ctrl, args.dev_id)
-            return 0
-        for dev_id in device_ids():
-            try:
-                await show(ctrl, dev_id)
-            except UblkError:  # deleted since
-                continue
+        else:
+            for dev_id in device_ids():
+                try:
+                    await show(ctrl, dev_id)
+                except UblkError:  # deleted since
+                    continue
+        if args.json:
+            print(json.dumps(found))
         return 0
     return await _with_control(run)
 

@@ -193,10 +193,31 @@ def remove_record(dev_id: int) -> None:
         os.close(dfd)
 
 
+def c_share(row: dict[str, int]) -> float | None:
+    """The share of a queue's requests the C data plane served, fetch to
+    commit (None before any request, or from a server that did not count)."""
+    done = row.get("c_served", 0) + row.get("py_handed", 0)
+    return row.get("c_served", 0) / done if done else None
+
+
 def lines(rows: list[dict[str, int]]) -> list[str]:
-    """``list --stats``: one line per queue, after kublk's queue lines."""
-    return [f"\tqueue {r['queue']} stats: ios {r['ios']} bytes {r['bytes']} "
-            f"errors {r['errors']} inflight {r['inflight']}" for r in rows]
+    """``list --stats``: one line per queue, after kublk's queue lines; the
+    data plane's counters at its end when the server published them."""
+    out = []
+    for r in rows:
+        line = (f"\tqueue {r['queue']} stats: ios {r['ios']} bytes {r['bytes']} "
+                f"errors {r['errors']} inflight {r['inflight']}")
+        if "wakes" in r:
+            share = c_share(r)
+            line += (f" c_share {'-' if share is None else f'{share:.3f}'} "
+                     f"wakes {r['wakes']} poll_timeouts {r['poll_timeouts']}")
+        out.append(line)
+    return out
+
+
+def json_rows(rows: list[dict[str, int]]) -> list[dict[str, Any]]:
+    """``list --stats --json``: the published counters and each queue's ``c_share``."""
+    return [r | {"c_share": c_share(r)} if "c_served" in r else dict(r) for r in rows]
 
 
 async def publish(devices: Callable[[], list[Device]], log_every: float = 0,

@@ -375,11 +375,19 @@ def test_list_stats_update_size_and_safe_stop(tmp_path: Path,
             break
         assert time.monotonic() < deadline, out
         time.sleep(0.3)
-    assert stat.startswith("\tqueue 0 stats: ios ") and stat.endswith(" errors 0 inflight 0")
+    assert stat.startswith("\tqueue 0 stats: ios ") and " errors 0 inflight 0 " in stat
+    assert 0 <= float(stat.split(" c_share ")[1].split()[0]) <= 1, stat
     assert int(stat.split(" bytes ")[1].split()[0]) >= 300 * 4096
     # kublk's lines first, then the recorded target's
     kublk, target = out.splitlines()[:-2], out.splitlines()[-2]
     assert len(kernel.parse_list("\n".join(kublk))) == 1 and target == "\ttarget: null", out
+    code, out, err = in_process("list", "-n", str(dev.dev_id), "--stats", "--json",
+                                capsys=capsys)
+    assert code == 0, err
+    [listed] = json.loads(out)
+    assert (listed["dev_id"], listed["pid"], listed["target"]) == (dev.dev_id, dev.pid, "null")
+    [row] = listed["stats"]
+    assert row["ios"] >= reads + 300 and row["c_served"] + row["py_handed"] >= reads + 300, row
 
     full = int(kernel.run("lsblk", "-bdno", "SIZE", path))
     assert full == 250 << 30

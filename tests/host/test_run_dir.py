@@ -144,6 +144,22 @@ def test_read_does_not_follow_a_symlink(run_dir: Path, tmp_path: Path) -> None:
     assert stats.read(0, 1234) is None
 
 
+def test_list_stats_adds_the_c_share_after_the_counters_it_always_showed() -> None:
+    """A server that counts who served prints the C share, wakes and poll
+    timeouts after the line's usual fields; an older server's line is as it was."""
+    old = ROWS[0]
+    new = old | {"c_served": 3, "py_handed": 1, "wakes": 2, "poll_timeouts": 1}
+    idle = new | {"c_served": 0, "py_handed": 0}
+    assert stats.lines([old]) == ["\tqueue 0 stats: ios 1 bytes 512 errors 0 inflight 0"]
+    assert stats.lines([new, idle]) == [
+        "\tqueue 0 stats: ios 1 bytes 512 errors 0 inflight 0 c_share 0.750 wakes 2 "
+        "poll_timeouts 1",
+        "\tqueue 0 stats: ios 1 bytes 512 errors 0 inflight 0 c_share - wakes 2 "
+        "poll_timeouts 1"]
+    assert stats.json_rows([old, new, idle]) == [
+        old, new | {"c_share": 0.75}, idle | {"c_share": None}]
+
+
 DAEMON = """
 import os, sys
 from aioublk.frontend import cli
