@@ -407,8 +407,9 @@ async def _describe(ctrl: Control, dev_id: int, with_stats: bool) -> dict[str, A
         "files": [str(f) for f in record.get("files", [])] if mine and record else [],
     }
     if with_stats:
-        rows = stats.read(dev_id, pid)
-        out["stats"] = None if rows is None else stats.json_rows(rows)
+        got = stats.read_at(dev_id, pid)
+        out["stats"] = None if got is None else stats.json_rows(got[1])
+        out["stats_time"] = None if got is None else got[0]  # published then (time.time())
     return out
 
 

@@ -147,11 +147,18 @@ def _read(name: str) -> dict[str, Any] | None:
 
 def read(dev_id: int, pid: int) -> list[dict[str, int]] | None:
     """The queues' counters published by server ``pid``, or None."""
+    got = read_at(dev_id, pid)
+    return None if got is None else got[1]
+
+
+def read_at(dev_id: int, pid: int) -> tuple[float, list[dict[str, int]]] | None:
+    """When server ``pid`` published its queues' counters (``time.time()``),
+    and the counters; None if it did not."""
     data = _read(_name(dev_id))
     if data is None or data.get("pid") != pid:
         return None
     queues: list[dict[str, int]] = data["queues"]
-    return queues
+    return float(data.get("time", 0)), queues
 
 
 def write_record(dev_id: int, record: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,20 @@ def test_list_stats_adds_the_c_share_after_the_counters_it_always_showed() -> No
         "poll_timeouts 1"]
     assert stats.json_rows([old, new, idle]) == [
         old, new | {"c_share": 0.75}, idle | {"c_share": None}]
+
+
+def test_read_at_says_when_the_counters_were_published(run_dir: Path) -> None:
+    """``list --json`` shows how fresh the counters are (a bench waits for a
+    publish after its run before it takes their deltas)."""
+    before = time.time()
+    dfd = stats.open_run_dir(create=True)
+    try:
+        stats._write(dfd, "0.json", {"queues": ROWS})
+    finally:
+        os.close(dfd)
+    got = stats.read_at(0, os.getpid())
+    assert got is not None and before <= got[0] <= time.time() and got[1] == ROWS
+    assert stats.read_at(0, os.getpid() + 1) is None  # another server's
 
 
 DAEMON = """
