@@ -137,18 +137,25 @@ def median(records: Iterable[Mapping[str, Any]], value: str = "iops",
     return statistics.median(values) if values else None
 
 
-def paired(records: Iterable[Mapping[str, Any]], num: Mapping[str, object],
-           den: Mapping[str, object], value: str = "iops") -> float | None:
-    """The median over rounds of num / den (each a field match) within one round: both
-    ran minutes apart there, so drift between rounds cancels out."""
-    by_round: dict[object, dict[str, float]] = {}
+def paired_ratios(records: Iterable[Mapping[str, Any]], num: Mapping[str, object],
+                  den: Mapping[str, object], value: str = "iops") -> list[float]:
+    """Each round's num / den (each a field match), in round order: both ran minutes
+    apart there, so drift between rounds cancels out."""
+    by_round: dict[Any, dict[str, float]] = {}
     for x in records:
         if x.get(value) is None:
             continue
         for side, match in (("num", num), ("den", den)):
             if all(x.get(k) == v for k, v in match.items()):
                 by_round.setdefault(x["round"], {})[side] = float(x[value])
-    ratios = [r["num"] / r["den"] for r in by_round.values() if r.get("den") and "num" in r]
+    return [r["num"] / r["den"] for _, r in sorted(by_round.items())
+            if r.get("den") and "num" in r]
+
+
+def paired(records: Iterable[Mapping[str, Any]], num: Mapping[str, object],
+           den: Mapping[str, object], value: str = "iops") -> float | None:
+    """The median over rounds of num / den within one round (``paired_ratios``)."""
+    ratios = paired_ratios(records, num, den, value)
     return statistics.median(ratios) if ratios else None
 
 

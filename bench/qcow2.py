@@ -1,36 +1,52 @@
-"""aioublk's qcow2 target beside qemu-nbd + nbd.ko, in one guest run.
+"""aioublk's qcow2 target beside qemu-nbd + nbd.ko, in one guest run, in rounds.
 
-    python -m bench.qcow2 [--runtime 10] [--quick] [--nbd-aio both|io_uring|native]
+    python -m bench.qcow2 [--runtime 5] [--rounds 3] [--rows goals|all] [--quick]
+                          [--nbd-aio both|io_uring|native] [--cpus 4]
 
 Each server exports a fresh 2 GiB qcow2 image (64 KiB clusters) kept in guest
 RAM (tmpfs), once EMPTY (``qemu-img create -f qcow2``) and once PREALLOCATED
 (``-o preallocation=metadata``: every L2 entry and refcount in place, the data
-area a hole of the file). The servers:
+area a hole of the file). The servers, in the order ``qemu-nbd io_uring,
+aioublk, qemu-nbd native`` in odd rounds and the reverse in even ones:
 
 - ``qemu-nbd --cache=none --aio=io_uring --discard=unmap -f qcow2 -c /dev/nbdN``
-  (nbd.ko, one connection), and the same with ``--aio=native``: the table uses
-  whichever of the two is faster overall (geometric mean of all rows), the
-  other is listed beside it;
+  (nbd.ko, one connection), and the same with ``--aio=native``: each row uses
+  whichever of the two has the higher median over the rounds (the other is
+  listed beside it);
 - ``python -m aioublk add -t qcow2 -q 1 IMAGE`` (its defaults otherwise).
 
 On each device fio (io_uring, O_DIRECT) runs, in this order:
 
 1. 4k randwrite at iodepth 1, then 64. On the empty image these are
-   *allocating* writes: so that both servers allocate the same clusters,
-   the first server runs them for ``--runtime`` seconds and every later
+   *allocating* writes: so that every server allocates the same clusters, the
+   round's first server runs them for ``--runtime`` seconds and every later
    server does exactly as many writes (``fio --io_size``, same random
    sequence: ``randrepeat``), however long that takes (capped).
 2. A sequential 1 MiB write over the whole device at iodepth 16 (reported,
    too): the fill that makes the reads below read data, not holes/zeros.
-3. 4k randread, 4k randrw (50/50), 512k rw (sequential 50/50 mix), each at
-   iodepth 1 and 64, ``--runtime`` seconds after a 1 s ramp.
+3. 4k randread and 4k randwrite in place at iodepth 1 and 64 (and with
+   ``--rows all`` 4k randrw 50/50 and 512k rw, sequential 50/50, at 1 and
+   64), ``--runtime`` seconds each after a 1 s ramp.
+4. Two queues: the filled image attached again, aioublk with ``-q 2``,
+   qemu-nbd with two connections (``--fork --shared=2 --persistent`` and
+   ``nbd-client -C 2``) when the guest has nbd-client and ``nbdinfo --can
+   multi-conn`` says the export allows it, else one (``connections`` in the
+   JSON); 4k randread and randwrite in place at iodepth 64 by two fio jobs,
+   each on its own half of the device (on the empty image; both kinds with
+   ``--rows all``).
 
-After each device ``qemu-img check`` runs on its image. The guest only
-writes JSON; the host turns it into ``bench/results/qcow2.md``, ``.json`` and
-``qcow2.png`` (matplotlib: ``pip install -e .[bench]``). Absolute numbers
-under software emulation mean little; the aioublk/qemu-nbd ratio is the
-result. ``--quick`` is a smoke test of this script (256 MiB image, 3 s runs),
-not a measurement.
+Every round also measures aioublk's null target (no backend at all) on the
+goal and QD1 workloads: the ceiling of what a ublk server shows here. Around
+every run the guest takes each server's CPU time from
+``/proc/PID/task/*/schedstat`` (io_uring's ``iou-wrk-*`` workers apart) and
+the device's I/O count from sysfs, and for aioublk ``list --stats --json``
+(the share of requests its C data plane served, and its wakes). After each
+device ``qemu-img check`` runs on its image. The guest only writes JSON; the
+host turns it into ``bench/results/qcow2.md``, ``.json`` and ``qcow2.png``
+(matplotlib: ``pip install -e .[bench]``). Absolute numbers under software
+emulation mean little; the aioublk/qemu-nbd ratios, paired within each
+round, are the result. ``--quick`` is a smoke test of this script (64 MiB
+empty image, a few rows), not a measurement.
 """
 
 from __future__ import annotations
@@ -38,38 +54,69 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
 
-from bench.common import fmt as _fmt
-from bench.common import grouped_bars, load, parser, publish, run_guest
-from bench.common import run as _run
+from bench.common import (
+    errors_section,
+    fmt,
+    grouped_bars,
+    load,
+    median,
+    met,
+    paired_ratios,
+    parser,
+    publish,
+    record,
+    run,
+    run_guest,
+    swapped,
+    table,
+)
 from bench.modes import _add
 
+T = TypeVar("T")
+FORMAT = 2  # data["format"]; results without one came from the one-round script
 IMAGE_SIZE = 2 << 30
-QUICK_IMAGE_SIZE = 256 << 20
+QUICK_IMAGE_SIZE = 64 << 20
 KINDS: dict[str, list[str]] = {  # image kind -> extra qemu-img create arguments
     "empty": [],
     "prealloc": ["-o", "preallocation=metadata"],
 }
 NBD_AIO = ("io_uring", "native")
+AIOUBLK = "aioublk"
+NULL = "null"
 RAMP = 1
 MiB = 1 << 20
+# A "count" run of a later server may take this many times --runtime before fio stops it.
+COUNT_CAP = 12
+# Slowest fill rate the timeouts allow for (MiB/s): TCG is slow, a Python server slower.
+MIN_FILL_RATE = 5
+GUEST_MEMORY = "6G"  # the 2 GiB image lives in guest RAM
+STATS_WAIT = 15.0  # seconds for aioublk to publish its counters after a run
 
 
-class Step:
-    """One fio run on a device: a workload at one iodepth.
+class Step(NamedTuple):
+    """One fio run on a device: a workload at one iodepth, by ``queues`` jobs.
 
-    how: "count" (pre-fill writes: later servers repeat the first server's
-    I/O count), "fill" (one sequential pass over the device), "time"
-    (time based, after a ramp).
+    how: "count" (allocating writes: later servers repeat the round's first
+    server's I/O count), "fill" (one sequential pass over the device), "time"
+    (time based, after a ramp). rows: the ``--rows`` set it belongs to.
     """
 
-    def __init__(self, workload: str, qd: int, args: list[str], how: str) -> None:
-        self.workload, self.qd, self.args, self.how = workload, qd, args, how
+    workload: str
+    qd: int
+    args: tuple[str, ...]
+    how: str
+    queues: int = 1
+    rows: str = "goals"
 
     @property
     def bs(self) -> int:
@@ -79,26 +126,39 @@ class Step:
 
     @property
     def key(self) -> str:
-        return f"{self.workload} qd{self.qd}"
+        return f"{self.workload} qd{self.qd}" + (f" {self.queues}q" if self.queues > 1 else "")
 
 
-STEPS = [
-    Step("4k randwrite", 1, ["--rw=randwrite", "--bs=4k"], "count"),
-    Step("4k randwrite", 64, ["--rw=randwrite", "--bs=4k"], "count"),
-    Step("1M write (fill)", 16, ["--rw=write", "--bs=1M"], "fill"),
-    Step("4k randread", 1, ["--rw=randread", "--bs=4k"], "time"),
-    Step("4k randread", 64, ["--rw=randread", "--bs=4k"], "time"),
-    Step("4k randwrite in place", 64, ["--rw=randwrite", "--bs=4k"], "time"),
-    Step("4k randrw", 1, ["--rw=randrw", "--bs=4k"], "time"),
-    Step("4k randrw", 64, ["--rw=randrw", "--bs=4k"], "time"),
-    Step("512k rw", 1, ["--rw=rw", "--bs=512k"], "time"),
-    Step("512k rw", 64, ["--rw=rw", "--bs=512k"], "time"),
+RANDWRITE, RANDREAD, IN_PLACE = "4k randwrite", "4k randread", "4k randwrite in place"
+_W, _R = ("--rw=randwrite", "--bs=4k"), ("--rw=randread", "--bs=4k")
+STEPS = [  # one queue, in this order
+    Step(RANDWRITE, 1, _W, "count"),
+    Step(RANDWRITE, 64, _W, "count"),
+    Step("1M write (fill)", 16, ("--rw=write", "--bs=1M"), "fill"),
+    Step(RANDREAD, 1, _R, "time"),
+    Step(RANDREAD, 64, _R, "time"),
+    Step(IN_PLACE, 1, _W, "time"),
+    Step(IN_PLACE, 64, _W, "time"),
+    Step("4k randrw", 1, ("--rw=randrw", "--bs=4k"), "time", rows="all"),
+    Step("4k randrw", 64, ("--rw=randrw", "--bs=4k"), "time", rows="all"),
+    Step("512k rw", 1, ("--rw=rw", "--bs=512k"), "time", rows="all"),
+    Step("512k rw", 64, ("--rw=rw", "--bs=512k"), "time", rows="all"),
 ]
-# A "count" run of a later server may take this many times --runtime before fio stops it.
-COUNT_CAP = 12
-# Slowest fill rate the timeouts allow for (MiB/s): TCG is slow, a Python server slower.
-MIN_FILL_RATE = 5
-GUEST_MEMORY = "6G"  # the 2 GiB image lives in guest RAM
+STEPS_2Q = [Step(RANDREAD, 64, _R, "time", queues=2), Step(IN_PLACE, 64, _W, "time", queues=2)]
+QUICK_STEPS = [STEPS[0], STEPS[2], STEPS[4], STEPS_2Q[0]]
+# the null target, every round: the goal and QD1 workloads (in place is randwrite there)
+NULL_STEPS = [Step(RANDWRITE, 64, _W, "time"), Step(RANDREAD, 64, _R, "time"),
+              Step(RANDWRITE, 1, _W, "time"), Step(RANDREAD, 1, _R, "time")]
+
+
+def plan(rows: str, quick: bool) -> dict[str, list[Step]]:
+    """image kind -> its steps: one queue's, then two queues' (the empty image's
+    only, unless ``rows`` is "all")."""
+    if quick:
+        return {"empty": QUICK_STEPS}
+    one = [s for s in STEPS if rows == "all" or s.rows == "goals"]
+    return {kind: one + (STEPS_2Q if kind == "empty" or rows == "all" else [])
+            for kind in KINDS}
 
 
 # -- guest side ---------------------------------------------------------------------
@@ -132,28 +192,32 @@ def _image_folder(size: int) -> dict[str, object]:
             os.rmdir(path)
             continue
         os.unlink(probe)
-        fstype, _ = _run(["stat", "-f", "-c", "%T", path], timeout=10)
+        fstype, _ = run(["stat", "-f", "-c", "%T", path], timeout=10)
         return {"path": path, "fs": fstype.strip(), "free_mib": free >> 20}
     raise SystemExit("no guest-RAM folder for the image: " + "; ".join(tried))
 
 
 def _fio(dev: str, step: Step, runtime: int, io_count: int | None,
-         size: int) -> dict[str, object]:
+         size: int) -> dict[str, Any]:
     """Run one step; a dict with iops, mib_s, ios, seconds, or error."""
     cmd = ["fio", "--name=w", f"--filename={dev}", "--ioengine=io_uring", "--direct=1",
            "--randrepeat=1", *step.args, f"--iodepth={step.qd}", "--output-format=json"]
+    if step.queues > 1:  # a job per queue, each on its own half: no shared random sequence
+        part = size // step.queues
+        cmd += [f"--numjobs={step.queues}", "--group_reporting",
+                f"--offset_increment={part}", f"--size={part}"]
     if step.how == "fill":
         timeout = size / MiB / MIN_FILL_RATE + 120
     elif step.how == "count" and io_count is not None:
         cmd += [f"--io_size={io_count * step.bs}", f"--runtime={runtime * COUNT_CAP}"]
         timeout = runtime * COUNT_CAP + 120
-    elif step.how == "count":  # the first server: time based, no ramp (allocation starts at once)
+    elif step.how == "count":  # the leader: time based, no ramp (allocation starts at once)
         cmd += ["--time_based", f"--runtime={runtime}"]
         timeout = runtime + 120
     else:
         cmd += ["--time_based", f"--runtime={runtime}", f"--ramp_time={RAMP}"]
         timeout = runtime + RAMP + 120
-    out, err = _run(cmd, timeout=timeout)
+    out, err = run(cmd, timeout=timeout)
     if err:
         return {"error": f"fio {err}"}
     try:
@@ -163,10 +227,67 @@ def _fio(dev: str, step: Step, runtime: int, io_count: int | None,
             "iops": sum(float(s["iops"]) for s in sides),
             "mib_s": sum(float(s["bw_bytes"]) for s in sides) / MiB,
             "ios": sum(int(s["total_ios"]) for s in sides),
-            "seconds": float(job["job_runtime"]) / 1000,
+            "seconds": float(job["job_runtime"]) / 1000 / step.queues,
         }
     except (ValueError, KeyError, IndexError) as e:
         return {"error": f"fio output unreadable: {e!r}"}
+
+
+def _tasks_cpu(pid: int | None) -> dict[int, tuple[str, int]]:
+    """tid -> (comm, ns on CPU) of every thread of `pid` (schedstat's first field)."""
+    got: dict[int, tuple[str, int]] = {}
+    if pid is None:
+        return got
+    base = Path(f"/proc/{pid}/task")
+    try:
+        tids = [int(t) for t in os.listdir(base)]
+    except OSError:
+        return got
+    for tid in tids:
+        try:
+            comm = (base / str(tid) / "comm").read_text().strip()
+            got[tid] = (comm, int((base / str(tid) / "schedstat").read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return got
+
+
+def _dev_ios(dev: str) -> int | None:
+    """Reads + writes the block device completed (sysfs stat), ramp included."""
+    try:
+        f = Path(f"/sys/block/{os.path.basename(dev)}/stat").read_text().split()
+        return int(f[0]) + int(f[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_fields(before: Mapping[int, tuple[str, int]], after: Mapping[int, tuple[str, int]],
+               ios: int | None) -> dict[str, Any]:
+    """CPU µs per I/O of a server between two ``_tasks_cpu`` samples, io_uring's
+    ``iou-wrk-*`` workers apart (a thread that left before `after` is not counted)."""
+    own = wrk = 0
+    workers = 0
+    for tid, (comm, ns) in after.items():
+        spent = ns - before.get(tid, (comm, 0))[1]
+        if comm.startswith("iou-wrk"):
+            wrk += spent
+            workers += 1
+        else:
+            own += spent
+    if not ios or not after:
+        return {}
+    return {"cpu_us_per_io": own / 1000 / ios, "iou_wrk_us_per_io": wrk / 1000 / ios,
+            "iou_wrk_threads": workers}
+
+
+def dp_fields(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, Any]:
+    """aioublk's C share and wakes per C-served request between two samples of its
+    summed ``list --stats --json`` counters."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("c_served", "py_handed", "wakes")}
+    done = d["c_served"] + d["py_handed"]
+    return {"c_share": d["c_served"] / done if done else None,
+            "wakes_per_c": d["wakes"] / d["c_served"] if d["c_served"] else None,
+            "c_served": d["c_served"], "py_handed": d["py_handed"], "wakes": d["wakes"]}
 
 
 def _free_nbd() -> str | None:
@@ -184,261 +305,399 @@ def _wait_gone(pid: int, timeout: float = 30) -> None:
 
 
 class NbdServer:
-    """qemu-nbd connected to nbd.ko through the ioctl interface (one connection)."""
+    """qemu-nbd and nbd.ko: one connection through the ioctl interface (``-c``),
+    or ``queues`` connections through nbd-client when the export allows it."""
 
     def __init__(self, aio: str) -> None:
         self.aio = aio
         self.name = f"qemu-nbd {aio}"
         self.dev: str | None = None
+        self.pid: int | None = None
+        self.connections = 0
+        self._forked: str | None = None  # the socket folder of a --fork server
 
-    def attach(self, image: str) -> tuple[str | None, str | None]:
-        _run(["modprobe", "nbd"], timeout=60)  # the harness loads it already
+    def _args(self, image: str) -> list[str]:
+        return ["--cache=none", f"--aio={self.aio}", "--discard=unmap", "-f", "qcow2", image]
+
+    def attach(self, image: str, queues: int = 1) -> tuple[str | None, str | None]:
+        run(["modprobe", "nbd"], timeout=60)  # the harness loads it already
         dev = _free_nbd()
         if dev is None:
             return None, "no free /dev/nbdN (is nbd.ko loaded?)"
-        _, err = _run(["qemu-nbd", "--cache=none", f"--aio={self.aio}", "--discard=unmap",
-                       "-f", "qcow2", "-c", dev, image], timeout=120)
+        if queues > 1 and shutil.which("nbd-client") and shutil.which("nbdinfo") and \
+                self._attach_many(image, dev, queues) is None:
+            return dev, None
+        _, err = run(["qemu-nbd", *self._args(image), "-c", dev], timeout=120)
         if err:
             return None, f"qemu-nbd {err}"
-        self.dev = dev
+        self.dev, self.connections = dev, 1
+        pid_file = Path(f"/sys/block/{os.path.basename(dev)}/pid")
+        self.pid = int(pid_file.read_text()) if pid_file.exists() else None
         return dev, None
+
+    def _attach_many(self, image: str, dev: str, queues: int) -> str | None:
+        """A --fork server and nbd-client -C `queues`; an error (self.dev None)
+        means: fall back to one connection."""
+        folder = tempfile.mkdtemp(prefix="qemu-nbd.")
+        sock, pid_file = f"{folder}/sock", f"{folder}/pid"
+        _, err = run(["qemu-nbd", "--fork", f"--shared={queues}", "--persistent",
+                      f"--pid-file={pid_file}", "-k", sock, *self._args(image)], timeout=120)
+        if err:
+            shutil.rmtree(folder, ignore_errors=True)
+            return f"qemu-nbd --fork {err}"
+        self._forked, self.pid = folder, int(Path(pid_file).read_text())
+        _, no = run(["nbdinfo", "--can", "multi-conn", f"nbd+unix:///?socket={sock}"], 60)
+        if no is None:
+            _, err = run(["nbd-client", "-unix", sock, dev, "-N", "", "-C", str(queues)], 120)
+            if err is None:
+                self.dev, self.connections = dev, queues
+                return None
+        self._stop_forked()
+        return "no multi-conn"
+
+    def _stop_forked(self) -> None:
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            _wait_gone(self.pid)
+        if self._forked:
+            shutil.rmtree(self._forked, ignore_errors=True)
+        self._forked = self.pid = None
 
     def detach(self) -> str | None:
         assert self.dev is not None
-        pid_file = Path(f"/sys/block/{os.path.basename(self.dev)}/pid")
-        pid = int(pid_file.read_text()) if pid_file.exists() else None
-        _, err = _run(["qemu-nbd", "-d", self.dev], timeout=120)
-        if pid:
-            _wait_gone(pid)  # the image is closed (and flushed) once qemu-nbd is gone
-        self.dev = None
+        if self._forked:
+            _, err = run(["nbd-client", "-d", self.dev], timeout=120)
+            self._stop_forked()
+        else:
+            _, err = run(["qemu-nbd", "-d", self.dev], timeout=120)
+            if self.pid:
+                _wait_gone(self.pid)  # the image is closed (and flushed) once it is gone
+        self.dev = self.pid = None
         return err
+
+    def counters(self, since: float) -> dict[str, float]:
+        return {}
 
 
 class AioublkServer:
-    name = "aioublk"
+    name = AIOUBLK
 
-    def __init__(self, add_args: tuple[str, ...] = ("-t", "qcow2", "-q", "1")) -> None:
+    def __init__(self, target: str = "qcow2") -> None:
         self.cmd = [sys.executable, "-m", "aioublk"]
-        self.add_args = add_args  # before the image (bench.nbd: -t nbd, the URI after)
+        self.target = target
         self.dev_id: str | None = None
+        self.pid: int | None = None
+        self.connections = 0
 
-    def attach(self, image: str) -> tuple[str | None, str | None]:
-        dev_id, err = _add(self.cmd, [*self.add_args, image])
+    def attach(self, image: str | None, queues: int = 1) -> tuple[str | None, str | None]:
+        dev_id, err = _add(self.cmd, ["-t", self.target, "-q", str(queues),
+                                      *([image] if image else [])])
         if dev_id is None:
             return None, err
-        self.dev_id = dev_id
+        self.dev_id, self.connections = dev_id, queues
+        out, _ = run([*self.cmd, "list", "-n", dev_id, "--json"], timeout=120)
+        try:
+            self.pid = int(json.loads(out)[0]["pid"])
+        except (ValueError, KeyError, IndexError):
+            self.pid = None
         return f"/dev/ublkb{dev_id}", None
+
+    def counters(self, since: float) -> dict[str, float]:
+        """The data plane's counters summed over the queues, from a publish made
+        after `since` (``time.time()``); empty if none came."""
+        deadline = time.monotonic() + STATS_WAIT
+        while self.dev_id is not None and time.monotonic() < deadline:
+            out, err = run([*self.cmd, "list", "-n", self.dev_id, "--stats", "--json"], 120)
+            try:
+                dev = json.loads(out)[0]
+                if not err and dev["stats"] and dev["stats_time"] > since:
+                    return {k: float(sum(r.get(k, 0) for r in dev["stats"]))
+                            for k in ("ios", "c_served", "py_handed", "wakes", "poll_timeouts")}
+            except (ValueError, KeyError, IndexError, TypeError):
+                pass
+            time.sleep(0.3)
+        return {}
 
     def detach(self) -> str | None:
         assert self.dev_id is not None
-        _, err = _run([*self.cmd, "del", "-n", self.dev_id], timeout=120)
-        self.dev_id = None
+        _, err = run([*self.cmd, "del", "-n", self.dev_id], timeout=120)
+        self.dev_id = self.pid = None
         return err
+
+
+Server = NbdServer | AioublkServer
 
 
 def _new_image(folder: str, kind: str, size: int) -> tuple[str, str | None]:
     path = os.path.join(folder, f"{kind}.qcow2")
     if os.path.exists(path):
         os.unlink(path)
-    _, err = _run(["qemu-img", "create", "-q", "-f", "qcow2", *KINDS[kind], path, str(size)],
-                  timeout=120)
+    _, err = run(["qemu-img", "create", "-q", "-f", "qcow2", *KINDS[kind], path, str(size)],
+                 timeout=120)
     return path, (f"qemu-img create {err}" if err else None)
 
 
-def inner(runtime: int, quick: bool, nbd_aio: list[str], out: Path) -> None:
-    """Runs in the guest; rewrites `out` after every step so a crash keeps what was done."""
+class Guest:
+    """One guest run: the data, saved after every step so a crash keeps what was done."""
+
+    def __init__(self, data: dict[str, Any], out: Path, runtime: int, size: int) -> None:
+        self.data, self.out, self.runtime, self.size = data, out, runtime, size
+        self.start = time.monotonic()
+
+    def save(self) -> None:
+        self.out.write_text(json.dumps(self.data))
+
+    def measure(self, server: Server, dev: str, step: Step, count: int | None,
+                fields: dict[str, Any], last: dict[str, float]) -> dict[str, Any]:
+        """One fio run with its diagnostics; `last`: the server's counters now
+        (replaced by those after the run)."""
+        cpu0, ios0 = _tasks_cpu(server.pid), _dev_ios(dev)
+        r = _fio(dev, step, self.runtime, count, self.size)
+        cpu1, ios1 = _tasks_cpu(server.pid), _dev_ios(dev)
+        ended = time.time()
+        ios = ios1 - ios0 if ios0 is not None and ios1 is not None else None
+        r |= cpu_fields(cpu0, cpu1, ios) | {"dev_ios": ios}
+        if isinstance(server, AioublkServer):
+            after = server.counters(ended)
+            if last and after:
+                r |= dp_fields(last, after)
+            last.clear()
+            last.update(after)
+        record(self.data["runs"], self.start, fields["round"],
+               f"{fields['kind']:8} {step.key:25} {server.name:17}", r.get("iops"),
+               r.get("error"), **{k: v for k, v in fields.items() if k != "round"},
+               workload=step.workload, qd=step.qd, queues=step.queues, how=step.how,
+               connections=server.connections,
+               **{k: v for k, v in r.items() if k not in ("iops", "error")})
+        self.save()
+        return r
+
+    def device(self, server: Server, rnd: int, kind: str, steps: list[Step],
+               counts: dict[str, int], folder: str) -> None:
+        """A fresh image of `kind` on `server`: the one-queue steps, then the
+        image attached again with two queues for the others; qemu-img check."""
+        image, err = _new_image(folder, kind, self.size)
+        for queues in sorted({s.queues for s in steps}):
+            t0 = time.monotonic()
+            dev = None
+            if err is None:
+                dev, err = server.attach(image, queues)
+            entry: dict[str, Any] = {"round": rnd, "kind": kind, "server": server.name,
+                                     "queues": queues, "connections": server.connections,
+                                     "attach_s": time.monotonic() - t0, "error": err}
+            self.data["devices"].append(entry)
+            last = server.counters(time.time()) if dev is not None else {}
+            for step in (s for s in steps if s.queues == queues):
+                fields = {"round": rnd, "kind": kind, "server": server.name}
+                if dev is None:
+                    record(self.data["runs"], self.start, rnd, f"{kind} {step.key}", None, err,
+                           kind=kind, server=server.name, workload=step.workload, qd=step.qd,
+                           queues=step.queues, how=step.how)
+                    continue
+                r = self.measure(server, dev, step, counts.get(step.key), fields, last)
+                if step.how == "count" and step.key not in counts and "ios" in r:
+                    counts[step.key] = int(r["ios"])
+                    self.data["runs"][-1]["leader"] = True
+            if dev is not None:
+                t1 = time.monotonic()
+                entry["detach_error"] = server.detach()
+                entry["detach_s"] = time.monotonic() - t1
+                err = entry["detach_error"] and f"detach {entry['detach_error']}"
+        if os.path.exists(image):
+            check, check_err = run(["qemu-img", "check", "-f", "qcow2", image], timeout=600)
+            self.data["devices"][-1]["check"] = \
+                check_err or [ln for ln in check.splitlines() if ln.strip()]
+            os.unlink(image)
+        self.save()
+
+    def ceiling(self, rnd: int) -> None:
+        """aioublk's null target on NULL_STEPS: no backend at all."""
+        server = AioublkServer("null")
+        dev, err = server.attach(None)
+        last = server.counters(time.time()) if dev is not None else {}
+        for step in NULL_STEPS:
+            fields = {"round": rnd, "kind": NULL, "server": NULL}
+            if dev is None:
+                record(self.data["runs"], self.start, rnd, f"null {step.key}", None, err,
+                       kind=NULL, server=NULL, workload=step.workload, qd=step.qd, queues=1,
+                       how=step.how)
+                continue
+            self.measure(server, dev, step, None, fields, last)
+        if dev is not None:
+            server.detach()
+
+
+def round_order(servers: list[T], rnd: int) -> list[T]:
+    """Round `rnd` (from 1): the servers as given in odd rounds, reversed in even
+    ones; the first one leads the allocating rows' I/O count."""
+    return list(swapped(servers, rnd - 1))
+
+
+def inner(runtime: int, rounds: int, rows_set: str, quick: bool, nbd_aio: list[str],
+          out: Path) -> None:
+    """Runs in the guest."""
     size = QUICK_IMAGE_SIZE if quick else IMAGE_SIZE
-    start = time.monotonic()
-    release, _ = _run(["uname", "-r"], timeout=10)
-    nbd_version, _ = _run(["qemu-nbd", "--version"], timeout=30)
-    fio_version, _ = _run(["fio", "--version"], timeout=30)
+    release, _ = run(["uname", "-r"], timeout=10)
+    nbd_version, _ = run(["qemu-nbd", "--version"], timeout=30)
+    fio_version, _ = run(["fio", "--version"], timeout=30)
     folder = _image_folder(size)
-    data: dict[str, object] = {
-        "kernel": release.strip(), "cpus": os.cpu_count(),
+    data: dict[str, Any] = {
+        "format": FORMAT, "kernel": release.strip(), "cpus": os.cpu_count(),
         "guest": os.environ.get("AIOUBLK_IN_GUEST") == "1", "runtime": runtime, "ramp": RAMP,
-        "quick": quick, "image_size": size, "storage": folder,
+        "rounds": rounds, "rows": rows_set, "quick": quick, "image_size": size, "storage": folder,
         "qemu_nbd": nbd_version.splitlines()[0] if nbd_version else None,
-        "fio": fio_version.strip(), "complete": False, "runs": [], "devices": [],
+        "fio": fio_version.strip(), "nbd_client": bool(shutil.which("nbd-client")),
+        "nbdinfo": bool(shutil.which("nbdinfo")), "complete": False, "runs": [],
+        "devices": [],
     }
     print(f"images in {folder}", flush=True)
-    runs, devices = data["runs"], data["devices"]
-    assert isinstance(runs, list) and isinstance(devices, list)
-    servers: list[NbdServer | AioublkServer] = [NbdServer(nbd_aio[0]), AioublkServer(),
-                                                *(NbdServer(a) for a in nbd_aio[1:])]
-
-    def save() -> None:
-        out.write_text(json.dumps(data))
-
-    def log(what: str, r: dict[str, object]) -> None:
-        if r.get("error"):
-            shown = f"ERROR {r['error']}"
-        else:
-            shown = (f"{r['iops']:,.0f} IOPS {r['mib_s']:,.1f} MiB/s "
-                     f"({r['ios']} I/Os in {r['seconds']:.1f} s)")
-        print(f"[{time.monotonic() - start:5.0f} s] {what} {shown}", flush=True)
-
-    for kind in KINDS:
-        counts: dict[str, int] = {}  # step -> I/O count of the first server that did it
-        for server in servers:
-            image, err = _new_image(str(folder["path"]), kind, size)
-            dev = None
-            t0 = time.monotonic()
-            if err is None:
-                dev, err = server.attach(image)
-            t1 = time.monotonic()
-            device: dict[str, object] = {"kind": kind, "server": server.name,
-                                         "attach_s": t1 - t0, "error": err}
-            devices.append(device)
-            for step in STEPS:
-                if dev is None:
-                    r: dict[str, object] = {"error": err}
-                else:
-                    r = _fio(dev, step, runtime, counts.get(step.key), size)
-                    if step.how == "count" and step.key not in counts and "ios" in r:
-                        counts[step.key] = int(r["ios"])
-                        r["leader"] = True
-                runs.append({"kind": kind, "server": server.name, "workload": step.workload,
-                             "qd": step.qd, "how": step.how, **r})
-                log(f"{kind:8} {step.key:22} {server.name:17}", r)
-                save()
-            if dev is not None:
-                t2 = time.monotonic()
-                device["detach_error"] = server.detach()
-                device["detach_s"] = time.monotonic() - t2
-                check, check_err = _run(["qemu-img", "check", "-f", "qcow2", image],
-                                        timeout=600)
-                device["check"] = check_err or [ln for ln in check.splitlines() if ln.strip()]
-                print(f"  {server.name} {kind}: attach {t1 - t0:.1f} s, fio {t2 - t1:.1f} s, "
-                      f"detach {device['detach_s']:.1f} s; qemu-img check: "
-                      f"{device['check']}", flush=True)
-            if os.path.exists(image):
-                os.unlink(image)
-            save()
-    data["ceiling"] = _ceiling(runtime, size)
+    guest = Guest(data, out, runtime, size)
+    servers: list[Server] = [NbdServer(nbd_aio[0]), AioublkServer(),
+                             *(NbdServer(a) for a in nbd_aio[1:])]
+    for r in range(1, rounds + 1):
+        for kind, steps in plan(rows_set, quick).items():
+            counts: dict[str, int] = {}  # step -> the round's first server's I/O count
+            for server in round_order(servers, r):
+                guest.device(server, r, kind, steps, counts, str(folder["path"]))
+        guest.ceiling(r)
     data["complete"] = True
-    data["elapsed_s"] = time.monotonic() - start
-    save()
-
-
-def _ceiling(runtime: int, size: int) -> dict[str, float | None]:
-    """IOPS of aioublk's null target (no backend at all) on the goal rows'
-    workloads: what no ublk server reaches in this guest, so the bound of the
-    ratios a qcow2 target can show here."""
-    dev_id, _err = _add([sys.executable, "-m", "aioublk"], ["-t", "null", "-q", "1"])
-    got: dict[str, float | None] = {}
-    if dev_id is None:
-        return got
-    try:
-        for workload, qd in GOAL_ROWS:
-            rw = "randread" if "read" in workload else "randwrite"
-            step = Step(workload, qd, [f"--rw={rw}", "--bs=4k"], "time")
-            r = _fio(f"/dev/ublkb{dev_id}", step, runtime, None, size)
-            got[step.key] = r.get("iops")  # type: ignore[assignment]
-            print(f"  null ceiling {step.key}: {r}", flush=True)
-    finally:
-        _run([sys.executable, "-m", "aioublk", "del", "-n", dev_id], timeout=120)
-    return got
+    data["elapsed_s"] = time.monotonic() - guest.start
+    guest.save()
 
 
 # -- host side ----------------------------------------------------------------------
 
 
-def _value(runs: list[dict[str, object]], server: str, kind: str, workload: str, qd: int,
-           field: str = "iops") -> float | None:
-    for x in runs:
-        if (x["server"], x["kind"], x["workload"], x["qd"]) == (server, kind, workload, qd):
-            v = x.get(field)
-            return None if v is None else float(v)  # type: ignore[arg-type]
-    return None
+Key = tuple[str, str, int, int]  # image kind, workload, qd, queues
 
 
-def nbd_choice(data: dict[str, object]) -> tuple[str, dict[str, float]]:
-    """The qemu-nbd setting with the best geometric mean over the rows all settings ran."""
+def normalized(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` in this format: results of the one-round script (no ``format``) get
+    round 1, one queue, and their null ceiling as runs."""
+    if data.get("format") == FORMAT:
+        return dict(data)
+    runs = [{"round": 1, "queues": 1, **x} for x in data["runs"]]
+    for key, iops in (data.get("ceiling") or {}).items():
+        workload, qd = key.rsplit(" qd", 1)
+        runs.append({"round": 1, "kind": NULL, "server": NULL, "queues": 1,
+                     "workload": workload, "qd": int(qd), "iops": iops, "error": None})
+    return {**data, "rounds": 1, "runs": runs,
+            "devices": [{"round": 1, "queues": 1, **d} for d in data["devices"]]}
+
+
+def _match(key: Key) -> dict[str, object]:
+    kind, workload, qd, queues = key
+    return {"kind": kind, "workload": workload, "qd": qd, "queues": queues}
+
+
+class Row(NamedTuple):
+    key: Key
+    nbd: dict[str, float | None]  # qemu-nbd setting -> median IOPS
+    best: str | None  # the setting with the higher median
+    connections: int | None  # the best setting's
+    aioublk: float | None  # median IOPS
+    ratios: list[float]  # each round's aioublk / best
+    paired: float | None  # their median
+    diag: dict[str, float | None]  # medians over the rounds
+
+
+DIAG = ("c_share", "wakes_per_c", "cpu_us_per_io", "iou_wrk_us_per_io")
+
+
+def rows(data: Mapping[str, Any]) -> list[Row]:
+    """Each (image kind, workload, qd, queues) the run measured, paired by round
+    against the qemu-nbd setting with the higher median over the rounds."""
     runs = data["runs"]
-    assert isinstance(runs, list)
-    names = list(dict.fromkeys(str(x["server"]) for x in runs if x["server"] != "aioublk"))
-    rows = {(x["kind"], x["workload"], x["qd"]) for x in runs}
-    common = [r for r in rows if all(_value(runs, n, *r) for n in names)]  # type: ignore[arg-type]
-    score = {n: math.exp(statistics.fmean(math.log(_value(runs, n, *r))  # type: ignore[arg-type]
-                                          for r in common)) if common else 0.0 for n in names}
-    best = max(names, key=lambda n: score[n]) if names else "qemu-nbd"
-    return best, score
-
-
-def rows(data: dict[str, object]) -> list[dict[str, object]]:
-    runs = data["runs"]
-    assert isinstance(runs, list)
-    nbd, _ = nbd_choice(data)
-    table = []
-    for kind, workload, qd in dict.fromkeys((x["kind"], x["workload"], x["qd"]) for x in runs):
-        q = _value(runs, nbd, kind, workload, qd)
-        a = _value(runs, "aioublk", kind, workload, qd)
-        table.append({
-            "kind": kind, "workload": workload, "qd": qd,
-            "nbd_iops": q, "nbd_mib_s": _value(runs, nbd, kind, workload, qd, "mib_s"),
-            "aioublk_iops": a, "aioublk_mib_s": _value(runs, "aioublk", kind, workload, qd,
-                                                       "mib_s"),
-            "ratio": a / q if a is not None and q else None,
-        })
-    return table
-
-
-#: issue #12's qcow2 number: on the empty image at qd64, the allocating
-#: randwrite, then randread and in-place randwrite after the fill
-GOAL_ROWS = [("4k randwrite", 64), ("4k randread", 64), ("4k randwrite in place", 64)]
-GOAL = 3.0
+    names = list(dict.fromkeys(str(x["server"]) for x in runs
+                               if str(x["server"]).startswith("qemu-nbd")))
+    keys: list[Key] = list(dict.fromkeys((x["kind"], x["workload"], x["qd"], x["queues"])
+                                         for x in runs if x["server"] != NULL))
+    out = []
+    for key in keys:
+        m = _match(key)
+        nbd = {n: median(runs, server=n, **m) for n in names}
+        have = [n for n in names if nbd[n] is not None]
+        best = max(have, key=lambda n: nbd[n] or 0) if have else None
+        ratios = paired_ratios(runs, {"server": AIOUBLK, **m}, {"server": best, **m}) \
+            if best else []
+        diag = {f"aioublk {d}": median(runs, d, server=AIOUBLK, **m) for d in DIAG}
+        diag |= {f"nbd {d}": median(runs, d, server=best, **m) for d in DIAG[2:]} if best \
+            else {}
+        conns = [int(x["connections"]) for x in runs if x["server"] == best
+                 and x.get("connections") and all(x.get(k) == v for k, v in m.items())]
+        out.append(Row(key, nbd, best, max(conns) if conns else None,
+                       median(runs, server=AIOUBLK, **m), ratios,
+                       statistics.median(ratios) if ratios else None, diag))
+    return out
 
 
 def _geomean(values: list[float | None]) -> float | None:
-    if not all(isinstance(v, float) and v > 0 for v in values):
+    if not values or not all(v is not None and v > 0 for v in values):
         return None
-    return math.exp(statistics.fmean(math.log(float(v)) for v in values))  # type: ignore[arg-type]
+    return math.exp(statistics.fmean(math.log(v) for v in values if v is not None))
 
 
-def _goal(data: dict[str, object]) -> list[str]:
-    """The geometric mean of aioublk/qemu-nbd over GOAL_ROWS, as a section,
-    beside the null target's bound on it."""
-    table = rows(data)
-    by_key = {(r["workload"], r["qd"]): r for r in table if r["kind"] == "empty"}
-    ceiling = data.get("ceiling") or {}
-    assert isinstance(ceiling, dict)
-    got: list[float | None] = []
-    bound: list[float | None] = []
-    lines = ["", "## The data plane's goal", "",
-             "Empty image, qd64: the allocating 4k randwrite, then (after the fill) 4k "
-             "randread and 4k in-place randwrite. **null / qemu-nbd** is aioublk's null "
-             "target (no backend at all) on the same fio workload in the same guest: the "
-             "most any ublk server shows here, so the bound of the qcow2 ratio.", "",
-             "| row | aioublk / qemu-nbd | null IOPS | null / qemu-nbd | qcow2 / null |",
-             "| --- | ---: | ---: | ---: | ---: |"]
-    for w, qd in GOAL_ROWS:
-        r = by_key.get((w, qd), {})
-        ratio, nbd, a = r.get("ratio"), r.get("nbd_iops"), r.get("aioublk_iops")
-        n = ceiling.get(f"{w} qd{qd}")
-        b = n / nbd if isinstance(n, float) and isinstance(nbd, float) and nbd else None
-        share = a / n if isinstance(a, float) and isinstance(n, float) and n else None
-        got.append(ratio if isinstance(ratio, float) else None)
-        bound.append(b)
-        lines.append(f"| {w} qd{qd} | {_fmt(ratio, '.2f')} | {_fmt(n)} | {_fmt(b, '.2f')} "
-                     f"| {_fmt(share, '.2f')} |")
-    mean, top = _geomean(got), _geomean(bound)
-    if mean is not None:
-        lines.append(f"| **geometric mean** | **{mean:.2f}** (goal >= {GOAL:g}: "
-                     f"{'met' if mean >= GOAL else 'not met'}) | | "
-                     f"{_fmt(top, '.2f')} | |")
-    return lines
+class Goal(NamedTuple):
+    label: str
+    value: float | None
+    target: float
 
 
-def report(data: dict[str, object], command: str) -> str:
-    runs, devices = data["runs"], data["devices"]
-    assert isinstance(runs, list) and isinstance(devices, list)
-    storage = data["storage"]
-    assert isinstance(storage, dict)
-    nbd, score = nbd_choice(data)
-    size_gib = int(data["image_size"]) / (1 << 30)  # type: ignore[call-overload]
+EMPTY_QD64 = [("empty", RANDWRITE, 64, 1), ("empty", RANDREAD, 64, 1),
+              ("empty", IN_PLACE, 64, 1)]
+QD1 = [(kind, w, 1, 1) for kind in KINDS for w in (RANDREAD, RANDWRITE)]
+
+
+def goals(data: Mapping[str, Any]) -> list[Goal]:
+    """Issue #24's numbers, each from values paired within the round."""
+    runs = data["runs"]
+    paired = {r.key: r.paired for r in rows(data)}
+
+    def within(num: dict[str, object], den: dict[str, object]) -> float | None:
+        ratios = paired_ratios(runs, num, den)
+        return statistics.median(ratios) if ratios else None
+
+    out = [Goal("geomean: empty image, qd64: allocating randwrite, randread and in-place "
+                "randwrite after the fill", _geomean([paired.get(k) for k in EMPTY_QD64]), 3.0)]
+    out += [Goal(f"prealloc image, {w} qd64", paired.get(("prealloc", w, 64, 1)), 3.0)
+            for w in (RANDREAD, RANDWRITE)]
+    out += [Goal(f"{kind} image, {w} qd1", paired.get((kind, w, qd, q)), 1.0)
+            for kind, w, qd, q in QD1]
+    out += [Goal(f"aioublk 2 queues / 1 queue, empty image, {w} qd64",
+                 within({"server": AIOUBLK, **_match(("empty", w, 64, 2))},
+                        {"server": AIOUBLK, **_match(("empty", w, 64, 1))}), 1.5)
+            for w in (RANDREAD, IN_PLACE)]
+    out.append(Goal("aioublk allocating randwrite qd64 (empty image) / null target",
+                    within({"server": AIOUBLK, **_match(EMPTY_QD64[0])},
+                           {"server": NULL, "workload": RANDWRITE, "qd": 64}), 0.4))
+    return out
+
+
+def _label(key: Key) -> str:
+    kind, workload, qd, queues = key
+    return f"{workload} qd{qd}" + (f" {queues}q" if queues > 1 else "")
+
+
+def _order(key: Key) -> tuple[int, int, bool]:
+    kind, workload, qd, queues = key
+    steps = STEPS + STEPS_2Q
+    i = next((i for i, s in enumerate(steps) if (s.workload, s.qd, s.queues) ==
+              (workload, qd, queues)), len(steps))
+    return (i, 0, kind != "empty")
+
+
+def report(data_in: Mapping[str, Any], command: str) -> str:
+    data = normalized(data_in)
+    runs, devices, storage = data["runs"], data["devices"], data["storage"]
+    names = list(dict.fromkeys(str(x["server"]) for x in runs
+                               if str(x["server"]).startswith("qemu-nbd")))
+    size_gib = int(data["image_size"]) / (1 << 30)
     setup = (f"One guest run: QEMU TCG software emulation (no KVM), {GUEST_MEMORY[:-1]} GiB RAM"
-             if data["guest"]
-             else "One run on the host")
+             if data["guest"] else "One run on the host")
+    table_rows = sorted(rows(data), key=lambda r: _order(r.key))
     lines = [
         "# qcow2: aioublk vs qemu-nbd + nbd.ko",
         "",
@@ -448,131 +707,176 @@ def report(data: dict[str, object], command: str) -> str:
         "**empty** (`qemu-img create -f qcow2`) or **prealloc** (`-o preallocation=metadata`: "
         "L2 tables and refcounts in place, data area a hole).",
         "",
-        f"- qemu-nbd: `qemu-nbd --cache=none --aio=AIO --discard=unmap -f qcow2 -c /dev/nbdN` "
-        f"(nbd.ko, one connection). The table uses **{nbd}**, the faster setting (geometric "
-        "mean of IOPS over all rows: "
-        + ", ".join(f"{n} {s:,.0f}" for n, s in score.items()) + ").",
-        "- aioublk: `python -m aioublk add -t qcow2 -q 1 IMAGE` (its defaults otherwise: "
-        "depth 128).",
+        "- qemu-nbd: `qemu-nbd --cache=none --aio=AIO --discard=unmap -f qcow2 -c /dev/nbdN` "
+        "(nbd.ko, one connection; with two queues, two connections through nbd-client when "
+        "the export allows multi-conn: **conns** says how many ran). Each row uses the AIO "
+        "setting with the higher median over the rounds (**best**).",
+        "- aioublk: `python -m aioublk add -t qcow2 -q 1 IMAGE` (`-q 2` for the 2q rows; its "
+        "defaults otherwise: depth 128).",
         f"- fio, io_uring, O_DIRECT, in this order on each device: 4k randwrite qd1 and qd64 "
-        f"(the first server runs {data['runtime']} s, every later one does exactly as many "
-        "writes, same random sequence, so all allocate the same clusters on the empty image); "
-        "a sequential 1 MiB write over the whole device at qd16 (the fill: reads after it "
-        "read data, not zeros); then 4k randread at qd1 and qd64, 4k randwrite in place at "
-        "qd64, 4k randrw (50/50) and 512k rw (sequential "
-        f"50/50 mix) at qd1 and qd64, {data['runtime']} s each after {data['ramp']} s ramp. "
-        "IOPS and MiB/s are reads + writes.",
+        f"(the round's first server runs {data['runtime']} s, every later one does exactly "
+        "as many writes, same random sequence, so all allocate the same clusters on the "
+        "empty image); a sequential 1 MiB write over the whole device at qd16 (the fill: "
+        "reads after it read data, not zeros); then the time-based rows, "
+        f"{data['runtime']} s each after {data['ramp']} s ramp; 2q rows: two fio jobs, each "
+        "on its own half of the device. IOPS and MiB/s are reads + writes.",
+        f"- {data['rounds']} round(s), the servers' order reversed every other round. "
+        "**paired** is the median over the rounds of each round's aioublk / best qemu-nbd "
+        "(min and max beside it): drift between rounds does not move it.",
         "",
-        "Under emulation the absolute numbers mean little: **the aioublk/qemu-nbd ratios "
-        "are the result**.",
+        "Under emulation the absolute numbers mean little: **the paired ratios are the "
+        "result**.",
     ]
+    if data_in.get("format") != FORMAT:
+        lines += ["", "**Produced by an older bench/qcow2.py**: one round (each paired "
+                      "ratio is one run's), no two-queue, in-place qd1 or diagnostic rows; "
+                      "rendered here in the current layout from the same JSON."]
     if data.get("quick"):
-        lines += ["", "**Smoke run (`--quick`)**: small image, short runs; not a measurement."]
+        lines += ["", "**Smoke run (`--quick`)**: small image, a few rows; not a measurement."]
     if not data.get("complete"):
         lines += ["", "**Incomplete**: the guest run stopped early; rows below are what it "
                       "finished."]
-    lines += ["", f"| workload | qd | image | {nbd} IOPS | MiB/s | aioublk IOPS | MiB/s "
-                  "| aioublk / qemu-nbd |",
-              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for r in sorted(rows(data), key=lambda r: (_step_index(r), r["kind"] != "empty")):
-        lines.append(f"| {r['workload']} | {r['qd']} | {r['kind']} | {_fmt(r['nbd_iops'])} "
-                     f"| {_fmt(r['nbd_mib_s'], ',.1f')} | {_fmt(r['aioublk_iops'])} "
-                     f"| {_fmt(r['aioublk_mib_s'], ',.1f')} | {_fmt(r['ratio'], '.2f')} |")
-    lines += _goal(data)
-    names = list(dict.fromkeys(str(x["server"]) for x in runs if x["server"] != "aioublk"))
-    if len(names) > 1:
-        lines += ["", "## qemu-nbd AIO settings", "", "| workload | qd | image | "
-                  + " | ".join(f"{n} IOPS" for n in names) + " |",
-                  "| --- | ---: | --- |" + " ---: |" * len(names)]
-        for kind, workload, qd in dict.fromkeys((x["kind"], x["workload"], x["qd"])
-                                                for x in runs):
-            lines.append(f"| {workload} | {qd} | {kind} | "
-                         + " | ".join(_fmt(_value(runs, n, kind, workload, qd)) for n in names)
-                         + " |")
-    lines += ["", "## Devices", "", "| image | server | attach s | qemu-img check after |",
-              "| --- | --- | ---: | --- |"]
-    for d in devices:
-        check = d.get("check")  # qemu-img check's lines, or its error
-        shown = ("; ".join(ln for ln in check if not ln.startswith("Image end offset"))
-                 if isinstance(check, list) else str(check or "—"))
-        lines.append(f"| {d['kind']} | {d['server']} | {d['attach_s']:.1f} | {shown} |")
-    errors: dict[tuple[object, ...], str] = {}
+    lines += ["", *table(
+        ["image", "workload", *(f"{n} IOPS" for n in names), "best", "conns",
+         "aioublk IOPS", "paired", "min – max"], "ll" + "r" * len(names) + "lrrrr",
+        ([r.key[0], _label(r.key), *(fmt(r.nbd[n]) for n in names),
+          (r.best or "—").removeprefix("qemu-nbd "), fmt(r.connections, "d"), fmt(r.aioublk),
+          fmt(r.paired, ".2f"),
+          f"{min(r.ratios):.2f} – {max(r.ratios):.2f}" if r.ratios else "—"]
+         for r in table_rows))]
+    lines += ["", "## Goals (issue #24)", "", "From the paired values.", "",
+              *table(["goal", "value", "target", "met"], "lrrl",
+                     ([g.label, fmt(g.value, ".2f"), f"≥ {g.target}", met(g.value, g.target)]
+                      for g in goals(data)))]
+    null_keys = list(dict.fromkeys((x["workload"], x["qd"]) for x in runs
+                                   if x["server"] == NULL))
+    if null_keys:
+        lines += ["", "## Null target ceiling", "",
+                  "aioublk's null target (no backend at all), measured every round: the most "
+                  "any ublk server shows here.", "",
+                  *table(["workload", "null IOPS", "empty image aioublk / null, paired"],
+                         "lrr",
+                         ([f"{w} qd{qd}", fmt(median(runs, server=NULL, workload=w, qd=qd)),
+                           fmt(_median(paired_ratios(
+                               runs, {"server": AIOUBLK, **_match(("empty", w, qd, 1))},
+                               {"server": NULL, "workload": w, "qd": qd})), ".2f")]
+                          for w, qd in null_keys))]
+    if any(v is not None for r in table_rows for v in r.diag.values()):
+        lines += ["", "## Diagnostics", "",
+                  "Medians over the rounds. **C share**: aioublk's requests its C data plane "
+                  "served fetch to commit (the rest went to Python); **wakes / C**: its "
+                  "returns to Python per request C served (`list --stats --json` deltas). "
+                  "**CPU µs / I/O**: the server process's threads "
+                  "(`/proc/PID/task/*/schedstat`) per I/O the device completed, ramp "
+                  "included, io_uring's `iou-wrk` workers apart (nbd.ko's kernel threads are "
+                  "not counted).", "",
+                  *table(["image", "workload", "C share", "wakes / C", "aioublk CPU µs / I/O",
+                          "iou-wrk", "qemu-nbd CPU µs / I/O", "iou-wrk"], "llrrrrrr",
+                         ([r.key[0], _label(r.key), fmt(r.diag["aioublk c_share"], ".3f"),
+                           fmt(r.diag["aioublk wakes_per_c"], ".3f"),
+                           fmt(r.diag["aioublk cpu_us_per_io"], ",.1f"),
+                           fmt(r.diag["aioublk iou_wrk_us_per_io"], ",.1f"),
+                           fmt(r.diag.get("nbd cpu_us_per_io"), ",.1f"),
+                           fmt(r.diag.get("nbd iou_wrk_us_per_io"), ",.1f")]
+                          for r in table_rows))]
+    lines += ["", "## Devices", "", *table(
+        ["round", "image", "server", "queues", "attach s", "qemu-img check after"], "rllrrl",
+        ([d["round"], d["kind"], d["server"], d["queues"], f"{d['attach_s']:.1f}",
+          _check(d.get("check"))] for d in devices))]
+    errors: dict[str, str] = {}
     for x in runs:
         if x.get("error"):
-            errors.setdefault((x["server"], x["kind"]), str(x["error"]))
+            errors.setdefault(f"{x['server']} {x['kind']}", str(x["error"]))
     for d in devices:
         if d.get("detach_error"):
-            errors.setdefault((d["server"], d["kind"], "detach"), str(d["detach_error"]))
-    if errors:
-        lines += ["", "## Errors", "", "— in a table means no number; the first error of each "
-                  "server/image kind, verbatim:", ""]
-        lines += [f"- {' '.join(map(str, k))}: `{e}`" for k, e in errors.items()]
+            errors.setdefault(f"{d['server']} {d['kind']} detach", str(d["detach_error"]))
+    lines += errors_section(errors, "server/image kind")
     if data.get("elapsed_s"):
-        lines += ["", f"The guest part took {float(data['elapsed_s']) / 60:.0f} min."]  # type: ignore[arg-type]
+        lines += ["", f"The guest part took {float(data['elapsed_s']) / 60:.0f} min."]
     lines += ["", f"Chart: `qcow2.png`. Reproduce: `{command}` from the repository root "
                   "(boots the guest when the host has no ublk_drv).", ""]
     return "\n".join(lines)
 
 
-def _step_index(r: dict[str, object]) -> int:
-    for i, s in enumerate(STEPS):
-        if (s.workload, s.qd) == (r["workload"], r["qd"]):
-            return i
-    return len(STEPS)
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
-def plot(data: dict[str, object], path: Path) -> None:
-    """Grouped bars of the aioublk/qemu-nbd ratio: one group per workload, one bar per kind."""
-    table = sorted(rows(data), key=_step_index)
-    nbd, _ = nbd_choice(data)
+def _check(check: object) -> str:
+    """qemu-img check's lines, or its error."""
+    if isinstance(check, list):
+        return "; ".join(ln for ln in check if not ln.startswith("Image end offset"))
+    return str(check or "—")
+
+
+def plot(data_in: dict[str, Any], path: Path) -> None:
+    """Grouped bars of the paired aioublk/qemu-nbd ratio: one group per row, one bar
+    per image kind."""
+    data = normalized(data_in)
+    table_rows = sorted(rows(data), key=lambda r: _order(r.key))
     where = "QEMU TCG" if data["guest"] else "host"
     grouped_bars(
-        path, list(dict.fromkeys(f"{r['workload']}\nqd{r['qd']}" for r in table)),
-        [f"{k} image" for k in dict.fromkeys(str(r["kind"]) for r in table)],
-        {(f"{r['workload']}\nqd{r['qd']}", f"{r['kind']} image"): r["ratio"]  # type: ignore[misc]
-         for r in table},
-        f"aioublk IOPS / {nbd} IOPS",
-        f"qcow2: aioublk / {nbd} (nbd.ko)\n{where}, {data['cpus']} CPUs, "
-        f"Linux {data['kernel']}" + (", --quick" if data.get("quick") else ""))
+        path, list(dict.fromkeys(_label(r.key).replace(" qd", "\nqd") for r in table_rows)),
+        [f"{k} image" for k in dict.fromkeys(r.key[0] for r in table_rows)],
+        {(_label(r.key).replace(" qd", "\nqd"), f"{r.key[0]} image"): r.paired
+         for r in table_rows},
+        "aioublk IOPS / best qemu-nbd IOPS, paired by round",
+        f"qcow2: aioublk / qemu-nbd (nbd.ko), per row the better AIO setting\n{where}, "
+        f"{data['cpus']} CPUs, Linux {data['kernel']}, {data['rounds']} round(s)"
+        + (", --quick" if data.get("quick") else ""))
 
 
-def _guest_timeout(runtime: int, quick: bool, servers: int) -> float:
-    """Generous (a slow server may need long for the fill), but finite."""
+def guest_timeout(runtime: int, rounds: int, rows_set: str, quick: bool,
+                  servers: int) -> float:
+    """From the plan: generous (a slow server may need long for the fill), but finite."""
     size = QUICK_IMAGE_SIZE if quick else IMAGE_SIZE
-    per_device = (300 + size / MiB / MIN_FILL_RATE + 2 * (runtime * COUNT_CAP + 30)
-                  + 6 * (runtime + RAMP + 30))
-    return 600 + len(KINDS) * servers * per_device
+    per_round = 0.0
+    for steps in plan(rows_set, quick).values():
+        attaches = len({s.queues for s in steps})
+        fio = sum(size / MiB / MIN_FILL_RATE + 120 if s.how == "fill"
+                  else runtime * COUNT_CAP + 60 if s.how == "count"
+                  else runtime + RAMP + 60 for s in steps)
+        per_round += servers * (attaches * 300 + fio)
+    per_round += 300 + len(NULL_STEPS) * (runtime + RAMP + 60)
+    return 600 + rounds * per_round
 
 
-def command(data: dict[str, object]) -> str:
+def command(data: Mapping[str, Any]) -> str:
     """The command a report names: the run's own, else the one its settings give."""
     return str(data.get("command") or ".venv/bin/python -m bench.qcow2"
                + (" --quick" if data.get("quick") else "") + f" --runtime {data['runtime']}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, runtime=10, quick="256 MiB images, 3 s runs", inner=("OUT",))
+    ap = parser(__doc__, runtime=5, rounds=3, quick="a 64 MiB empty image, a few rows",
+                inner=("OUT",))
+    ap.add_argument("--rows", choices=("goals", "all"), default="goals",
+                    help="goals (default): the goal, QD1 and 2-queue rows; all: also randrw "
+                         "and 512k rw, and 2 queues on the preallocated image")
     ap.add_argument("--nbd-aio", choices=("both", *NBD_AIO), default="both",
-                    help="qemu-nbd --aio settings to run (default both; the table uses the "
-                         "faster)")
+                    help="qemu-nbd --aio settings to run (default both; each row uses the "
+                         "better)")
+    ap.add_argument("--cpus", type=int, default=4,
+                    help="guest vCPUs (default 4: the driver caps queues at the CPU count)")
     ns = ap.parse_args(argv)
     if ns.report:
         data = load(ns.report)
         return publish("qcow2", data, report(data, command(data)), plot, out=ns.out)
-    runtime = ns.runtime or (3 if ns.quick else 10)
+    runtime = ns.runtime or (2 if ns.quick else 5)
     nbd_aio = list(NBD_AIO) if ns.nbd_aio == "both" else [ns.nbd_aio]
     if ns.inner:
-        inner(runtime, ns.quick, nbd_aio, Path(ns.inner[0]))
+        inner(runtime, ns.rounds, ns.rows, ns.quick, nbd_aio, Path(ns.inner[0]))
         return 0
-    code, data = run_guest("bench.qcow2", ["--runtime", str(runtime), "--nbd-aio", ns.nbd_aio,
-                                           *(["--quick"] if ns.quick else [])],
-                           _guest_timeout(runtime, ns.quick, len(nbd_aio) + 1), kublk=False,
-                           memory=GUEST_MEMORY)
+    options = [f"--runtime={runtime}", f"--rounds={ns.rounds}", f"--rows={ns.rows}",
+               f"--nbd-aio={ns.nbd_aio}", *(["--quick"] if ns.quick else [])]
+    code, data = run_guest(
+        "bench.qcow2", options,
+        guest_timeout(runtime, ns.rounds, ns.rows, ns.quick, len(nbd_aio) + 1), cpus=ns.cpus,
+        kublk=False, memory=GUEST_MEMORY)
     if data is None:
         return 1
-    data["command"] = (".venv/bin/python -m bench.qcow2" + (" --quick" if ns.quick else "")
-                       + (f" --runtime {runtime}" if ns.runtime else "")
-                       + (f" --nbd-aio {ns.nbd_aio}" if ns.nbd_aio != "both" else ""))
+    data["command"] = " ".join([".venv/bin/python -m bench.qcow2", *options]
+                               + ([f"--cpus={ns.cpus}"] if ns.cpus != 4 else []))
     return publish("qcow2", data, report(data, command(data)), plot, code, ns.out,
                    ok=bool(data.get("complete")))
 
