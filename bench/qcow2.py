@@ -383,11 +383,10 @@ class NbdServer:
 
 
 class AioublkServer:
-    name = AIOUBLK
-
     def __init__(self, target: str = "qcow2") -> None:
         self.cmd = [sys.executable, "-m", "aioublk"]
         self.target = target
+        self.name = AIOUBLK if target == "qcow2" else target
         self.dev_id: str | None = None
         self.pid: int | None = None
         self.connections = 0
