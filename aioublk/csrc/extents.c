@@ -29,6 +29,16 @@
  * Its slots count against max_entries, which keeps the memory bound exact;
  * an insert that finds the table full is merely not cached.
  *
+ * Why kinds: a granule is either data somewhere (MAP: fd, host offset,
+ * writable) or known to read as zeros (ZERO: a qcow2 cluster that is
+ * unallocated with no backing data under it, or has its zero flag). A read
+ * of a ZERO granule needs no backend I/O at all: acquire hands it out as a
+ * piece with fd -1, which the data plane fills with zeros; a write to it is a
+ * miss, because only Python may decide where its data goes. Invalidation,
+ * busy counts and the removed-but-busy list treat every kind alike, so the
+ * rule above holds for zeros too: Python unmaps a ZERO granule before it
+ * gives it data.
+ *
  * Why one mutex: the callers are queue threads with the GIL released, and
  * Python's inserts and invalidations, all short. Every operation is O(1)
  * per granule under the lock except a range invalidation or busy query
@@ -59,6 +69,7 @@ struct aur_ext_entry {
     uint32_t prev;      /* GONE: removed list */
     uint8_t state;
     uint8_t writable;
+    uint8_t kind;       /* AUR_EXT_MAP or AUR_EXT_ZERO (fd, host_off unused) */
 };
 
 struct aur_ext {
@@ -210,63 +221,174 @@ void aur_ext_free(struct aur_ext *t)
     free(t);
 }
 
-static int ext_same(const struct aur_ext_entry *x, int fd, uint64_t host_off, int writable)
+static int ext_same(const struct aur_ext_entry *x, int kind, int fd, uint64_t host_off,
+                    int writable)
 {
-    return x->fd == fd && x->host_off == host_off && x->writable == !!writable;
+    if (x->kind != kind)
+        return 0;
+    return kind == AUR_EXT_ZERO ||
+           (x->fd == fd && x->host_off == host_off && x->writable == !!writable);
 }
 
-int aur_ext_insert(struct aur_ext *t, uint64_t dev_off, uint64_t len, int fd,
-                   uint64_t host_off, int writable)
+/* Insert granules [g0, g0 + n) under the lock: all or nothing. */
+static int ext_insert_locked(struct aur_ext *t, uint64_t g0, uint64_t n, int kind, int fd,
+                             uint64_t host_off, int writable)
 {
-    uint64_t gmask = ((uint64_t)1 << t->shift) - 1, g0, n, k, need = 0;
+    uint64_t k, need = 0;
     uint32_t i;
-    int ret = 0;
+    int ret;
 
-    if ((dev_off | len | host_off) & gmask || fd < 0 ||
-        len > UINT64_MAX - dev_off || len > UINT64_MAX - host_off)
-        return -EINVAL;
-    if (!len)
-        return 0;
-    g0 = dev_off >> t->shift;
-    n = len >> t->shift;
-    pthread_mutex_lock(&t->mu);
-    if (n > t->max) {   /* could never be mapped at once: no need to look */
-        ret = -ENOSPC;
-        goto out;
-    }
+    if (n > t->max)     /* could never be mapped at once: no need to look */
+        return -ENOSPC;
     for (k = 0; k < n; k++) {
         i = ext_find(t, g0 + k);
         if (i == EXT_NIL)
             need++;
-        else if (!ext_same(&t->e[i], fd, host_off + (k << t->shift), writable)) {
-            ret = -EEXIST;
-            goto out;
-        }
+        else if (!ext_same(&t->e[i], kind, fd, host_off + (k << t->shift), writable))
+            return -EEXIST;
     }
     if (!need)
-        goto out;
-    if ((uint64_t)t->hw - t->nfree + need > t->max) {
-        ret = -ENOSPC;
-        goto out;
-    }
+        return 0;
+    if ((uint64_t)t->hw - t->nfree + need > t->max)
+        return -ENOSPC;
     ret = ext_reserve(t, (uint32_t)need);
     if (ret)
-        goto out;
+        return ret;
     ext_rehash(t, (uint64_t)t->live + need);
     for (k = 0; k < n; k++) {
         if (ext_find(t, g0 + k) != EXT_NIL)
             continue;
         i = ext_slot_alloc(t);
         t->e[i] = (struct aur_ext_entry){
-            .gran = g0 + k, .host_off = host_off + (k << t->shift), .fd = fd,
-            .state = EXT_LIVE, .writable = !!writable,
+            .gran = g0 + k, .state = EXT_LIVE, .kind = (uint8_t)kind,
         };
+        if (kind == AUR_EXT_MAP) {
+            t->e[i].host_off = host_off + (k << t->shift);
+            t->e[i].fd = fd;
+            t->e[i].writable = !!writable;
+        } else {
+            t->e[i].fd = -1;
+        }
         ext_link(t, i);
         t->live++;
     }
-out:
+    return 0;
+}
+
+int aur_ext_insert_kind(struct aur_ext *t, uint64_t dev_off, uint64_t len, int kind, int fd,
+                        uint64_t host_off, int writable)
+{
+    uint64_t gmask = ((uint64_t)1 << t->shift) - 1;
+    int ret;
+
+    if (kind == AUR_EXT_ZERO) {
+        fd = -1;
+        host_off = 0;
+        writable = 0;
+    } else if (kind != AUR_EXT_MAP || fd < 0) {
+        return -EINVAL;
+    }
+    if ((dev_off | len | host_off) & gmask ||
+        len > UINT64_MAX - dev_off || len > UINT64_MAX - host_off)
+        return -EINVAL;
+    if (!len)
+        return 0;
+    pthread_mutex_lock(&t->mu);
+    ret = ext_insert_locked(t, dev_off >> t->shift, len >> t->shift, kind, fd, host_off,
+                            writable);
     pthread_mutex_unlock(&t->mu);
     return ret;
+}
+
+int aur_ext_insert(struct aur_ext *t, uint64_t dev_off, uint64_t len, int fd,
+                   uint64_t host_off, int writable)
+{
+    return aur_ext_insert_kind(t, dev_off, len, AUR_EXT_MAP, fd, host_off, writable);
+}
+
+/*
+ * Publishing a qcow2 L2 table. It lives here, not in Python, because the
+ * engine publishes a whole table when it loads one (8192 entries at 64 KiB
+ * clusters) and the same rules for one entry when it changes one: one loop
+ * under one lock instead of thousands of Python calls, and one place for the
+ * rules (aioublk.qcow2.l2cache).
+ */
+#define QCOW2_COPIED (1ULL << 63)
+#define QCOW2_COMPRESSED (1ULL << 62)
+#define QCOW2_ZERO 1ULL
+#define QCOW2_OFFSET_MASK 0x00fffffffffffe00ULL
+
+static int ext_in_sorted(const uint64_t *a, uint32_t n, uint64_t v)
+{
+    uint32_t lo = 0, hi = n, mid;
+
+    while (lo < hi) {
+        mid = lo + (hi - lo) / 2;
+        if (a[mid] < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && a[lo] == v;
+}
+
+/* The kind L2 entry e of granule g is published as (0: none), and for MAP
+   where its data is. */
+static int ext_l2_kind(const struct aur_ext *t, const struct aur_pub_rules *r, uint64_t e,
+                       uint64_t g, uint64_t *host, int *writable)
+{
+    uint64_t gmask = ((uint64_t)1 << t->shift) - 1;
+
+    if (e & QCOW2_COMPRESSED)   /* data to inflate: Python's */
+        return 0;
+    if (e & QCOW2_ZERO)         /* zeros, whatever it holds and whatever lies under it */
+        return AUR_EXT_ZERO;
+    *host = e & QCOW2_OFFSET_MASK;
+    if (!*host)                 /* unallocated: zeros unless a backing file shows through */
+        return g << t->shift >= r->backing_end ? AUR_EXT_ZERO : 0;
+    /* allocated: only where it is plainly data (Python reports the rest) */
+    if (*host & gmask || *host >= r->used_end || ext_in_sorted(r->meta, r->nmeta, *host >> t->shift))
+        return 0;
+    *writable = (e & QCOW2_COPIED) && r->writable_ok;
+    return AUR_EXT_MAP;
+}
+
+int aur_ext_publish_l2(struct aur_ext *t, int fd, uint64_t dev_base, const uint64_t *entries,
+                       unsigned n, const struct aur_pub_rules *r, uint8_t *pub_out,
+                       uint64_t *host_out, uint64_t *gran_out)
+{
+    uint64_t gmask = ((uint64_t)1 << t->shift) - 1, g0 = dev_base >> t->shift, g, host = 0;
+    int kind, writable = 0, ret, m = 0;
+    unsigned k;
+
+    if (dev_base & gmask || fd < 0 || (n && g0 + n - 1 > UINT64_MAX >> t->shift))
+        return -EINVAL;
+    pthread_mutex_lock(&t->mu);
+    for (k = 0; k < n; k++) {
+        g = g0 + k;
+        if (g << t->shift >= r->size)
+            break;
+        if (pub_out[k] || ext_in_sorted(r->skip, r->nskip, g))
+            continue;
+        kind = ext_l2_kind(t, r, entries[k], g, &host, &writable);
+        if (!kind)
+            continue;
+        ret = ext_insert_locked(t, g, 1, kind, fd, host, writable);
+        if (ret == -ENOSPC)
+            break;      /* a cache, full: the rest stays Python's */
+        if (ret < 0) {
+            m = ret;
+            break;
+        }
+        pub_out[k] = (uint8_t)kind;
+        if (kind == AUR_EXT_MAP) {
+            host_out[m] = host >> t->shift;
+            gran_out[m] = g;
+            m++;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return m;
 }
 
 /* Granules [*g0, *g1] overlapping [off, off + len), clamped to the offset space. */
@@ -394,15 +516,15 @@ int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write
         if (i == EXT_NIL)
             goto miss;
         x = &t->e[i];
-        if (write && !x->writable)
+        if (write && !x->writable)  /* (a ZERO granule is never writable) */
             goto miss;
         end = (g0 + k) << t->shift | gmask;    /* last byte of this granule */
         if (end > last)
             end = last;
         plen = (uint32_t)(end - pos + 1);
-        h = x->host_off + (pos & gmask);
-        if (p && p->fd == x->fd && p->host_off + p->len == h) {
-            p->len += plen;
+        h = x->kind == AUR_EXT_ZERO ? 0 : x->host_off + (pos & gmask);
+        if (p && p->fd == x->fd && (x->fd < 0 || p->host_off + p->len == h)) {
+            p->len += plen;     /* host-contiguous data, or zeros after zeros */
         } else {
             if (np == max_pieces)
                 goto miss;

@@ -1,9 +1,16 @@
-"""The extent table: device range -> (fd, host offset), for the C data plane.
+"""The extent table: device range -> (fd, host offset) or zeros, for the C data plane.
 
 A target that knows where some of its data lives publishes it here, granule
 by granule (a qcow2 cluster, say), and the data plane serves requests whose
 every granule is mapped without entering Python. Everything else (a granule
 not mapped, a write to a read-only one) goes to the target's coroutines.
+
+A granule is one of two kinds: MAP, its data at (fd, host offset), or ZERO,
+known to read as zeros (a qcow2 cluster that is unallocated, or has its
+zero flag). A read of ZERO granules needs no backend I/O at all: C fills the
+buffer. A write to one is a miss, because where its data goes is the
+target's decision (an allocation); the target unmaps it first like any
+other granule.
 
 The invariant a target relies on: before it changes where a granule's data
 lives (COW, discard, a freed or shared cluster, an evicted L2 table) it calls
@@ -19,15 +26,22 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from collections.abc import Iterable
 from typing import Any
 
 from aioublk._uring import ffi, lib
 from aioublk.errors import Error
 
-__all__ = ["ExtentConflict", "ExtentTable", "Handle", "Piece"]
+__all__ = ["MAP", "ZERO", "ZERO_FD", "ExtentConflict", "ExtentTable", "Handle", "Piece"]
 
-#: (fd, host offset, length) of one run of a request's data
+#: (fd, host offset, length) of one run of a request's data; a run of zeros
+#: is (ZERO_FD, 0, length)
 Piece = tuple[int, int, int]
+
+#: the kinds of granule (0: not in the table), as ``publish_l2`` reports them
+MAP, ZERO = lib.AUR_EXT_MAP, lib.AUR_EXT_ZERO
+#: the fd of a piece of zeros
+ZERO_FD = -1
 
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
@@ -53,7 +67,7 @@ def _check(name: str, value: int, limit: int = _U64) -> None:
 
 
 class ExtentTable:
-    """device range -> (fd, host offset) for the C data plane.
+    """device range -> (fd, host offset) or zeros for the C data plane.
 
     Mappings are per *granule* (a power of two >= 512 bytes): inserted over
     granule-aligned ranges, removed by any range (every granule it touches),
@@ -94,10 +108,25 @@ class ExtentTable:
         has no room; raises :class:`ExtentConflict`, and maps nothing, when a
         granule is mapped differently (unmap it first).
         """
+        return self.insert_kind(MAP, dev_off, length, fd, host_off, writable=writable)
+
+    def insert_zero(self, dev_off: int, length: int) -> bool:
+        """Publish the granules of [dev_off, dev_off + length) as zeros: the
+        data plane serves their reads by filling the buffer, with no backend
+        I/O, and leaves their writes to the target (a write is where the
+        target decides where the data goes). Otherwise as :meth:`insert`; a
+        granule already mapped to data conflicts."""
+        return self.insert_kind(ZERO, dev_off, length)
+
+    def insert_kind(self, kind: int, dev_off: int, length: int, fd: int = -1,
+                    host_off: int = 0, *, writable: bool = False) -> bool:
+        """:meth:`insert` (``MAP``) or :meth:`insert_zero` (``ZERO``, which
+        takes no fd, host offset or writability) by kind: the one entry point
+        each new kind of granule joins."""
         _check("dev_off", dev_off)
         _check("length", length)
         _check("host_off", host_off)
-        ret = lib.aur_ext_insert(self.cdata, dev_off, length, fd, host_off, writable)
+        ret = lib.aur_ext_insert_kind(self.cdata, dev_off, length, kind, fd, host_off, writable)
         if ret == 0:
             return True
         if ret == -errno.ENOSPC:
@@ -105,9 +134,48 @@ class ExtentTable:
         if ret == -errno.EEXIST:
             raise ExtentConflict(f"[{dev_off}, +{length}) is mapped elsewhere")
         if ret == -errno.EINVAL:
-            raise ValueError(f"[{dev_off}, +{length}) -> fd {fd} at {host_off}: "
-                             f"not aligned to {self.granule} or out of range")
+            raise ValueError(f"[{dev_off}, +{length}) -> kind {kind}, fd {fd} at {host_off}: "
+                             f"not aligned to {self.granule}, out of range or no such kind")
         raise OSError(-ret, f"extent insert: {errno.errorcode.get(-ret, ret)}")
+
+    def publish_l2(self, fd: int, dev_base: int, entries: Any, pub: Any, *, used_end: int,
+                   size: int, writable_ok: bool, backing_end: int = 0,
+                   meta: Iterable[int] = (), skip: Iterable[int] = ()) -> list[tuple[int, int]]:
+        """Publish qcow2 L2 entries (host byte order, a buffer of uint64) of the
+        granules from ``dev_base`` on, by the rules in C (``aur_ext_publish_l2``)
+        and in one call: a whole table costs one lock and no Python per entry.
+
+        An entry whose ``pub`` byte (a writable buffer, one per entry) is set
+        already, or whose granule is in ``skip``, is left alone; the others get
+        the kind they were published as (0: none, ``MAP``, ``ZERO``). MAP is an
+        allocated, uncompressed, aligned cluster below ``used_end`` and not in
+        ``meta`` (host clusters), writable if COPIED and ``writable_ok``; ZERO
+        is the zero flag, or an unallocated cluster at or past ``backing_end``
+        (0: no backing file). Nothing at or past ``size``. Returns the
+        (host cluster, granule) pairs of the MAP ones. A full table publishes
+        what it can; a granule mapped otherwise raises :class:`ExtentConflict`
+        (what came before it stays published).
+        """
+        n = len(pub)
+        if len(entries) != n:
+            raise ValueError(f"{len(entries)} entries, {n} pub bytes")
+        _check("dev_base", dev_base)
+        keep = [ffi.new("uint64_t[]", sorted(meta)), ffi.new("uint64_t[]", sorted(skip))]
+        rules = ffi.new("struct aur_pub_rules *", {
+            "used_end": used_end, "size": size, "backing_end": backing_end,
+            "meta": keep[0], "nmeta": len(keep[0]), "skip": keep[1], "nskip": len(keep[1]),
+            "writable_ok": writable_ok})
+        hosts, grans = ffi.new("uint64_t[]", n), ffi.new("uint64_t[]", n)
+        ret = lib.aur_ext_publish_l2(self.cdata, fd, dev_base,
+                                     ffi.from_buffer("uint64_t[]", entries), n, rules,
+                                     ffi.from_buffer("uint8_t[]", pub, require_writable=True),
+                                     hosts, grans)
+        if ret == -errno.EEXIST:
+            raise ExtentConflict(f"a granule of [{dev_base}, +{n} granules) is mapped elsewhere")
+        if ret < 0:
+            raise ValueError(f"publish_l2 at {dev_base} -> fd {fd}: "
+                             f"{errno.errorcode.get(-ret, ret)}")
+        return list(zip(ffi.unpack(hosts, ret), ffi.unpack(grans, ret), strict=True))
 
     def invalidate(self, dev_off: int, length: int) -> int:
         """Unmap every granule [dev_off, dev_off + length) touches; returns how
@@ -139,7 +207,8 @@ class ExtentTable:
         """Resolve and hold [dev_off, dev_off + length) as the data plane does.
 
         Returns the pieces in device order and a handle to pass to release(),
-        or None when some granule is unmapped (or read-only, for a write).
+        or None when some granule is unmapped (or read-only or ZERO, for a
+        write). A run of ZERO granules is one piece ``(ZERO_FD, 0, length)``.
         """
         _check("dev_off", dev_off)
         if not 0 < length <= _U32:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from array import array
 from dataclasses import dataclass
 
 import pytest
 
-from aioublk.queue.extents import ExtentConflict, ExtentTable, Handle, Piece
+from aioublk.qcow2.format import COMPRESSED, COPIED, ZERO
+from aioublk.queue.extents import MAP, ZERO_FD, ExtentConflict, ExtentTable, Handle, Piece
+from aioublk.queue.extents import ZERO as ZERO_KIND  # (ZERO: the L2 entry's flag)
 
 G = 64 * 1024        # granule of most tests (a default qcow2 cluster)
 MB = 1 << 20
@@ -233,6 +236,135 @@ def test_large_table() -> None:
     assert t.lookup((n - 1) * 4096, 1, write=False) == [(3, 4096, 1)]
 
 
+def test_zero_granules_read_as_zero_pieces_that_merge(t: ExtentTable) -> None:
+    """A ZERO granule is a piece with fd -1; zeros after zeros are one piece,
+    whatever host data sits between them in the table."""
+    assert t.insert_zero(0, 2 * G)
+    assert t.insert(2 * G, 2 * G, 7, 10 * G, writable=True)
+    assert t.insert_zero(4 * G, G)
+    assert len(t) == 5
+    assert t.lookup(100, G, write=False) == [(ZERO_FD, 0, G)]
+    assert t.lookup(100, 5 * G - 200, write=False) == [
+        (ZERO_FD, 0, 2 * G - 100), (7, 10 * G, 2 * G), (ZERO_FD, 0, G - 100)]
+    # zeros never merge with the host piece next to them, even at host offset 0
+    t.insert(5 * G, G, 7, 0, writable=True)
+    assert t.lookup(4 * G, 2 * G, write=False) == [(ZERO_FD, 0, G), (7, 0, G)]
+
+
+def test_a_write_to_zero_granules_misses(t: ExtentTable) -> None:
+    t.insert_zero(0, G)
+    t.insert(G, G, 7, 0, writable=True)
+    assert t.lookup(0, 512, write=True) is None
+    assert t.lookup(G - 512, 1024, write=True) is None
+    assert t.lookup(G, 512, write=True) == [(7, 0, 512)]
+    assert t.busy(0, 2 * G) == 0          # a refused acquire holds nothing
+
+
+def test_kinds_conflict_both_ways_and_zero_again_is_fine(t: ExtentTable) -> None:
+    assert t.insert_zero(0, 2 * G)
+    assert t.insert_zero(G, 2 * G)        # granule 1 already zeros: the same
+    assert len(t) == 3
+    with pytest.raises(ExtentConflict):
+        t.insert(2 * G, 2 * G, 7, 0, writable=False)
+    t.insert(4 * G, G, 7, 0, writable=True)
+    with pytest.raises(ExtentConflict):
+        t.insert_zero(3 * G, 2 * G)
+    assert len(t) == 4 and t.lookup(3 * G, 1, write=False) is None
+    # insert_kind is the one entry point: a kind it does not know is refused
+    with pytest.raises(ValueError):
+        t.insert_kind(99, 8 * G, G, 7, 0)
+    with pytest.raises(ValueError):
+        t.insert_kind(MAP, 8 * G, G)      # data needs an fd
+    assert t.insert_kind(ZERO_KIND, 8 * G, G, 7, 5 * G, writable=True)  # (fd etc. unused)
+    assert t.lookup(8 * G, G, write=True) is None
+    assert t.lookup(8 * G, G, write=False) == [(ZERO_FD, 0, G)]
+
+
+@pytest.mark.asyncio
+async def test_zero_granules_are_held_invalidated_and_waited_for_as_data(
+        t: ExtentTable) -> None:
+    """What holds a MAP granule holds a ZERO one: a read in flight keeps it
+    busy after its removal, and unmap waits for it, so the owner may give it
+    data only once no read of its zeros is in flight."""
+    t.insert_zero(0, 2 * G)
+    held = t.acquire(G - 1, 2, write=False)
+    assert held is not None and held[0] == [(ZERO_FD, 0, 2)]
+    assert t.busy(0, 2 * G) == 2
+    assert t.invalidate(0, G) == 1
+    assert t.busy(0, G) == 1 and len(t) == 1
+    assert t.insert(0, G, 7, 3 * G, writable=True)   # mapped anew while the old drains
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.02, t.release, held[1])
+    await t.unmap(0, 2 * G)
+    assert t.busy(0, 1 << 40) == 0 and len(t) == 0
+
+
+def _publish(t: ExtentTable, entries: list[int], dev_base: int = 0, **kw: object) -> \
+        tuple[bytearray, list[tuple[int, int]]]:
+    pub = bytearray(len(entries))
+    rules: dict[str, object] = {"used_end": 1 << 40, "size": 1 << 40, "writable_ok": True}
+    rules.update(kw)
+    return pub, t.publish_l2(7, dev_base, array("Q", entries), pub, **rules)  # type: ignore[arg-type]
+
+
+def test_publish_l2_applies_the_rules_per_entry(t: ExtentTable) -> None:
+    entries = [
+        10 * G | COPIED,          # 0 MAP, writable
+        11 * G,                     # 1 MAP, read-only (shared)
+        0,                          # 2 unallocated, no backing: ZERO
+        ZERO,                     # 3 ZERO
+        12 * G | COPIED | ZERO,  # 4 zero flag with a host cluster: ZERO
+        COMPRESSED | 13 * G,        # 5 compressed: none
+        14 * G + 512 | COPIED,    # 6 not cluster aligned: none
+        100 * G | COPIED,         # 7 at used_end: none
+        15 * G | COPIED,          # 8 a metadata cluster: none
+        16 * G | COPIED,          # 9 being changed (skip): none
+    ]
+    pub, pairs = _publish(t, entries, dev_base=32 * G, used_end=100 * G, meta=[15, 3],
+                          skip=[32 + 9])
+    assert list(pub) == [MAP, MAP, ZERO_KIND, ZERO_KIND, ZERO_KIND, 0, 0, 0, 0, 0]
+    assert pairs == [(10, 32), (11, 33)]
+    assert t.lookup(32 * G, 5 * G, write=False) == [(7, 10 * G, 2 * G), (ZERO_FD, 0, 3 * G)]
+    assert t.lookup(32 * G, G, write=True) == [(7, 10 * G, G)]
+    assert t.lookup(33 * G, G, write=True) is None
+    assert len(t) == 5
+    # published already: left alone (the pub byte says so), the rest as before
+    pub2 = bytearray(pub)
+    assert t.publish_l2(7, 32 * G, array("Q", entries), pub2, used_end=100 * G,
+                        size=1 << 40, writable_ok=True, meta=[15]) == [(16, 41)]
+    assert list(pub2) == list(pub[:9]) + [MAP]
+
+
+def test_publish_l2_backing_size_and_writability() -> None:
+    t = ExtentTable(G, max_entries=1024)
+    # a backing file of 2.5 clusters: clusters 0-2 show it, 3 on read as zeros
+    pub, _ = _publish(t, [0, 0, 0, 0, ZERO, 5 * G | COPIED], backing_end=2 * G + G // 2,
+                      writable_ok=False, size=5 * G + 1)
+    assert list(pub) == [0, 0, 0, ZERO_KIND, ZERO_KIND, MAP]
+    assert t.lookup(5 * G, G, write=True) is None      # writable_ok off: read-only
+    # the disk ends inside entry 1: entries 2 on are past it
+    t2 = ExtentTable(G, max_entries=1024)
+    pub, _ = _publish(t2, [0, 0, 0], size=G + 1)
+    assert list(pub) == [ZERO_KIND, ZERO_KIND, 0]
+
+
+def test_publish_l2_conflict_and_full_table() -> None:
+    t = ExtentTable(G, max_entries=3)
+    t.insert(G, G, 7, 50 * G, writable=True)
+    with pytest.raises(ExtentConflict):
+        _publish(t, [0, 9 * G | COPIED])
+    # a full table publishes what fits, in order, and says so in pub
+    t.invalidate(0, 1 << 40)
+    pub, pairs = _publish(t, [1 * G, 0, 2 * G, 3 * G, 0])
+    assert list(pub) == [MAP, ZERO_KIND, MAP, 0, 0] and pairs == [(1, 0), (2, 2)]
+    with pytest.raises(ValueError):
+        t.publish_l2(7, 0, array("Q", [0]), bytearray(2), used_end=0, size=G,
+                     writable_ok=True)
+    with pytest.raises(ValueError):  # dev_base not a granule's
+        t.publish_l2(7, 512, array("Q", [0]), bytearray(1), used_end=0, size=G,
+                     writable_ok=True)
+
+
 @dataclass
 class _Entry:
     fd: int
@@ -254,17 +386,22 @@ class _Model:
         return range(off // self.granule, (off + length - 1) // self.granule + 1)
 
     def insert(self, g0: int, n: int, fd: int, host: int, writable: bool) -> str:
+        """fd ZERO_FD: a ZERO insert (no host, never writable)."""
+        if fd == ZERO_FD:
+            host, writable = 0, False
         need = 0
         for k in range(n):
             e = self.live.get(g0 + k)
+            want = (fd, host + k * self.granule if fd != ZERO_FD else 0, writable)
             if e is None:
                 need += 1
-            elif (e.fd, e.host, e.writable) != (fd, host + k * self.granule, writable):
+            elif (e.fd, e.host, e.writable) != want:
                 return "conflict"
         if len(self.live) + len(self.gone) + need > self.max:
             return "full"
         for k in range(n):
-            self.live.setdefault(g0 + k, _Entry(fd, host + k * self.granule, writable))
+            self.live.setdefault(g0 + k, _Entry(
+                fd, host + k * self.granule if fd != ZERO_FD else 0, writable))
         return "ok"
 
     def invalidate(self, off: int, length: int) -> int:
@@ -293,8 +430,9 @@ class _Model:
         for g, e in zip(self.span(off, length), entries, strict=True):
             assert e is not None
             stop = min(end, (g + 1) * self.granule)
-            host = e.host + pos - g * self.granule
-            if pieces and pieces[-1][0] == e.fd and pieces[-1][1] + pieces[-1][2] == host:
+            host = e.host + pos - g * self.granule if e.fd != ZERO_FD else 0
+            if pieces and pieces[-1][0] == e.fd and (
+                    e.fd == ZERO_FD or pieces[-1][1] + pieces[-1][2] == host):
                 pieces[-1] = (e.fd, pieces[-1][1], pieces[-1][2] + stop - pos)
             else:
                 pieces.append((e.fd, host, stop - pos))
@@ -308,6 +446,12 @@ class _Model:
         keep = [i for i, e in enumerate(self.gone) if e.inflight]
         self.gone = [self.gone[i] for i in keep]
         self.gone_at = [self.gone_at[i] for i in keep]
+
+
+def _insert(t: ExtentTable, off: int, length: int, fd: int, host: int, writable: bool) -> bool:
+    if fd == ZERO_FD:
+        return t.insert_zero(off, length)
+    return t.insert(off, length, fd, host, writable=writable)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -326,16 +470,18 @@ def test_random_against_model(seed: int) -> None:
         op = rng.random()
         if op < 0.3:
             g0, n = rng.randrange(64), rng.randint(1, 4)
-            # few fds and host bases so that neighbours often merge or coincide
-            fd, host = rng.choice((3, 4)), rng.choice((g0, g0 + 1, 2 * g0, 100)) * gran
+            # few fds and host bases so that neighbours often merge or coincide;
+            # ZERO granules among them
+            fd, host = rng.choice((3, 4, ZERO_FD)), rng.choice((g0, g0 + 1, 2 * g0, 100)) * gran
             writable = rng.random() < 0.8
             want = m.insert(g0, n, fd, host, writable)
+
+            args = (g0 * gran, n * gran, fd, host)
             if want == "conflict":
                 with pytest.raises(ExtentConflict):
-                    t.insert(g0 * gran, n * gran, fd, host, writable=writable)
+                    _insert(t, *args, writable)
             else:
-                assert t.insert(g0 * gran, n * gran, fd, host,
-                                writable=writable) == (want == "ok"), step
+                assert _insert(t, *args, writable) == (want == "ok"), step
         elif op < 0.45:
             off, length = rand_range()
             length = rng.choice((length, length // 8, 0))
