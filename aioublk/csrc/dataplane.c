@@ -19,7 +19,11 @@
  * /dev/ublkcN first, then written to the backend; a read's data is read
  * from the backend first, then written to /dev/ublkcN). The backend I/O is
  * a read or write of a file, or (AUR_MAP_NVME) one NVMe passthrough command
- * to a namespace's char device, whose success is a result of 0. With
+ * to a namespace's char device, whose success is a result of 0. A read of
+ * an extent table's ZERO granules needs none: in copy and -u mode C fills
+ * those pieces of the tag's buffer with zeros itself (before -u's copy out),
+ * and a read of zeros alone completes at once, as the null map does; the
+ * zero-copy modes have no buffer to fill, so such a read is Python's. With
  * UBLK_F_NEED_GET_DATA (-g, per-I/O path, copy mode) a write's fetch
  * completes with UBLK_IO_RES_NEED_GET_DATA: C asks for the data with
  * UBLK_IO_NEED_GET_DATA on the tag's buffer, and that command's completion
@@ -698,7 +702,14 @@ static void dp_complete(struct aur_dp *dp, struct dp_out *o, unsigned local, uin
     dp_idle_check(dp, o);
 }
 
-/* The pieces of [off, off+len) under the map; 0: not C's to serve. */
+static int dp_zero_copy(const struct aur_dp *dp)
+{
+    return dp->s.mode == AUR_DP_ZERO_COPY || dp->s.mode == AUR_DP_AUTO_ZC;
+}
+
+/* The pieces of [off, off+len) under the map; 0: not C's to serve. A piece
+   with fd -1 is zeros (an extent table's ZERO granules): those need the
+   tag's buffer, so in the zero-copy modes such a request is Python's. */
 static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, uint32_t len,
                            int write, struct dp_piece *p)
 {
@@ -732,6 +743,11 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
             return 0;
         t->nr_ids = (uint16_t)(((off + len - 1) >> dp->ext_shift) - (off >> dp->ext_shift) + 1);
         for (i = 0; i < (unsigned)got; i++) {
+            if (ep[i].fd < 0 && dp_zero_copy(dp)) {
+                aur_ext_release(dp->ext, t->ids, t->nr_ids);
+                t->nr_ids = 0;
+                return 0;
+            }
             p[i] = (struct dp_piece){ ep[i].fd, ep[i].len, ep[i].host_off, pos };
             pos += ep[i].len;
         }
@@ -771,11 +787,6 @@ static int dp_zc_link(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint1
     if (ret == 0)
         t->pending++;
     return ret;
-}
-
-static int dp_zero_copy(const struct aur_dp *dp)
-{
-    return dp->s.mode == AUR_DP_ZERO_COPY || dp->s.mode == AUR_DP_AUTO_ZC;
 }
 
 /* A piece as one NVMe read or write: in the zero-copy modes the request's
@@ -863,6 +874,33 @@ static int dp_sq_room(struct aur_dp *dp, unsigned n)
     return io_uring_sq_space_left(ring) >= n;
 }
 
+/* Zero pieces (copy and -u modes only, see dp_resolve): how many of p[0..n). */
+static unsigned dp_nr_zero(const struct dp_piece *p, unsigned n)
+{
+    unsigned i, z = 0;
+
+    for (i = 0; i < n; i++)
+        z += p[i].fd < 0;
+    return z;
+}
+
+/* Zeros into the tag's buffer where p's zero pieces say, now: they need no
+   backend I/O. The other pieces are moved to the front; returns how many. */
+static unsigned dp_fill_zeros(struct aur_dp *dp, unsigned local, uint16_t tag,
+                              struct dp_piece *p, unsigned n)
+{
+    char *buf = dp_buf(dp, local, tag);
+    unsigned i, k = 0;
+
+    for (i = 0; i < n; i++) {
+        if (p[i].fd < 0)
+            memset(buf + p[i].buf_off, 0, p[i].len);
+        else
+            p[k++] = p[i];
+    }
+    return k;
+}
+
 /* A fetched request: 1 if C serves it, 0 if it is Python's. */
 static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
@@ -870,7 +908,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     const struct ublksrv_io_desc *d = &q->descs[tag];
     struct dp_tag *t = &q->tags[tag];
     struct dp_piece p[DP_MAX_PIECES];
-    unsigned op = ublksrv_get_op(d), n, need;
+    unsigned op = ublksrv_get_op(d), n, nz, need;
     uint64_t off = d->start_sector << 9;
     uint32_t len = d->nr_sectors << 9;
     int write = op == UBLK_IO_OP_WRITE, uc = dp->s.mode == AUR_DP_USER_COPY;
@@ -904,8 +942,9 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     n = dp_resolve(dp, t, off, len, write, p);
     if (!n)
         return 0;
+    nz = dp_nr_zero(p, n);  /* (only in a read, in copy or -u mode) */
     /* its CQEs at most: the pieces, -z's register and unregister, -u's copy */
-    need = n + (dp->s.mode == AUR_DP_ZERO_COPY ? 2 : 0) + (unsigned)uc;
+    need = n - nz + (dp->s.mode == AUR_DP_ZERO_COPY ? 2 : 0) + (unsigned)uc;
     if (dp->cqes + need > dp->max_cqes ||  /* the CQ could overflow */
         (dp->s.mode == AUR_DP_ZERO_COPY && !dp_sq_room(dp, need))) {  /* a chain, whole */
         dp_release(dp, t);
@@ -916,7 +955,17 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     dp->served++;
     dp->inflight++;
     t->served = 1;
-    if (uc && write) {  /* the data first; the pieces when it is in */
+    if (nz)
+        n = dp_fill_zeros(dp, local, tag, p, n);
+    if (!n && !uc) {  /* zeros only, in the buffer already: done, as the null map */
+        dp_release(dp, t);
+        dp_complete(dp, o, local, tag, (int32_t)len);
+        return 1;
+    }
+    if (!n) {  /* -u, zeros only: just the copy out */
+        if (dp_uc_copy(dp, local, tag) < 0)
+            t->bad = -EBUSY;
+    } else if (uc && write) {  /* the data first; the pieces when it is in */
         memcpy(t->pieces, p, n * sizeof(*p));
         t->nr_pieces = (uint16_t)n;
         t->then = 1;

@@ -25,13 +25,16 @@ from aioublk.queue.dataplane import (
     EV_COMMIT,
     EV_FETCH,
     EV_IO,
+    EV_RETRY,
     DataPlane,
+    Extents,
     Linear,
     Map,
     Striped,
     decode,
     encode,
 )
+from aioublk.queue.extents import ExtentTable
 from aioublk.queue.options import DeviceConfig
 
 
@@ -44,6 +47,8 @@ class Plane:
                  poll_us: int = 0) -> None:
         self.ring = ring
         self.pipe = os.pipe()
+        self.max_io = max_io
+        self._fetcher: Any = None  # batch: the socket pair that plays the multishot fetch
         self.events: list[tuple[int, int, int, int]] = []  # kind, tag, aux, res
         self.descs = bytearray(depth * uapi.IO_DESC.size)
         self.bufs = mmap.mmap(-1, depth * max_io)
@@ -74,6 +79,25 @@ class Plane:
                             encode(EV_IO, 0, tag)) == 0
         self.ring.submit_now()
 
+    def fetch_batch(self, tag: int, op: int, sectors: int, start: int = 0) -> None:
+        """The kernel hands ``tag`` a request (batch path): a receive that
+        selects one of the queue's fetch buffers, as a multishot fetch does,
+        takes the tag from a socket. Its CQE ends (no MORE), so it comes back
+        as an EV_FETCH record too."""
+        import socket
+
+        uapi.IO_DESC.pack_into(self.descs, tag * uapi.IO_DESC.size, op, sectors, start, 0)
+        if self._fetcher is None:
+            assert lib.aur_dp_provide(self.dp.c, 0) == 0
+            self._fetcher = socket.socketpair()
+        assert lib.aur_prep(self.ring.raw, 27, self._fetcher[1].fileno(), 0, 2, 0, 0, 0,  # RECV
+                            lib.IOSQE_BUFFER_SELECT, encode(EV_FETCH, 0, 0)) == 0
+        self.ring.submit_now()
+        self._fetcher[0].send(tag.to_bytes(2, "little"))
+
+    def buf(self, tag: int) -> memoryview:
+        return memoryview(self.bufs)[tag * self.max_io:(tag + 1) * self.max_io]
+
     async def wait_for(self, pred: Any, timeout: float = 5.0) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -90,6 +114,8 @@ class Plane:
         self.bufs.close()
         for fd in self.pipe:
             os.close(fd)
+        for sock in self._fetcher or ():
+            sock.close()
 
 
 @pytest.fixture
@@ -435,3 +461,104 @@ def test_fetch_buffers_are_not_freed_while_the_kernel_may_select_them() -> None:
         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == repr(b"0123456789"), "the kernel wrote into freed buffers"
+
+
+# -- an extent table's ZERO granules: zeros without backend I/O -------------------
+
+G4 = 4096  # the granule of these tests
+
+
+def _zero_table(backing: int) -> ExtentTable:
+    """Granules 0-1 ZERO, 2 data (the backing file's bytes at 8 KiB: 0x55)."""
+    os.pwrite(backing, b"\x55" * G4, 2 * G4)
+    t = ExtentTable(G4, max_entries=16)
+    assert t.insert_zero(0, 2 * G4)
+    assert t.insert(2 * G4, G4, backing, 2 * G4, writable=True)
+    return t
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("batch", [0, 1], ids=["per-io", "batch"])
+@pytest.mark.parametrize("user_copy", [False, True], ids=["copy", "user-copy"])
+async def test_a_read_of_zero_granules_is_served_with_no_backend_io(
+        backing: int, batch: int, user_copy: bool) -> None:
+    """C serves a read of ZERO granules by zeroing the tag's buffer: it
+    completes in full, holds nothing after, and needs no backend I/O (the
+    zeros' pieces have no fd: an SQE on one would fail, and the request
+    would come back to Python as a retry). With -u the zeros are in the
+    buffer before the copy out: what reaches /dev/ublkcN (here the pipe) is
+    zeros, never the buffer's old bytes. Beside data, the zeros and the
+    data land each at its place."""
+    from aioublk.ring import Ring
+
+    table = _zero_table(backing)
+    ring = Ring(16)
+    mode = lib.AUR_DP_USER_COPY if user_copy else lib.AUR_DP_COPY
+    plane = Plane(ring, backing, depth=2, max_io=3 * G4, mode=mode, batch=batch,
+                  map=Extents(table))
+    fetch = plane.fetch_batch if batch else plane.fetch
+    commit = (EV_COMMIT, 1, 0, -errno.EOPNOTSUPP) if batch else (EV_IO, 1, 0, -errno.EOPNOTSUPP)
+    try:
+        for tag, length, want in ((1, 2 * G4, bytes(2 * G4)),
+                                  (1, 3 * G4, bytes(2 * G4) + b"\x55" * G4)):
+            plane.buf(tag)[:] = b"\xaa" * (3 * G4)
+            plane.events.clear()
+            fetch(tag, uapi.Op.READ, length >> 9, 0)
+            # (batch: the pipe refuses the element, and C fails the request
+            # once more, which the pipe refuses again: aux 1)
+            want_events = [commit, (EV_COMMIT, 1, 1, -errno.EOPNOTSUPP)] if batch else [commit]
+            n = len(want_events)
+            await plane.wait_for(lambda n=n: len([e for e in plane.events
+                                                  if e[0] != EV_FETCH]) >= n)
+            assert [e for e in plane.events if e[0] != EV_FETCH] == want_events
+            if user_copy:
+                assert os.read(plane.pipe[0], 4 * G4) == want   # what was copied out
+            else:
+                assert plane.buf(tag)[:length] == want
+            assert plane.dp.inflight == 0 and table.busy(0, 3 * G4) == 0
+        c = plane.dp.counts[0]
+        if not batch:  # (batch: each answer was refused, and counted as the failure)
+            assert (c.ios, c.bytes, c.errors) == (2, 5 * G4, 0)
+    finally:
+        plane.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["ZERO_COPY", "AUTO_ZC"])
+async def test_zero_granules_are_pythons_in_the_zero_copy_modes(backing: int, mode: str) -> None:
+    """In the zero-copy modes there is no buffer of C's to zero: a read that
+    touches a ZERO granule goes to Python as fetched, holding nothing; one of
+    data alone is still C's."""
+    from aioublk.ring import Ring
+
+    table = _zero_table(backing)
+    ring = Ring(16)
+    plane = Plane(ring, backing, depth=2, max_io=3 * G4, mode=getattr(lib, f"AUR_DP_{mode}"),
+                  map=Extents(table))
+    try:
+        plane.fetch(0, uapi.Op.READ, (2 * G4) >> 9, G4 >> 9)   # zeros, then data
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 0, 0, 0)]
+        assert plane.dp.inflight == 0 and table.busy(0, 3 * G4) == 0
+        plane.fetch(1, uapi.Op.READ, G4 >> 9, (2 * G4) >> 9)   # data alone: C's
+        await plane.wait_for(lambda: len(plane.events) > 1)
+        # (C took it, and a pipe has no buffers to register: a retry)
+        assert plane.events[1][:2] == (EV_RETRY, 1)
+    finally:
+        plane.close()
+
+
+@pytest.mark.asyncio
+async def test_a_write_to_zero_granules_is_pythons(backing: int) -> None:
+    from aioublk.ring import Ring
+
+    table = _zero_table(backing)
+    ring = Ring(16)
+    plane = Plane(ring, backing, depth=2, max_io=3 * G4, map=Extents(table))
+    try:
+        plane.fetch(0, uapi.Op.WRITE, (2 * G4) >> 9, G4 >> 9)
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 0, 0, 0)]
+        assert plane.dp.inflight == 0 and table.busy(0, 3 * G4) == 0
+    finally:
+        plane.close()
