@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from aioublk import logs
 from aioublk.io.hostfile import HostFile, aligned
 from aioublk.qcow2 import format as fmt
-from aioublk.queue.extents import ExtentTable
+from aioublk.queue.extents import MAP, ExtentTable
 
 log = logs.get_logger("aioublk.qcow2")
 
@@ -29,8 +29,10 @@ Backing = Any  # Qcow2Image | RawBacking
 
 
 class L2Table:
-    """A cached L2 table: the L1 index it maps (``l1i``) and, per entry, whether
-    the data plane has it (``pub``, see ``aioublk.qcow2.l2cache``)."""
+    """A cached L2 table: the L1 index it maps (``l1i``) and, per entry, what
+    the data plane has of it (``pub``: 0 nothing, else the kind it was
+    published as, ``aioublk.queue.extents.MAP`` or ``ZERO``; see
+    ``aioublk.qcow2.l2cache``)."""
 
     __slots__ = ("offset", "entries", "dirty", "gen", "l1i", "pub")
 
@@ -210,8 +212,9 @@ class ImageBase:
             off = self.l1[vc >> self.l2_bits] & fmt.OFFSET_MASK
             t = self.l2cache.get(off) if off else None
             i = vc & self.l2_mask
-            if t is None or not t.pub[i] or (t.entries[i] & fmt.OFFSET_MASK) >> self.cbits != c:
-                del self._pub_host[c]  # taken back since
+            if t is None or t.pub[i] != MAP or \
+                    (t.entries[i] & fmt.OFFSET_MASK) >> self.cbits != c:
+                del self._pub_host[c]  # taken back since (ZERO never reads the cluster)
                 continue
             assert self.extents is not None
             await self.extents.unmap(vc << self.cbits, self.cluster_size)

@@ -40,36 +40,52 @@ image corrupt and fails with EIO instead.
 
 The data plane (``extent_table``; ``aioublk.queue.dataplane``, ``aioublk.queue.extents``):
 the image owns an extent table, one granule per cluster, from which C serves
-reads and in-place writes without entering Python.
+reads and in-place writes without entering Python, and reads of zeros
+without any I/O.
 
-- What is published: a cluster whose L2 entry the engine looked up in a
-  cached table (``_mapped``, the read path, after a write) and found normal:
-  allocated, not compressed, not ZERO, cluster aligned, inside the file, not
-  a metadata cluster, not being changed (``_busy``). It is writable where a
-  write may go in place: COPIED set, the image writable, and no
-  ``metadata_write_through`` (there a write must wait for the metadata that
-  made its cluster, so the data plane gets reads only). Unallocated, zero,
-  compressed and backing-file clusters are never published; nor is any when
-  the image is corrupt, or when its L1 table names one L2 table twice.
-- The invariant: before Python changes where a cluster's data lives, it
-  takes the cluster's extent back and waits until no request the data plane
-  started on it is in flight (``ExtentTable.unmap``). A request C started
-  therefore sees a mapping that stays valid until it completes. Every L2
-  entry changes in one place, ``_remap``, called with the clusters held in
-  ``_busy`` (so nobody publishes them again meanwhile) and followed by the
-  change without an await: allocation and copy-on-write (``_alloc_write``),
-  discard and write_zeroes (``_zero_chunk``). The cluster an entry dropped
-  is freed only after that, so a freed cluster is never in flight in C
-  either (the ``_io`` count covers only Python's own I/O).
+- What is published, and when: an L2 table is published whole as it enters
+  the cache (loaded, created, or copied from a table a snapshot shares),
+  in one C call (``_publish_run``, ``ExtentTable.publish_l2``); an entry
+  changed later is published again after the change (``_write_chunk``,
+  ``_zero_chunk``), and the lookups of ``_mapped`` and the read path publish
+  what a full table left out. One function applies the rules, to a table or
+  to one entry. As data (MAP), a normal cluster: allocated, not compressed,
+  not ZERO, cluster aligned, inside the file, not a metadata cluster. It is
+  writable where a write may go in place: COPIED set, the image writable,
+  and no ``metadata_write_through`` (there a write must wait for the
+  metadata that made its cluster, so the data plane gets reads only). As
+  ZERO (reads as zeros, a write misses and comes here to allocate): the
+  ZERO flag, with a host cluster or not, or an unallocated cluster with no
+  backing file or wholly past the backing file's end. Never a compressed or
+  backing-file cluster, one past the disk's end, or one being changed
+  (``_busy``); nothing when the image is corrupt, or when its L1 table names
+  one L2 table twice. ``pub`` of a cached table says what each entry is
+  published as, and ``_pub_host`` which host cluster a MAP entry serves.
+- The invariant: before Python changes where a cluster's data lives, or
+  gives a ZERO cluster data, it takes the cluster's extent back and waits
+  until no request the data plane started on it is in flight
+  (``ExtentTable.unmap``, which treats both kinds alike). A request C
+  started therefore sees a mapping that stays valid until it completes.
+  Every L2 entry changes in one place, ``_remap``, called with the clusters
+  held in ``_busy`` (so nobody publishes them again meanwhile) and followed
+  by the change without an await: allocation and copy-on-write
+  (``_alloc_write``), discard and write_zeroes (``_zero_chunk``). The
+  cluster an entry dropped is freed only after that, so a freed cluster is
+  never in flight in C either (the ``_io`` count covers only Python's own
+  I/O); an allocation that finds a free cluster still published as data
+  (``_claim_unpublished``: refcounts too low) marks the image corrupt.
 - Changes that keep the mapping, and what they do: copying an L2 table a
-  snapshot shares (same entries; its extents stay valid); evicting a table
-  from the cache (its extents are invalidated, without waiting: the data
-  plane holds only what the cache holds, and a later change still waits in
-  ``_remap`` for anything in flight, removed or not); marking the image
-  corrupt and closing it (every extent invalidated, nothing published after).
-  The engine never creates, applies or deletes snapshots, and no refcount
-  change makes a cluster shared (refcounts rise only on allocation of free
-  clusters).
+  snapshot shares (same entries: the old table's extents are taken back
+  without waiting and the copy published whole); evicting a table from the
+  cache (its extents are invalidated, without waiting: the data plane holds
+  only what the cache holds, and a later change still waits in ``_remap``
+  for anything in flight, removed or not; the extent table holds as many
+  clusters as the cache, so a table entering it finds room); a change of
+  what may be writable (``republish``: everything taken back and the cached
+  tables published again); marking the image corrupt and closing it (every
+  extent invalidated, nothing published after). The engine never creates,
+  applies or deletes snapshots, and no refcount change makes a cluster
+  shared (refcounts rise only on allocation of free clusters).
 
 Where the code lives (each layer calls only those before it):
 ``base`` (state, locks, guards) -> ``refcounts`` -> ``flush`` (runs the

@@ -3,22 +3,24 @@ requests ask), evicted clean in LRU order (a full cache of dirty tables
 forces a write-back), and made private to the active layer before a change
 (created, or copied from a table a snapshot shares).
 
-The cache is also where the data plane learns the image's layout: a cluster
-looked up and found normal (allocated, not compressed, not zero) is
-published in the image's extent table (``_publish``), and every change of
-an entry goes through ``_remap``, which takes it back first. The rules are
-in ``aioublk.qcow2.image`` ("The data plane")."""
+The cache is also where the data plane learns the image's layout: a table
+is published in the image's extent table when it enters the cache, every
+entry at once (``_publish_run``: normal clusters as data, clusters that read
+as zeros as ZERO), an entry changed later is published again, and every
+change of an entry goes through ``_remap``, which takes it back first. The
+rules are in ``aioublk.qcow2.image`` ("The data plane")."""
 
 from __future__ import annotations
 
 import asyncio
 from array import array
+from typing import Any
 
 from aioublk.io.hostfile import aligned
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.base import L2Table, log
 from aioublk.qcow2.flush import WriteBack
-from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
+from aioublk.qcow2.format import COPIED, OFFSET_MASK
 from aioublk.qcow2.writeback import KIND_NAMES, L2
 from aioublk.queue.extents import ExtentConflict, ExtentTable
 
@@ -68,6 +70,7 @@ class L2Cache(WriteBack):
             if t is None:
                 t = L2Table(off, fmt.load_table(buf), l1i)
                 self.l2cache[off] = t
+                self._publish_table(t)
             fut.set_result(t)
             return t
         except BaseException as e:
@@ -116,6 +119,13 @@ class L2Cache(WriteBack):
                 self._meta_seq += 1
                 if off:
                     self._defer_free(off >> self.cbits)
+                # the same entries (or none yet): take back what the old table
+                # published (no mapping changes, so nothing waits) and publish
+                # the new one whole, its pub bytes then telling the truth
+                if self.extents is not None:
+                    span = self.l2_bits + self.cbits
+                    self.extents.invalidate(l1i << span, 1 << span)
+                self._publish_table(new)
                 return new
             finally:
                 del self._l2_busy[l1i]
@@ -128,23 +138,34 @@ class L2Cache(WriteBack):
         first call; publishing starts then), or None where the engine cannot
         keep the table's promise: a corrupt image, or one whose L1 table names
         an L2 table twice (a change through one name would leave the other's
-        extents stale)."""
+        extents stale). It holds as many clusters as the L2 cache does, so a
+        table entering the cache always finds room for its clusters."""
         if self.corrupt or self._aliased or self.file.fd < 0:
             return None
         if self.extents is None:
-            self.extents = ExtentTable(self.cluster_size)
+            self.extents = ExtentTable(self.cluster_size, max_entries=min(
+                (1 << 32) - 2, max(1 << 20, self.l2_capacity << self.l2_bits)))
             self._publishing = True
+            for t in list(self.l2cache.values()):
+                self._publish_table(t)
         return self.extents
 
     def republish(self) -> None:
-        """Take every extent back, to be published again as clusters are looked
-        up: after a change of what may be writable (``metadata_write_through``
-        set before the first request). No mapping changes, so nothing waits."""
+        """Take every extent back and publish the cached tables again: after a
+        change of what may be writable (``metadata_write_through`` set before
+        the first request). No mapping changes, so nothing waits."""
         if self.extents is None:
             return
         self.extents.invalidate(0, (1 << 64) - 1)
-        for t in self.l2cache.values():
+        self._pub_host.clear()
+        for t in list(self.l2cache.values()):
             t.pub[:] = bytes(len(t.pub))
+            self._publish_table(t)
+
+    def _publish_table(self, t: L2Table) -> None:
+        """Publish every entry of ``t``, just cached, if L1 names it."""
+        if self._publishing and self.l1[t.l1i] & OFFSET_MASK == t.offset:
+            self._publish_run(t, 0, len(t.entries))
 
     def _publish(self, vc: int) -> None:
         """Offer cluster ``vc`` to the data plane if its table is cached."""
@@ -153,32 +174,62 @@ class L2Cache(WriteBack):
         if t is not None and not t.pub[vc & self.l2_mask]:
             self._publish_in(t, vc)
 
+    def _publish_vcs(self, vcs: range) -> None:
+        """Offer clusters ``vcs`` (one L2 table's) to the data plane, in one call."""
+        off = self.l1[vcs.start >> self.l2_bits] & OFFSET_MASK
+        t = self.l2cache.get(off) if off else None
+        if t is not None:
+            self._publish_run(t, vcs.start & self.l2_mask, len(vcs))
+
     def _publish_in(self, t: L2Table, vc: int) -> None:
         """Publish cluster ``vc``, whose entry is in ``t`` (cached and current),
-        if it maps a normal cluster: writable where a write may go in place
-        (as ``_mapped(..., write=True)`` decides, less what changes per
-        request), read-only elsewhere. A cluster being changed (``_busy``) is
-        not published: its changer has taken it back or is about to."""
-        if not self._publishing or vc in self._busy:
+        by the rules of ``_publish_run``."""
+        self._publish_run(t, vc & self.l2_mask, 1)
+
+    def _publish_run(self, t: L2Table, i: int, n: int) -> None:
+        """Publish entries [i, i + n) of ``t`` (cached, current, named by L1)
+        that are not published yet, in one C call (``ExtentTable.publish_l2``,
+        the one place the rules are applied):
+
+        - as data (MAP), a normal cluster: allocated, not compressed or ZERO,
+          cluster aligned, inside the file, not a metadata cluster. It is
+          writable where a write may go in place (as ``_mapped(..., write=True)``
+          decides, less what changes per request): COPIED, the image writable,
+          no ``metadata_write_through``; read-only elsewhere;
+        - as ZERO, an entry that reads as zeros without backing data: the ZERO
+          flag (with a host cluster or not), or unallocated with no backing
+          file or wholly past the backing file's end. Reads are then C's, and
+          a write misses, to be allocated here;
+        - never a compressed cluster, one that shows the backing file, one
+          past the disk's end, nor one being changed (``_busy``): its changer
+          has taken it back or is about to, and publishes it after."""
+        if not self._publishing:
             return
-        i = vc & self.l2_mask
-        e = t.entries[i]
-        host = e & OFFSET_MASK
-        if not host or e & (COMPRESSED | ZERO) or host & self.cmask \
-                or host >= self.used_end or host >> self.cbits in self.meta \
-                or vc << self.cbits >= self.size:
-            return
-        writable = bool(e & COPIED) and not self.read_only and not self.metadata_write_through
         assert self.extents is not None
+        cbits, vc0 = self.cbits, (t.l1i << self.l2_bits) + i
+        if n == 1:  # (the one host cluster and vc are all the rules need to know)
+            if vc0 in self._busy:
+                return
+            c = (t.entries[i] & OFFSET_MASK) >> cbits
+            meta: Any = (c,) if c in self.meta else ()
+            skip: Any = ()
+        else:
+            meta = self.meta
+            skip = [vc for vc in self._busy if vc0 <= vc < vc0 + n]
         try:
-            if self.extents.insert(vc << self.cbits, self.cluster_size, self.file.fd, host,
-                                   writable=writable):
-                t.pub[i] = 1
-                self._pub_host[host >> self.cbits] = vc
+            pairs = self.extents.publish_l2(
+                self.file.fd, vc0 << cbits, memoryview(t.entries)[i:i + n],
+                memoryview(t.pub)[i:i + n], used_end=self.used_end, size=self.size,
+                writable_ok=not self.read_only and not self.metadata_write_through,
+                backing_end=self.backing.size if self.backing is not None else 0,
+                meta=meta, skip=skip)
         except ExtentConflict:
             # a mapping changed without _remap: a bug; stop serving from the table
-            log.error("qcow2 extent conflict: data plane off", image=self.path, cluster=vc)
+            log.error("qcow2 extent conflict: data plane off", image=self.path, cluster=vc0)
             self._drop_extents()
+            return
+        if pairs:
+            self._pub_host.update(pairs)
 
     def _forget(self, t: L2Table) -> None:
         """``t`` left the cache: take back what it published, so that the data
@@ -186,7 +237,7 @@ class L2Cache(WriteBack):
         not change, so requests in flight may finish (a later change waits for
         them in ``_remap``). A table L1 no longer names (a copy replaced it)
         leaves its successor's extents alone."""
-        if self.extents is not None and 1 in t.pub and \
+        if self.extents is not None and any(t.pub) and \
                 self.l1[t.l1i] & OFFSET_MASK == t.offset:
             span = self.l2_bits + self.cbits
             self.extents.invalidate(t.l1i << span, 1 << span)

@@ -103,8 +103,7 @@ class Writes(Reads):
         finally:
             self._unlock(vcs)
         if self._publishing:  # what it wrote, in place or into new clusters
-            for vc in vcs:
-                self._publish(vc)
+            self._publish_vcs(vcs)
 
     async def _alloc_write(self, vcs: range, olds: list[int], s: int, e: int, base: int,
                            view: memoryview) -> None:
@@ -225,22 +224,23 @@ class Writes(Reads):
         try:
             olds = [await self._entry(vc) for vc in vcs]
             want = ZERO if zero_flag else 0
-            if all(self._same_zero(o, want) for o in olds):
-                return
-            t = await self._remap(vcs)
-            for vc, old in zip(vcs, olds, strict=True):
-                if self._same_zero(old, want):
-                    continue
-                keep = not unmap and zero_flag and old & (COPIED | COMPRESSED) == COPIED \
-                    and old & OFFSET_MASK
-                if keep:
-                    t.entries[vc & self.l2_mask] = (old & OFFSET_MASK) | COPIED | ZERO
-                else:
-                    t.entries[vc & self.l2_mask] = want
-                    self._release(old)
-            self._changed(t)
+            if not all(self._same_zero(o, want) for o in olds):
+                t = await self._remap(vcs)
+                for vc, old in zip(vcs, olds, strict=True):
+                    if self._same_zero(old, want):
+                        continue
+                    keep = not unmap and zero_flag and old & (COPIED | COMPRESSED) == COPIED \
+                        and old & OFFSET_MASK
+                    if keep:
+                        t.entries[vc & self.l2_mask] = (old & OFFSET_MASK) | COPIED | ZERO
+                    else:
+                        t.entries[vc & self.l2_mask] = want
+                        self._release(old)
+                self._changed(t)
         finally:
             self._unlock(vcs)
+        if self._publishing:  # zeros now: reads of them are C's again
+            self._publish_vcs(vcs)
 
     def _changed(self, t: L2Table) -> None:
         """An L2 table changed (the refcounts it needs were changed before)."""

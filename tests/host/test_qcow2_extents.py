@@ -1,11 +1,11 @@
 """The qcow2 engine on the data plane (host only: no ublk, no kernel).
 
-The image publishes the clusters it looks up in its extent table, and takes
-them back before any change of where their data lives (the invariant in
-``aioublk.qcow2.image``, "The data plane"). Here:
+The image publishes each L2 table in its extent table when the table enters
+the cache, and takes clusters back before any change of where their data
+lives (the invariant in ``aioublk.qcow2.image``, "The data plane"). Here:
 
-- which clusters are published after reads and writes, writable or
-  read-only, and which never are (zero, unallocated, compressed, backing);
+- which clusters are published, writable, read-only or as zeros, and which
+  never are (compressed, backing, metadata);
 - every change of a mapping takes its extents back: discard, write_zeroes,
   copy-on-write, L2 eviction, a corrupt mark;
 - an extent a request holds (``ExtentTable.acquire``, as C does) keeps the
@@ -27,7 +27,7 @@ import pytest
 
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2.format import COPIED, OFFSET_MASK, ZERO
-from aioublk.queue.extents import ExtentTable
+from aioublk.queue.extents import ZERO_FD, ExtentTable
 from aioublk.ring import Ring
 from tests.host.test_qcow2_writes import (
     Op,
@@ -46,10 +46,22 @@ CS = 64 * K
 
 
 def published(table: ExtentTable, vc: int, cs: int = CS) -> str:
-    """'rw', 'ro' or '-': how cluster ``vc`` is in the table."""
+    """'rw', 'ro', 'zero' or '-': how cluster ``vc`` is in the table."""
     if table.lookup(vc * cs, cs, write=True) is not None:
         return "rw"
-    return "ro" if table.lookup(vc * cs, cs, write=False) is not None else "-"
+    pieces = table.lookup(vc * cs, cs, write=False)
+    if pieces is None:
+        return "-"
+    return "zero" if pieces[0][0] == ZERO_FD else "ro"
+
+
+def unpublish(img: Qcow2Image) -> None:
+    """Take everything back without republishing (as if the tables had
+    entered the cache before the data plane asked)."""
+    assert img.extents is not None
+    img.extents.invalidate(0, (1 << 64) - 1)
+    for t in img.l2cache.values():
+        t.pub[:] = bytes(len(t.pub))
 
 
 def host_of(img: Qcow2Image, vc: int) -> int:
@@ -58,8 +70,12 @@ def host_of(img: Qcow2Image, vc: int) -> int:
     return int(e & OFFSET_MASK)
 
 
+#: how mixed()'s clusters are published (the rest, 6-63, unallocated: zeros)
+MIXED = ["rw", "rw", "zero", "zero", "-", "rw"]
+
+
 def mixed(path: Path) -> Path:
-    """Clusters 0-1 data, 2 zero, 3 unallocated, 4 compressed, 5 data."""
+    """Clusters 0-1 data, 2 zero, 3 unallocated, 4 compressed, 5 data (4 MiB)."""
     create(path, 4 * M, cluster_size=CS)
     qemu_io(path, "write -P 1 0 128k", "write -z 128k 64k", "write -c -P 3 256k 64k",
             "write -P 5 320k 64k")
@@ -71,23 +87,60 @@ async def read_all(img: Qcow2Image, size: int, step: int = CS) -> None:
         await img.read(off, bytearray(step))
 
 
-async def test_reads_publish_normal_clusters_only(tmp_path: Path, ring: Ring) -> None:
+async def test_one_read_publishes_the_whole_table(tmp_path: Path, ring: Ring) -> None:
+    """The first read loads the L2 table, and the whole table is published in
+    one call: data writable, zero and unallocated clusters as zeros (no
+    backing file), the compressed one not at all, nothing past the disk."""
     img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
     try:
         table = img.extent_table()
         assert table is not None and table is img.extent_table()
-        await read_all(img, 6 * CS)
-        assert [published(table, vc) for vc in range(6)] == \
-            ["rw", "rw", "-", "-", "-", "rw"]
-        assert len(table) == 3
+        calls: list[int] = []
+        real = table.publish_l2
+
+        def counting(*args: Any, **kw: Any) -> Any:
+            calls.append(len(args[2]))
+            return real(*args, **kw)
+        table.publish_l2 = counting  # type: ignore[method-assign]
+        await img.read(0, bytearray(4096))
+        assert calls == [img.cluster_size // 8]
+        assert [published(table, vc) for vc in range(64)] == MIXED + ["zero"] * 58
+        assert published(table, 64) == "-"
+        assert len(table) == 63
         assert table.lookup(0, CS, write=False) == [(img.file.fd, host_of(img, 0), CS)]
-        # a read spanning clusters publishes each (the multi-cluster read path)
-        img.republish()
+        assert sorted(img._pub_host.items()) == sorted(
+            (host_of(img, vc) // CS, vc) for vc in (0, 1, 5))
+        t = next(iter(img.l2cache.values()))
+        assert list(t.pub[:7]) == [1, 1, 2, 2, 0, 1, 2]
+        # the multi-cluster read path publishes each cluster it reads (here
+        # after everything was taken back)
+        unpublish(img)
         await img.read(0, bytearray(2 * CS))
-        assert [published(table, vc) for vc in range(2)] == ["rw", "rw"]
+        assert [published(table, vc) for vc in range(3)] == ["rw", "rw", "-"]
     finally:
         await img.close()
     assert len(table) == 0  # closing takes everything back
+
+
+async def test_metadata_clusters_are_never_published(tmp_path: Path, ring: Ring) -> None:
+    """An L2 entry naming a metadata cluster (a corrupt image: here the L2
+    table itself, or the refcount table) is not published, neither with the
+    table nor alone; reading it is the engine's, which reports it."""
+    img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await img.read(0, bytearray(4096))
+        t = next(iter(img.l2cache.values()))
+        unpublish(img)
+        t.entries[0] = t.offset | COPIED
+        t.entries[1] = img.reftable_offset | COPIED
+        img._publish_table(t)
+        assert [published(table, vc) for vc in range(6)] == ["-", "-"] + MIXED[2:]
+        img._publish_in(t, 0)
+        assert published(table, 0) == "-"
+    finally:
+        img.release()
 
 
 async def test_single_cluster_fast_paths_publish(tmp_path: Path, ring: Ring) -> None:
@@ -96,7 +149,7 @@ async def test_single_cluster_fast_paths_publish(tmp_path: Path, ring: Ring) -> 
         table = img.extent_table()
         assert table is not None
         await img.read(0, bytearray(CS))      # loads the L2 table
-        img.republish()
+        unpublish(img)
         assert len(table) == 0
         assert img._mapped(CS + 512, 4096, False) >= 0       # start_read's lookup
         assert img._mapped(5 * CS, 4096, True) >= 0          # start_write's lookup
@@ -110,17 +163,20 @@ async def test_publishing_is_once_per_cluster(tmp_path: Path, ring: Ring) -> Non
     try:
         table = img.extent_table()
         assert table is not None
-        calls: list[int] = []
-        real = table.insert
+        newly: list[int] = []   # per call, the entries it published
+        real = table.publish_l2
 
-        def counting(dev_off: int, *args: Any, **kw: Any) -> bool:
-            calls.append(dev_off)
-            return real(dev_off, *args, **kw)
-        table.insert = counting  # type: ignore[method-assign]
+        def counting(*args: Any, **kw: Any) -> Any:
+            pub = args[3]
+            before = sum(1 for b in pub if b)
+            got = real(*args, **kw)
+            newly.append(sum(1 for b in pub if b) - before)
+            return got
+        table.publish_l2 = counting  # type: ignore[method-assign]
         for _ in range(3):
             await read_all(img, 6 * CS, 4096)
             await img.write(4096, b"x" * 4096)
-        assert sorted(calls) == [0, CS, 5 * CS]
+        assert newly[0] == 63 and not any(newly[1:])
     finally:
         await img.close()
 
@@ -131,7 +187,7 @@ async def test_no_table_until_asked(tmp_path: Path, ring: Ring) -> None:
     try:
         await read_all(img, 6 * CS)
         assert img.extents is None
-        assert not any(1 in t.pub for t in img.l2cache.values())
+        assert not any(any(t.pub) for t in img.l2cache.values())
     finally:
         await img.close()
 
@@ -146,12 +202,43 @@ async def test_backing_clusters_are_not_published(tmp_path: Path, ring: Ring) ->
         table = img.extent_table()
         assert table is not None
         await read_all(img, 4 * CS)
-        assert [published(table, vc) for vc in range(4)] == ["-", "rw", "-", "-"]
+        assert [published(table, vc) for vc in range(64)] == ["-", "rw"] + ["-"] * 62
         # a write to a backing cluster allocates it: then it is published
         await img.write(0, b"y" * 4096)
         assert published(table, 0) == "rw"
     finally:
         await img.close()
+
+
+async def test_zeros_past_the_backing_file_are_published(tmp_path: Path, ring: Ring) -> None:
+    """Unallocated clusters read as zeros where no backing data lies under
+    them (wholly past the backing file's end), and a zero-flagged cluster
+    hides the backing file: both are published as zeros. A cluster the
+    backing file covers even in part is not."""
+    base = create(tmp_path / "base.qcow2", 160 * K, cluster_size=CS)   # 2.5 clusters
+    qemu_io(base, "write -P 7 0 160k")
+    top = create(tmp_path / "top.qcow2", 1 * M, cluster_size=CS, backing=base)
+    qemu_io(top, "write -z 0 64k", "write -P 8 256k 64k")
+    img = Qcow2Image.open(str(top))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await img.read(CS, bytearray(4096))
+        assert [published(table, vc) for vc in range(16)] == \
+            ["zero", "-", "-", "zero", "rw"] + ["zero"] * 11
+        buf = bytearray(16 * CS)
+        await img.read(0, buf)
+        assert buf[CS:2 * CS] == b"\x07" * CS and buf[2 * CS:160 * K] == b"\x07" * (32 * K)
+        assert not any(buf[:CS]) and not any(buf[160 * K:4 * CS])
+        # a write to a published zero cluster misses in the table and allocates
+        assert table.lookup(5 * CS, 4096, write=True) is None
+        await img.write(5 * CS + 512, b"n" * 512)
+        assert published(table, 5) == "rw"
+        await img.read(5 * CS, memoryview(buf)[:CS])
+        assert buf[:CS] == bytes(512) + b"n" * 512 + bytes(CS - 1024)
+    finally:
+        await img.close()
+    qemu_img("check", top)
 
 
 async def test_read_only_and_write_through_publish_read_only(tmp_path: Path,
@@ -164,7 +251,7 @@ async def test_read_only_and_write_through_publish_read_only(tmp_path: Path,
             assert table is not None
             await read_all(img, 6 * CS)
             assert [published(table, vc) for vc in range(6)] == \
-                ["ro", "ro", "-", "-", "-", "ro"], kw
+                ["ro", "ro", "zero", "zero", "-", "ro"], kw
         finally:
             await img.close()
 
@@ -172,7 +259,7 @@ async def test_read_only_and_write_through_publish_read_only(tmp_path: Path,
 async def test_write_through_set_later_makes_extents_read_only(tmp_path: Path,
                                                                ring: Ring) -> None:
     """The target sets ``metadata_write_through`` in ``configure``: what was
-    published writable before is taken back."""
+    published writable before is published again read-only."""
     img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")))
     try:
         table = img.extent_table()
@@ -181,9 +268,8 @@ async def test_write_through_set_later_makes_extents_read_only(tmp_path: Path,
         assert published(table, 0) == "rw"
         img.metadata_write_through = True
         img.republish()
-        assert published(table, 0) == "-"
-        await read_all(img, 2 * CS)
-        assert published(table, 0) == "ro"
+        assert [published(table, vc) for vc in range(6)] == \
+            ["ro", "ro", "zero", "zero", "-", "ro"]
     finally:
         await img.close()
 
@@ -198,12 +284,16 @@ async def test_snapshot_shared_cluster_is_read_only_and_cow_moves_it(
         assert table is not None
         await read_all(img, 6 * CS)
         assert [published(table, vc) for vc in range(6)] == \
-            ["ro", "ro", "-", "-", "-", "ro"]
+            ["ro", "ro", "zero", "zero", "-", "ro"]
         old = host_of(img, 1)
-        await img.write(CS + 512, b"z" * 512)  # copy-on-write
+        await img.write(CS + 512, b"z" * 512)  # copy-on-write (of the L2 table too)
         new = host_of(img, 1)
         assert new != old
         assert table.lookup(CS, CS, write=True) == [(img.file.fd, new, CS)]
+        # the table's copy is published as the table was, less what changed
+        assert [published(table, vc) for vc in range(6)] == \
+            ["ro", "rw", "zero", "zero", "-", "ro"]
+        assert len(table) == 63
     finally:
         await img.close()
     qemu_img("check", path)
@@ -221,15 +311,19 @@ async def test_changes_take_extents_back(how: str, tmp_path: Path, ring: Ring) -
             await img.discard(CS, CS)
         else:
             await img.write_zeroes(CS, CS, unmap=how == "zero-unmap")
-        assert published(table, 1) == "-"
+        assert published(table, 1) == "zero"   # published again, as zeros
         assert [published(table, vc) for vc in (0, 5)] == ["rw", "rw"]
         e = img._lookup(1)
-        if how == "zero":  # the cluster stays, with the zero flag: still not published
+        if how == "zero":  # the cluster stays, with the zero flag: zeros all the same
             assert e == host | COPIED | ZERO
         await read_all(img, 6 * CS)
-        assert published(table, 1) == "-"
+        assert published(table, 1) == "zero"
+        assert table.lookup(CS, 4096, write=True) is None   # a write is the engine's
         await img.write(CS, b"w" * 4096)
         assert published(table, 1) == "rw"
+        buf = bytearray(CS)
+        await img.read(CS, buf)
+        assert buf == b"w" * 4096 + bytes(CS - 4096)
     finally:
         await img.close()
     qemu_img("check", tmp_path / "a.qcow2")
@@ -250,8 +344,10 @@ async def test_eviction_takes_extents_back(tmp_path: Path, ring: Ring) -> None:
         for i in range(1, 6):
             await img.read(i * 2 * M, bytearray(cs))
         assert published(table, 0, cs) == "-"
+        assert published(table, 1, cs) == "-"   # the zeros went with their table
         assert published(table, 5 * per, cs) == "rw"
-        assert len(table) <= 4
+        assert published(table, 5 * per + 1, cs) == "zero"
+        assert len(table) == 4 * per
     finally:
         await img.close()
 
@@ -262,7 +358,7 @@ async def test_corrupt_mark_takes_everything_back(tmp_path: Path, ring: Ring) ->
         table = img.extent_table()
         assert table is not None
         await read_all(img, 6 * CS)
-        assert len(table) == 3
+        assert len(table) == 63
         with pytest.raises(OSError):
             img._mark_corrupt("a test")
         assert len(table) == 0
@@ -373,6 +469,7 @@ class DataPlaneStandIn:
         assert table is not None
         self.table = table
         self.served = 0
+        self.zeros = 0  # reads that had a run of ZERO granules
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.img, name)
@@ -386,7 +483,12 @@ class DataPlaneStandIn:
             await asyncio.sleep(self.rng.choice((0, 0, 0.0005, 0.002)))
             pos = 0
             for fd, host, n in pieces:
-                if write:
+                if fd == ZERO_FD:  # (reads only) C fills the buffer
+                    assert not write
+                    view[pos:pos + n] = bytes(n)
+                    done = n
+                    self.zeros += 1
+                elif write:
                     done = os.pwrite(fd, view[pos:pos + n], host)
                 else:
                     done = os.preadv(fd, [view[pos:pos + n]], host)
@@ -422,7 +524,7 @@ async def test_random_io_with_the_data_plane(cluster: int, tmp_path: Path,
         for _ in range(3):
             await random_io(case, dp, rng, batches=8, per_batch=24, spots=spots)
             await read_matches_mirror(case, dp, f"c{cluster}")
-        assert dp.served > 50
+        assert dp.served > 50 and dp.zeros > 10
     finally:
         await img.close()
     await verify(case, f"c{cluster} through the data plane")
@@ -457,8 +559,6 @@ async def test_target_map(tmp_path: Path, ring: Ring) -> None:
         await t.read(0, memoryview(bytearray(CS)))
         assert published(m.table, 0) == "rw"
         t.configure(uapi.Feature.USER_RECOVERY)
-        assert published(m.table, 0) == "-"
-        await t.read(0, memoryview(bytearray(CS)))
         assert published(m.table, 0) == "ro"
         with pytest.raises(OSError):
             t.image._mark_corrupt("a test")
