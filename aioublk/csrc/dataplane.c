@@ -1201,6 +1201,12 @@ static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full
  * poll_us without traffic, and at least every POLL_BUDGET_NS. Meanwhile the
  * eventfd is muted (a flag in the shared CQ ring, no syscall).
  *
+ * With idle_us (a target whose every reason to run Python arrives as a CQE
+ * on this ring: its own I/O, ublk commands, the worker's kick), C waits
+ * idle_us instead, and the budget is at least that: a kick's CQE ends the
+ * wait like any record. What does not come as a CQE (a loop timer) waits at
+ * most the budget.
+ *
  * Whatever stays in the CQ signals the eventfd again: no completion waits
  * for a wake-up that already happened.
  */
@@ -1222,23 +1228,27 @@ unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
     struct io_uring *ring = &dp->r->ring;
     struct dp_out o = { out, 0 };
     struct io_uring_cqe *cqe;
-    uint64_t start = 0;
+    uint64_t start = 0, wait_ns = 1000ULL * (dp->s.idle_us ? dp->s.idle_us : dp->s.poll_us);
+    uint64_t budget = wait_ns > POLL_BUDGET_NS ? wait_ns : POLL_BUDGET_NS, spent = 0;
     unsigned served = dp->served, completed = dp->completed;
     int full = 0, quiet = 0;
 
     for (;;) {
         dp_pass(dp, &o, max, &full);
-        if (o.n || full || !dp->s.poll_us || dp->served == served)
+        if (o.n || full || !wait_ns || dp->served == served)
             break;
         if (!start) {
             start = dp_now_ns();
             /* while C waits, the loop's eventfd need not hear of each CQE */
             quiet = io_uring_cq_eventfd_toggle(ring, false) == 0;
-        } else if (dp_now_ns() - start > POLL_BUDGET_NS) {
+        } else if ((spent = dp_now_ns() - start) > budget) {
             break;
         }
         {
-            struct __kernel_timespec ts = { 0, (long long)dp->s.poll_us * 1000 };
+            /* (never past the budget: a loop timer waits at most that) */
+            uint64_t ns = wait_ns < budget - spent ? wait_ns : budget - spent;
+            struct __kernel_timespec ts = { (long long)(ns / 1000000000ULL),
+                                            (long long)(ns % 1000000000ULL) };
 
             int ret = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
 

@@ -68,6 +68,7 @@ struct aur_dp_setup {
     uint32_t op_register_buf, op_unregister_buf, op_need_get_data;
     unsigned fetch_buf_bytes, fetch_buf_entries;
     unsigned poll_us;       /* wait this long in C for more work before Python's turn */
+    unsigned idle_us;       /* nonzero: wait this long instead (Python's work wakes C) */
 };
 
 /* latency (aur_dp_set_timing): per op (read, write, flush, discard,
