@@ -4,7 +4,6 @@ one-cluster case is served without a coroutine (``start_read``)."""
 
 from __future__ import annotations
 
-import asyncio
 import errno
 from collections.abc import Awaitable
 from typing import Any
@@ -15,6 +14,7 @@ from aioublk.qcow2.base import OFFLOAD_BYTES, _eio, _fill_zero
 from aioublk.qcow2.compress import decompress
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
 from aioublk.qcow2.l2cache import L2Cache
+from aioublk.queue.crossloop import run_in_thread
 from aioublk.ring import Handler, current_ring
 from aioublk.target import Done, gather_all, rw_handler
 
@@ -147,8 +147,8 @@ class Reads(L2Cache):
         await self.file.read_into(raw, span.offset)
         try:
             if self.cluster_size >= OFFLOAD_BYTES:  # inflating takes long: off the loop
-                data = await asyncio.get_running_loop().run_in_executor(
-                    None, decompress, self.h.compression_type, raw, self.cluster_size)
+                data = await run_in_thread(  # (its result kicks a worker waiting in C)
+                    decompress, self.h.compression_type, raw, self.cluster_size)
             else:
                 data = decompress(self.h.compression_type, raw, self.cluster_size)
         except ValueError as err:

@@ -18,6 +18,7 @@ import structlog
 
 from aioublk._uring import lib
 from aioublk.batch import BatchDriver
+from aioublk.queue.crossloop import LoopHandle
 from aioublk.queue.driver import Driver, IoPath, WorkerSpec, log
 from aioublk.queue.options import DeviceConfig
 from aioublk.queue.perio import PerIoDriver
@@ -43,6 +44,8 @@ class Worker:
         self.thread = threading.Thread(target=self._run, name=f"ublk{cfg.dev_id}w{spec.index}",
                                        daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: how other threads call into the loop (and wake it inside C)
+        self.handle: LoopHandle | None = None
         self._stop: asyncio.Future[None] | None = None
         self._finish = False  # finished() came before the loop ran
         self.siblings: list[Worker] = []  # every worker of the device (set by Device)
@@ -61,8 +64,14 @@ class Worker:
         # every log line of this thread's tasks names the device and worker
         structlog.contextvars.bind_contextvars(dev=self.cfg.dev_id, worker=self.spec.index)
         loop = uvloop.new_event_loop()
-        self.loop = loop
         asyncio.set_event_loop(loop)
+        try:
+            handle = LoopHandle.new(loop)
+        except BaseException:
+            loop.close()
+            raise
+        handle.bind()
+        self.loop, self.handle = loop, handle
         try:
             loop.run_until_complete(self._main())
         except BaseException as e:  # noqa: BLE001 - reported to the control plane
@@ -71,6 +80,7 @@ class Worker:
         finally:
             self.ready.set()
             loop.close()
+            handle.close()
 
     @property
     def nr_tags(self) -> int:
@@ -90,6 +100,8 @@ class Worker:
             flags=queue_ring_flags(), bind_thread=True,
             sqe128=self.target.big_ring_entries, cqe32=self.target.big_ring_entries,
         )
+        if self.handle is not None:  # (always, on the worker's thread)
+            self.handle.watch(ring)  # a cross-thread call wakes C's wait on this ring
         stop = self._stop = asyncio.get_running_loop().create_future()
         if self._finish:
             stop.set_result(None)
@@ -149,11 +161,11 @@ class Worker:
     def request_finish(self) -> None:
         """``finished`` from any thread; a worker already gone is left alone."""
         self._finish = True  # seen by _main if its loop has not run yet
-        loop = self.loop
-        if loop is None or not self.thread.is_alive():
+        handle = self.handle
+        if handle is None or not self.thread.is_alive():
             return
         try:
-            loop.call_soon_threadsafe(self.finished)
+            handle.call_soon(self.finished)  # (kicks: the thread may be waiting in C)
         except RuntimeError:  # its loop closed meanwhile
             pass
 

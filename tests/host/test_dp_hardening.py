@@ -40,11 +40,12 @@ from aioublk.queue.options import DeviceConfig
 
 class Plane:
     """A data plane serving queue 0 (``depth`` tags of ``max_io`` bytes)
-    from ``backing``, its commands going to a pipe."""
+    from ``backing``, its commands going to a pipe; ``setup``: more of its
+    setup fields (``poll_us``, ``idle_us``)."""
 
     def __init__(self, ring: Any, backing: int, *, depth: int = 4, max_io: int = 4096,
                  mode: int = 0, batch: int = 0, map: Map | None = None,
-                 poll_us: int = 0) -> None:
+                 poll_us: int = 0, setup: dict[str, int] | None = None) -> None:
         self.ring = ring
         self.pipe = os.pipe()
         self.max_io = max_io
@@ -61,6 +62,7 @@ class Plane:
             "op_unregister_buf": uapi.IoCmd.UNREGISTER_IO_BUF,
             "op_commit_io_cmds": uapi.IoCmd.COMMIT_IO_CMDS,
             "fetch_buf_bytes": 2 * depth, "fetch_buf_entries": 8, "poll_us": poll_us,
+            **(setup or {}),
         }, 1, self._on_event)
         self._views = (ffi.from_buffer(self.descs), ffi.from_buffer(self.bufs))
         lib.aur_dp_queue(self.dp.c, 0, 0, self._views[0], self._views[1], self.dp.counts)

@@ -39,6 +39,8 @@ LAYERS: list[list[str]] = [
     ["aioublk.kernel", "aioublk.kernel.uapi"],
     # below every queue module: its owner hands it the data plane (Ring.attach)
     ["aioublk.ring"],
+    # how threads call into a worker's loop (and wake it in C): under the qcow2 engine
+    ["aioublk.queue.crossloop"],
     ["aioublk.io"],
     ["aioublk.queue.extents"],
     ["aioublk.queue.dataplane"],

@@ -1,0 +1,212 @@
+"""Calls into a worker's loop from other threads (``aioublk.queue.crossloop``).
+
+The first tests wake a loop whose thread waits inside the C data plane: a
+real ring and data plane (test_dp_hardening's ``Plane``) serving a read from
+an empty pipe, so C holds a request and idles (``idle_us``, a minute) with
+the GIL released. Only the kick's completion on that ring can end the wait
+in time."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from aioublk.kernel import uapi
+from aioublk.queue.crossloop import LoopHandle, run_in_thread
+from aioublk.queue.dataplane import EV_IO, Linear
+from aioublk.ring import Ring
+from tests.host.test_dp_hardening import Plane
+
+#: io_uring_enter's number (x86_64 and the generic table alike)
+IO_URING_ENTER = 426
+#: C's wait between requests: far longer than any test waits for a call
+IDLE = {"poll_us": 1000, "idle_us": 60_000_000}
+WAIT = 10.0  # seconds a condition may take before a test fails
+
+
+def asleep_in_io_uring(tid: int) -> bool:
+    """Thread ``tid`` of this process sleeps in io_uring_enter (the data
+    plane's wait: its submits never sleep)."""
+    task = Path(f"/proc/self/task/{tid}")
+    try:
+        syscall = (task / "syscall").read_text().split()
+        state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return bool(syscall) and syscall[0] == str(IO_URING_ENTER) and state == "S"
+
+
+def wait_until(pred: Callable[[], bool], what: str) -> None:
+    """Block this (non-loop) thread until ``pred()``; fail after WAIT."""
+    done = threading.Event()
+    deadline = threading.Timer(WAIT, done.set)
+    deadline.start()
+    try:
+        while not pred():
+            assert not done.wait(0.001), f"timed out waiting for {what}"
+    finally:
+        deadline.cancel()
+
+
+async def until(pred: Callable[[], bool], what: str) -> None:
+    """Await (on a loop) until ``pred()``; fail after WAIT."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not pred():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
+class IdleWorker:
+    """A worker's shape on its own thread: a loop, a ring with a data plane
+    that serves a read from an empty pipe, and a ``LoopHandle`` watching its
+    kick fd through that ring. After ``start`` the thread waits in C."""
+
+    def __init__(self) -> None:
+        self.pipe = os.pipe()
+        self.handle: LoopHandle | None = None
+        self.tid = 0
+        self.plane: Plane | None = None
+        self._up = threading.Event()
+        self._stop: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self._up.wait(WAIT) and self.error is None, self.error
+
+    def _run(self) -> None:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+        try:
+            loop.run_until_complete(self._main())
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            self.error = e
+            self._up.set()
+        finally:
+            loop.close()
+
+    async def _main(self) -> None:
+        loop = asyncio.get_running_loop()
+        ring = Ring(16)
+        handle = self.handle = LoopHandle.new(loop)
+        handle.watch(ring)
+        plane = self.plane = Plane(ring, -1, map=Linear(self.pipe[0]), setup=IDLE)
+        self._stop = loop.create_future()
+        self.tid = threading.get_native_id()
+        plane.fetch(0, uapi.Op.READ, 8)  # its eventfd wakes the loop: C serves, then idles
+        self._up.set()
+        try:
+            await self._stop
+            os.write(self.pipe[1], bytes(4096))  # the read completes, C commits it
+            await plane.wait_for(lambda: plane.events)
+        finally:
+            plane.close()
+            handle.close()
+
+    def idling_in_c(self) -> bool:
+        plane = self.plane
+        return (plane is not None and plane.dp.counts[0].started == 1
+                and asleep_in_io_uring(self.tid))
+
+    def stop(self) -> None:
+        handle, stop = self.handle, self._stop
+        assert handle is not None and stop is not None
+        handle.call_soon(stop.set_result, None)
+        self.thread.join(WAIT)
+        assert not self.thread.is_alive() and self.error is None, self.error
+        for fd in self.pipe:
+            os.close(fd)
+
+
+def test_a_call_from_another_thread_runs_while_the_worker_idles_in_c() -> None:
+    """C holds a request and waits a minute for the next; a thread's
+    ``call_soon`` still runs at once: its kick ends C's wait."""
+    w = IdleWorker()
+    try:
+        wait_until(w.idling_in_c, "the worker to idle in C")
+        ran = threading.Event()
+        assert w.handle is not None
+        w.handle.call_soon(ran.set)
+        assert ran.wait(WAIT), "the call waited for C's idle timeout"
+        assert w.handle.kicks == 1
+        assert w.plane is not None and w.plane.dp.inflight == 1  # (C still holds the read)
+    finally:
+        w.stop()
+    assert w.plane is not None  # its commit:
+    assert w.plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)]
+
+
+@pytest.mark.asyncio
+async def test_a_kick_ends_aur_dp_reap_with_the_kick_as_its_record() -> None:
+    """On the caller's own thread: the reap that serves the request idles
+    in C until the kick's poll completion, a Python record, ends it."""
+    loop = asyncio.get_running_loop()
+    ring = Ring(16)
+    handle = LoopHandle.new(loop)
+    r, w = os.pipe()
+    plane = Plane(ring, -1, map=Linear(r), setup=IDLE)
+    try:
+        handle.watch(ring)
+        ring.submit_now()
+        tid = threading.get_native_id()
+        reaping = threading.Event()
+        ran = loop.create_future()
+
+        def kick() -> None:
+            reaping.wait(WAIT)
+            wait_until(lambda: asleep_in_io_uring(tid), "the reap to wait in C")
+            handle.call_soon(ran.set_result, True)
+
+        kicker = threading.Thread(target=kick)
+        kicker.start()
+        plane.fetch(0, uapi.Op.READ, 8)
+        reaping.set()
+        ring.reap_now()  # serves the read, idles, and returns on the kick
+        kicker.join(WAIT)
+        assert handle.kicks == 1 and plane.dp.counts[0].started == 1
+        assert plane.dp.inflight == 1 and not plane.events  # the read is C's, still
+        assert await asyncio.wait_for(ran, WAIT)
+        os.write(w, bytes(4096))
+        await plane.wait_for(lambda: plane.events)
+    finally:
+        plane.close()
+        handle.close()
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.asyncio
+async def test_the_poll_ends_when_the_ring_closes_and_a_closed_handle_refuses() -> None:
+    loop = asyncio.get_running_loop()
+    ring = Ring(8)
+    handle = LoopHandle.new(loop)
+    handle.watch(ring)
+    ring.submit_now()
+    ring.close()  # cancels the poll: not armed again on a closed ring
+    assert ring.in_flight == 0
+    handle.close()
+    with pytest.raises(RuntimeError):
+        await asyncio.to_thread(handle.call_soon, print)
+
+
+@pytest.mark.asyncio
+async def test_run_in_thread_brings_the_outcome_back_through_the_kick() -> None:
+    loop = asyncio.get_running_loop()
+    here = LoopHandle.new(loop)
+    loop.add_reader(here.kick_fd, here.read_kicks)
+    here.bind()
+    try:
+        assert await run_in_thread(threading.get_ident) != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            await run_in_thread(divmod, 1, 0)
+        await until(lambda: here.kicks == 2, "the two results' kicks")
+    finally:
+        loop.remove_reader(here.kick_fd)
+        here.close()
