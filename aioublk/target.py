@@ -303,6 +303,12 @@ class Target:
     geometry: Geometry
     fixed_buffers = False  # True: read/write also accept a FixedBuf (zero copy)
     one_loop = False  # True: every queue of a device is served from one thread's loop
+    #: True: everything the target needs its queue's loop for arrives as a
+    #: completion on the queue's ring or through the worker's ``LoopHandle``
+    #: (no sockets or readers on the loop, no short timers), so the data plane
+    #: may idle in C between requests (``IDLE_US``) instead of handing the
+    #: thread back to the loop within a millisecond
+    c_idle = False
     #: True: the queue rings have 128-byte SQEs and 32-byte CQEs, what an
     #: NVMe passthrough command (``IORING_OP_URING_CMD``) needs
     big_ring_entries = False

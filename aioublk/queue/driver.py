@@ -37,6 +37,10 @@ DRAIN_SECONDS = 5.0
 #: how long the data plane waits in C for the next completion, while it alone
 #: has work, before the queue's loop gets its turn (see csrc/dataplane.c)
 POLL_US = 1000
+#: instead, for a ``Target.c_idle`` target: everything its loop needs comes as
+#: a CQE (ring I/O, ublk commands, the worker's kick), so C may idle long; a
+#: loop timer (the grace, the drain's bound) runs late by at most this
+IDLE_US = 20000
 #: how long a batch worker the kernel aborted waits for its fetches to end
 GRACE_SECONDS = 2.0
 
@@ -415,6 +419,7 @@ class Driver:
             "op_need_get_data": uapi.IoCmd.NEED_GET_DATA,
             "fetch_buf_bytes": cfg.fetch_buf_bytes or 2 * min(cfg.depth, 128),
             "fetch_buf_entries": cfg.fetch_buf_entries or 8, "poll_us": POLL_US,
+            "idle_us": IDLE_US if worker.target.c_idle else 0,
         }, len(work), self._on_event)
         self.dp.set_timing(dataplane.timing)
         self._views: list[tuple[Any, Any]] = []  # the C side's views of the queues' memory
@@ -457,7 +462,7 @@ class Driver:
                 self.dp.set_stopping(True)
             elif a is Action.TELL_SIBLINGS:
                 self.w.device_ending()
-            elif a is Action.START_GRACE:
+            elif a is Action.START_GRACE:  # (late by at most IDLE_US: C's wait)
                 self.loop.call_later(GRACE_SECONDS, self.fire, Event.GRACE_FIRED)
             elif a is Action.RESOLVE_DRAINED:
                 if self._drained is not None and not self._drained.done():

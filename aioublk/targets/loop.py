@@ -28,6 +28,7 @@ class LoopTarget(Target):
     name = "loop"
     fixed_buffers = True
     metadata = True
+    c_idle = True  # every request and its I/O come through the ring
 
     def __init__(self, path: str, *, direct: bool = True, read_only: bool = False,
                  metadata_file: str | None = None) -> None:

@@ -15,6 +15,7 @@ class NullTarget(Target):
     name = "null"
     fixed_buffers = True
     metadata = True
+    c_idle = True  # every request and its I/O come through the ring
 
     def __init__(self, size: int = 250 << 30) -> None:
         self.geometry = Geometry(size=size, dma_alignment=4095,

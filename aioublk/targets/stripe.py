@@ -42,6 +42,7 @@ def split(offset: int, length: int, chunk: int, nr_files: int
 class StripeTarget(Target):
     name = "stripe"
     fixed_buffers = True
+    c_idle = True  # every request and its I/O come through the ring
 
     def __init__(self, paths: list[str], chunk_size: int = 65536, *,
                  read_only: bool = False) -> None:

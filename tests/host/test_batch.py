@@ -166,6 +166,8 @@ class _Path:
 
 
 class _NoMap:
+    c_idle = False  # (C waits poll_us, as for most targets)
+
     def map(self) -> None:
         return None
 
