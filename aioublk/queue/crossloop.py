@@ -11,8 +11,9 @@ is a Python record: C hands it back and returns, the handler reads the
 eventfd, and that loop turn runs the queued calls.
 
 Every call into a worker's loop from another thread goes through its handle:
-the stop (``Worker.request_finish``) and an executor's result
-(:func:`run_in_thread`).
+the stop (``Worker.request_finish``), an executor's result
+(:func:`run_in_thread`), and one worker asking another to run a coroutine
+(:func:`call_on`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import errno
 import os
 import select
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from aioublk import logs
 from aioublk._uring import lib
 from aioublk.ring import Ring
 
-__all__ = ["LoopHandle", "current", "run_in_thread"]
+__all__ = ["LoopHandle", "call_on", "current", "run_in_thread"]
 
 log = logs.get_logger("aioublk.queue.crossloop")
 
@@ -119,6 +120,47 @@ class LoopHandle:
             os.close(fd)
         if getattr(_local, "handle", None) is self:
             _local.handle = None
+
+
+def _copy(src: asyncio.Future[T], dst: asyncio.Future[T]) -> None:
+    """``src``'s outcome into ``dst`` (on ``dst``'s loop); a cancelled
+    ``dst`` (its caller gave up) drops it."""
+    if dst.done():
+        return
+    if src.cancelled():
+        dst.cancel()
+    elif (e := src.exception()) is not None:
+        dst.set_exception(e)
+    else:
+        dst.set_result(src.result())
+
+
+async def call_on(owner: LoopHandle, here: LoopHandle,
+                  fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+    """``await fn(*args)`` as a task on ``owner``'s loop, from ``here``'s (the
+    running one). The caller's cancellation never reaches the owner's task:
+    it runs to its end, and its outcome is dropped."""
+    coro = fn(*args)  # (runs nothing yet: a bad call fails here, in the caller)
+    if here is owner:
+        return await coro
+    fut: asyncio.Future[T] = here.loop.create_future()
+
+    def done(task: asyncio.Task[T]) -> None:  # on the owner's loop
+        try:
+            here.call_soon(_copy, task, fut)
+        except RuntimeError:  # the caller's loop is gone
+            if not task.cancelled():
+                task.exception()  # (retrieved: no "never retrieved" warning)
+
+    def start() -> None:  # on the owner's loop
+        owner.loop.create_task(coro).add_done_callback(done)
+
+    try:
+        owner.call_soon(start)
+    except RuntimeError:  # the owner's loop is gone
+        coro.close()
+        raise
+    return await asyncio.shield(fut)
 
 
 async def run_in_thread(fn: Callable[..., T], *args: Any) -> T:

@@ -4,7 +4,8 @@ The first tests wake a loop whose thread waits inside the C data plane: a
 real ring and data plane (test_dp_hardening's ``Plane``) serving a read from
 an empty pipe, so C holds a request and idles (``idle_us``, a minute) with
 the GIL released. Only the kick's completion on that ring can end the wait
-in time."""
+in time. The rest run ``call_on`` between two loops on two threads, each
+watching its kick fd with a plain reader (neither thread ever waits in C)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import asyncio
 import errno
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from aioublk.kernel import uapi
-from aioublk.queue.crossloop import LoopHandle, run_in_thread
+from aioublk.queue.crossloop import LoopHandle, call_on, run_in_thread
 from aioublk.queue.dataplane import EV_IO, Linear
 from aioublk.ring import Ring
 from tests.host.test_dp_hardening import Plane
@@ -194,6 +198,125 @@ async def test_the_poll_ends_when_the_ring_closes_and_a_closed_handle_refuses() 
     handle.close()
     with pytest.raises(RuntimeError):
         await asyncio.to_thread(handle.call_soon, print)
+
+
+# -- call_on: two loops, two threads ------------------------------------------
+
+class LoopThread:
+    """A loop on a thread of its own, its handle's kick fd watched by a reader."""
+
+    def __init__(self) -> None:
+        self._made: Future[LoopHandle] = Future()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.handle = self._made.result(WAIT)
+        self.loop = self.handle.loop
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        handle = LoopHandle.new(loop)
+        loop.add_reader(handle.kick_fd, handle.read_kicks)
+        self._made.set_result(handle)
+        try:
+            loop.run_forever()
+        finally:
+            loop.remove_reader(handle.kick_fd)
+            loop.close()
+            handle.close()
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+        """Run ``coro`` on this loop (a test's way in); await the result."""
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(WAIT)
+
+
+@pytest_asyncio.fixture
+async def loops() -> Any:
+    """(the test's loop's handle, another loop on its own thread)."""
+    here = LoopHandle.new(asyncio.get_running_loop())
+    asyncio.get_running_loop().add_reader(here.kick_fd, here.read_kicks)
+    there = LoopThread()
+    yield here, there
+    there.close()
+    asyncio.get_running_loop().remove_reader(here.kick_fd)
+    here.close()
+
+
+async def _where(x: int) -> tuple[int, int]:
+    await asyncio.sleep(0)
+    return x * 2, threading.get_ident()
+
+
+async def _fails(msg: str) -> None:
+    await asyncio.sleep(0)
+    raise ValueError(msg)
+
+
+@pytest.mark.asyncio
+async def test_call_on_runs_on_the_owner_and_returns_its_result(
+        loops: tuple[LoopHandle, LoopThread]) -> None:
+    here, there = loops
+    assert await call_on(there.handle, here, _where, 21) == (42, there.thread.ident)
+    # and the other way: the far loop asks this one
+    back = await there.run(call_on(here, there.handle, _where, 5))
+    assert back == (10, threading.get_ident())
+    await until(lambda: there.handle.kicks >= 1 and here.kicks >= 1, "both sides' kicks")
+
+
+@pytest.mark.asyncio
+async def test_call_on_raises_the_owners_exception(loops: tuple[LoopHandle, LoopThread]) -> None:
+    here, there = loops
+    with pytest.raises(ValueError, match="from there"):
+        await call_on(there.handle, here, _fails, "from there")
+    with pytest.raises(ValueError, match="from here"):
+        await there.run(call_on(here, there.handle, _fails, "from here"))
+    with pytest.raises(TypeError):  # a bad call fails in the caller
+        await call_on(there.handle, here, _where)  # type: ignore[call-arg]
+
+
+@pytest.mark.asyncio
+async def test_the_callers_cancellation_does_not_cancel_the_owners_task(
+        loops: tuple[LoopHandle, LoopThread]) -> None:
+    here, there = loops
+    started, finished = threading.Event(), threading.Event()
+    gate = asyncio.Event()  # (used on the owner's loop only)
+    outcome: list[str] = []
+
+    async def slow() -> str:
+        started.set()
+        try:
+            await gate.wait()
+            outcome.append("done")
+            return "done"
+        except asyncio.CancelledError:
+            outcome.append("cancelled")
+            raise
+        finally:
+            finished.set()
+
+    caller = asyncio.create_task(call_on(there.handle, here, slow))
+    await until(started.is_set, "the owner's task to start")
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert not finished.is_set()
+    there.handle.call_soon(gate.set)
+    await until(finished.is_set, "the owner's task to end")
+    assert outcome == ["done"]
+
+
+@pytest.mark.asyncio
+async def test_call_on_the_callers_own_loop_awaits_directly() -> None:
+    here = LoopHandle.new(asyncio.get_running_loop())
+    try:
+        assert await call_on(here, here, _where, 1) == (2, threading.get_ident())
+        with pytest.raises(BlockingIOError):  # nothing was kicked
+            os.eventfd_read(here.kick_fd)
+    finally:
+        here.close()
 
 
 @pytest.mark.asyncio
