@@ -3,10 +3,16 @@ byte offsets, every cluster lookup and refcount update a coroutine, all I/O
 through the calling thread's ring.
 
 One loop owns an image. Every request, lookup and metadata change runs on
-that loop, so the only interleavings are at awaits. Python runs one thread at
-a time anyway, and a queue per thread would buy lock traffic, not speed; the
-ublk target therefore serves all of a device's queues from one loop (batch
-I/O maps N queues onto one thread; the per-I/O path uses per-I/O daemons).
+that loop, so the only interleavings are at awaits. What crosses threads is
+the extent table (C, one mutex): the ublk target's queues each run on their
+own thread, their data planes serve published clusters from the table in
+parallel, and a request none of them can serve is handed to the owner's
+loop whole (``aioublk.targets.qcow2``). Who guards what:
+- the engine's state (L1, L2 cache, refcounts, the locks below, the
+  write-back): the owner loop alone;
+- a mapping C started on stays valid until that request completes: the
+  extent table's per-entry in-flight counts, which ``unmap`` waits out on
+  every queue before the engine changes the cluster.
 
 Concurrency inside the loop:
 - a write that changes a cluster's L2 entry (allocation, copy-on-write,

@@ -1,25 +1,49 @@
 """The qcow2 target: a thin adapter from ublk requests to ``Qcow2Image``.
 
-All of a device's queues run on one loop (``one_loop``): the image's caches
-and locks belong to that loop (see ``aioublk.qcow2.image``). Reads and
-in-place writes of clusters the image has looked up are served by the C
-data plane from the image's extent table (``map``)."""
+Every queue has its own worker (thread, loop, ring, C data plane), and every
+data plane serves from the image's one extent table (``map``): reads and
+in-place writes of the clusters the image has published run on every queue
+in parallel, without Python.
+
+The engine itself has one owner, worker 0's loop: its caches and locks
+belong to that loop (see ``aioublk.qcow2.image``), and nothing of it is
+touched from another thread. A request another worker's data plane could
+not serve is handed to the owner whole (``crossloop.call_on``: one kick
+there, one back) and runs there as it would on a one-queue device; what the
+engine looks up for it is published, so the next request for that cluster
+stays in C on whichever queue it arrives.
+
+Stopping, each other worker tells the owner when its requests are done; the
+owner waits for all of them before its final write-back and close.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
+from aioublk import logs
 from aioublk.kernel import uapi
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2.format import HEADER_BYTES, virtual_size
+from aioublk.queue import crossloop
 from aioublk.queue.dataplane import Extents, Map
-from aioublk.target import Done, Geometry, Target
+from aioublk.target import Done, Geometry, QueueContext, Target
+
+log = logs.get_logger("aioublk.qcow2")
+
+T = TypeVar("T")
+
+#: how long the owner waits for the other workers' requests before its final
+#: write-back: a worker's own drain gives up after 5 s
+#: (``aioublk.queue.driver.DRAIN_SECONDS``), and its requests are then stranded
+OTHERS_SECONDS = 15.0
 
 
 class Qcow2Target(Target):
     name = "qcow2"
-    one_loop = True
 
     def __init__(self, path: str, *, read_only: bool = False,
                  cache_bytes: int | None = None, direct: bool = True,
@@ -33,6 +57,13 @@ class Qcow2Target(Target):
             discard=not read_only, discard_granularity=max(cs, 4096),
             write_zeroes=not read_only, io_opt=max(cs, 4096))
         self._closed = False
+        # made here, before any worker runs: every worker's map() shares it
+        self.image.extent_table()
+        self._owner: crossloop.LoopHandle | None = None  # worker 0's loop: the engine's
+        self._lock = threading.Lock()
+        self._workers = 0   # queue_setup calls, on every worker
+        self._drained = 0   # the other workers done with their requests (owner's loop)
+        self._others: asyncio.Event | None = None  # on the owner's loop
 
     def configure(self, device_flags: int) -> None:
         # the engine keeps L2 and refcount changes in memory until a FLUSH: a
@@ -41,40 +72,92 @@ class Qcow2Target(Target):
             self.image.metadata_write_through = True
             self.image.republish()  # what the data plane had writable goes read-only
 
+    async def queue_setup(self, q: QueueContext) -> None:
+        with self._lock:
+            self._workers += 1
+        if q.worker == 0:
+            self._owner = crossloop.current()
+            self._others = asyncio.Event()
+
     def map(self) -> Map | None:
-        """The image's extent table: the clusters it has looked up, served in C
-        (see ``aioublk.qcow2.image``, "The data plane")."""
-        table = self.image.extent_table()
+        """The image's extent table, shared by every queue: the clusters it
+        has published, served in C (see ``aioublk.qcow2.image``, "The data
+        plane")."""
+        table = self.image.extent_table()  # (made already: this only reads, on any thread)
         return None if table is None else Extents(table)
 
+    def _away(self) -> crossloop.LoopHandle | None:
+        """This thread's handle when it is not the engine's owner, else None
+        (the owner, or a caller outside any worker: tests, embedding)."""
+        here = crossloop.current()
+        owner = self._owner
+        return None if owner is None or here is None or here is owner else here
+
+    async def _engine(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """``await fn(*args)`` on the engine's loop: here, or one hand-off.
+        The caller's buffer is used until the call ends; no request task is
+        cancelled, and call_on never cancels the owner's side."""
+        here = self._away()
+        if here is None:
+            return await fn(*args)
+        assert self._owner is not None
+        return await crossloop.call_on(self._owner, here, fn, *args)
+
     async def read(self, offset: int, buf: memoryview) -> None:
-        await self.image.read(offset, buf)
+        await self._engine(self.image.read, offset, buf)
 
     async def write(self, offset: int, buf: memoryview,
                     fua: bool = False) -> None:
+        await self._engine(self._write, offset, buf, fua)
+
+    async def _write(self, offset: int, buf: memoryview, fua: bool) -> None:
         await self.image.write(offset, buf)
         if fua:
             await self.image.flush()
 
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
-        return self.image.start_read(offset, buf, done)
+        return self._away() is None and self.image.start_read(offset, buf, done)
 
     def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
-        return self.image.start_write(offset, buf, done)
+        return self._away() is None and self.image.start_write(offset, buf, done)
 
     async def flush(self) -> None:
-        await self.image.flush()
+        await self._engine(self.image.flush)
 
     async def discard(self, offset: int, length: int) -> None:
-        await self.image.discard(offset, length)
+        await self._engine(self.image.discard, offset, length)
 
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
+        await self._engine(self._write_zeroes, offset, length, unmap)
+
+    async def _write_zeroes(self, offset: int, length: int, unmap: bool) -> None:
         await self.image.write_zeroes(offset, length, unmap=unmap)
 
     async def drain(self) -> None:
-        if not self._closed:
-            self._closed = True
-            await self.image.close()
+        """Another worker: tell the owner its requests are done (no request
+        of it will reach the engine again). The owner: wait for all of them,
+        then write back and close."""
+        if self._away() is not None:
+            assert self._owner is not None
+            self._owner.call_soon(self._other_drained)
+            return
+        if self._closed:
+            return
+        others = self._others
+        if others is not None and self._workers > 1:
+            try:
+                await asyncio.wait_for(others.wait(), OTHERS_SECONDS)
+            except TimeoutError:
+                log.error("other queues did not finish in time; closing the image "
+                          "anyway (their requests in flight fail)",
+                          waiting=self._workers - 1 - self._drained)
+        self._closed = True
+        await self.image.close()
+
+    def _other_drained(self) -> None:  # on the owner's loop
+        self._drained += 1
+        if self._others is not None and self._drained >= self._workers - 1:
+            self._others.set()
 
     def close(self) -> None:
         if not self._closed:  # never served: nothing cached, just the files

@@ -243,14 +243,25 @@ def zstd_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
     return base, body
 
 
-@pytest.mark.parametrize("path", ["-b", "--no-batch"])
-@pytest.mark.parametrize("image", ["empty", "zstd-backing"])
-def test_fio_verify(image: str, path: str, tmp_path: Path,
+# every queue count on both queue paths, each copy mode (qcow2 takes copy
+# and -u) on every count: each queue has its own worker, sharing one engine
+FIO_SHAPES = [
+    ("empty", ["-b", "-q", "1"]), ("empty", ["--no-batch", "-q", "1", "-u"]),
+    ("empty", ["-b", "-q", "2", "-u"]), ("empty", ["--no-batch", "-q", "2"]),
+    ("empty", ["-b", "-q", "4"]), ("empty", ["--no-batch", "-q", "4", "-u"]),
+    ("zstd-backing", ["-b", "-q", "2"]), ("zstd-backing", ["--no-batch", "-q", "2"]),
+]
+
+
+@pytest.mark.parametrize(("image", "args"), FIO_SHAPES,
+                         ids=[f"{i} {' '.join(a)}" for i, a in FIO_SHAPES])
+def test_fio_verify(image: str, args: list[str], tmp_path: Path,
                     request: pytest.FixtureRequest) -> None:
-    """Two fio jobs, one per queue, write and verify 16 MiB each: their
-    ranges start and meet mid-cluster, and over a backing file every first
-    write to a cluster is partial (copy-on-write from compressed clusters).
-    The bytes around them must still be the backing file's."""
+    """Two fio jobs, pinned to different queues where there are several,
+    write and verify 16 MiB each: their ranges start and meet mid-cluster,
+    and over a backing file every first write to a cluster is partial
+    (copy-on-write from compressed clusters). The bytes around them must
+    still be the backing file's."""
     size, span = FIO_SIZE, FIO_SPAN
     around = bytes(span)
     allow: list[str] = []
@@ -260,8 +271,8 @@ def test_fio_verify(image: str, path: str, tmp_path: Path,
         base, around = request.getfixturevalue("zstd_base")
         img = create(tmp_path / "top.qcow2", backing=base)
         allow = ["--allow-backing", str(base)]  # the shared base is in another directory
-    dev = add("-t", "qcow2", str(img), path, "-q", "2", *allow)
-    assert dev.queues == 2 and dev.sectors * 512 == size
+    dev = add("-t", "qcow2", str(img), *args, *allow)
+    assert dev.queues == int(args[args.index("-q") + 1]) and dev.sectors * 512 == size
     blk = f"/dev/ublkb{dev.dev_id}"
     off, per_job = 8 * MiB + 20 * KiB, 16 * MiB
     end = off + 2 * per_job
@@ -528,7 +539,9 @@ class Churn:
             os.close(fd)
 
 
-@pytest.mark.parametrize("args", [["-b"], ["--no-batch"], ["-b", "-u"]], ids=" ".join)
+@pytest.mark.parametrize("args", [["-b", "-q", "2"], ["--no-batch", "-q", "4"],
+                                  ["-b", "-u", "-q", "4"], ["--no-batch", "-u", "-q", "2"]],
+                         ids=" ".join)
 def test_data_plane_under_mapping_churn(args: list[str], tmp_path: Path) -> None:
     """The data plane serves reads and in-place writes of the clusters the
     image published while their mappings change under them, in one L2 table
@@ -548,7 +561,7 @@ def test_data_plane_under_mapping_churn(args: list[str], tmp_path: Path) -> None
     (``qemu-img compare``), which ``qemu-img check`` finds clean. With
     ``-u`` C moves the data through /dev/ublkcN itself."""
     img = create(tmp_path / "disk.qcow2", CHURN_SIZE, cluster_size=CHURN_CS)
-    dev = add("-t", "qcow2", str(img), *args, "-q", "2")
+    dev = add("-t", "qcow2", str(img), *args)
     blk = f"/dev/ublkb{dev.dev_id}"
     fio = ["fio", "--output-format=json", f"--filename={blk}", "--ioengine=io_uring",
            "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--do_verify=1",

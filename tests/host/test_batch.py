@@ -111,7 +111,7 @@ def test_resolve_refuses_with_one_line(kw: dict[str, object], features: int,
 
 
 def test_one_loop_targets_get_one_worker_on_either_path() -> None:
-    """A target that keeps per-loop state (qcow2) sees all queues on one loop:
+    """A target that keeps per-loop state (zoned, rbd) sees all queues on one loop:
     batch maps them N:1, the per-I/O path deals the tags to one daemon."""
     from aioublk.device import Device
     from aioublk.errors import UblkError
