@@ -158,6 +158,7 @@ struct aur_dp {
     uint64_t base, chunk;
     struct aur_ext *ext;
     unsigned ext_shift;
+    int ext_slot;           /* its pool in ext (aur_ext_attach); -1: no allocation */
     uint32_t nsid;          /* AUR_MAP_NVME */
     unsigned lba_shift;
     int stopping, sealed, timing;
@@ -373,10 +374,13 @@ int aur_dp_map_striped(struct aur_dp *dp, const int *fds, unsigned n, uint64_t c
     return 0;
 }
 
-int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_shift)
+int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_shift, int slot)
 {
+    if (slot >= AUR_EXT_SLOTS)
+        return -EINVAL;
     dp->ext = t;
     dp->ext_shift = granule_shift;
+    dp->ext_slot = slot < 0 ? -1 : slot;
     dp->map = AUR_MAP_EXTENTS;
     return 0;
 }
@@ -737,14 +741,14 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
         }
         return n;
     case AUR_MAP_EXTENTS:
-        got = aur_ext_acquire(dp->ext, off, len, write, ep, DP_MAX_PIECES, t->ids,
-                              DP_MAX_PIECES);
+        got = aur_ext_acquire(dp->ext, off, len, write, dp->ext_slot, ep, DP_MAX_PIECES,
+                              t->ids, DP_MAX_PIECES);
         if (got <= 0)
             return 0;
         t->nr_ids = (uint16_t)(((off + len - 1) >> dp->ext_shift) - (off >> dp->ext_shift) + 1);
         for (i = 0; i < (unsigned)got; i++) {
             if (ep[i].fd < 0 && dp_zero_copy(dp)) {
-                aur_ext_release(dp->ext, t->ids, t->nr_ids);
+                aur_ext_release(dp->ext, t->ids, t->nr_ids, AUR_EXT_UNUSED);
                 t->nr_ids = 0;
                 return 0;
             }
@@ -761,13 +765,16 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
     return 0;
 }
 
-/* A request C served is done with its backend: its extents and CQEs go back. */
-static void dp_release(struct aur_dp *dp, struct dp_tag *t)
+/* A request C served is done with its backend: its extents and CQEs go back.
+   outcome (AUR_EXT_DONE, FAILED or UNUSED) settles what its write allocated;
+   the record that pushes is in the table before the caller commits, so the
+   owner can see it before the guest sees the write complete. */
+static void dp_release(struct aur_dp *dp, struct dp_tag *t, unsigned local, int outcome)
 {
     dp->cqes -= t->cqes;
     t->cqes = 0;
     if (t->nr_ids) {
-        aur_ext_release(dp->ext, t->ids, t->nr_ids);
+        dp->q[local].counts->c_alloc += aur_ext_release(dp->ext, t->ids, t->nr_ids, outcome);
         t->nr_ids = 0;
     }
 }
@@ -947,7 +954,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     need = n - nz + (dp->s.mode == AUR_DP_ZERO_COPY ? 2 : 0) + (unsigned)uc;
     if (dp->cqes + need > dp->max_cqes ||  /* the CQ could overflow */
         (dp->s.mode == AUR_DP_ZERO_COPY && !dp_sq_room(dp, need))) {  /* a chain, whole */
-        dp_release(dp, t);
+        dp_release(dp, t, local, AUR_EXT_UNUSED);
         return 0;
     }
     t->cqes = (uint16_t)need;
@@ -958,7 +965,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     if (nz)
         n = dp_fill_zeros(dp, local, tag, p, n);
     if (!n && !uc) {  /* zeros only, in the buffer already: done, as the null map */
-        dp_release(dp, t);
+        dp_release(dp, t, local, AUR_EXT_DONE);
         dp_complete(dp, o, local, tag, (int32_t)len);
         return 1;
     }
@@ -981,7 +988,7 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
             t->bad = -EBUSY;
     }
     if (!t->pending) {  /* nothing queued: Python serves it from the start */
-        dp_release(dp, t);
+        dp_release(dp, t, local, AUR_EXT_UNUSED);
         dp->inflight--;
         t->served = 0;
         return 0;
@@ -1031,7 +1038,7 @@ static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
         return;
     if (t->then && !t->bad && dp_then(dp, local, tag))
         return;
-    dp_release(dp, t);
+    dp_release(dp, t, local, t->bad ? AUR_EXT_FAILED : AUR_EXT_DONE);
     if (!t->bad) {
         dp_complete(dp, o, local, tag, (int32_t)t->len);
         return;

@@ -81,8 +81,9 @@ struct aur_dp_counts {
     /* who served: c_served requests C took from fetch to commit, py_handed
        ones handed to Python (EV_TAG, EV_IO, EV_RETRY); the data plane's own
        (on its first queue): wakes, aur_dp_reap's returns after C served or
-       completed a request, poll_timeouts, its waits for more that timed out */
-    uint64_t c_served, py_handed, wakes, poll_timeouts;
+       completed a request, poll_timeouts, its waits for more that timed out;
+       c_alloc, clusters C allocated for writes that completed */
+    uint64_t c_served, py_handed, wakes, poll_timeouts, c_alloc;
     uint64_t lat_ns[7];        /* AUR_LAT_OPS: the latencies' sum */
     uint64_t lat[7][24];       /* AUR_LAT_OPS x AUR_LAT_BUCKETS */
 };
@@ -100,7 +101,9 @@ void aur_dp_buf_index(struct aur_dp *dp, unsigned local, uint16_t tag, uint16_t 
 int aur_dp_map_null(struct aur_dp *dp);
 int aur_dp_map_linear(struct aur_dp *dp, int fd, uint64_t base);
 int aur_dp_map_striped(struct aur_dp *dp, const int *fds, unsigned n, uint64_t chunk);
-int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_shift);
+/* slot: its pool in t (aur_ext_attach) for writes to ALLOC granules; -1: none,
+   such a write is Python's */
+int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_shift, int slot);
 /* the namespace `nsid` behind generic char device fd, blocks of 1 << lba_shift
    bytes; the ring must have 128-byte SQEs */
 int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift);

@@ -39,6 +39,46 @@
  * rule above holds for zeros too: Python unmaps a ZERO granule before it
  * gives it data.
  *
+ * Why allocation here (ALLOC): an empty qcow2 cluster written for the first
+ * time needs a host cluster, and going to Python for one costs a loop turn
+ * and a dozen frames per request. So Python counts clusters ahead of need
+ * (their refcounts raised, their bytes zero: Python's promise when it adds
+ * them) and hands them to a pool, one pool per slot (a data plane, from
+ * aur_ext_attach), and a write to an ALLOC granule takes the head of its
+ * writer's pool. The entry is ALLOCATING while that write is in flight: it
+ * holds the host offset and slot, counts in-flight like any hold, and any
+ * other acquire of it, read or write, is a miss (its data is neither zeros
+ * nor settled). The acquisition's id carries AUR_EXT_ID_ALLOC, so release
+ * knows which of its granules it allocated, and release takes an outcome:
+ *  - DONE: the entry becomes MAP, writable, at that host offset in the
+ *    allocation fd (aur_ext_set_alloc: the pool's clusters are in one file,
+ *    so the fd belongs to the pools, not to each entry), and a record
+ *    (gran, host_off, OK, slot) goes to the log;
+ *  - FAILED: the entry is ALLOC again, and the cluster, which may hold part
+ *    of a write, is not reused: a FAILED record tells Python to free it;
+ *  - UNUSED: nothing was written: the cluster goes back to the head of its
+ *    pool and the entry is ALLOC again, with no record.
+ * A write to part of an ALLOC granule allocates too: the rest of the
+ * cluster reads as zeros because pool clusters are zero. Python learns of
+ * every allocation only through the log (aur_ext_drain), which is why the
+ * data plane releases before it answers: a record is visible before the
+ * guest sees its write complete. An ALLOCATING entry that is invalidated is
+ * held like any other (it leaves the index, stays busy until released), and
+ * its record is still pushed: Python, which unmaps and then drains before
+ * any change, must apply a DONE record for a granule it invalidated (its L2
+ * entry now points at host_off, and the guest may have seen the write
+ * complete) before it makes the change it invalidated for. An allocation
+ * that cannot be recorded is not made: a write to an ALLOC granule is a
+ * miss when its pool is empty or the log has no room for every record the
+ * allocations in flight will push (the log's room is reserved at acquire).
+ *
+ * Why a notify eventfd: Python's owner loop must refill pools, drain the log
+ * and finish unmaps promptly while the data plane threads never enter
+ * Python. C adds 1 to it when a slot's pool drops to half its capacity (once
+ * until the next pool_add to that slot), when the log reaches half full, and
+ * when a removed-but-busy entry is freed while the owner says it waits
+ * (aur_ext_wait_begin). The write happens after the lock is dropped.
+ *
  * Why one mutex: the callers are queue threads with the GIL released, and
  * Python's inserts and invalidations, all short. Every operation is O(1)
  * per granule under the lock except a range invalidation or busy query
@@ -51,12 +91,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "extents.h"
 
 #define EXT_NIL UINT32_MAX
 #define EXT_MIN_BITS 6
 #define EXT_MAX_BITS 31
+#define EXT_MAX_ENTRIES (AUR_EXT_ID_ALLOC - 1)  /* an id never has the alloc bit */
+#define EXT_ALLOCATING 4                         /* kind: ALLOC, its first write in flight */
 
 enum { EXT_FREE, EXT_LIVE, EXT_GONE };
 
@@ -69,8 +112,13 @@ struct aur_ext_entry {
     uint32_t prev;      /* GONE: removed list */
     uint8_t state;
     uint8_t writable;
-    uint8_t kind;       /* AUR_EXT_MAP or AUR_EXT_ZERO (fd, host_off unused) */
+    uint8_t kind;       /* AUR_EXT_MAP, AUR_EXT_ZERO, AUR_EXT_ALLOC (fd, host_off
+                           unused) or EXT_ALLOCATING (host_off, slot and fd set) */
+    uint8_t slot;       /* EXT_ALLOCATING: the pool its cluster came from */
 };
+
+/* host offsets [head, head + n) (mod cap); out: taken by allocations in flight */
+struct ext_pool { uint64_t *c; uint32_t head, n, out; uint8_t asked; };
 
 struct aur_ext {
     pthread_mutex_t mu;
@@ -85,7 +133,40 @@ struct aur_ext {
     unsigned bits;      /* 1 << bits buckets */
     uint32_t *buckets;
     struct aur_ext_entry *e;
+    /* allocation (all 0 until aur_ext_set_alloc) */
+    int alloc_fd;
+    uint32_t pool_cap, nslots;
+    struct ext_pool pool[AUR_EXT_SLOTS];
+    struct aur_ext_rec *log;
+    uint32_t log_head, log_n, log_cap;
+    uint32_t allocating;        /* records the allocations in flight will push */
+    int notify_fd;
+    uint32_t waiters;
+    uint64_t locks, contended, done, failed, unused;
 };
+
+/* The lock, counting how often it had to be waited for. */
+static void ext_lock(struct aur_ext *t)
+{
+    if (pthread_mutex_trylock(&t->mu)) {
+        pthread_mutex_lock(&t->mu);
+        t->contended++;
+    }
+    t->locks++;
+}
+
+/* Unlock, then notify the owner if `notify`. */
+static void ext_unlock(struct aur_ext *t, int notify)
+{
+    int fd = t->notify_fd;
+    uint64_t one = 1;
+
+    pthread_mutex_unlock(&t->mu);
+    if (notify && fd >= 0 && write(fd, &one, sizeof(one)) < 0) {
+        /* the counter is full (the owner is far behind) or the fd is gone: it
+           has been told already, or will never listen */
+    }
+}
 
 static uint32_t ext_bucket(const struct aur_ext *t, uint64_t g)
 {
@@ -204,18 +285,25 @@ struct aur_ext *aur_ext_new(unsigned granule_shift, unsigned max_entries)
         return NULL;
     }
     t->shift = granule_shift;
-    t->max = max_entries < EXT_NIL ? max_entries : EXT_NIL - 1;
+    t->max = max_entries < EXT_MAX_ENTRIES ? max_entries : EXT_MAX_ENTRIES;
     t->bits = EXT_MIN_BITS;
     t->free_head = EXT_NIL;
     t->gone_head = EXT_NIL;
+    t->alloc_fd = -1;
+    t->notify_fd = -1;
     return t;
 }
 
 void aur_ext_free(struct aur_ext *t)
 {
+    unsigned k;
+
     if (!t)
         return;
     pthread_mutex_destroy(&t->mu);
+    for (k = 0; k < AUR_EXT_SLOTS; k++)
+        free(t->pool[k].c);
+    free(t->log);
     free(t->buckets);
     free(t->e);
     free(t);
@@ -226,7 +314,7 @@ static int ext_same(const struct aur_ext_entry *x, int kind, int fd, uint64_t ho
 {
     if (x->kind != kind)
         return 0;
-    return kind == AUR_EXT_ZERO ||
+    return kind != AUR_EXT_MAP ||
            (x->fd == fd && x->host_off == host_off && x->writable == !!writable);
 }
 
@@ -281,7 +369,7 @@ int aur_ext_insert_kind(struct aur_ext *t, uint64_t dev_off, uint64_t len, int k
     uint64_t gmask = ((uint64_t)1 << t->shift) - 1;
     int ret;
 
-    if (kind == AUR_EXT_ZERO) {
+    if (kind == AUR_EXT_ZERO || kind == AUR_EXT_ALLOC) {
         fd = -1;
         host_off = 0;
         writable = 0;
@@ -293,7 +381,7 @@ int aur_ext_insert_kind(struct aur_ext *t, uint64_t dev_off, uint64_t len, int k
         return -EINVAL;
     if (!len)
         return 0;
-    pthread_mutex_lock(&t->mu);
+    ext_lock(t);
     ret = ext_insert_locked(t, dev_off >> t->shift, len >> t->shift, kind, fd, host_off,
                             writable);
     pthread_mutex_unlock(&t->mu);
@@ -363,7 +451,7 @@ int aur_ext_publish_l2(struct aur_ext *t, int fd, uint64_t dev_base, const uint6
 
     if (dev_base & gmask || fd < 0 || (n && g0 + n - 1 > UINT64_MAX >> t->shift))
         return -EINVAL;
-    pthread_mutex_lock(&t->mu);
+    ext_lock(t);
     for (k = 0; k < n; k++) {
         g = g0 + k;
         if (g << t->shift >= r->size)
@@ -454,7 +542,7 @@ unsigned aur_ext_invalidate(struct aur_ext *t, uint64_t dev_off, uint64_t len)
 
     if (!ext_span(t, dev_off, len, &g0, &g1))
         return 0;
-    pthread_mutex_lock(&t->mu);
+    ext_lock(t);
     ext_each_live(t, g0, g1, ext_remove, &removed);
     pthread_mutex_unlock(&t->mu);
     return removed;
@@ -472,7 +560,7 @@ unsigned aur_ext_busy(struct aur_ext *t, uint64_t dev_off, uint64_t len)
 
     if (!ext_span(t, dev_off, len, &g0, &g1))
         return 0;
-    pthread_mutex_lock(&t->mu);
+    ext_lock(t);
     ext_each_live(t, g0, g1, ext_add_inflight, &busy);
     for (i = t->gone_head; i != EXT_NIL; i = t->e[i].next)
         if (t->e[i].gran >= g0 && t->e[i].gran <= g1)
@@ -485,21 +573,57 @@ unsigned aur_ext_count(struct aur_ext *t)
 {
     unsigned n;
 
-    pthread_mutex_lock(&t->mu);
+    ext_lock(t);
     n = t->live;
     pthread_mutex_unlock(&t->mu);
     return n;
 }
 
-int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write,
+/* Whether slot's pool can give one more cluster after `taken` to a request,
+   with room in the log for every allocation's record. */
+static int ext_can_alloc(const struct aur_ext *t, int slot, uint32_t taken)
+{
+    if (slot < 0 || (unsigned)slot >= t->nslots || !t->log_cap)
+        return 0;
+    return t->pool[slot].n > taken && t->log_n + t->allocating + taken < t->log_cap;
+}
+
+static uint64_t ext_pool_at(const struct aur_ext *t, const struct ext_pool *p, uint32_t k)
+{
+    return p->c[(p->head + k) % t->pool_cap];
+}
+
+/* The head of slot's pool to entry x, which becomes ALLOCATING; 1 if the
+   pool just dropped to half its capacity (the owner should refill). */
+static int ext_alloc(struct aur_ext *t, struct aur_ext_entry *x, unsigned slot)
+{
+    struct ext_pool *p = &t->pool[slot];
+
+    x->host_off = p->c[p->head];
+    p->head = (p->head + 1) % t->pool_cap;
+    p->n--;
+    p->out++;
+    t->allocating++;
+    x->kind = EXT_ALLOCATING;
+    x->slot = (uint8_t)slot;
+    x->fd = t->alloc_fd;
+    x->writable = 0;
+    if (p->asked || p->n > t->pool_cap / 2)
+        return 0;
+    p->asked = 1;
+    return 1;
+}
+
+int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write, int slot,
                     struct aur_ext_piece *pieces, unsigned max_pieces,
                     uint32_t *ids, unsigned max_ids)
 {
     uint64_t gmask = ((uint64_t)1 << t->shift) - 1, last, g0, g1, n, k, pos, end, h;
     struct aur_ext_piece *p = NULL;
     struct aur_ext_entry *x;
-    uint32_t i, plen;
+    uint32_t i, plen, taken = 0;
     unsigned np = 0;
+    int fd, notify = 0;
 
     if (!len || len - 1 > UINT64_MAX - dev_off)
         return 0;
@@ -510,53 +634,115 @@ int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write
         return 0;
     n = g1 - g0 + 1;
     pos = dev_off;
-    pthread_mutex_lock(&t->mu);
+    ext_lock(t);
     for (k = 0; k < n; k++) {
         i = ext_find(t, g0 + k);
         if (i == EXT_NIL)
             goto miss;
         x = &t->e[i];
-        if (write && !x->writable)  /* (a ZERO granule is never writable) */
+        ids[k] = i;
+        if (x->kind == EXT_ALLOCATING) {    /* neither zeros nor settled yet */
             goto miss;
+        } else if (write && x->kind == AUR_EXT_ALLOC) {
+            if (!ext_can_alloc(t, slot, taken))
+                goto miss;
+            /* the cluster the commit below gives it (in order: the taken-th) */
+            fd = t->alloc_fd;
+            h = ext_pool_at(t, &t->pool[slot], taken++) + (pos & gmask);
+            ids[k] |= AUR_EXT_ID_ALLOC;
+        } else if (write && !x->writable) {  /* (ZERO and ALLOC are never writable) */
+            goto miss;
+        } else {
+            fd = x->fd;
+            h = x->kind == AUR_EXT_MAP ? x->host_off + (pos & gmask) : 0;
+        }
         end = (g0 + k) << t->shift | gmask;    /* last byte of this granule */
         if (end > last)
             end = last;
         plen = (uint32_t)(end - pos + 1);
-        h = x->kind == AUR_EXT_ZERO ? 0 : x->host_off + (pos & gmask);
-        if (p && p->fd == x->fd && (x->fd < 0 || p->host_off + p->len == h)) {
+        if (p && p->fd == fd && (fd < 0 || p->host_off + p->len == h)) {
             p->len += plen;     /* host-contiguous data, or zeros after zeros */
         } else {
             if (np == max_pieces)
                 goto miss;
             p = &pieces[np++];
-            p->fd = x->fd;
+            p->fd = fd;
             p->len = plen;
             p->host_off = h;
         }
-        ids[k] = i;
         pos = end + 1;
     }
-    for (k = 0; k < n; k++)
-        t->e[ids[k]].inflight++;
-    pthread_mutex_unlock(&t->mu);
+    for (k = 0; k < n; k++) {
+        x = &t->e[ids[k] & ~AUR_EXT_ID_ALLOC];
+        x->inflight++;
+        if (ids[k] & AUR_EXT_ID_ALLOC)
+            notify |= ext_alloc(t, x, (unsigned)slot);
+    }
+    ext_unlock(t, notify);
     return (int)np;
 miss:
     pthread_mutex_unlock(&t->mu);
     return 0;
 }
 
-void aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n)
+/* 1 if the log just reached half full. */
+static int ext_log_push(struct aur_ext *t, const struct aur_ext_entry *x, uint32_t flags)
+{
+    uint32_t half = t->log_cap / 2 ? t->log_cap / 2 : 1;
+
+    t->log[(t->log_head + t->log_n) % t->log_cap] = (struct aur_ext_rec){
+        .gran = x->gran, .host_off = x->host_off, .flags = flags, .slot = x->slot,
+    };
+    return ++t->log_n == half;
+}
+
+/* What became of an ALLOCATING entry's write; 1 if the owner should hear. */
+static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, unsigned *done)
+{
+    struct ext_pool *p = &t->pool[x->slot];
+    int notify = 0;
+
+    p->out--;
+    t->allocating--;
+    if (outcome == AUR_EXT_DONE) {
+        x->kind = AUR_EXT_MAP;
+        x->writable = 1;
+        t->done++;
+        ++*done;
+        return ext_log_push(t, x, AUR_EXT_REC_OK);
+    }
+    if (outcome == AUR_EXT_UNUSED) {     /* as good as new: the next to go */
+        p->head = (p->head + t->pool_cap - 1) % t->pool_cap;
+        p->c[p->head] = x->host_off;
+        p->n++;
+        t->unused++;
+    } else {
+        notify = ext_log_push(t, x, AUR_EXT_REC_FAILED);
+        t->failed++;
+    }
+    x->kind = AUR_EXT_ALLOC;
+    x->fd = -1;
+    x->host_off = 0;
+    return notify;
+}
+
+unsigned aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n, int outcome)
 {
     struct aur_ext_entry *x;
-    unsigned k;
+    unsigned k, j, done = 0;
+    int notify = 0;
     uint32_t i;
 
-    pthread_mutex_lock(&t->mu);
+    ext_lock(t);
     for (k = 0; k < n; k++) {
-        i = ids[k];
+        /* unused clusters go back to the head last first: the pool's order stays */
+        j = outcome == AUR_EXT_UNUSED ? n - 1 - k : k;
+        i = ids[j] & ~AUR_EXT_ID_ALLOC;
         if (i >= t->hw || !t->e[i].inflight)
             continue;   /* not held: a caller's bug, not worth a crash here */
         x = &t->e[i];
+        if (ids[j] & AUR_EXT_ID_ALLOC && x->kind == EXT_ALLOCATING)
+            notify |= ext_settle(t, x, outcome, &done);
         if (--x->inflight || x->state != EXT_GONE)
             continue;
         if (x->prev != EXT_NIL)
@@ -566,6 +752,150 @@ void aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n)
         if (x->next != EXT_NIL)
             t->e[x->next].prev = x->prev;
         ext_slot_free(t, i);
+        notify |= t->waiters > 0;
     }
+    ext_unlock(t, notify);
+    return done;
+}
+
+/* -- pools and records ------------------------------------------------------ */
+
+int aur_ext_attach(struct aur_ext *t)
+{
+    int slot = -ENOSPC;
+
+    ext_lock(t);
+    if (t->nslots < AUR_EXT_SLOTS)
+        slot = (int)t->nslots++;
+    pthread_mutex_unlock(&t->mu);
+    return slot;
+}
+
+int aur_ext_set_alloc(struct aur_ext *t, int fd, unsigned pool_cap, unsigned log_cap)
+{
+    struct aur_ext_rec *log;
+    int ret = 0;
+
+    if (fd < 0 || !pool_cap || !log_cap || pool_cap > (1u << 24) || log_cap > (1u << 24))
+        return -EINVAL;
+    log = calloc(log_cap, sizeof(*log));
+    if (!log)
+        return -ENOMEM;
+    ext_lock(t);
+    if (t->log_cap) {
+        ret = -EALREADY;
+    } else {
+        t->log = log;
+        t->log_cap = log_cap;
+        t->pool_cap = pool_cap;
+        t->alloc_fd = fd;
+        log = NULL;
+    }
+    pthread_mutex_unlock(&t->mu);
+    free(log);
+    return ret;
+}
+
+int aur_ext_pool_add(struct aur_ext *t, unsigned slot, const uint64_t *host, unsigned n)
+{
+    uint64_t gmask = ((uint64_t)1 << t->shift) - 1;
+    struct ext_pool *p;
+    unsigned k;
+    int ret = -EINVAL;
+
+    for (k = 0; k < n; k++)
+        if (host[k] & gmask)
+            return -EINVAL;
+    ext_lock(t);
+    if (slot >= t->nslots || !t->pool_cap)
+        goto out;
+    p = &t->pool[slot];
+    ret = -ENOMEM;
+    if (!p->c && !(p->c = malloc(sizeof(*p->c) * t->pool_cap)))
+        goto out;
+    /* room for the clusters allocations in flight may give back (UNUSED) */
+    if (n > t->pool_cap - p->n - p->out)
+        n = t->pool_cap - p->n - p->out;
+    for (k = 0; k < n; k++)
+        p->c[(p->head + p->n + k) % t->pool_cap] = host[k];
+    p->n += n;
+    p->asked = 0;
+    ret = (int)n;
+out:
+    pthread_mutex_unlock(&t->mu);
+    return ret;
+}
+
+unsigned aur_ext_pool_take(struct aur_ext *t, unsigned slot, uint64_t *out, unsigned max)
+{
+    struct ext_pool *p = &t->pool[slot % AUR_EXT_SLOTS];
+    unsigned k = 0;
+
+    ext_lock(t);
+    if (slot < t->nslots)
+        for (; k < max && p->n; k++) {
+            out[k] = p->c[p->head];
+            p->head = (p->head + 1) % t->pool_cap;
+            p->n--;
+        }
+    pthread_mutex_unlock(&t->mu);
+    return k;
+}
+
+unsigned aur_ext_pool_level(struct aur_ext *t, unsigned slot)
+{
+    unsigned n = 0;
+
+    ext_lock(t);
+    if (slot < t->nslots)
+        n = t->pool[slot].n;
+    pthread_mutex_unlock(&t->mu);
+    return n;
+}
+
+unsigned aur_ext_drain(struct aur_ext *t, struct aur_ext_rec *out, unsigned max)
+{
+    unsigned k;
+
+    ext_lock(t);
+    for (k = 0; k < max && t->log_n; k++) {
+        out[k] = t->log[t->log_head];
+        t->log_head = (t->log_head + 1) % t->log_cap;
+        t->log_n--;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return k;
+}
+
+void aur_ext_set_notify(struct aur_ext *t, int efd)
+{
+    ext_lock(t);
+    t->notify_fd = efd;
+    pthread_mutex_unlock(&t->mu);
+}
+
+void aur_ext_wait_begin(struct aur_ext *t)
+{
+    ext_lock(t);
+    t->waiters++;
+    pthread_mutex_unlock(&t->mu);
+}
+
+void aur_ext_wait_end(struct aur_ext *t)
+{
+    ext_lock(t);
+    if (t->waiters)
+        t->waiters--;
+    pthread_mutex_unlock(&t->mu);
+}
+
+void aur_ext_stats(struct aur_ext *t, struct aur_ext_stats *out)
+{
+    ext_lock(t);
+    *out = (struct aur_ext_stats){
+        .locks = t->locks, .contended = t->contended, .done = t->done,
+        .failed = t->failed, .unused = t->unused, .log_n = t->log_n,
+        .allocating = t->allocating,
+    };
     pthread_mutex_unlock(&t->mu);
 }

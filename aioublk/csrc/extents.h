@@ -1,6 +1,8 @@
 /* The extent table: device range -> what each granule is (host data at
-   (fd, host offset, writable), or zeros), filled from Python, read by the C
-   data plane. Thread-safe; see extents.c. */
+   (fd, host offset, writable), zeros, or zeros a write may allocate), filled
+   from Python, read by the C data plane, which allocates from pools of host
+   clusters Python counted and reports each allocation back as a record.
+   Thread-safe; see extents.c. */
 #ifndef AIOUBLK_EXTENTS_H
 #define AIOUBLK_EXTENTS_H
 
@@ -14,6 +16,26 @@ struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off; };
 /* what a granule is (0: not in the table, as aur_ext_publish_l2's pub_out says) */
 #define AUR_EXT_MAP 1     /* data at (fd, host_off); written in place if writable */
 #define AUR_EXT_ZERO 2    /* reads as zeros; a write is a miss */
+#define AUR_EXT_ALLOC 3   /* reads as zeros; a write allocates from the writer's pool */
+
+/* pools of host clusters, one per attached slot (a data plane) */
+#define AUR_EXT_SLOTS 64
+/* what became of an acquisition's writes (aur_ext_release) */
+#define AUR_EXT_DONE 0     /* all written */
+#define AUR_EXT_FAILED 1   /* some write failed: what it allocated holds garbage */
+#define AUR_EXT_UNUSED 2   /* nothing was written */
+/* an id of aur_ext_acquire's whose granule it allocated (entry ids are below) */
+#define AUR_EXT_ID_ALLOC 0x80000000
+/* a record's flags */
+#define AUR_EXT_REC_OK 1      /* gran's data is now at host_off */
+#define AUR_EXT_REC_FAILED 2  /* host_off was allocated and holds garbage: free it */
+/* an allocation's outcome, for the owner (aur_ext_drain) */
+struct aur_ext_rec { uint64_t gran, host_off; uint32_t flags, slot; };
+struct aur_ext_stats {
+    uint64_t locks, contended;        /* lock operations, and those that had to wait */
+    uint64_t done, failed, unused;    /* allocations released with each outcome */
+    uint32_t log_n, allocating;       /* records not drained; allocations in flight */
+};
 
 /* the rules aur_ext_publish_l2 applies to each qcow2 L2 entry */
 struct aur_pub_rules {
@@ -30,7 +52,8 @@ struct aur_ext *aur_ext_new(unsigned granule_shift, unsigned max_entries);
 void aur_ext_free(struct aur_ext *t);
 int aur_ext_insert(struct aur_ext *t, uint64_t dev_off, uint64_t len, int fd,
                    uint64_t host_off, int writable);
-/* kind AUR_EXT_MAP: as aur_ext_insert; AUR_EXT_ZERO: fd, host_off and writable unused */
+/* kind AUR_EXT_MAP: as aur_ext_insert; AUR_EXT_ZERO, AUR_EXT_ALLOC: fd, host_off
+   and writable unused */
 int aur_ext_insert_kind(struct aur_ext *t, uint64_t dev_off, uint64_t len, int kind, int fd,
                         uint64_t host_off, int writable);
 /* Publish the n qcow2 L2 entries (host byte order) of the granules from dev_base
@@ -44,10 +67,34 @@ int aur_ext_publish_l2(struct aur_ext *t, int fd, uint64_t dev_base, const uint6
 unsigned aur_ext_invalidate(struct aur_ext *t, uint64_t dev_off, uint64_t len);
 unsigned aur_ext_busy(struct aur_ext *t, uint64_t dev_off, uint64_t len);
 unsigned aur_ext_count(struct aur_ext *t);
-int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write,
+/* slot: the caller's pool (aur_ext_attach), -1 for none (an ALLOC write misses) */
+int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write, int slot,
                     struct aur_ext_piece *pieces, unsigned max_pieces,
                     uint32_t *ids, unsigned max_ids);
-void aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n);
+/* outcome: AUR_EXT_DONE/FAILED/UNUSED, for the granules the ids allocated;
+   returns how many of them became data (records pushed with AUR_EXT_REC_OK) */
+unsigned aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n, int outcome);
+
+/* a pool slot for one data plane: 0.., or -ENOSPC past AUR_EXT_SLOTS */
+int aur_ext_attach(struct aur_ext *t);
+/* allocate in fd, each slot's pool holding at most pool_cap clusters, at most
+   log_cap records waiting; once (-EALREADY after), -EINVAL on a bad argument */
+int aur_ext_set_alloc(struct aur_ext *t, int fd, unsigned pool_cap, unsigned log_cap);
+/* add zeroed, counted, granule-aligned host offsets to slot's pool (at its tail);
+   returns how many fitted, or -EINVAL (bad slot, misaligned, allocation off) */
+int aur_ext_pool_add(struct aur_ext *t, unsigned slot, const uint64_t *host, unsigned n);
+/* take up to max unused host offsets back from slot's pool, in the order C
+   would have used them */
+unsigned aur_ext_pool_take(struct aur_ext *t, unsigned slot, uint64_t *out, unsigned max);
+unsigned aur_ext_pool_level(struct aur_ext *t, unsigned slot);
+/* move up to max records out, oldest first */
+unsigned aur_ext_drain(struct aur_ext *t, struct aur_ext_rec *out, unsigned max);
+/* an eventfd C adds 1 to when the owner has work (see extents.c); -1: none */
+void aur_ext_set_notify(struct aur_ext *t, int efd);
+/* the owner waits (or stops waiting) for held entries to be released */
+void aur_ext_wait_begin(struct aur_ext *t);
+void aur_ext_wait_end(struct aur_ext *t);
+void aur_ext_stats(struct aur_ext *t, struct aur_ext_stats *out);
 /* cdef: end */
 
 #endif

@@ -66,9 +66,13 @@ class Striped:
 
 @dataclass(frozen=True, slots=True)
 class Extents:
-    """Device ranges the target published in ``table``."""
+    """Device ranges the target published in ``table``; ``slot`` is this data
+    plane's pool in it (``ExtentTable.attach``), from which writes to ALLOC
+    granules take their clusters. None: such writes are misses (the target
+    allocates), as a table that never enabled allocation would have them."""
 
     table: ExtentTable
+    slot: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +156,8 @@ class DataPlane:
             ret = lib.aur_dp_map_striped(self.c, fds, len(m.fds), m.chunk)
         elif isinstance(m, Extents):
             ret = lib.aur_dp_map_extents(self.c, m.table.cdata,
-                                         m.table.granule.bit_length() - 1)
+                                         m.table.granule.bit_length() - 1,
+                                         -1 if m.slot is None else m.slot)
         elif isinstance(m, Passthrough):
             ret = lib.aur_dp_map_nvme(self.c, m.fd, m.nsid, m.block_size.bit_length() - 1)
         else:

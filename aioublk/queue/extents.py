@@ -5,12 +5,23 @@ by granule (a qcow2 cluster, say), and the data plane serves requests whose
 every granule is mapped without entering Python. Everything else (a granule
 not mapped, a write to a read-only one) goes to the target's coroutines.
 
-A granule is one of two kinds: MAP, its data at (fd, host offset), or ZERO,
+A granule is one of three kinds: MAP, its data at (fd, host offset), ZERO,
 known to read as zeros (a qcow2 cluster that is unallocated, or has its
-zero flag). A read of ZERO granules needs no backend I/O at all: C fills the
-buffer. A write to one is a miss, because where its data goes is the
-target's decision (an allocation); the target unmaps it first like any
-other granule.
+zero flag), or ALLOC, zeros that a write may allocate. A read of ZERO or
+ALLOC granules needs no backend I/O at all: C fills the buffer. A write to
+ZERO is a miss, because where its data goes is the target's decision; the
+target unmaps it first like any other granule.
+
+A write to ALLOC is where the target delegated that decision: it counted
+host clusters ahead of need and put them in a pool (:meth:`ExtentTable.pool_add`),
+one per data plane (:meth:`ExtentTable.attach`), and C gives the granule the
+next one. Clusters added must be zero, because a write to part of a granule
+leaves the rest of its cluster as it was: that is the target's promise. The
+target learns where the data went from the records C keeps
+(:meth:`ExtentTable.drain`): each allocated cluster ends up written (a
+:class:`Record` with ``ok``, the granule now MAP there), failed (not ``ok``:
+the cluster may hold part of a write, free it), or back in its pool. An
+empty pool or a full log makes such a write a miss, never a wait.
 
 The invariant a target relies on: before it changes where a granule's data
 lives (COW, discard, a freed or shared cluster, an evicted L2 table) it calls
@@ -27,24 +38,45 @@ from __future__ import annotations
 import asyncio
 import errno
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from aioublk._uring import ffi, lib
 from aioublk.errors import Error
 
-__all__ = ["MAP", "ZERO", "ZERO_FD", "ExtentConflict", "ExtentTable", "Handle", "Piece"]
+__all__ = ["ALLOC", "DONE", "FAILED", "MAP", "UNUSED", "ZERO", "ZERO_FD", "ExtentConflict",
+           "ExtentTable", "Handle", "Piece", "Record"]
 
 #: (fd, host offset, length) of one run of a request's data; a run of zeros
 #: is (ZERO_FD, 0, length)
 Piece = tuple[int, int, int]
 
 #: the kinds of granule (0: not in the table), as ``publish_l2`` reports them
-MAP, ZERO = lib.AUR_EXT_MAP, lib.AUR_EXT_ZERO
+MAP, ZERO, ALLOC = lib.AUR_EXT_MAP, lib.AUR_EXT_ZERO, lib.AUR_EXT_ALLOC
+#: what became of an acquisition's writes (:meth:`ExtentTable.release`)
+DONE, FAILED, UNUSED = lib.AUR_EXT_DONE, lib.AUR_EXT_FAILED, lib.AUR_EXT_UNUSED
 #: the fd of a piece of zeros
 ZERO_FD = -1
 
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
+
+
+class Record(NamedTuple):
+    """An allocation C settled: granule ``gran`` (its device offset divided by
+    the granule) was given host offset ``host_off`` from pool ``slot``. ``ok``:
+    its write completed and the granule's data is there now (the granule is
+    MAP, writable); not ``ok``: the write failed, the granule is ALLOC again
+    and the cluster, which may hold part of the write, is the target's to free.
+
+    A record stands even when the granule was invalidated meanwhile: the guest
+    may have seen that write complete, so the target applies an ``ok`` record
+    (points the granule at ``host_off``) before the change it invalidated
+    for; which is why it drains after every unmap."""
+
+    gran: int
+    host_off: int
+    ok: bool
+    slot: int
 
 
 class ExtentConflict(Error, ValueError):
@@ -118,11 +150,19 @@ class ExtentTable:
         granule already mapped to data conflicts."""
         return self.insert_kind(ZERO, dev_off, length)
 
+    def insert_alloc(self, dev_off: int, length: int) -> bool:
+        """Publish the granules of [dev_off, dev_off + length) as zeros that the
+        data plane may allocate: reads as :meth:`insert_zero`, and a write with
+        a slot takes a cluster from that slot's pool (see :meth:`set_alloc`)
+        instead of being a miss. Otherwise as :meth:`insert`."""
+        return self.insert_kind(ALLOC, dev_off, length)
+
     def insert_kind(self, kind: int, dev_off: int, length: int, fd: int = -1,
                     host_off: int = 0, *, writable: bool = False) -> bool:
-        """:meth:`insert` (``MAP``) or :meth:`insert_zero` (``ZERO``, which
-        takes no fd, host offset or writability) by kind: the one entry point
-        each new kind of granule joins."""
+        """:meth:`insert` (``MAP``), :meth:`insert_zero` (``ZERO``) or
+        :meth:`insert_alloc` (``ALLOC``; neither of the last two takes an fd, a
+        host offset or writability) by kind: the one entry point each new kind
+        of granule joins."""
         _check("dev_off", dev_off)
         _check("length", length)
         _check("host_off", host_off)
@@ -192,23 +232,35 @@ class ExtentTable:
 
     async def unmap(self, dev_off: int, length: int) -> None:
         """Unmap the range and wait until no request holds any of it: after
-        this the caller may change where that data lives."""
+        this the caller may change where that data lives. (Records of what it
+        held may have been pushed meanwhile: drain them before the change.)
+        While it waits, the release of a removed entry notifies (see
+        :meth:`set_notify`), so a waiter woken by that need not poll long."""
         self.invalidate(dev_off, length)
+        if not self.busy(dev_off, length):
+            return
         delay, spins = 0.0, 0
-        while self.busy(dev_off, length):
-            if spins < 4:
-                spins += 1      # a request finishing this loop turn is the usual case
-            else:
-                delay = min(0.001, delay * 2 or 0.00005)
-            await asyncio.sleep(delay)
+        lib.aur_ext_wait_begin(self.cdata)
+        try:
+            while self.busy(dev_off, length):
+                if spins < 4:
+                    spins += 1      # a request finishing this loop turn is the usual case
+                else:
+                    delay = min(0.001, delay * 2 or 0.00005)
+                await asyncio.sleep(delay)
+        finally:
+            lib.aur_ext_wait_end(self.cdata)
 
-    def acquire(self, dev_off: int, length: int, *,
-                write: bool) -> tuple[list[Piece], Handle] | None:
+    def acquire(self, dev_off: int, length: int, *, write: bool,
+                slot: int | None = None) -> tuple[list[Piece], Handle] | None:
         """Resolve and hold [dev_off, dev_off + length) as the data plane does.
 
         Returns the pieces in device order and a handle to pass to release(),
         or None when some granule is unmapped (or read-only or ZERO, for a
-        write). A run of ZERO granules is one piece ``(ZERO_FD, 0, length)``.
+        write; or ALLOC, for a write with no ``slot``, an empty pool or a full
+        log; or allocating, for anything). A run of ZERO or ALLOC granules
+        read is one piece ``(ZERO_FD, 0, length)``. A write to ALLOC granules
+        gets clusters from ``slot``'s pool: its pieces point there.
         """
         _check("dev_off", dev_off)
         if not 0 < length <= _U32:
@@ -217,21 +269,106 @@ class ExtentTable:
         n = ((dev_off + length - 1) >> g) - (dev_off >> g) + 1
         pieces = ffi.new("struct aur_ext_piece[]", n)
         ids = ffi.new("uint32_t[]", n)
-        got = lib.aur_ext_acquire(self.cdata, dev_off, length, write, pieces, n, ids, n)
+        got = lib.aur_ext_acquire(self.cdata, dev_off, length, write,
+                                  -1 if slot is None else slot, pieces, n, ids, n)
         if not got:
             return None
         return [(p.fd, p.host_off, p.len) for p in pieces[0:got]], Handle(ids, n)
 
-    def release(self, handle: Handle) -> None:
-        """Let go of what acquire() held; a handle is released once."""
+    def release(self, handle: Handle, outcome: int = DONE) -> int:
+        """Let go of what acquire() held; a handle is released once. For the
+        granules it allocated, ``outcome`` says what became of the write:
+        ``DONE`` (all written: each becomes MAP there, with an ok record),
+        ``FAILED`` (maybe partly written: ALLOC again, a failed record so the
+        target frees the cluster) or ``UNUSED`` (nothing written: the cluster
+        goes back to the head of its pool, no record). Returns how many
+        granules it allocated became data."""
         if handle._n < 0:
             raise RuntimeError("extent handle released twice")
-        lib.aur_ext_release(self.cdata, handle._ids, handle._n)
+        if outcome not in (DONE, FAILED, UNUSED):
+            raise ValueError(f"outcome {outcome}")
+        done = int(lib.aur_ext_release(self.cdata, handle._ids, handle._n, outcome))
         handle._n = -1
+        return done
 
-    def lookup(self, dev_off: int, length: int, *, write: bool) -> list[Piece] | None:
-        """The pieces a request for the range would use, or None (tests, debugging)."""
-        held = self.acquire(dev_off, length, write=write)
+    # -- allocation: pools of clusters the target counted, records of their use
+
+    def attach(self) -> int:
+        """A pool slot for one data plane (``dataplane.Extents(table, slot)``):
+        each plane takes clusters from its own pool, so the target can size
+        and refill them per queue. At most ``AUR_EXT_SLOTS`` (64)."""
+        ret = int(lib.aur_ext_attach(self.cdata))
+        if ret < 0:
+            raise OSError(-ret, "extent table: every pool slot is attached")
+        return ret
+
+    def set_alloc(self, fd: int, pool_cap: int, log_cap: int) -> None:
+        """Let writes to ALLOC granules allocate, in ``fd`` (the file every
+        pool's host offsets are in), each pool holding at most ``pool_cap``
+        clusters and at most ``log_cap`` records waiting to be drained (a
+        write that could not be recorded is a miss). Once per table."""
+        ret = int(lib.aur_ext_set_alloc(self.cdata, fd, pool_cap, log_cap))
+        if ret < 0:
+            raise OSError(-ret, f"extent table allocation (fd {fd}, pool {pool_cap}, "
+                                f"log {log_cap}): {errno.errorcode.get(-ret, ret)}")
+
+    def pool_add(self, slot: int, host_offs: Iterable[int]) -> int:
+        """Add host offsets (granule-aligned; zeroed and counted by the
+        caller: C writes into them as they are) to the tail of ``slot``'s
+        pool; returns how many fitted, the rest stay the caller's. Resets the
+        pool's low-water notification."""
+        offs = list(host_offs)
+        for h in offs:
+            _check("host offset", h)
+        ret = int(lib.aur_ext_pool_add(self.cdata, slot, ffi.new("uint64_t[]", offs), len(offs)))
+        if ret < 0:
+            raise ValueError(f"pool {slot}: a misaligned offset, no such slot or "
+                             f"allocation not enabled ({errno.errorcode.get(-ret, ret)})")
+        return ret
+
+    def pool_take(self, slot: int, max_n: int | None = None) -> list[int]:
+        """Take unused clusters back from ``slot``'s pool (at most ``max_n``;
+        None: all), in the order C would have used them: for a close, or a
+        pool the target wants smaller."""
+        n = self.pool_level(slot) if max_n is None else max_n
+        out = ffi.new("uint64_t[]", max(n, 1))
+        got = int(lib.aur_ext_pool_take(self.cdata, slot, out, n))
+        return list(ffi.unpack(out, got))
+
+    def pool_level(self, slot: int) -> int:
+        """Clusters in ``slot``'s pool now."""
+        return int(lib.aur_ext_pool_level(self.cdata, slot))
+
+    def drain(self, max_n: int = 4096) -> list[Record]:
+        """The records of settled allocations, oldest first, at most
+        ``max_n``: each is the only news of where a write's data went."""
+        out = ffi.new("struct aur_ext_rec[]", max_n)
+        got = int(lib.aur_ext_drain(self.cdata, out, max_n))
+        return [Record(int(r.gran), int(r.host_off), r.flags == lib.AUR_EXT_REC_OK,
+                       int(r.slot)) for r in out[0:got]]
+
+    def set_notify(self, efd: int) -> None:
+        """An eventfd C adds 1 to when the target has work: a pool dropped to
+        half (once until its next pool_add), the log reached half full, or a
+        held entry an :meth:`unmap` waits for was let go. -1: none. The
+        target keeps the fd open while the table lives."""
+        lib.aur_ext_set_notify(self.cdata, efd)
+
+    def stats(self) -> dict[str, int]:
+        """Lock operations and how many were contended (waited for another
+        thread), allocations per outcome, records not drained, allocations in
+        flight: what says whether the one mutex or the pools need work."""
+        s = ffi.new("struct aur_ext_stats *")
+        lib.aur_ext_stats(self.cdata, s)
+        return {k: int(getattr(s, k)) for k in ("locks", "contended", "done", "failed",
+                                                "unused", "log_n", "allocating")}
+
+    def lookup(self, dev_off: int, length: int, *, write: bool,
+               slot: int | None = None) -> list[Piece] | None:
+        """The pieces a request for the range would use, or None (tests,
+        debugging). With a slot, a write allocates, and is released as DONE:
+        records are pushed as for a completed write."""
+        held = self.acquire(dev_off, length, write=write, slot=slot)
         if held is None:
             return None
         self.release(held[1])

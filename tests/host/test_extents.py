@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 from array import array
@@ -11,7 +12,18 @@ from dataclasses import dataclass
 import pytest
 
 from aioublk.qcow2.format import COMPRESSED, COPIED, ZERO
-from aioublk.queue.extents import MAP, ZERO_FD, ExtentConflict, ExtentTable, Handle, Piece
+from aioublk.queue.extents import (
+    DONE,
+    FAILED,
+    MAP,
+    UNUSED,
+    ZERO_FD,
+    ExtentConflict,
+    ExtentTable,
+    Handle,
+    Piece,
+    Record,
+)
 from aioublk.queue.extents import ZERO as ZERO_KIND  # (ZERO: the L2 entry's flag)
 
 G = 64 * 1024        # granule of most tests (a default qcow2 cluster)
@@ -568,3 +580,272 @@ def test_threads_stress() -> None:
     assert len(t) == len(live)
     assert t.busy(0, n * gran) == 0
     assert all(counts), counts
+
+
+# -- allocation: ALLOC granules, pools, records --------------------------------
+
+AFD = 9             # the fd allocated pieces carry (set_alloc's; never used for I/O here)
+
+
+def alloc_table(pool_cap: int = 8, log_cap: int = 8) -> tuple[ExtentTable, int]:
+    t = ExtentTable(G, max_entries=1024)
+    t.set_alloc(AFD, pool_cap, log_cap)
+    return t, t.attach()
+
+
+def test_a_write_to_alloc_granules_takes_clusters_from_its_slots_pool() -> None:
+    t, slot = alloc_table()
+    assert t.pool_add(slot, [100 * G, 101 * G, 102 * G]) == 3
+    assert t.insert_alloc(0, 4 * G)
+    assert t.lookup(0, 4 * G, write=False) == [(ZERO_FD, 0, 4 * G)]
+    assert t.acquire(G, G, write=True) is None          # no slot: the target's write
+    held = t.acquire(G, 2 * G, write=True, slot=slot)
+    assert held is not None
+    assert held[0] == [(AFD, 100 * G, 2 * G)]           # consecutive clusters merge
+    assert t.pool_level(slot) == 1
+    # allocating: nobody else may read zeros there, or write
+    assert t.acquire(G, 512, write=False) is None
+    assert t.acquire(2 * G, 512, write=True, slot=slot) is None
+    assert t.busy(G, 2 * G) == 2 and t.stats()["allocating"] == 2
+    assert t.drain() == []
+    assert t.release(held[1]) == 2
+    assert t.drain() == [(1, 100 * G, True, slot), (2, 101 * G, True, slot)]
+    assert t.drain() == []
+    assert t.lookup(G, 2 * G, write=True) == [(AFD, 100 * G, 2 * G)]
+    # part of a granule allocates the whole (the rest is the pool's zeros)
+    assert t.lookup(3 * G + 512, 512, write=True, slot=slot) == [(AFD, 102 * G + 512, 512)]
+    assert t.drain() == [(3, 102 * G, True, slot)]
+    assert t.pool_level(slot) == 0
+    assert t.stats()["done"] == 3
+
+
+def test_failed_records_the_cluster_and_unused_puts_it_back_first() -> None:
+    t, slot = alloc_table()
+    t.pool_add(slot, [10 * G, 11 * G, 12 * G])
+    t.insert_alloc(0, G)
+    held = t.acquire(0, G, write=True, slot=slot)
+    assert held is not None and held[0] == [(AFD, 10 * G, G)]
+    assert t.release(held[1], UNUSED) == 0
+    assert t.drain() == [] and t.pool_level(slot) == 3
+    held = t.acquire(0, G, write=True, slot=slot)      # the same cluster, first again
+    assert held is not None and held[0] == [(AFD, 10 * G, G)]
+    assert t.release(held[1], FAILED) == 0
+    assert t.drain() == [(0, 10 * G, False, slot)]
+    assert t.lookup(0, G, write=False) == [(ZERO_FD, 0, G)]    # ALLOC again
+    held = t.acquire(0, G, write=True, slot=slot)      # 10 G is never handed out again
+    assert held is not None and held[0] == [(AFD, 11 * G, G)]
+    t.release(held[1])
+    assert t.pool_take(slot) == [12 * G]
+    s = t.stats()
+    assert (s["done"], s["failed"], s["unused"], s["allocating"]) == (1, 1, 1, 0)
+    with pytest.raises(ValueError):
+        t.release(Handle(held[1]._ids, 1), 7)
+
+
+def test_an_empty_pool_or_no_such_slot_makes_a_write_a_miss() -> None:
+    t, slot = alloc_table()
+    t.insert_alloc(0, 2 * G)
+    t.insert_zero(2 * G, G)
+    assert t.acquire(0, G, write=True, slot=slot) is None
+    assert t.acquire(0, G, write=True, slot=slot + 1) is None   # not attached
+    t.pool_add(slot, [5 * G])
+    assert t.acquire(2 * G, G, write=True, slot=slot) is None   # ZERO: still the target's
+    assert t.acquire(0, 2 * G, write=True, slot=slot) is None   # two granules, one cluster
+    assert t.pool_level(slot) == 1                              # (a miss takes nothing)
+    assert t.lookup(0, 3 * G, write=False) == [(ZERO_FD, 0, 3 * G)]
+    assert t.lookup(G, G, write=True, slot=slot) == [(AFD, 5 * G, G)]
+    with pytest.raises(ValueError):
+        t.pool_add(slot, [G + 512])                            # misaligned
+    with pytest.raises(ValueError):
+        ExtentTable(G).pool_add(0, [G])                        # allocation off
+    with pytest.raises(OSError):
+        t.set_alloc(AFD, 8, 8)                                 # once
+
+
+def test_a_full_log_makes_a_write_a_miss_until_drained() -> None:
+    t, slot = alloc_table(log_cap=2)
+    t.pool_add(slot, [G * k for k in range(10, 16)])
+    t.insert_alloc(0, 4 * G)
+    a = t.acquire(0, G, write=True, slot=slot)
+    b = t.acquire(G, G, write=True, slot=slot)
+    assert a is not None and b is not None
+    assert t.acquire(2 * G, G, write=True, slot=slot) is None   # two records are promised
+    t.release(a[1])
+    assert t.acquire(2 * G, G, write=True, slot=slot) is None   # one in the log, one to come
+    t.release(b[1], FAILED)
+    assert t.acquire(2 * G, G, write=True, slot=slot) is None
+    assert [r.ok for r in t.drain()] == [True, False]
+    assert t.lookup(2 * G, G, write=True, slot=slot) == [(AFD, 12 * G, G)]
+
+
+def _notified(efd: int) -> int:
+    try:
+        return os.eventfd_read(efd)
+    except BlockingIOError:
+        return 0
+
+
+def _notifying(efd: int, pool_cap: int, log_cap: int, clusters: int) -> tuple[ExtentTable, int]:
+    """A table of 16 ALLOC granules notifying efd, its pool given ``clusters``."""
+    t, slot = alloc_table(pool_cap=pool_cap, log_cap=log_cap)
+    t.set_notify(efd)
+    t.insert_alloc(0, 16 * G)
+    t.pool_add(slot, [G * k for k in range(100, 100 + clusters)])
+    return t, slot
+
+
+def _write_each(t: ExtentTable, slot: int, grans: range, efd: int) -> list[tuple[int, int]]:
+    """(pool level, notifications) after a completed allocating write to each granule."""
+    out = []
+    for g in grans:
+        t.lookup(g * G, G, write=True, slot=slot)
+        out.append((t.pool_level(slot), _notified(efd)))
+    return out
+
+
+def test_notify_once_per_pool_crossing_and_per_half_full_log() -> None:
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        t, slot = _notifying(efd, pool_cap=4, log_cap=64, clusters=4)
+        assert _write_each(t, slot, range(3), efd) == [(3, 0), (2, 1), (1, 0)]  # at half, once
+        t.pool_add(slot, [200 * G])
+        assert _notified(efd) == 0
+        assert _write_each(t, slot, range(3, 4), efd) == [(1, 1)]  # again, after a refill
+        # the log: notified as it reaches half of 4
+        u, s2 = _notifying(efd, pool_cap=16, log_cap=4, clusters=16)
+        assert [n for _, n in _write_each(u, s2, range(3), efd)] == [0, 1, 0]
+        assert len(u.drain()) == 3
+        held = u.acquire(3 * G, G, write=True, slot=s2)
+        assert held is not None
+        u.release(held[1], FAILED)                          # failed records count too
+        u.lookup(4 * G, G, write=True, slot=s2)
+        assert _notified(efd) == 1
+        u.set_notify(-1)
+        assert t.stats()["locks"] > 0
+    finally:
+        os.close(efd)
+
+
+@pytest.mark.asyncio
+async def test_notify_when_a_held_entry_an_unmap_waits_for_is_let_go() -> None:
+    t, slot = alloc_table()
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        t.set_notify(efd)
+        t.insert(0, G, 3, 0, writable=True)
+        held = t.acquire(0, G, write=False)
+        assert held is not None
+        t.insert(G, G, 3, G, writable=True)
+        other = t.acquire(G, G, write=False)
+        assert other is not None
+        t.invalidate(G, G)
+        t.release(other[1])                 # nobody waits: no notification
+        assert _notified(efd) == 0
+        unmap = asyncio.ensure_future(t.unmap(0, G))
+        await asyncio.sleep(0)              # it runs to its first sleep: waiting
+        assert not unmap.done()
+        t.release(held[1])
+        assert _notified(efd) == 1
+        await unmap
+    finally:
+        os.close(efd)
+
+
+def test_pool_take_returns_what_is_unused_and_room_is_kept_for_what_comes_back() -> None:
+    t, slot = alloc_table(pool_cap=4)
+    t.insert_alloc(0, 4 * G)
+    assert t.pool_add(slot, [G * k for k in (7, 8, 9)]) == 3
+    held = t.acquire(0, G, write=True, slot=slot)
+    assert held is not None
+    assert t.pool_take(slot, 1) == [8 * G]
+    assert t.pool_add(slot, [20 * G, 21 * G, 22 * G]) == 2     # one place is 7 G's
+    t.release(held[1], UNUSED)
+    assert t.pool_level(slot) == 4
+    assert t.pool_take(slot) == [7 * G, 9 * G, 20 * G, 21 * G]
+    assert t.pool_take(slot) == []
+    # a write of several granules gives its clusters back in the pool's order
+    t.pool_add(slot, [G * k for k in (30, 32, 34)])
+    held = t.acquire(0, 3 * G, write=True, slot=slot)
+    assert held is not None and len(held[0]) == 3
+    t.release(held[1], UNUSED)
+    assert t.pool_take(slot) == [30 * G, 32 * G, 34 * G]
+
+
+def test_an_allocating_granule_invalidated_still_records_its_cluster() -> None:
+    t, slot = alloc_table()
+    t.pool_add(slot, [30 * G])
+    t.insert_alloc(0, G)
+    held = t.acquire(0, G, write=True, slot=slot)
+    assert held is not None
+    assert t.invalidate(0, G) == 1
+    assert len(t) == 0 and t.busy(0, G) == 1
+    assert t.release(held[1]) == 1
+    assert t.drain() == [(0, 30 * G, True, slot)]
+    assert t.busy(0, G) == 0 and t.lookup(0, G, write=False) is None
+
+
+def test_attach_runs_out_of_slots() -> None:
+    t = ExtentTable(G)
+    assert [t.attach() for _ in range(64)] == list(range(64))
+    with pytest.raises(OSError):
+        t.attach()
+
+
+def test_threads_allocate_while_the_owner_invalidates_and_drains() -> None:
+    n, nthreads = 64, 4
+    t = ExtentTable(G, max_entries=4 * n)
+    t.set_alloc(AFD, 16, 256)
+    slots = [t.attach() for _ in range(nthreads)]
+    t.insert_alloc(0, n * G)
+    stop = threading.Event()
+    errors: list[str] = []
+    allocs = [0] * nthreads
+
+    def writer(k: int) -> None:
+        rng = random.Random(k)
+        while not stop.is_set():
+            g, cnt = rng.randrange(n - 1), rng.randint(1, 2)
+            held = t.acquire(g * G + rng.randrange(2) * 512, cnt * G - 1024, write=True,
+                             slot=slots[k])
+            if held is None:
+                continue
+            if any(fd not in (AFD, ZERO_FD) for fd, _, _ in held[0]):
+                errors.append(f"{g}: {held[0]}")
+            r = rng.random()
+            allocs[k] += t.release(held[1], DONE if r < 0.8 else FAILED if r < 0.9 else UNUSED)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(nthreads)]
+    for th in threads:
+        th.start()
+    rng = random.Random(99)
+    added: list[int] = []
+    records: list[Record] = []
+    nxt = 1000
+    try:
+        while len(records) < 4000 and not errors:
+            for s in slots:
+                if t.pool_level(s) < 8:
+                    fresh = [G * (nxt + i) for i in range(8)]
+                    got = t.pool_add(s, fresh)
+                    added += fresh[:got]
+                    nxt += 8
+            g, cnt = rng.randrange(n), rng.randint(1, 4)
+            t.invalidate(g * G, cnt * G)
+            t.insert_alloc(g * G, min(cnt, n - g) * G)
+            records += t.drain()
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    records += t.drain()
+    left = [h for s in slots for h in t.pool_take(s)]
+    assert not errors, errors[:5]
+    hosts = [r.host_off for r in records]
+    assert len(set(hosts)) == len(hosts)                    # each cluster given once
+    assert sorted(hosts + left) == sorted(added)            # and none lost
+    assert sum(r.ok for r in records) == sum(allocs)
+    assert t.busy(0, n * G) == 0
+    s = t.stats()
+    assert (s["allocating"], s["log_n"]) == (0, 0)
+    assert s["done"] == sum(allocs) and s["failed"] == len(records) - sum(allocs)
+    assert s["failed"] and s["unused"]                      # every outcome was met
