@@ -38,7 +38,7 @@ log = logs.get_logger("aioublk.device")
 
 STAT_FIELDS = ("queue", "ios", "bytes", "errors", "inflight")
 #: the data plane's counters, summed as they are (``QueueStats``)
-DP_FIELDS = ("c_served", "py_handed", "wakes", "poll_timeouts")
+DP_FIELDS = ("c_served", "py_handed", "wakes", "poll_timeouts", "c_alloc")
 
 #: seconds an unprivileged device's server waits for udev to hand it its node
 _UDEV_WAIT = 30.0
@@ -349,7 +349,8 @@ class Device:
     def stats(self) -> list[dict[str, int]]:
         """Per queue, summed over the workers serving it: requests answered
         (``ios``), bytes read or written, errors, requests in flight, and
-        the data plane's ``DP_FIELDS`` (who served them; its wake-ups)."""
+        the data plane's ``DP_FIELDS`` (who served them; its wake-ups; clusters
+        it allocated)."""
         rows: dict[int, dict[str, int]] = {}
         for w in self.workers:
             driver = w.driver

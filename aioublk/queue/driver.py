@@ -355,6 +355,12 @@ class QueueStats:
         first queue, as ``wakes``)."""
         return int(self._c.poll_timeouts)
 
+    @property
+    def c_alloc(self) -> int:
+        """Clusters C allocated from its extent-table pool for writes that
+        completed (each one a record the target drains)."""
+        return int(self._c.c_alloc)
+
     def latency(self) -> list[tuple[list[int], int]]:
         """Per op (``metrics.OPS``): the log2 buckets' counts and the
         latencies' sum in ns; read while C adds to them (a bucket may be one

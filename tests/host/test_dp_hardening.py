@@ -45,7 +45,8 @@ class Plane:
 
     def __init__(self, ring: Any, backing: int, *, depth: int = 4, max_io: int = 4096,
                  mode: int = 0, batch: int = 0, map: Map | None = None,
-                 poll_us: int = 0, setup: dict[str, int] | None = None) -> None:
+                 poll_us: int = 0, setup: dict[str, int] | None = None,
+                 copy_in: bool = False) -> None:
         self.ring = ring
         self.pipe = os.pipe()
         self.max_io = max_io
@@ -54,7 +55,9 @@ class Plane:
         self.descs = bytearray(depth * uapi.IO_DESC.size)
         self.bufs = mmap.mmap(-1, depth * max_io)
         self.dp = DataPlane(ring, {
-            "char_fd": self.pipe[1], "batch": batch, "mode": mode, "nr_queues": 1,
+            # copy_in: the pipe's read end, which -u writes copy their data in
+            # from (the test writes it to pipe[1]); nothing can be copied out
+            "char_fd": self.pipe[0 if copy_in else 1], "batch": batch, "mode": mode, "nr_queues": 1,
             "depth": depth, "max_io": max_io,
             "op_fetch_req": uapi.IoCmd.FETCH_REQ,
             "op_commit_and_fetch": uapi.IoCmd.COMMIT_AND_FETCH_REQ,
@@ -562,5 +565,142 @@ async def test_a_write_to_zero_granules_is_pythons(backing: int) -> None:
         await plane.wait_for(lambda: plane.events)
         assert plane.events == [(EV_IO, 0, 0, 0)]
         assert plane.dp.inflight == 0 and table.busy(0, 3 * G4) == 0
+    finally:
+        plane.close()
+
+
+# -- an extent table's ALLOC granules: C allocates from its slot's pool ---------
+
+class _RecordsAtCommit(Plane):
+    """A Plane that notes, as each record reaches Python, the allocation
+    records waiting in ``table``: a commit must find its write's record."""
+
+    def __init__(self, table: ExtentTable, *args: Any, **kw: Any) -> None:
+        self.table = table
+        self.log_at: list[int] = []
+        super().__init__(*args, **kw)
+
+    def _on_event(self, ud: int, res: int, flags: int) -> None:
+        self.log_at.append(self.table.stats()["log_n"])
+        super()._on_event(ud, res, flags)
+
+
+def _alloc_table(fd: int, pool: list[int], *, granules: int = 4) -> tuple[ExtentTable, int]:
+    """ALLOC granules 0.. of 4 KiB, allocating in fd from one slot's pool."""
+    t = ExtentTable(G4, max_entries=64)
+    t.set_alloc(fd, 32, 32)
+    slot = t.attach()
+    assert t.pool_add(slot, pool) == len(pool)
+    assert t.insert_alloc(0, granules * G4)
+    return t, slot
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("user_copy", [False, True], ids=["copy", "user-copy"])
+async def test_an_allocating_write_lands_in_the_pools_cluster_recorded_before_its_commit(
+        backing: int, user_copy: bool) -> None:
+    """A write to ALLOC granules is C's: its data goes to the clusters at the
+    head of the plane's pool (two granules, two clusters apart on the host:
+    two pieces), a record of each is in the table before the commit reaches
+    anyone, c_alloc counts them, and the granules are data now (a read is
+    C's, from there). With -u the data comes in from /dev/ublkcN first."""
+    from aioublk.queue.driver import QueueStats
+    from aioublk.queue.extents import Record
+    from aioublk.ring import Ring
+
+    table, slot = _alloc_table(backing, [40 * G4, 42 * G4, 44 * G4])
+    ring = Ring(16)
+    mode = lib.AUR_DP_USER_COPY if user_copy else lib.AUR_DP_COPY
+    plane = _RecordsAtCommit(table, ring, backing, depth=2, max_io=2 * G4, mode=mode,
+                             map=Extents(table, slot=slot), copy_in=user_copy)
+    data = os.urandom(2 * G4 - 1024)
+    try:
+        if user_copy:
+            os.write(plane.pipe[1], data)     # what the kernel's copy in would read
+        else:
+            plane.buf(0)[:len(data)] = data
+        plane.fetch(0, uapi.Op.WRITE, len(data) >> 9, (G4 + 512) >> 9)
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)]   # C committed it
+        assert plane.log_at == [2]                                  # the records first
+        assert table.drain() == [Record(1, 40 * G4, True, slot), Record(2, 42 * G4, True, slot)]
+        assert os.pread(backing, G4 - 512, 40 * G4 + 512) == data[:G4 - 512]
+        assert os.pread(backing, G4 - 512, 42 * G4) == data[G4 - 512:]
+        c = plane.dp.counts[0]
+        assert (c.c_alloc, QueueStats(c).c_alloc, c.c_served) == (2, 2, 1)
+        assert table.pool_level(slot) == 1 and table.busy(0, 4 * G4) == 0
+        assert table.lookup(G4, 2 * G4, write=True) == [(backing, 40 * G4, G4),
+                                                       (backing, 42 * G4, G4)]
+        if not user_copy:       # (copy_in: this plane cannot copy out)
+            plane.fetch(1, uapi.Op.READ, 8, (G4 + 512) >> 9)        # now data: C reads it
+            await plane.wait_for(lambda: len(plane.events) > 1)
+            assert plane.events[1] == (EV_IO, 1, 0, -errno.EOPNOTSUPP)
+            assert plane.buf(1)[:G4] == data[:G4]
+    finally:
+        plane.close()
+
+
+@pytest.mark.asyncio
+async def test_an_allocating_write_without_a_slot_is_pythons(backing: int) -> None:
+    from aioublk.ring import Ring
+
+    table, slot = _alloc_table(backing, [40 * G4])
+    ring = Ring(16)
+    plane = Plane(ring, backing, depth=2, max_io=2 * G4, map=Extents(table))
+    try:
+        plane.fetch(0, uapi.Op.WRITE, 8, 0)
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 0, 0, 0)]       # as fetched
+        assert table.pool_level(slot) == 1 and plane.dp.counts[0].c_alloc == 0
+    finally:
+        plane.close()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_allocating_write_is_recorded_failed_and_retried_by_python(
+        tmp_path: Path, backing: int) -> None:
+    """The allocation fd refuses writes (opened read-only): the write fails,
+    its request goes to Python as a retry, and the record says the cluster
+    failed (the owner frees it); the granule reads as zeros again and the
+    next write takes the next cluster."""
+    from aioublk.ring import Ring
+
+    ro = os.open(tmp_path / "backing", os.O_RDONLY)
+    table, slot = _alloc_table(ro, [40 * G4, 41 * G4])
+    ring = Ring(16)
+    plane = Plane(ring, backing, depth=2, max_io=2 * G4, map=Extents(table, slot=slot))
+    try:
+        plane.fetch(0, uapi.Op.WRITE, 8, 0)
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events[0][:2] == (EV_RETRY, 0) and plane.events[0][3] < 0
+        assert [(r.host_off, r.ok) for r in table.drain()] == [(40 * G4, False)]
+        assert plane.dp.counts[0].c_alloc == 0 and table.busy(0, G4) == 0
+        assert table.lookup(0, G4, write=False) == [(-1, 0, G4)]
+        assert table.pool_take(slot) == [41 * G4]       # 40 is never handed out again
+    finally:
+        plane.close()
+        os.close(ro)
+
+
+@pytest.mark.asyncio
+async def test_an_allocating_write_the_cq_cannot_hold_gives_its_clusters_back(
+        backing: int) -> None:
+    """A write C cannot take (more pieces than the CQ has room for) goes to
+    Python as fetched, and what it allocated is UNUSED: every cluster back in
+    the pool in its order, no record, the granules ALLOC again."""
+    from aioublk.ring import Ring
+
+    pool = [G4 * (100 + 2 * k) for k in range(16)]      # none adjacent: 16 pieces
+    table, slot = _alloc_table(backing, pool, granules=16)
+    ring = Ring(8)  # a CQ of 16: 4 tags' commands and 12 more
+    plane = Plane(ring, backing, depth=4, max_io=16 * G4, map=Extents(table, slot=slot))
+    try:
+        plane.fetch(1, uapi.Op.WRITE, (16 * G4) >> 9, 0)
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 1, 0, 0)]
+        assert table.drain() == [] and table.stats()["unused"] == 16
+        assert table.busy(0, 16 * G4) == 0 and plane.dp.counts[0].c_alloc == 0
+        assert table.pool_take(slot) == pool
+        assert table.lookup(0, 16 * G4, write=False) == [(-1, 0, 16 * G4)]
     finally:
         plane.close()
