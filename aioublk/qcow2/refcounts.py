@@ -85,7 +85,10 @@ class Refcounts(ImageBase):
         """Change a refcount; returns the new value. A decrement never creates
         refcount structures: a cluster without a refcount is left alone (leaked
         at worst) and reported, as QEMU does."""
-        b = await self._refblock(c // self.rbe, create=delta > 0)
+        return self._bump(await self._refblock(c // self.rbe, create=delta > 0), c, delta)
+
+    def _bump(self, b: fmt.RefBlock | None, c: int, delta: int) -> int:
+        """Cluster ``c``'s refcount in ``b`` (its block) changed by ``delta``."""
         i = c % self.rbe
         if b is None or b[i] + delta < 0:
             log.error("qcow2 refcount underflow: cluster left alone", image=self.path,
@@ -97,6 +100,20 @@ class Refcounts(ImageBase):
                        f"exceed {b.bits} bits: run `qemu-img check -r all {self.path}`")
         b[i] = v
         return v
+
+    async def _add_ref_run(self, run: range, delta: int) -> None:
+        """Raise (or lower) the refcounts of ``run`` by ``delta``: one refcount
+        block lookup per block the run touches, not one await per cluster,
+        since allocation counts whole runs (``_alloc``) and allocation speed
+        is what a first write to a cluster waits for."""
+        rbe = self.rbe
+        c = run.start
+        while c < run.stop:
+            stop = min(run.stop, (c // rbe + 1) * rbe)
+            b = await self._refblock(c // rbe, create=delta > 0)
+            for x in range(c, stop):
+                self._bump(b, x, delta)
+            c = stop
 
     async def _grow_reftable(self, need: int) -> None:
         """Move the refcount table to a bigger place at the end of the file. The
@@ -124,8 +141,7 @@ class Refcounts(ImageBase):
         self._reserving.update(run)
         self.used_end = max(self.used_end, run.stop << self.cbits)
         try:
-            for c in run:
-                await self._add_ref(c, 1)
+            await self._add_ref_run(run, 1)
         finally:
             self._reserving.difference_update(run)
         for c in run:
@@ -175,8 +191,7 @@ class Refcounts(ImageBase):
             self.used_end = max(self.used_end, run.stop << self.cbits)
             self._reserving.update(run)
             try:
-                for c in run:
-                    await self._add_ref(c, 1)
+                await self._add_ref_run(run, 1)
             finally:
                 self._reserving.difference_update(run)
             self._free_hint = run.stop if hole < 0 else hole
