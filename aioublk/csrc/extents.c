@@ -429,11 +429,15 @@ static int ext_l2_kind(const struct aur_ext *t, const struct aur_pub_rules *r, u
 
     if (e & QCOW2_COMPRESSED)   /* data to inflate: Python's */
         return 0;
+    /* zeros: a write may allocate (C, from its pool) where Python lets it and
+       no host cluster is kept for the granule already */
+    int zeros = r->alloc_ok && !(e & QCOW2_OFFSET_MASK) ? AUR_EXT_ALLOC : AUR_EXT_ZERO;
+
     if (e & QCOW2_ZERO)         /* zeros, whatever it holds and whatever lies under it */
-        return AUR_EXT_ZERO;
+        return zeros;
     *host = e & QCOW2_OFFSET_MASK;
     if (!*host)                 /* unallocated: zeros unless a backing file shows through */
-        return g << t->shift >= r->backing_end ? AUR_EXT_ZERO : 0;
+        return g << t->shift >= r->backing_end ? zeros : 0;
     /* allocated: only where it is plainly data (Python reports the rest) */
     if (*host & gmask || *host >= r->used_end || ext_in_sorted(r->meta, r->nmeta, *host >> t->shift))
         return 0;

@@ -46,6 +46,7 @@ struct aur_pub_rules {
     const uint64_t *skip;   /* granules being changed, sorted: not published */
     uint32_t nmeta, nskip;
     int writable_ok;        /* a COPIED cluster may be written in place */
+    int alloc_ok;           /* zeros without a host cluster are ALLOC, not ZERO */
 };
 
 struct aur_ext *aur_ext_new(unsigned granule_shift, unsigned max_entries);

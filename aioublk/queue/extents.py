@@ -92,6 +92,12 @@ class Handle:
         self._ids = ids
         self._n = n
 
+    @property
+    def allocates(self) -> bool:
+        """Whether a granule it holds was allocated for it (a write's pieces
+        include clusters from the writer's pool): what release's outcome is for."""
+        return any(i & lib.AUR_EXT_ID_ALLOC for i in self._ids[0:max(self._n, 0)])
+
 
 def _check(name: str, value: int, limit: int = _U64) -> None:
     if not 0 <= value <= limit:
@@ -122,6 +128,7 @@ class ExtentTable:
         self._t: Any = ffi.gc(t, lib.aur_ext_free)
         self.granule = granule
         self.max_entries = max_entries
+        self._recs = ffi.new("struct aur_ext_rec[]", 256)  # (drain's, reused)
 
     @property
     def cdata(self) -> Any:
@@ -179,7 +186,7 @@ class ExtentTable:
         raise OSError(-ret, f"extent insert: {errno.errorcode.get(-ret, ret)}")
 
     def publish_l2(self, fd: int, dev_base: int, entries: Any, pub: Any, *, used_end: int,
-                   size: int, writable_ok: bool, backing_end: int = 0,
+                   size: int, writable_ok: bool, alloc_ok: bool = False, backing_end: int = 0,
                    meta: Iterable[int] = (), skip: Iterable[int] = ()) -> list[tuple[int, int]]:
         """Publish qcow2 L2 entries (host byte order, a buffer of uint64) of the
         granules from ``dev_base`` on, by the rules in C (``aur_ext_publish_l2``)
@@ -191,7 +198,9 @@ class ExtentTable:
         allocated, uncompressed, aligned cluster below ``used_end`` and not in
         ``meta`` (host clusters), writable if COPIED and ``writable_ok``; ZERO
         is the zero flag, or an unallocated cluster at or past ``backing_end``
-        (0: no backing file). Nothing at or past ``size``. Returns the
+        (0: no backing file); with ``alloc_ok`` such zeros without a host
+        cluster are ``ALLOC`` instead, where a write allocates from the
+        writer's pool. Nothing at or past ``size``. Returns the
         (host cluster, granule) pairs of the MAP ones. A full table publishes
         what it can; a granule mapped otherwise raises :class:`ExtentConflict`
         (what came before it stays published).
@@ -204,7 +213,7 @@ class ExtentTable:
         rules = ffi.new("struct aur_pub_rules *", {
             "used_end": used_end, "size": size, "backing_end": backing_end,
             "meta": keep[0], "nmeta": len(keep[0]), "skip": keep[1], "nskip": len(keep[1]),
-            "writable_ok": writable_ok})
+            "writable_ok": writable_ok, "alloc_ok": alloc_ok})
         hosts, grans = ffi.new("uint64_t[]", n), ffi.new("uint64_t[]", n)
         ret = lib.aur_ext_publish_l2(self.cdata, fd, dev_base,
                                      ffi.from_buffer("uint64_t[]", entries), n, rules,
@@ -339,13 +348,19 @@ class ExtentTable:
         """Clusters in ``slot``'s pool now."""
         return int(lib.aur_ext_pool_level(self.cdata, slot))
 
-    def drain(self, max_n: int = 4096) -> list[Record]:
-        """The records of settled allocations, oldest first, at most
-        ``max_n``: each is the only news of where a write's data went."""
-        out = ffi.new("struct aur_ext_rec[]", max_n)
-        got = int(lib.aur_ext_drain(self.cdata, out, max_n))
-        return [Record(int(r.gran), int(r.host_off), r.flags == lib.AUR_EXT_REC_OK,
-                       int(r.slot)) for r in out[0:got]]
+    def drain(self) -> list[Record]:
+        """The records of settled allocations, oldest first: each is the only
+        news of where a write's data went. Cheap when there are none (one C
+        call into a buffer kept for it): a target drains before every
+        request it serves. One thread drains a table (its owner's)."""
+        out, n = self._recs, len(self._recs)
+        recs: list[Record] = []
+        while True:
+            got = int(lib.aur_ext_drain(self.cdata, out, n))
+            recs += [Record(int(r.gran), int(r.host_off), r.flags == lib.AUR_EXT_REC_OK,
+                            int(r.slot)) for r in out[0:got]]
+            if got < n:
+                return recs
 
     def set_notify(self, efd: int) -> None:
         """An eventfd C adds 1 to when the target has work: a pool dropped to
