@@ -30,7 +30,7 @@ from aioublk import logs
 from aioublk._uring import lib
 from aioublk.ring import Ring
 
-__all__ = ["LoopHandle", "call_on", "current", "run_in_thread"]
+__all__ = ["FdWatch", "LoopHandle", "call_on", "current", "run_in_thread"]
 
 log = logs.get_logger("aioublk.queue.crossloop")
 
@@ -45,6 +45,33 @@ def current() -> LoopHandle | None:
     return handle
 
 
+class FdWatch:
+    """``on_ready()`` on the ring's thread each time ``fd`` (an eventfd) is
+    readable: a multishot ``POLL_ADD`` through ``ring``, the one its thread
+    waits on in C, so the wake-up reaches a thread asleep there. Armed again
+    when the kernel ends the multishot (a CQ overflow), until the ring
+    closes; ``lost`` says in the log what waits longer if it fails."""
+
+    def __init__(self, ring: Ring, fd: int, on_ready: Callable[[], None], lost: str) -> None:
+        self.ring, self.fd, self.on_ready, self.lost = ring, fd, on_ready, lost
+        self._arm()
+
+    def _arm(self) -> None:
+        self.ring.prep(lib.IORING_OP_POLL_ADD, self.fd, op_flags=select.POLLIN,
+                       length=lib.IORING_POLL_ADD_MULTI, handler=self._on_cqe)
+
+    def _on_cqe(self, res: int, flags: int) -> None:
+        if res >= 0:
+            self.on_ready()
+        if flags & lib.IORING_CQE_F_MORE or self.ring.closed:
+            return
+        if res < 0:  # (-ECANCELED: the ring closes)
+            if res != -errno.ECANCELED:
+                log.warning("an eventfd poll failed: " + self.lost, error=os.strerror(-res))
+            return
+        self._arm()
+
+
 class LoopHandle:
     """``loop``, callable from any thread; ``kick_fd`` (an eventfd, which the
     handle owns and closes) wakes its thread when it waits in C. Made on the
@@ -57,7 +84,6 @@ class LoopHandle:
         self.kicks = 0
         self._thread = threading.get_ident()
         self._lock = threading.Lock()  # a kick never writes a closed (reused) fd
-        self._ring: Ring | None = None
 
     @classmethod
     def new(cls, loop: asyncio.AbstractEventLoop) -> LoopHandle:
@@ -86,9 +112,8 @@ class LoopHandle:
     def watch(self, ring: Ring) -> None:
         """Poll the kick fd through ``ring`` (the one its thread waits on in C),
         until the ring closes."""
-        self._ring = ring
-        ring.prep(lib.IORING_OP_POLL_ADD, self.kick_fd, op_flags=select.POLLIN,
-                  length=lib.IORING_POLL_ADD_MULTI, handler=self._on_kick)
+        FdWatch(ring, self.kick_fd, self.read_kicks,
+                "cross-thread calls wait for the loop's next turn")
 
     def read_kicks(self) -> None:
         """Take the kicks the fd holds (on the loop's thread): what watches
@@ -97,20 +122,6 @@ class LoopHandle:
             self.kicks += os.eventfd_read(self.kick_fd)
         except BlockingIOError:  # an earlier completion of the poll read them
             pass
-
-    def _on_kick(self, res: int, flags: int) -> None:
-        ring = self._ring
-        if res >= 0:
-            self.read_kicks()
-        if flags & lib.IORING_CQE_F_MORE or ring is None or ring.closed:
-            return
-        if res < 0:  # (-ECANCELED: the ring closes)
-            if res != -errno.ECANCELED:
-                log.warning("the kick poll failed: cross-thread calls wait for the "
-                            "loop's next turn", error=os.strerror(-res))
-            self._ring = None
-            return
-        self.watch(ring)  # a multishot poll may end (CQ overflow): armed again
 
     def close(self) -> None:
         """Close the kick fd; later ``call_soon`` raise RuntimeError."""
