@@ -115,6 +115,17 @@ class Refcounts(ImageBase):
                 self._bump(b, x, delta)
             c = stop
 
+    async def _claim(self, run: range) -> None:
+        """Count free clusters ``run`` as taken (refcount 1), under
+        ``alloc_lock``. The run is claimed before it is counted: a refcount
+        block or a grown table made on the way must land elsewhere."""
+        self.used_end = max(self.used_end, run.stop << self.cbits)
+        self._reserving.update(run)
+        try:
+            await self._add_ref_run(run, 1)
+        finally:
+            self._reserving.difference_update(run)
+
     async def _grow_reftable(self, need: int) -> None:
         """Move the refcount table to a bigger place at the end of the file. The
         header switches to it in write-back; the old one is freed after."""
@@ -138,12 +149,7 @@ class Refcounts(ImageBase):
         grown.extend(array("Q", bytes(8 * (entries - len(grown)))))
         self.reftable = grown
         run = range(start, start + clusters)
-        self._reserving.update(run)
-        self.used_end = max(self.used_end, run.stop << self.cbits)
-        try:
-            await self._add_ref_run(run, 1)
-        finally:
-            self._reserving.difference_update(run)
+        await self._claim(run)
         for c in run:
             self.meta[c] = REFTABLE
         self.reftable_offset = start << self.cbits
@@ -186,14 +192,7 @@ class Refcounts(ImageBase):
             if self._pub_host:
                 await self._claim_unpublished(run)
             fresh = start << self.cbits >= self.used_end
-            # claim the run before counting it: a refcount block or a grown table
-            # made on the way must land elsewhere
-            self.used_end = max(self.used_end, run.stop << self.cbits)
-            self._reserving.update(run)
-            try:
-                await self._add_ref_run(run, 1)
-            finally:
-                self._reserving.difference_update(run)
+            await self._claim(run)
             self._free_hint = run.stop if hole < 0 else hole
             if meta is not None:
                 for c in run:
