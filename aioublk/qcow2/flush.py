@@ -7,10 +7,10 @@ from __future__ import annotations
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2 import writeback as wbplan
 from aioublk.qcow2.base import _eio
-from aioublk.qcow2.refcounts import Refcounts
+from aioublk.qcow2.pools import Pools
 
 
-class WriteBack(Refcounts):
+class WriteBack(Pools):
     """Flush and write-back: the cut, the plan run, the frees."""
 
     async def flush(self) -> None:
@@ -47,6 +47,9 @@ class WriteBack(Refcounts):
                        "check the image") from None
 
     async def _writeback_locked(self) -> None:
+        # every C write that completed before the FLUSH was sent recorded its
+        # allocation before it was answered: in the cut with everything else
+        self._drain_c()
         seq = self._meta_seq
         if not self._dirty() and not self._frees:
             await self._sync()
@@ -149,6 +152,7 @@ class WriteBack(Refcounts):
         """Flush (if writable) and close the image and its backing chain."""
         try:
             if not self.read_only and self.file.fd >= 0 and not self.corrupt:
+                await self._take_pools_back()
                 await self.writeback()
                 if self._frees:
                     await self.writeback()

@@ -62,15 +62,21 @@ without any I/O.
   metadata that made its cluster, so the data plane gets reads only). As
   ZERO (reads as zeros, a write misses and comes here to allocate): the
   ZERO flag, with a host cluster or not, or an unallocated cluster with no
-  backing file or wholly past the backing file's end. Never a compressed or
+  backing file or wholly past the backing file's end. As ALLOC instead of
+  ZERO, where a queue's data plane may allocate (no host cluster kept for
+  it, the table COPIED, the image writable, no metadata write-through, a
+  pool attached): a write takes a counted cluster from the plane's pool and
+  C records it; the rules and the drain points are ``aioublk.qcow2.pools``'.
+  Never a compressed or
   backing-file cluster, one past the disk's end, or one being changed
   (``_busy``); nothing when the image is corrupt, or when its L1 table names
   one L2 table twice. ``pub`` of a cached table says what each entry is
   published as, and ``_pub_host`` which host cluster a MAP entry serves.
 - The invariant: before Python changes where a cluster's data lives, or
-  gives a ZERO cluster data, it takes the cluster's extent back and waits
-  until no request the data plane started on it is in flight
-  (``ExtentTable.unmap``, which treats both kinds alike). A request C
+  gives a ZERO or ALLOC cluster data, it takes the cluster's extent back
+  and waits until no request the data plane started on it is in flight
+  (``ExtentTable.unmap``, which treats every kind alike), then applies
+  what C allocated meanwhile (``_settle_c``). A request C
   started therefore sees a mapping that stays valid until it completes.
   Every L2 entry changes in one place, ``_remap``, called with the clusters
   held in ``_busy`` (so nobody publishes them again meanwhile) and followed
@@ -94,9 +100,9 @@ without any I/O.
   shared (refcounts rise only on allocation of free clusters).
 
 Where the code lives (each layer calls only those before it):
-``base`` (state, locks, guards) -> ``refcounts`` -> ``flush`` (runs the
-write-back plan) -> ``l2cache`` -> ``reads`` -> ``writes`` -> this module
-(``open`` and the parsing of the image's tables).
+``base`` (state, locks, guards) -> ``refcounts`` -> ``pools`` (allocation
+in C) -> ``flush`` (runs the write-back plan) -> ``l2cache`` -> ``reads`` ->
+``writes`` -> this module (``open`` and the parsing of the image's tables).
 """
 
 from __future__ import annotations
@@ -305,6 +311,7 @@ class Qcow2Image(Writes):
         self._wb_lock: asyncio.Lock | None = None
         self._reserving: set[int] = set()
         self._pub_host: dict[int, int] = {}
+        self._pools_init()
         self._free_hint = 0
         self._frees: list[tuple[int, int]] = []  # (generation, host cluster)
         self.gen = 0

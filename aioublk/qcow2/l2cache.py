@@ -22,7 +22,7 @@ from aioublk.qcow2.base import L2Table, log
 from aioublk.qcow2.flush import WriteBack
 from aioublk.qcow2.format import COPIED, OFFSET_MASK
 from aioublk.qcow2.writeback import KIND_NAMES, L2
-from aioublk.queue.extents import ExtentConflict, ExtentTable
+from aioublk.queue.extents import ALLOC, ExtentConflict, ExtentTable
 
 
 class L2Cache(WriteBack):
@@ -83,6 +83,12 @@ class L2Cache(WriteBack):
     async def _make_room(self) -> None:
         while len(self.l2cache) >= self.l2_capacity:
             for off, t in self.l2cache.items():
+                if not t.dirty and ALLOC in t.pub:
+                    # C may be allocating in it: a record must never name a
+                    # table gone from the cache. Take it back, apply what C
+                    # did (the table may be dirty now), and look again
+                    await self._take_back(t)
+                    break
                 if not t.dirty:
                     del self.l2cache[off]
                     self._forget(t)
@@ -162,6 +168,14 @@ class L2Cache(WriteBack):
             t.pub[:] = bytes(len(t.pub))
             self._publish_table(t)
 
+    async def _take_back(self, t: L2Table) -> None:
+        """Unpublish all of ``t`` (cached), waiting for what C holds of it."""
+        assert self.extents is not None
+        span = self.l2_bits + self.cbits
+        await self.extents.unmap(t.l1i << span, 1 << span)
+        self._drain_c()
+        t.pub[:] = bytes(len(t.pub))
+
     def _publish_table(self, t: L2Table) -> None:
         """Publish every entry of ``t``, just cached, if L1 names it."""
         if self._publishing and self.l1[t.l1i] & OFFSET_MASK == t.offset:
@@ -200,6 +214,11 @@ class L2Cache(WriteBack):
           flag (with a host cluster or not), or unallocated with no backing
           file or wholly past the backing file's end. Reads are then C's, and
           a write misses, to be allocated here;
+        - as ALLOC, what would be ZERO without a host cluster, where C may
+          allocate (``aioublk.qcow2.pools``: ``c_allocating``, and the table
+          private to the active layer, COPIED in L1, so that a record never
+          needs the table copied): reads are zeros, a write takes a cluster
+          from the queue's pool;
         - never a compressed cluster, one that shows the backing file, one
           past the disk's end, nor one being changed (``_busy``): its changer
           has taken it back or is about to, and publishes it after."""
@@ -221,6 +240,7 @@ class L2Cache(WriteBack):
                 self.file.fd, vc0 << cbits, memoryview(t.entries)[i:i + n],
                 memoryview(t.pub)[i:i + n], used_end=self.used_end, size=self.size,
                 writable_ok=not self.read_only and not self.metadata_write_through,
+                alloc_ok=self.c_allocating and bool(self.l1[t.l1i] & COPIED),
                 backing_end=self.backing.size if self.backing is not None else 0,
                 meta=meta, skip=skip)
         except ExtentConflict:

@@ -66,6 +66,11 @@ class Writes(Reads):
             while (f := self._busy.get(vc)) is not None:
                 await asyncio.shield(f)
             self._busy[vc] = loop.create_future()
+        try:
+            await self._settle_c(vcs)
+        except BaseException:
+            self._unlock(vcs)
+            raise
 
     def _unlock(self, vcs: range) -> None:
         for vc in vcs:

@@ -20,6 +20,7 @@ owner waits for all of them before its final write-back and close.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2.format import HEADER_BYTES, virtual_size
 from aioublk.queue import crossloop
 from aioublk.queue.dataplane import Extents, Map
+from aioublk.ring import current_ring
 from aioublk.target import Done, Geometry, QueueContext, Target
 
 log = logs.get_logger("aioublk.qcow2")
@@ -58,7 +60,13 @@ class Qcow2Target(Target):
             write_zeroes=not read_only, io_opt=max(cs, 4096))
         self._closed = False
         # made here, before any worker runs: every worker's map() shares it
-        self.image.extent_table()
+        table = self.image.extent_table()
+        # C asks for the engine through this (its pools at half, its records
+        # to apply), and each worker's map() after attaching a pool
+        self._notify = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._table = table
+        if table is not None:
+            table.set_notify(self._notify)
         self._owner: crossloop.LoopHandle | None = None  # worker 0's loop: the engine's
         self._lock = threading.Lock()
         self._workers = 0   # queue_setup calls, on every worker
@@ -78,13 +86,28 @@ class Qcow2Target(Target):
         if q.worker == 0:
             self._owner = crossloop.current()
             self._others = asyncio.Event()
+            crossloop.FdWatch(current_ring(), self._notify, self._service,
+                              "allocating writes wait for Python")
+
+    def _service(self) -> None:  # on the owner's loop
+        try:
+            os.eventfd_read(self._notify)
+        except BlockingIOError:  # (an earlier completion took it)
+            pass
+        if not self._closed and self._notify >= 0:
+            self.image.service()
 
     def map(self) -> Map | None:
         """The image's extent table, shared by every queue: the clusters it
         has published, served in C (see ``aioublk.qcow2.image``, "The data
         plane")."""
         table = self.image.extent_table()  # (made already: this only reads, on any thread)
-        return None if table is None else Extents(table)
+        if table is None:
+            return None
+        slot = self.image.attach_pool()  # (C's, under the table's mutex)
+        if slot >= 0:
+            os.eventfd_write(self._notify, 1)  # the owner fills it
+        return Extents(table, slot=slot if slot >= 0 else None)
 
     def _away(self) -> crossloop.LoopHandle | None:
         """This thread's handle when it is not the engine's owner, else None
@@ -160,6 +183,11 @@ class Qcow2Target(Target):
             self._others.set()
 
     def close(self) -> None:
+        if self._notify >= 0:  # (C must not write it once closed: the number is reused)
+            if self._table is not None:
+                self._table.set_notify(-1)
+            os.close(self._notify)
+            self._notify = -1
         if not self._closed:  # never served: nothing cached, just the files
             self._closed = True
             self.image.release()

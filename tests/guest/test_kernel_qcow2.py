@@ -593,6 +593,61 @@ def test_data_plane_under_mapping_churn(args: list[str], tmp_path: Path) -> None
     assert_same(img, dump)
 
 
+def served(dev_id: int, since: float) -> dict[str, int]:
+    """The device's counters summed over its queues, from a publication made
+    after ``since`` (the server publishes every second): what C served,
+    what it handed to Python, what it allocated."""
+    deadline = time.monotonic() + 60
+    while True:
+        p = kernel.cli("list", "-n", str(dev_id), "--stats", "--json")
+        dev = json.loads(p.stdout)[0]
+        if dev["stats"] and dev["stats_time"] > since:
+            return {k: sum(int(r.get(k, 0)) for r in dev["stats"])
+                    for k in ("c_served", "py_handed", "c_alloc")}
+        assert time.monotonic() < deadline, "no stats published after the run"
+        time.sleep(0.2)  # (polls the condition: the next publication)
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after}
+
+
+SHARE_SHAPES = [["-b", "-q", "1"], ["--no-batch", "-q", "2"], ["-b", "-q", "4", "-u"],
+                ["--no-batch", "-q", "4"], ["-b", "-q", "2", "-u"]]
+
+
+@pytest.mark.parametrize("args", SHARE_SHAPES, ids=" ".join)
+def test_c_serves_all_but_the_first_touch(args: list[str], tmp_path: Path) -> None:
+    """On an empty image, once its one L2 table is cached (a first read):
+    allocating writes, reads and in-place writes are served by C, and at
+    most 1% of requests reach Python, on every queue count and path. With
+    C switched off (or C allocation), the first phase alone would send
+    every first write of a cluster to Python."""
+    img = create(tmp_path / "disk.qcow2", 256 * MiB)
+    dev = add("-t", "qcow2", str(img), *args)
+    blk = f"/dev/ublkb{dev.dev_id}"
+    cross = cross_queue_args(dev)
+    jobs = ["--numjobs=2", f"--size={32 * MiB}", f"--offset_increment={32 * MiB}", *cross]
+    try:
+        read_device(blk, 0, 4096)  # the first touch: the table is loaded, published whole
+        s0 = served(dev.dev_id, time.time())
+        # every 4 KiB block once: 1024 clusters allocated, 16 writes each
+        fio_jobs(blk, tmp_path, "--rw=randwrite", "--bs=4k", "--iodepth=16", *jobs)
+        s1 = served(dev.dev_id, time.time())
+        fio_jobs(blk, tmp_path, "--rw=randrw", "--bs=4k", "--iodepth=16",
+                 "--number_ios=4000", *jobs)
+        s2 = served(dev.dev_id, time.time())
+    finally:
+        delete(dev.dev_id)
+    alloc, rest = delta(s0, s1), delta(s1, s2)
+    for what, d in (("allocating writes", alloc), ("reads and in-place writes", rest)):
+        total = d["c_served"] + d["py_handed"]
+        assert total >= 4000, f"{what}: only {total} requests counted: {d}"
+        assert d["py_handed"] <= total // 100, f"{what}: Python served {d} (over 1%)"
+    assert alloc["c_alloc"] >= 1024, f"C allocated only {alloc['c_alloc']} clusters"
+    assert_clean(img)
+
+
 # ------------------------------------------------------------- kill -9 test --
 
 KILL_RUNS = 20

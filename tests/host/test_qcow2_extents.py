@@ -27,7 +27,7 @@ import pytest
 
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2.format import COPIED, OFFSET_MASK, ZERO
-from aioublk.queue.extents import ZERO_FD, ExtentTable
+from aioublk.queue.extents import DONE, FAILED, UNUSED, ZERO_FD, ExtentTable
 from aioublk.ring import Ring
 from tests.host.test_qcow2_writes import (
     Op,
@@ -460,25 +460,43 @@ class DataPlaneStandIn:
     """The image as the device sees it with the data plane on: a read or
     write the table covers goes straight to the image file (holding the
     extents across awaits, so changes interleave with it); a miss, or an I/O
-    that fails, goes to the image (from the start), as C hands it to Python."""
+    that fails, goes to the image (from the start), as C hands it to Python.
 
-    def __init__(self, img: Qcow2Image, rng: random.Random) -> None:
+    With ``c_alloc`` it attaches a pool as a queue's data plane does, and a
+    write to an ALLOC granule takes a cluster from it: one in 50 such writes
+    then "fails" after writing (FAILED: Python serves it anew) and one in 50
+    never starts (UNUSED); the pool is refilled as C's notification would
+    have the engine do."""
+
+    def __init__(self, img: Qcow2Image, rng: random.Random, *, c_alloc: bool = False) -> None:
         self.img = img
         self.rng = rng
         table = img.extent_table()
         assert table is not None
         self.table = table
+        self.slot = img.attach_pool() if c_alloc else None
+        assert self.slot is None or self.slot >= 0
         self.served = 0
         self.zeros = 0  # reads that had a run of ZERO granules
+        self.allocated = 0  # writes that allocated and were answered by "C"
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.img, name)
 
     async def _direct(self, off: int, view: memoryview, write: bool) -> bool:
-        held = self.table.acquire(off, len(view), write=write)
+        if self.slot is not None:
+            self.img.service()  # (C notifies at half: here, at every request)
+        held = self.table.acquire(off, len(view), write=write, slot=self.slot)
         if held is None:
             return False
         pieces, handle = held
+        outcome = DONE
+        allocating = write and handle.allocates
+        if allocating:
+            outcome = self.rng.choices((DONE, FAILED, UNUSED), (48, 1, 1))[0]
+            if outcome == UNUSED:
+                self.table.release(handle, UNUSED)
+                return False
         try:
             await asyncio.sleep(self.rng.choice((0, 0, 0.0005, 0.002)))
             pos = 0
@@ -497,8 +515,11 @@ class DataPlaneStandIn:
                 pos += n
                 await asyncio.sleep(0)
         finally:
-            self.table.release(handle)
+            self.table.release(handle, outcome)
+        if outcome == FAILED:
+            return False
         self.served += 1
+        self.allocated += allocating
         return True
 
     async def read(self, offset: int, buf: Any) -> None:
@@ -528,6 +549,37 @@ async def test_random_io_with_the_data_plane(cluster: int, tmp_path: Path,
     finally:
         await img.close()
     await verify(case, f"c{cluster} through the data plane")
+
+
+@pytest.mark.parametrize("cluster", [4 * K, 64 * K])
+@pytest.mark.parametrize("planes", [1, 2])
+async def test_random_io_with_c_allocation(cluster: int, planes: int, tmp_path: Path,
+                                           ring: Ring) -> None:
+    """As above with allocation in C, from one pool or two (two queues'
+    data planes): writes to unallocated clusters take pool clusters, the
+    engine applies their records, frees the failed ones, and takes the
+    pools back at close: QEMU finds the image equal to the mirror, without
+    a leak."""
+    size = 8 * M
+    path = create(tmp_path / "img.qcow2", size, cluster_size=cluster)
+    case = new_case(path, tmp_path / "mirror.raw")
+    rng = random.Random(f"c-alloc-{cluster}-{planes}")
+    spots = hot_spots(size, cluster)
+    img = Qcow2Image.open(str(path), direct=False)
+    try:
+        dps = [DataPlaneStandIn(img, rng, c_alloc=True) for _ in range(planes)]
+
+        class Queues:  # each request on one plane, as the kernel spreads them
+            def __getattr__(self, name: str) -> Any:
+                return getattr(rng.choice(dps), name)
+
+        for _ in range(3):
+            await random_io(case, Queues(), rng, batches=8, per_batch=24, spots=spots)
+            await read_matches_mirror(case, Queues(), f"c{cluster} x{planes}")
+        assert sum(dp.allocated for dp in dps) > 20, "C allocated (almost) nothing"
+    finally:
+        await img.close()
+    await verify(case, f"c{cluster} with C allocation on {planes} planes")
 
 
 async def test_run_op_reads_through_the_stand_in(tmp_path: Path, ring: Ring) -> None:

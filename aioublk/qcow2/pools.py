@@ -1,0 +1,182 @@
+"""Allocation in C: pools of clusters the engine counted, and the records of
+what C did with them.
+
+A guest's first write to a cluster is an allocation, and in Python that is
+a task, a dozen coroutine frames and a Python SQE per request. So an
+unallocated cluster of a cached, private L2 table (no backing data under
+it, the image writable, no metadata write-through) is published as ALLOC
+(``aioublk.queue.extents``): the data plane serves a write to it by taking a
+cluster from its queue's pool, writing the data there, and recording
+``(guest cluster, host cluster)``. Python still decides everything else:
+which clusters enter a pool, when, and where each record goes.
+
+The rules that keep the promises of ``aioublk.qcow2.image``:
+- a pool holds only clusters that are free, counted (refcount 1 in memory,
+  their refcount block dirty) and read as zeros: fresh ones past the end of
+  the file. C writes part of one and the rest must read as zeros;
+- C pushes a record after the data write completed and before it answers
+  the request (``aur_dp``: the record, then the commit). So a request that
+  follows a completed C write finds its record, and the engine applies
+  records (``_drain_c``: the L2 entry points at the cluster, the table
+  dirty) before anything depends on them: at the entry of every request it
+  serves, after taking back clusters it is about to change (``_lock``),
+  before a write-back's cut (a FLUSH covers every C write that completed
+  before the guest sent it), before evicting a table C may allocate in, and
+  at close;
+- a crash leaks at worst: the L2 entry is written only by a write-back,
+  whose plan puts the data's and the refcounts' barrier before the L2
+  tables; a cluster counted and never referenced is a leak
+  (``qemu-img check`` exit 3), which is also what a pool holds at a crash
+  (at most ``POOL_BYTES`` per queue). A clean close takes the pools back and
+  uncounts them;
+- a failed C write is served again by Python, and its cluster (never
+  referenced) is freed like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aioublk.qcow2.base import log
+from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK
+from aioublk.qcow2.refcounts import Refcounts
+from aioublk.queue.extents import ALLOC, MAP
+
+#: what one queue's pool may hold: the most a crash can leak per queue
+POOL_BYTES = 8 << 20
+#: records C may hold for the engine before an allocating write misses
+LOG_RECORDS = 4096
+
+
+class Pools(Refcounts):
+    """The pools of the queues' data planes, and the records of their use."""
+
+    #: allocation in C may be used (a switch for tests and bisection)
+    c_alloc = True
+
+    def _pools_init(self) -> None:
+        self._slots: list[int] = []   # attached pools (appended from any thread)
+        self._pooled: set[int] = set()  # host clusters in a pool, counted, unreferenced
+        self._filling: asyncio.Task[None] | None = None
+        cap = POOL_BYTES >> self.cbits
+        self.pool_cap = min(1024, max(16, cap))
+
+    @property
+    def c_allocating(self) -> bool:
+        """Whether C may allocate now: what publishing ALLOC asks first."""
+        return bool(self._slots) and not self.read_only and not self.corrupt \
+            and not self.metadata_write_through and not self.file.is_block
+
+    def attach_pool(self) -> int:
+        """A pool for one more data plane (any thread: ``ExtentTable.attach``
+        is C's, under its mutex); it is filled by the next ``service``."""
+        table = self.extents
+        if table is None or not self.c_alloc or self.read_only or self.file.is_block \
+                or self.metadata_write_through:
+            return -1
+        if not self._slots:
+            table.set_alloc(self.file.fd, self.pool_cap, LOG_RECORDS)
+        slot = table.attach()
+        self._slots.append(slot)
+        return slot
+
+    def _drain_c(self) -> None:
+        """Apply what C allocated: each ``ok`` record points its L2 entry at
+        its cluster (the table dirty, to be written by the next write-back);
+        a failed one frees its cluster."""
+        table = self.extents
+        if table is None or not self._slots:
+            return
+        for r in table.drain():
+            c = r.host_off >> self.cbits
+            self._pooled.discard(c)
+            if not r.ok:
+                self._defer_free(c)
+                continue
+            vc = r.gran
+            off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
+            t = self.l2cache.get(off) if off else None
+            i = vc & self.l2_mask
+            if t is None or t.entries[i] & (OFFSET_MASK | COMPRESSED):
+                # C allocated where the engine did not let it: the cluster is
+                # counted and holds acknowledged data nobody points at
+                log.error("qcow2: a C allocation for an entry that changed or left the "
+                          "cache; the cluster is leaked", image=self.path, cluster=vc,
+                          host=r.host_off)
+                continue
+            t.entries[i] = r.host_off | COPIED
+            t.pub[i] = MAP
+            self._pub_host[c] = vc
+            t.touch()
+            self._meta_seq += 1
+
+    def service(self) -> None:
+        """C asked for the engine (a pool at half, the record log at half) or
+        a pool was attached: apply the records, refill the pools, in one task
+        at a time (on the engine's loop)."""
+        self._drain_c()
+        if self._filling is None and self.c_allocating:
+            self._filling = asyncio.get_running_loop().create_task(self._fill())
+
+    async def _fill(self) -> None:
+        try:
+            table = self.extents
+            for slot in list(self._slots):
+                if table is None or not self.c_allocating:
+                    return
+                level = table.pool_level(slot)
+                if level * 2 > self.pool_cap:
+                    continue
+                run = await self._pool_run(self.pool_cap - level)
+                added = table.pool_add(slot, [c << self.cbits for c in run])
+                self._pooled.update(run[:added])
+                if added < len(run):  # (C took fewer: never referenced, uncount)
+                    async with self.alloc_lock:
+                        await self._add_ref_run(run[added:], -1)
+        except Exception as e:  # noqa: BLE001 - C allocation waits; Python allocates
+            log.error("qcow2: refilling the data plane's pools failed", image=self.path,
+                      error=str(e))
+        finally:
+            self._filling = None
+
+    async def _pool_run(self, n: int) -> range:
+        """``n`` fresh clusters past the end of the file, counted."""
+        async with self.alloc_lock:
+            start = self._clear_past_end(
+                max(self._end_cluster(), max(self._reserving, default=-1) + 1), n)
+            run = range(start, start + n)
+            await self._claim(run)
+            return run
+
+    async def _take_pools_back(self) -> None:
+        """At close, after every data plane stopped: apply the last records,
+        then uncount what the pools still hold (never referenced)."""
+        table = self.extents
+        if table is None or not self._slots:
+            return
+        if self._filling is not None:
+            await asyncio.shield(self._filling)
+        self._drain_c()
+        back = sorted(h >> self.cbits for slot in self._slots for h in table.pool_take(slot))
+        self._pooled.difference_update(back)
+        async with self.alloc_lock:
+            for c in back:
+                await self._add_ref(c, -1)
+
+    async def _settle_c(self, vcs: range) -> None:
+        """Before the engine reads the entries of ``vcs`` (held in ``_busy``) to
+        change them: take back those C may allocate, wait for an allocating
+        write in flight, and apply its record."""
+        table = self.extents
+        if table is None or not self._slots:
+            return
+        off = self.l1[vcs.start >> self.l2_bits] & OFFSET_MASK
+        t = self.l2cache.get(off) if off else None
+        if t is None:
+            return
+        m = self.l2_mask
+        if any(t.pub[vc & m] == ALLOC for vc in vcs):
+            await table.unmap(vcs.start << self.cbits, len(vcs) << self.cbits)
+            self._drain_c()
+            for vc in vcs:  # (unmapped: whatever the records said, nothing is published)
+                t.pub[vc & m] = 0
