@@ -36,6 +36,7 @@ The table itself is C (``aioublk/csrc/extents.c``, thread-safe, memory bounded b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -129,6 +130,8 @@ class ExtentTable:
         self.granule = granule
         self.max_entries = max_entries
         self._recs = ffi.new("struct aur_ext_rec[]", 256)  # (drain's, reused)
+        self._notified = False  # a notify fd is set: unmap waits for notified()
+        self._waiters: list[asyncio.Future[None]] = []
 
     @property
     def cdata(self) -> Any:
@@ -254,11 +257,28 @@ class ExtentTable:
             while self.busy(dev_off, length):
                 if spins < 4:
                     spins += 1      # a request finishing this loop turn is the usual case
+                    await asyncio.sleep(0)
+                elif self._notified:
+                    # woken by the release (the loop's thread may sleep in C
+                    # meanwhile, where no timer of ours would fire); the
+                    # timeout only guards against a lost notification
+                    f = asyncio.get_running_loop().create_future()
+                    self._waiters.append(f)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(f, 0.05)
                 else:
                     delay = min(0.001, delay * 2 or 0.00005)
-                await asyncio.sleep(delay)
+                    await asyncio.sleep(delay)
         finally:
             lib.aur_ext_wait_end(self.cdata)
+
+    def notified(self) -> None:
+        """The target heard the notify fd (on the loop that unmaps): wake the
+        unmaps waiting for a release."""
+        waiters, self._waiters = self._waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
 
     def acquire(self, dev_off: int, length: int, *, write: bool,
                 slot: int | None = None) -> tuple[list[Piece], Handle] | None:
@@ -366,8 +386,10 @@ class ExtentTable:
         """An eventfd C adds 1 to when the target has work: a pool dropped to
         half (once until its next pool_add), the log reached half full, or a
         held entry an :meth:`unmap` waits for was let go. -1: none. The
-        target keeps the fd open while the table lives."""
+        target keeps the fd open while the table lives, and calls
+        :meth:`notified` when it hears it."""
         lib.aur_ext_set_notify(self.cdata, efd)
+        self._notified = efd >= 0
 
     def stats(self) -> dict[str, int]:
         """Lock operations and how many were contended (waited for another

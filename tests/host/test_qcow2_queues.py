@@ -228,7 +228,12 @@ def test_owner_closes_the_image_after_the_others_drain(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_unmap_waits_for_a_holder_on_another_thread(tmp_path: Path, ring: Ring) -> None:
+@pytest.mark.parametrize("notified", [False, True])
+async def test_unmap_waits_for_a_holder_on_another_thread(notified: bool, tmp_path: Path,
+                                                          ring: Ring) -> None:
+    """Polling, or woken by the release's notification (what lets the
+    engine's loop idle in C while it waits)."""
+    heard: list[int] = []
     path, _mirror = image(tmp_path)
     target = Qcow2Target(str(path))
     try:
@@ -249,6 +254,11 @@ async def test_unmap_waits_for_a_holder_on_another_thread(tmp_path: Path, ring: 
         t = threading.Thread(target=plane)
         t.start()
         assert await asyncio.to_thread(held.wait, 60)
+        if notified:  # the target's way: C's release notifies, the loop hears it
+            efd = os.eventfd(0, os.EFD_NONBLOCK)
+            table.set_notify(efd)
+            asyncio.get_running_loop().add_reader(
+                efd, lambda: (os.eventfd_read(efd), table.notified(), heard.append(1)))
         unmap = asyncio.ensure_future(table.unmap(0, CS))
         for _ in range(20):  # it keeps waiting while the holder holds
             await asyncio.sleep(0)
@@ -257,5 +267,10 @@ async def test_unmap_waits_for_a_holder_on_another_thread(tmp_path: Path, ring: 
         await asyncio.wait_for(unmap, 60)
         t.join()
         assert table.lookup(0, CS, write=False) is None
+        assert heard or not notified, "the release did not notify"
     finally:
+        if notified:
+            asyncio.get_running_loop().remove_reader(efd)
+            table.set_notify(-1)
+            os.close(efd)
         await target.drain()
