@@ -46,6 +46,10 @@ OTHERS_SECONDS = 15.0
 
 class Qcow2Target(Target):
     name = "qcow2"
+    # everything a worker's loop waits for arrives through its ring or a kick:
+    # hand-offs (call_on), executor results (run_in_thread), C's notifications
+    # (pools, and the releases an unmap waits for)
+    c_idle = True
 
     def __init__(self, path: str, *, read_only: bool = False,
                  cache_bytes: int | None = None, direct: bool = True,
@@ -94,6 +98,8 @@ class Qcow2Target(Target):
             os.eventfd_read(self._notify)
         except BlockingIOError:  # (an earlier completion took it)
             pass
+        if self._table is not None:
+            self._table.notified()  # an unmap waiting for a release
         if not self._closed and self._notify >= 0:
             self.image.service()
 
