@@ -36,6 +36,7 @@ The rules that keep the promises of ``aioublk.qcow2.image``:
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from aioublk.qcow2.base import log
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK
@@ -56,6 +57,7 @@ class Pools(Refcounts):
 
     def _pools_init(self) -> None:
         self._slots: list[int] = []   # attached pools (appended from any thread)
+        self._attaching = threading.Lock()  # (every queue's map() attaches at once)
         self._pooled: set[int] = set()  # host clusters in a pool, counted, unreferenced
         self._filling: asyncio.Task[None] | None = None
         cap = POOL_BYTES >> self.cbits
@@ -74,10 +76,11 @@ class Pools(Refcounts):
         if table is None or not self.c_alloc or self.read_only or self.file.is_block \
                 or self.metadata_write_through:
             return -1
-        if not self._slots:
-            table.set_alloc(self.file.fd, self.pool_cap, LOG_RECORDS)
-        slot = table.attach()
-        self._slots.append(slot)
+        with self._attaching:
+            if not self._slots:
+                table.set_alloc(self.file.fd, self.pool_cap, LOG_RECORDS)
+            slot = table.attach()
+            self._slots.append(slot)
         return slot
 
     def _drain_c(self) -> None:

@@ -21,6 +21,7 @@ import random
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvloop
@@ -48,6 +49,7 @@ class Workers:
         self.n = n
         self.errors: list[BaseException] = []
         self.threads: dict[int, int] = {}  # worker -> thread id
+        self.maps: dict[int, Any] = {}  # worker -> its data plane's map
         self._set_up = [threading.Event() for _ in range(n)]
         self._go = threading.Event()
 
@@ -90,6 +92,8 @@ class Workers:
             await setup_queue(self.target, q)
             self._set_up[index].set()
             await asyncio.to_thread(self._go.wait)
+            # every worker's driver asks for the map at once, attaching a pool
+            self.maps[index] = self.target.map()
             try:
                 await work(self.target, index)
             finally:
@@ -154,11 +158,14 @@ def test_two_workers_random_io_match_a_mirror(tmp_path: Path) -> None:
         for _ in range(300):
             await op()
 
+    workers = Workers(target, 2)
     try:
-        Workers(target, 2).run(work)
+        workers.run(work)
     finally:
         os.close(mfd)
         target.close()
+    slots = {m.slot for m in workers.maps.values()}
+    assert len(slots) == 2 and None not in slots, f"each worker attaches a pool: {slots}"
     check_clean(path)
     compare_identical(path, mirror)
 
