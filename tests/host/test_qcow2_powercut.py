@@ -15,9 +15,14 @@ last completed flush made durable (the sectors no later request touched).
 
 Workloads: allocation, copy-on-write over a backing file, copy-on-write
 over an internal snapshot (``qemu-img snapshot -c``), refcount-table growth,
-discard and reuse of the freed clusters, and the metadata write-through
-mode. The checker is checked too: a write-back plan with a barrier dropped,
-or with refcount blocks and L2 tables swapped, must be caught.
+discard and reuse of the freed clusters, the metadata write-through mode,
+and allocation in C (``aioublk.qcow2.pools``): stand-ins for the queues'
+data planes write through the image's real extent table and pools, and
+record their writes themselves, since C's bypass the image file's layer.
+The checker is checked too: a write-back plan with a barrier dropped, or
+with refcount blocks and L2 tables swapped, pools refilled with clusters
+never counted, and a data plane that records an allocation (and answers)
+before its data is written, must be caught.
 """
 
 from __future__ import annotations
@@ -27,22 +32,27 @@ import concurrent.futures
 import os
 import random
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from aioublk.io.hostfile import HostFile
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2 import writeback as wbplan
+from aioublk.qcow2.pools import Pools
+from aioublk.queue.extents import DONE, FAILED, UNUSED, ZERO_FD, Handle
 from aioublk.ring import Ring
 from tests.support.qcow2_util import SECTOR, K, M, create, qemu_img, qemu_io, to_raw
 
 VARIANTS = 14  # crash images per cut point besides "nothing after" and "everything after"
+T = TypeVar("T")
 
 
 # -- the recording layer ------------------------------------------------------------------
@@ -70,10 +80,15 @@ class Recording:
     flushes: list[tuple[int, bytes]] = field(default_factory=list)  # (when, disk content)
     touched_after: list[bytearray] = field(default_factory=list)  # per flush: sector mask
     clock: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)  # (C stand-ins' threads tick)
+    c_allocated: int = 0  # clusters the C stand-ins allocated that became data
+    refused: str = ""  # the engine found its image corrupt and refused it (the workload stopped)
+    flushes_over_c: int = 0  # FLUSHes sent while a C stand-in held a write
 
     def tick(self) -> int:
-        self.clock += 1
-        return self.clock
+        with self.lock:
+            self.clock += 1
+            return self.clock
 
 
 def recording_file(rec: Recording) -> type[HostFile]:
@@ -103,55 +118,208 @@ def recording_file(rec: Recording) -> type[HostFile]:
 
 
 class Disk:
-    """The expected content of the virtual disk, and what touched which sector."""
+    """The expected content of the virtual disk (as of the requests completed),
+    and what touched which sector."""
 
     def __init__(self, content: bytes) -> None:
         self.content = bytearray(content)
         self.masks: list[bytearray] = []  # one per flush so far: sectors touched since
+        self.pending: dict[int, tuple[int, int]] = {}  # request in flight -> its sectors
+        self._seq = 0
 
-    def touch(self, off: int, data: bytes) -> None:
+    def issue(self, off: int, n: int) -> int:
+        """A request for [off, off + n) was sent: returns its key for ``touch``."""
+        self._seq += 1
+        self.pending[self._seq] = (off // SECTOR, -(-(off + n) // SECTOR))
+        return self._seq
+
+    def touch(self, off: int, data: bytes, req: int | None = None) -> None:
+        """Request ``req`` (from ``issue``) completed, having written ``data``."""
+        self.pending.pop(req or 0, None)
         self.content[off:off + len(data)] = data
         s, e = off // SECTOR, -(-(off + len(data)) // SECTOR)
         for m in self.masks:
             m[s:e] = b"\1" * (e - s)
 
+    def mask(self) -> bytearray:
+        """A new mask of the sectors touched from now on (a FLUSH was sent),
+        starting with those of the requests in flight: either may be durable."""
+        m = bytearray(len(self.content) // SECTOR)
+        for s, e in self.pending.values():
+            m[s:e] = b"\1" * (e - s)
+        self.masks.append(m)
+        return m
+
+
+class CStandIn:
+    """One queue's data plane allocating in C, over the image's real extent
+    table and a pool of its own: a write the table covers (in place, or to
+    ALLOC granules, which take clusters from the pool) is written here with
+    ``os.pwrite``, recorded as the image file's layer records the engine's
+    writes, and only then released ``DONE``, which pushes C's record; the
+    request completes after that, as C answers after its record. One
+    allocating write in 50 fails after writing (``FAILED``) and one in 50 is
+    given up before (``UNUSED``), both then served by the engine; a miss is
+    the engine's too. Each C step runs on a thread of its own (``threads``:
+    the table's mutex sees concurrent acquires) or on the loop after a short
+    random pause, so that the engine's work interleaves either way."""
+
+    #: the mutation the checker must catch: release (the record) and the
+    #: answer before the data of an allocating write is written, the data
+    #: landing only after the next FLUSH (the worst a data write may take)
+    record_before_data = False
+    #: the odds of DONE, FAILED and UNUSED for an allocating write
+    outcomes = (48, 1, 1)
+
+    def __init__(self, img: Qcow2Image, rec: Recording, seed: int, *, threads: bool) -> None:
+        table = img.extent_table()
+        assert table is not None
+        self.img, self.rec, self.table, self.threads = img, rec, table, threads
+        self.rng = random.Random(seed)
+        self.slot = img.attach_pool()
+        assert self.slot >= 0, "no pool: allocation in C is off"
+        self.fd = os.open(img.path, os.O_WRONLY)  # (buffered: the pieces are unaligned)
+        self.allocated = 0  # clusters C allocated that became data
+        self.held = 0  # writes acquired and not yet answered
+        self.late: list[asyncio.Task[None]] = []  # data written after the answer (mutation)
+        self.closing = False
+
+    async def _step(self, fn: Callable[[], T]) -> T:
+        if self.threads:
+            return await asyncio.to_thread(fn)
+        await asyncio.sleep(self.rng.choice((0, 0, 0.0002, 0.001)))
+        return fn()
+
+    def _pwrite(self, pieces: list[tuple[int, int, int]], data: bytes) -> None:
+        pos = 0
+        for fd, host, n in pieces:
+            assert fd != ZERO_FD, "a write resolved to zeros"
+            ev = WriteEv(host, data[pos:pos + n], self.rec.tick())
+            self.rec.writes.append(ev)
+            assert os.pwrite(self.fd, ev.data, host) == n
+            ev.complete = self.rec.tick()
+            pos += n
+
+    async def write(self, off: int, data: bytes) -> None:
+        self.img.service()  # (C notifies the engine at half a pool: here, at every request)
+        if not await self._c_write(off, data):
+            await self.img.write(off, data)
+
+    async def _c_write(self, off: int, data: bytes) -> bool:
+        held = await self._step(partial(self.table.acquire, off, len(data), write=True,
+                                        slot=self.slot))
+        if held is None:
+            return False
+        self.held += 1
+        try:
+            return await self._write_held(data, *held)
+        finally:
+            self.held -= 1
+
+    async def _write_held(self, data: bytes, pieces: list[tuple[int, int, int]],
+                          handle: Handle) -> bool:
+        outcome = DONE
+        if handle.allocates:
+            outcome = self.rng.choices((DONE, FAILED, UNUSED), self.outcomes)[0]
+            if outcome == UNUSED:
+                await self._step(partial(self.table.release, handle, UNUSED))
+                return False
+            if outcome == DONE and self.record_before_data:
+                self.allocated += await self._step(partial(self.table.release, handle, DONE))
+                self.late.append(asyncio.create_task(self._late(pieces, data)))
+                return True
+        await self._step(partial(self._pwrite, pieces, data))
+        self.allocated += await self._step(partial(self.table.release, handle, outcome))
+        return outcome == DONE
+
+    async def _late(self, pieces: list[tuple[int, int, int]], data: bytes) -> None:
+        flushes = len(self.rec.flushes)
+        while len(self.rec.flushes) == flushes and not self.closing:
+            await asyncio.sleep(0)
+        await self._step(partial(self._pwrite, pieces, data))
+
+    async def close(self) -> None:
+        self.closing = True
+        await asyncio.gather(*self.late)
+        os.close(self.fd)
+
 
 class Session:
-    """A workload's view: requests through the engine, mirrored into ``disk``."""
+    """A workload's view: requests through the engine, mirrored into ``disk``;
+    with ``planes`` (C stand-ins, one per queue) each write goes to one of
+    them, as the kernel spreads requests over queues."""
 
-    def __init__(self, img: Qcow2Image, rec: Recording, disk: Disk) -> None:
+    def __init__(self, img: Qcow2Image, rec: Recording, disk: Disk,
+                 planes: list[CStandIn] | None = None) -> None:
         self.img, self.rec, self.disk = img, rec, disk
+        self.planes = planes or []
 
-    async def batch(self, ops: list[tuple[str, int, int]], rng: random.Random) -> None:
-        """Non-overlapping (kind, offset, length) requests, all at once."""
-        calls: list[Awaitable[None]] = []
-        for kind, off, n in ops:
+    async def batch(self, ops: list[tuple[str, int, int]], rng: random.Random, *,
+                    flushes: int = 0) -> None:
+        """Non-overlapping (kind, offset, length) requests, all at once, and
+        ``flushes`` FLUSHes sent while they are in flight."""
+        async def one(kind: str, off: int, n: int) -> None:
+            data = rng.randbytes(n) if kind == "write" else bytes(n)
+            req = self.disk.issue(off, n)
             if kind == "write":
-                data = rng.randbytes(n)
-                calls.append(self.img.write(off, data))
+                await (rng.choice(self.planes).write(off, data) if self.planes
+                       else self.img.write(off, data))
+            elif kind.startswith("zero"):
+                await self.img.write_zeroes(off, n, unmap=kind == "zero-unmap")
             else:
-                data = bytes(n)
-                calls.append(self.img.write_zeroes(off, n, unmap=kind == "zero-unmap")
-                             if kind.startswith("zero") else self.img.discard(off, n))
-            self.disk.touch(off, data)
-        await asyncio.gather(*calls)
+                await self.img.discard(off, n)
+            self.disk.touch(off, data, req)
+
+        async def flush_soon() -> None:
+            # a few loop turns in, once a C stand-in holds a write (if any will)
+            for _ in range(rng.randrange(4)):
+                await asyncio.sleep(0)
+            while not any(p.held for p in self.planes) and not all(r.done() for r in reqs):
+                await asyncio.sleep(0)
+            await self.flush()
+        reqs = [asyncio.ensure_future(one(*op)) for op in ops]
+        for r in await asyncio.gather(*reqs, *(flush_soon() for _ in range(flushes)),
+                                      return_exceptions=True):
+            if isinstance(r, BaseException):  # (raised once none is in flight)
+                raise r
+
+    async def cache_tables(self) -> None:
+        """Read a sector of every L2 table's range: the tables are cached, so
+        their unallocated clusters are published (ALLOC where C may allocate);
+        then wait until the pools are filled, as after a device's start."""
+        span = 1 << (self.img.l2_bits + self.img.cbits)
+        for off in range(0, self.img.size, span):
+            await self.img.read(off, bytearray(SECTOR))
+        self.img.service()
+        while not all(p.table.pool_level(p.slot) for p in self.planes):
+            await asyncio.sleep(0)
 
     async def flush(self) -> None:
+        content, mask = bytes(self.disk.content), self.disk.mask()
+        self.rec.flushes_over_c += any(p.held for p in self.planes)
         await self.img.flush()
-        self.flushed()
+        self.flushed(content, mask)
 
-    def flushed(self) -> None:
-        self.rec.flushes.append((self.rec.tick(), bytes(self.disk.content)))
-        mask = bytearray(len(self.disk.content) // SECTOR)
-        self.disk.masks.append(mask)
+    def flushed(self, content: bytes | None = None, mask: bytearray | None = None) -> None:
+        """A FLUSH completed that was sent when the disk held ``content``, with
+        ``mask`` of the sectors touched since (default: now)."""
+        if content is None or mask is None:
+            content, mask = bytes(self.disk.content), self.disk.mask()
+        self.rec.flushes.append((self.rec.tick(), content))
         self.rec.touched_after.append(mask)
 
 
 Workload = Callable[[Session, random.Random], Awaitable[None]]
 
 
-def record(path: Path, workload: Workload, seed: int, *, write_through: bool = False) -> Recording:
-    """Run ``workload`` on the image at ``path`` and record what reached the file."""
+#: clusters per C pool: few, so that the pools are refilled during a workload
+POOL_CLUSTERS = 32
+
+
+def record(path: Path, workload: Workload, seed: int, *, write_through: bool = False,
+           queues: int = 0, threads: bool = False) -> Recording:
+    """Run ``workload`` on the image at ``path`` and record what reached the
+    file; with ``queues`` C stand-ins writing too (``threads``: on threads)."""
     raw = path.with_suffix(".start.raw")
     to_raw(path, raw)
     disk = Disk(raw.read_bytes())
@@ -163,12 +331,21 @@ def record(path: Path, workload: Workload, seed: int, *, write_through: bool = F
             img = Qcow2Image.open(str(path), metadata_write_through=write_through)
             rec = Recording(path.read_bytes())
             img.file.__class__ = recording_file(rec)
-            s = Session(img, rec, disk)
+            img.pool_cap = POOL_CLUSTERS
+            planes = [CStandIn(img, rec, seed * 100 + k, threads=threads) for k in range(queues)]
+            s = Session(img, rec, disk, planes)
             try:
                 await workload(s, random.Random(seed))
+            except OSError as e:
+                if not img.corrupt:
+                    raise
+                rec.refused = str(e)
             finally:
+                for p in planes:
+                    await p.close()
                 await img.close()
             s.flushed()
+            rec.c_allocated = sum(p.allocated for p in planes)
             return rec
         finally:
             ring.close()
@@ -341,8 +518,32 @@ async def write_through(s: Session, rng: random.Random) -> None:
     await s.batch(spread(rng, s.img.size, 32 * K, 8), rng)
 
 
+async def c_alloc(s: Session, rng: random.Random, *, rounds: int = 6, flushes: int = 0) -> None:
+    """Allocation, most first writes served by the C stand-ins: the L2 tables
+    exist and are cached first, so their free clusters are ALLOC. With
+    ``flushes``, FLUSHes are sent while the writes of every other batch are in
+    flight, so that C's records are drained mid-batch. The first write-back
+    comes right after the first C allocations."""
+    await s.cache_tables()
+    for round_ in range(rounds):
+        await s.batch(spread(rng, s.img.size, 32 * K, 12), rng, flushes=flushes)
+        if not round_:
+            await s.flush()
+        await s.batch(spread(rng, s.img.size, 32 * K, 6, ("write", "write", "zero", "zero-unmap")),
+                      rng)
+        if round_ % 2:
+            await s.flush()
+
+
 def image_alloc(d: Path) -> Path:
     return create(d / "alloc.qcow2", 4 * M, cluster_size=4 * K)
+
+
+def image_tables(d: Path) -> Path:
+    """As ``image_alloc``, with its two L2 tables made (a sector written in each)."""
+    path = image_alloc(d)
+    qemu_io(path, "write -P 0x11 0 512", f"write -P 0x22 {2 * M} 512")
+    return path
 
 
 def image_backing(d: Path) -> Path:
@@ -370,27 +571,54 @@ def image_discard(d: Path) -> Path:
     return create(d / "discard.qcow2", 4 * M)
 
 
-WORKLOADS: dict[str, tuple[Callable[[Path], Path], Workload, bool]] = {
-    "allocation": (image_alloc, allocation, False),
-    "cow-backing": (image_backing, overwrite, False),
-    "cow-snapshot": (image_snapshot, overwrite, False),
-    "refcount-growth": (image_growth, many_clusters, False),
-    "discard": (image_discard, discard_reuse, False),
-    "write-through": (image_alloc, write_through, True),
+@dataclass(frozen=True)
+class Case:
+    image: Callable[[Path], Path]
+    workload: Workload
+    write_through: bool = False
+    queues: int = 0  # C stand-ins (data planes allocating in C)
+    threads: bool = False  # their C steps on threads
+    over_c: bool = False  # FLUSHes are sent over C writes in flight
+
+    def record(self, path: Path, seed: int, *, refusal_ok: bool = False) -> Recording:
+        rec = record(path, self.workload, seed, write_through=self.write_through,
+                     queues=self.queues, threads=self.threads)
+        assert refusal_ok or not rec.refused, rec.refused
+        if self.queues:  # (cannot pass with allocation in C off)
+            assert rec.c_allocated > 20, f"C allocated only {rec.c_allocated} clusters"
+        if self.over_c:
+            assert rec.flushes_over_c > 2, f"{rec.flushes_over_c} FLUSHes over C writes"
+        return rec
+
+
+WORKLOADS: dict[str, Case] = {
+    "allocation": Case(image_alloc, allocation),
+    "cow-backing": Case(image_backing, overwrite),
+    "cow-snapshot": Case(image_snapshot, overwrite),
+    "refcount-growth": Case(image_growth, many_clusters),
+    "discard": Case(image_discard, discard_reuse),
+    "write-through": Case(image_alloc, write_through, write_through=True),
+    "c-alloc": Case(image_tables, c_alloc, queues=1),
+    "c-alloc-2q": Case(image_tables, c_alloc, queues=2),
+    "c-alloc-threads": Case(image_tables, c_alloc, queues=2, threads=True),
+    "c-alloc-flush-concurrently": Case(image_tables, partial(c_alloc, rounds=4, flushes=1),
+                                       queues=2, over_c=True),
 }
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_power_cut_at_every_barrier(name: str, tmp_path: Path) -> None:
-    make, workload, wt = WORKLOADS[name]
-    path = make(tmp_path)
+    case = WORKLOADS[name]
+    path = case.image(tmp_path)
     t0 = time.monotonic()
-    rec = record(path, workload, seed=list(WORKLOADS).index(name) + 1, write_through=wt)
+    rec = case.record(path, seed=list(WORKLOADS).index(name) + 1)
     if name == "refcount-growth":
         grown = int.from_bytes(path.read_bytes()[56:60], "big")
         assert grown > 1, "the refcount table did not grow"
     rep = check_recording(rec, tmp_path, name, seed=7)
-    print(f"\npower cut: {rep.line()}, {len(rec.writes)} writes, "
+    c = (f"{rec.c_allocated} clusters allocated in C, {rec.flushes_over_c} FLUSHes over C "
+         f"writes, " if case.queues else "")
+    print(f"\npower cut: {rep.line()}, {len(rec.writes)} writes, {c}"
           f"{time.monotonic() - t0:.1f} s")
     assert rep.cut_points >= 4, f"{name}: only {rep.cut_points} cut points"
     assert rep.sectors, f"{name}: no flushed data was compared"
@@ -423,21 +651,60 @@ def swap_refblocks_and_l2(steps: list[wbplan.Step]) -> list[wbplan.Step]:
     return out
 
 
-@pytest.mark.parametrize("mutation", [drop_barrier, swap_refblocks_and_l2],
-                         ids=["drop-barrier", "swap-refblock-l2"])
-def test_checker_catches_a_broken_order(mutation: Callable[[list[wbplan.Step]],
-                                                           list[wbplan.Step]],
-                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = wbplan.plan
+def plan_mutation(mutate: Callable[[list[wbplan.Step]], list[wbplan.Step]],
+                  ) -> Callable[[pytest.MonkeyPatch], None]:
+    def install(monkeypatch: pytest.MonkeyPatch) -> None:
+        real = wbplan.plan
 
-    def broken(cut: wbplan.Cut, meta: Any, cluster_bits: int) -> list[wbplan.Step]:
-        return mutation(real(cut, meta, cluster_bits))
-    monkeypatch.setattr(wbplan, "plan", broken)
-    path = image_alloc(tmp_path)
-    rec = record(path, allocation, seed=3)
-    rep = check_recording(rec, tmp_path, mutation.__name__, seed=7, stop_at_corruption=True)
-    print(f"\nmutated plan ({mutation.__name__}): {rep.line()}: {rep.corrupt[:1]}")
-    assert rep.corrupt, f"{mutation.__name__}: the checker found no bad crash image"
+        def broken(cut: wbplan.Cut, meta: Any, cluster_bits: int) -> list[wbplan.Step]:
+            return mutate(real(cut, meta, cluster_bits))
+        monkeypatch.setattr(wbplan, "plan", broken)
+    return install
+
+
+def pool_uncounted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pools refilled with clusters whose count was undone: C then
+    allocates clusters the refcounts call free. Once the engine allocates
+    one in Python it finds it free and published and refuses the image
+    (``_claim_unpublished``): so the pools are big enough for the first
+    batch, and no C write falls back to Python before the first FLUSH."""
+    monkeypatch.setattr(sys.modules[__name__], "POOL_CLUSTERS", 256)
+    monkeypatch.setattr(CStandIn, "outcomes", (1, 0, 0))
+    real = Pools._pool_run
+
+    async def uncounted(self: Pools, n: int) -> range:
+        run = await real(self, n)
+        async with self.alloc_lock:
+            await self._add_ref_run(run, -1)
+        return run
+    monkeypatch.setattr(Pools, "_pool_run", uncounted)
+
+
+def record_before_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CStandIn, "record_before_data", True)
+
+
+#: name -> (install the mutation, workload, what the first bad image must say)
+MUTATIONS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str, str]] = {
+    "drop-barrier": (plan_mutation(drop_barrier), "allocation", ""),
+    "swap-refblock-l2": (plan_mutation(swap_refblocks_and_l2), "allocation", ""),
+    "pool-uncounted": (pool_uncounted, "c-alloc", ""),
+    "record-before-data": (record_before_data, "c-alloc-flush-concurrently", "reads back wrong"),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_checker_catches_a_mutation(name: str, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    install, workload, caught_as = MUTATIONS[name]
+    install(monkeypatch)
+    case = WORKLOADS[workload]
+    rec = case.record(case.image(tmp_path), seed=3, refusal_ok=True)
+    rep = check_recording(rec, tmp_path, name, seed=7, stop_at_corruption=True)
+    print(f"\nmutation {name}: {rep.line()}: {rep.corrupt[:1]}"
+          + (f"; then the engine refused: {rec.refused}" if rec.refused else ""))
+    assert rep.corrupt, f"{name}: the checker found no bad crash image"
+    assert caught_as in rep.corrupt[0], f"{name}: caught as {rep.corrupt[0]}"
 
 
 # -- the plan itself, without I/O ---------------------------------------------------------
