@@ -13,8 +13,9 @@ there, one back) and runs there as it would on a one-queue device; what the
 engine looks up for it is published, so the next request for that cluster
 stays in C on whichever queue it arrives.
 
-Stopping, each other worker tells the owner when its requests are done; the
-owner waits for all of them before its final write-back and close.
+Stopping, each other worker tells the owner when its requests are done (its
+``queue_teardown``, which also runs when its start failed); the owner waits
+for all of them before its final write-back and close.
 """
 
 from __future__ import annotations
@@ -162,15 +163,17 @@ class Qcow2Target(Target):
     async def _write_zeroes(self, offset: int, length: int, unmap: bool) -> None:
         await self.image.write_zeroes(offset, length, unmap=unmap)
 
-    async def drain(self) -> None:
-        """Another worker: tell the owner its requests are done (no request
-        of it will reach the engine again). The owner: wait for all of them,
-        then write back and close."""
+    async def queue_teardown(self, q: QueueContext) -> None:
+        """Another worker is done (after its drain, or a start that failed):
+        none of its requests will reach the engine again; tell the owner."""
         if self._away() is not None:
             assert self._owner is not None
             self._owner.call_soon(self._other_drained)
-            return
-        if self._closed:
+
+    async def drain(self) -> None:
+        """The owner: wait until every other worker is done (their requests
+        keep being handed over meanwhile), then write back and close."""
+        if self._away() is not None or self._closed:
             return
         others = self._others
         if others is not None and self._workers > 1:
