@@ -298,7 +298,11 @@ class Qcow2Image(Writes):
         self._add_targets(self.l1, OFFSET_MASK, L2, l2_seen)
         if h.nb_snapshots:
             self._add_snapshots(h, l2_seen)
-        self.used_end = f.size  # below this the file may hold old bytes
+        # below this the file may hold old bytes; past it, allocation takes
+        # clusters as free without looking at their refcounts. A crash may
+        # leave clusters counted past the end of the file (a data plane's pool,
+        # never written): the end is where the last counted cluster ends
+        self.used_end = max(f.size, self._counted_end(f))
         # L2 cache, sized by how much of the disk it maps
         want = len(self.l1) * cs
         bound = cache_bytes if cache_bytes is not None else min(want, DEFAULT_CACHE_BYTES)
@@ -326,6 +330,20 @@ class Qcow2Image(Writes):
             self.head[fmt.OFF_AUTOCLEAR:fmt.OFF_AUTOCLEAR + 8] = bytes(8)
             f.pwrite_sector(bytes(self.head), 0)
             h.autoclear = 0
+
+    def _counted_end(self, f: HostFile) -> int:
+        """The end of the last cluster with a refcount, looking only at the
+        refcount blocks that describe clusters past the end of ``f``."""
+        cs, bits, end = self.cluster_size, self.h.refcount_bits, 0
+        for t in range(f.size // cs // self.rbe, len(self.reftable)):
+            off = self.reftable[t] & fmt.REFT_OFFSET_MASK
+            if not off or off & self.cmask or off + cs > f.size:
+                continue  # none, or invalid: refused when used (Refcounts._refblock)
+            used = len(f.pread(off, cs).rstrip(b"\0"))  # bytes up to the last count
+            if used:
+                last = (used * 8 - 1) // bits  # (sub-byte widths: at most a byte's worth more)
+                end = max(end, (t * self.rbe + last + 1) * cs)
+        return end
 
     def _open_backing(self, h: fmt.Header, direct: bool, policy: BackingPolicy,
                       chain: tuple[tuple[int, int], ...]) -> Backing:

@@ -582,6 +582,43 @@ async def test_random_io_with_c_allocation(cluster: int, planes: int, tmp_path: 
     await verify(case, f"c{cluster} with C allocation on {planes} planes")
 
 
+async def test_pools_counted_at_a_crash_are_not_handed_out_again(tmp_path: Path,
+                                                                 ring: Ring) -> None:
+    """A crash after a write-back counted a pool, whose clusters were never
+    written (past the end of the file): the engine opening the image again
+    must not take them for fresh clusters (a second count would make them
+    shared: corruption)."""
+    path = create(tmp_path / "img.qcow2", 8 * M, cluster_size=CS)
+    img = Qcow2Image.open(str(path), direct=False)
+    dp = DataPlaneStandIn(img, random.Random(1), c_alloc=True)
+    await img.write(0, b"a" * CS)  # the L2 table (and its ALLOC entries)
+    img.service()
+    assert img._filling is not None
+    await img._filling
+    await dp.write(5 * CS, b"b" * CS)  # one pool cluster used, by C
+    assert dp.allocated == 1
+    await img.flush()  # the pool's counts are durable; most of it never written
+    img.release()  # kill -9 (QEMU checks no refcount past the file's end: it sees no leak)
+    assert path.stat().st_size < 20 * CS < img.used_end
+    again = Qcow2Image.open(str(path), direct=False)
+    try:
+        dp = DataPlaneStandIn(again, random.Random(2), c_alloc=True)
+        await again.read(0, bytearray(512))  # the table, cached again
+        again.service()
+        assert again._filling is not None
+        await again._filling
+        for k in range(8, 40):  # C and Python allocate, many clusters each
+            await (dp if k % 2 else again).write(k * CS, bytes([k]) * CS)
+        assert dp.allocated > 10
+    finally:
+        await again.close()
+    p = qemu_img("check", path, ok=(0, 1, 2, 3))
+    assert p.returncode in (0, 3), f"qemu-img check after serving it again:\n{p.stdout}"
+    for k in (8, 9, 39):
+        assert "Pattern verification failed" not in qemu_io(
+            path, f"read -P {k} {k * CS} {CS}")
+
+
 async def test_run_op_reads_through_the_stand_in(tmp_path: Path, ring: Ring) -> None:
     """The stand-in really serves reads and writes (a guard for the test above)."""
     img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")), direct=False)
