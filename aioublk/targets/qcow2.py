@@ -21,6 +21,7 @@ for all of them before its final write-back and close.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -168,7 +169,8 @@ class Qcow2Target(Target):
         none of its requests will reach the engine again; tell the owner."""
         if self._away() is not None:
             assert self._owner is not None
-            self._owner.call_soon(self._other_drained)
+            with contextlib.suppress(RuntimeError):  # the owner is gone: nobody waits
+                self._owner.call_soon(self._other_drained)
 
     async def drain(self) -> None:
         """The owner: wait until every other worker is done (their requests
