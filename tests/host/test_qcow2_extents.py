@@ -582,6 +582,38 @@ async def test_random_io_with_c_allocation(cluster: int, planes: int, tmp_path: 
     await verify(case, f"c{cluster} with C allocation on {planes} planes")
 
 
+async def test_write_through_keeps_allocation_in_python(tmp_path: Path, ring: Ring) -> None:
+    """User recovery's metadata write-through needs each allocation in the
+    file before its request completes, which C cannot do: such a device gets
+    no pool, and nothing is published as ALLOC."""
+    from aioublk.kernel import uapi
+    from aioublk.queue.dataplane import Extents
+    from aioublk.queue.extents import ALLOC
+    from aioublk.targets.qcow2 import Qcow2Target
+
+    t = Qcow2Target(str(create(tmp_path / "a.qcow2", 8 * M, cluster_size=CS)))
+    try:
+        t.configure(uapi.Feature.USER_RECOVERY)
+        m = t.map()
+        assert isinstance(m, Extents) and m.slot is None
+        await t.write(0, memoryview(bytearray(b"x" * CS)))  # the L2 table, cached
+        tables = list(t.image.l2cache.values())
+        assert tables and all(ALLOC not in tb.pub for tb in tables)
+        assert not t.image.c_allocating
+    finally:
+        await t.drain()
+        t.close()
+    plain = Qcow2Target(str(create(tmp_path / "b.qcow2", 8 * M, cluster_size=CS)))
+    try:  # (the same without write-through: a pool, and ALLOC entries)
+        m = plain.map()
+        assert isinstance(m, Extents) and m.slot is not None
+        await plain.write(0, memoryview(bytearray(b"x" * CS)))
+        assert any(ALLOC in tb.pub for tb in plain.image.l2cache.values())
+    finally:
+        await plain.drain()
+        plain.close()
+
+
 async def test_pools_counted_at_a_crash_are_not_handed_out_again(tmp_path: Path,
                                                                  ring: Ring) -> None:
     """A crash after a write-back counted a pool, whose clusters were never
