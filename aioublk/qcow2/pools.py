@@ -58,7 +58,6 @@ class Pools(Refcounts):
     def _pools_init(self) -> None:
         self._slots: list[int] = []   # attached pools (appended from any thread)
         self._attaching = threading.Lock()  # (every queue's map() attaches at once)
-        self._pooled: set[int] = set()  # host clusters in a pool, counted, unreferenced
         self._filling: asyncio.Task[None] | None = None
         cap = POOL_BYTES >> self.cbits
         self.pool_cap = min(1024, max(16, cap))
@@ -92,7 +91,6 @@ class Pools(Refcounts):
             return
         for r in table.drain():
             c = r.host_off >> self.cbits
-            self._pooled.discard(c)
             if not r.ok:
                 self._defer_free(c)
                 continue
@@ -132,7 +130,6 @@ class Pools(Refcounts):
                     continue
                 run = await self._pool_run(self.pool_cap - level)
                 added = table.pool_add(slot, [c << self.cbits for c in run])
-                self._pooled.update(run[:added])
                 if added < len(run):  # (C took fewer: never referenced, uncount)
                     async with self.alloc_lock:
                         await self._add_ref_run(run[added:], -1)
@@ -161,7 +158,6 @@ class Pools(Refcounts):
             await asyncio.shield(self._filling)
         self._drain_c()
         back = sorted(h >> self.cbits for slot in self._slots for h in table.pool_take(slot))
-        self._pooled.difference_update(back)
         async with self.alloc_lock:
             for c in back:
                 await self._add_ref(c, -1)

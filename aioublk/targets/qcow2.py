@@ -70,7 +70,6 @@ class Qcow2Target(Target):
         # C asks for the engine through this (its pools at half, its records
         # to apply), and each worker's map() after attaching a pool
         self._notify = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._table = table
         if table is not None:
             table.set_notify(self._notify)
         self._owner: crossloop.LoopHandle | None = None  # worker 0's loop: the engine's
@@ -100,8 +99,8 @@ class Qcow2Target(Target):
             os.eventfd_read(self._notify)
         except BlockingIOError:  # (an earlier completion took it)
             pass
-        if self._table is not None:
-            self._table.notified()  # an unmap waiting for a release
+        if self.image.extents is not None:
+            self.image.extents.notified()  # an unmap waiting for a release
         if not self._closed and self._notify >= 0:
             self.image.service()
 
@@ -195,8 +194,8 @@ class Qcow2Target(Target):
 
     def close(self) -> None:
         if self._notify >= 0:  # (C must not write it once closed: the number is reused)
-            if self._table is not None:
-                self._table.set_notify(-1)
+            if self.image.extents is not None:
+                self.image.extents.set_notify(-1)
             os.close(self._notify)
             self._notify = -1
         if not self._closed:  # never served: nothing cached, just the files
