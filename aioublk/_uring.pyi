@@ -87,6 +87,8 @@ class _Lib:
     AUR_DP_AUTO_ZC: int
     AUR_DP_USER_COPY: int
     AUR_DP_ZERO_COPY: int
+    AUR_DP_INLINE_CHAR: int
+    AUR_DP_INLINE_RAM: int
 
     # functions
     def aur_init(self, r: Any, entries: int, cq_entries: int, flags: int, /) -> int: ...

@@ -19,7 +19,11 @@
  * /dev/ublkcN first, then written to the backend; a read's data is read
  * from the backend first, then written to /dev/ublkcN). The backend I/O is
  * a read or write of a file, or (AUR_MAP_NVME) one NVMe passthrough command
- * to a namespace's char device, whose success is a result of 0. A read of
+ * to a namespace's char device, whose success is a result of 0. Where
+ * io_uring would only pass a file's I/O to an io-wq worker (no FMODE_NOWAIT:
+ * tmpfs, ramfs, /dev/ublkcN's -u copies; aur_dp_setup.inline_io), C does it
+ * with pread/pwrite in this thread and handles the result as that CQE on
+ * the next pass: the same steps, without a thread switch per request. A read of
  * an extent table's ZERO granules needs none: in copy and -u mode C fills
  * those pieces of the tag's buffer with zeros itself (before -u's copy out),
  * and a read of zeros alone completes at once, as the null map does; the
@@ -60,6 +64,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <sys/vfs.h>
+#include <linux/magic.h>
 #include <linux/nvme_ioctl.h>
 #include <liburing.h>
 
@@ -168,6 +174,14 @@ struct aur_dp {
     /* CQEs C's backend I/O may have outstanding, and the most it may: the
        CQ less one per tag (its fetch or commit) and two fetches per queue */
     unsigned cqes, max_cqes;
+    /* inline_io: the results of I/O C did itself, handled as the CQEs they
+       stand for on the next pass (at most max_cqes: each holds a reserved
+       CQE); and which fds that applies to, learnt once per fd (a map's fds
+       live as long as the map) */
+    struct dp_done { uint64_t ud; int32_t res; } *done;
+    unsigned nr_done;
+    struct dp_fd_inline { int fd; int on; } fd_inline[DP_MAX_PIECES];
+    unsigned nr_fd_inline;
     struct dp_queue q[];
 };
 
@@ -205,6 +219,7 @@ void aur_dp_free(struct aur_dp *dp)
         free(q->br);
         free(q->tags_mem);
     }
+    free(dp->done);
     free(dp);
 }
 
@@ -235,6 +250,8 @@ struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
 
         dp->max_cqes = cq > fixed ? cq - fixed : 0;
     }
+    if (s->inline_io && !(dp->done = malloc((dp->max_cqes + 1) * sizeof(*dp->done))))
+        goto fail;
     for (i = 0; i < s->nr_queues; i++) {
         struct dp_queue *q = &dp->q[i];
 
@@ -819,6 +836,36 @@ static int dp_nvme_rw(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint1
                         dp->s.mode == AUR_DP_ZERO_COPY ? IOSQE_IO_HARDLINK : 0, ud);
 }
 
+/* Does C move fd's pieces itself (AUR_DP_INLINE_RAM)? tmpfs and ramfs
+   files never offer io_uring a nonblocking attempt. */
+static int dp_inline_fd(struct aur_dp *dp, int fd)
+{
+    struct statfs sf;
+    unsigned i;
+    int on;
+
+    if (!(dp->s.inline_io & AUR_DP_INLINE_RAM))
+        return 0;
+    for (i = 0; i < dp->nr_fd_inline; i++)
+        if (dp->fd_inline[i].fd == fd)
+            return dp->fd_inline[i].on;
+    on = fstatfs(fd, &sf) == 0 &&
+        ((unsigned long)sf.f_type == TMPFS_MAGIC || (unsigned long)sf.f_type == RAMFS_MAGIC);
+    if (dp->nr_fd_inline < DP_MAX_PIECES)
+        dp->fd_inline[dp->nr_fd_inline++] = (struct dp_fd_inline){ fd, on };
+    return on;
+}
+
+/* One transfer between buf and fd at off, now, in this thread; its result
+   waits for the next pass as the CQE the ring would have given. */
+static void dp_inline_rw(struct aur_dp *dp, int write, int fd, void *buf, uint32_t len,
+                         uint64_t off, uint64_t ud)
+{
+    ssize_t got = write ? pwrite(fd, buf, len, (off_t)off) : pread(fd, buf, len, (off_t)off);
+
+    dp->done[dp->nr_done++] = (struct dp_done){ ud, got < 0 ? -errno : (int32_t)got };
+}
+
 /* The backend I/O of pieces p[0..n), each one more pending piece; a piece
    the ring cannot take marks the request bad and stops there. */
 static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
@@ -838,6 +885,10 @@ static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
             ret = aur_prep(dp->r, op, p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0,
                            t->buf_index,
                            dp->s.mode == AUR_DP_ZERO_COPY ? IOSQE_IO_HARDLINK : 0, ud);
+        } else if (dp_inline_fd(dp, p[i].fd)) {
+            dp_inline_rw(dp, t->write, p[i].fd, dp_buf(dp, local, tag) + p[i].buf_off,
+                         p[i].len, p[i].host_off, ud);
+            ret = 0;
         } else {
             op = t->write ? IORING_OP_WRITE : IORING_OP_READ;
             ret = aur_prep(dp->r, op, p[i].fd,
@@ -857,11 +908,15 @@ static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
 static int dp_uc_copy(struct aur_dp *dp, unsigned local, uint16_t tag)
 {
     struct dp_tag *t = dp_tag(dp, local, tag);
-    int ret = aur_prep(dp->r, t->write ? IORING_OP_READ : IORING_OP_WRITE, dp->s.char_fd,
-                       (uint64_t)(uintptr_t)dp_buf(dp, local, tag), t->len,
-                       DP_USER_COPY_OFF(dp->q[local].q_id, tag), 0, 0, 0,
-                       DP_UD(DP_K_UC, local, tag, t->len >> 9));
+    uint64_t off = DP_USER_COPY_OFF(dp->q[local].q_id, tag), ud = DP_UD(DP_K_UC, local, tag,
+                                                                         t->len >> 9);
+    int ret = 0;
 
+    if (dp->s.inline_io & AUR_DP_INLINE_CHAR)  /* (a write's data comes in: a read) */
+        dp_inline_rw(dp, !t->write, dp->s.char_fd, dp_buf(dp, local, tag), t->len, off, ud);
+    else
+        ret = aur_prep(dp->r, t->write ? IORING_OP_READ : IORING_OP_WRITE, dp->s.char_fd,
+                       (uint64_t)(uintptr_t)dp_buf(dp, local, tag), t->len, off, 0, 0, 0, ud);
     if (ret == 0)
         t->pending++;
     return ret;
@@ -1187,6 +1242,16 @@ static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full
             seen++;
         }
         io_uring_cq_advance(ring, seen);
+        /* what C moved itself, as those CQEs (handling one may add more) */
+        while (dp->nr_done && !*full) {
+            if (max - o->n < dp->room) {
+                *full = 1;
+                break;
+            }
+            dp->nr_done--;
+            dp_rw_done(dp, o, dp->done[dp->nr_done].ud, dp->done[dp->nr_done].res);
+            seen++;
+        }
         if (!*full && io_uring_cq_has_overflow(ring)) {
             io_uring_get_events(ring);
             continue;
@@ -1270,7 +1335,8 @@ unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
         dp->q[0].counts->wakes++;
     if (quiet)
         io_uring_cq_eventfd_toggle(ring, true);
-    if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring) || dp_waiting(dp)) {
+    if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring) || dp_waiting(dp) ||
+        dp->nr_done) {
         uint64_t one = 1;
 
         if (write(dp->r->efd, &one, sizeof(one)) < 0) {

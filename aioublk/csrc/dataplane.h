@@ -53,6 +53,13 @@
 #define AUR_DP_ZERO_COPY 3    /* register the request's pages around its I/O */
 #define AUR_DP_USER_COPY 4    /* -u: copy between the tag's buffer and /dev/ublkcN */
 
+/* inline_io: what C moves with pread/pwrite in its own thread, not through
+   the ring, because io_uring would hand it to an io-wq worker anyway (the
+   file offers no FMODE_NOWAIT): a context switch to another thread per
+   request, for what is a memory copy */
+#define AUR_DP_INLINE_CHAR 1  /* -u: the copies to and from /dev/ublkcN */
+#define AUR_DP_INLINE_RAM 2   /* pieces in files on tmpfs or ramfs */
+
 struct aur_dp;
 
 struct aur_dp_setup {
@@ -69,6 +76,7 @@ struct aur_dp_setup {
     unsigned fetch_buf_bytes, fetch_buf_entries;
     unsigned poll_us;       /* wait this long in C for more work before Python's turn */
     unsigned idle_us;       /* nonzero: wait this long instead (Python's work wakes C) */
+    unsigned inline_io;     /* AUR_DP_INLINE_* */
 };
 
 /* latency (aur_dp_set_timing): per op (read, write, flush, discard,

@@ -41,6 +41,10 @@ POLL_US = 1000
 #: a CQE (ring I/O, ublk commands, the worker's kick), so C may idle long; a
 #: loop timer (the grace, the drain's bound) runs late by at most this
 IDLE_US = 20000
+#: what C moves with pread/pwrite in its own thread rather than through the
+#: ring, where io_uring would hand each one to an io-wq worker (no NOWAIT
+#: support): -u's copies to /dev/ublkcN, pieces in tmpfs/ramfs files
+INLINE_IO = lib.AUR_DP_INLINE_CHAR | lib.AUR_DP_INLINE_RAM
 #: how long a batch worker the kernel aborted waits for its fetches to end
 GRACE_SECONDS = 2.0
 
@@ -425,7 +429,7 @@ class Driver:
             "op_need_get_data": uapi.IoCmd.NEED_GET_DATA,
             "fetch_buf_bytes": cfg.fetch_buf_bytes or 2 * min(cfg.depth, 128),
             "fetch_buf_entries": cfg.fetch_buf_entries or 8, "poll_us": POLL_US,
-            "idle_us": IDLE_US if worker.target.c_idle else 0,
+            "idle_us": IDLE_US if worker.target.c_idle else 0, "inline_io": INLINE_IO,
         }, len(work), self._on_event)
         self.dp.set_timing(dataplane.timing)
         self._views: list[tuple[Any, Any]] = []  # the C side's views of the queues' memory
