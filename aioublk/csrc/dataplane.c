@@ -100,6 +100,8 @@ _Static_assert(AUR_DP_MAX_SECTORS == AUR_DP_UD_AUX_MASK, "a piece's sectors fill
 #define DP_K_UC 11     /* -u: the copy to or from /dev/ublkcN (aux: sectors) */
 
 #define DP_MAX_PIECES AUR_DP_MAX_PIECES
+/* fds whose inline_io answer a data plane remembers */
+#define DP_FD_INLINE_MAX 64
 
 /* -u: where a request's data is on /dev/ublkcN (64-bit: the queue id sits at bit 41) */
 #define DP_USER_COPY_OFF(q, tag) \
@@ -180,7 +182,7 @@ struct aur_dp {
        live as long as the map) */
     struct dp_done { uint64_t ud; int32_t res; } *done;
     unsigned nr_done;
-    struct dp_fd_inline { int fd; int on; } fd_inline[DP_MAX_PIECES];
+    struct dp_fd_inline { int fd; int on; } fd_inline[DP_FD_INLINE_MAX];
     unsigned nr_fd_inline;
     struct dp_queue q[];
 };
@@ -851,7 +853,7 @@ static int dp_inline_fd(struct aur_dp *dp, int fd)
             return dp->fd_inline[i].on;
     on = fstatfs(fd, &sf) == 0 &&
         ((unsigned long)sf.f_type == TMPFS_MAGIC || (unsigned long)sf.f_type == RAMFS_MAGIC);
-    if (dp->nr_fd_inline < DP_MAX_PIECES)
+    if (dp->nr_fd_inline < DP_FD_INLINE_MAX)  /* (past it: asked again each time) */
         dp->fd_inline[dp->nr_fd_inline++] = (struct dp_fd_inline){ fd, on };
     return on;
 }
@@ -908,15 +910,16 @@ static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
 static int dp_uc_copy(struct aur_dp *dp, unsigned local, uint16_t tag)
 {
     struct dp_tag *t = dp_tag(dp, local, tag);
-    uint64_t off = DP_USER_COPY_OFF(dp->q[local].q_id, tag), ud = DP_UD(DP_K_UC, local, tag,
-                                                                         t->len >> 9);
+    char *buf = dp_buf(dp, local, tag);
+    uint64_t off = DP_USER_COPY_OFF(dp->q[local].q_id, tag);
+    uint64_t ud = DP_UD(DP_K_UC, local, tag, t->len >> 9);
     int ret = 0;
 
     if (dp->s.inline_io & AUR_DP_INLINE_CHAR)  /* (a write's data comes in: a read) */
-        dp_inline_rw(dp, !t->write, dp->s.char_fd, dp_buf(dp, local, tag), t->len, off, ud);
+        dp_inline_rw(dp, !t->write, dp->s.char_fd, buf, t->len, off, ud);
     else
         ret = aur_prep(dp->r, t->write ? IORING_OP_READ : IORING_OP_WRITE, dp->s.char_fd,
-                       (uint64_t)(uintptr_t)dp_buf(dp, local, tag), t->len, off, 0, 0, 0, ud);
+                       (uint64_t)(uintptr_t)buf, t->len, off, 0, 0, 0, ud);
     if (ret == 0)
         t->pending++;
     return ret;
