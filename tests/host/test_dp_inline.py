@@ -76,9 +76,10 @@ def _in_a_new_thread(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             failed.append(e)
 
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join()
+    t.join(60)  # (its waits give up after 5 s: longer is a hang, this test's alone)
+    assert not t.is_alive(), "the test's thread hung"
     if failed:
         raise failed[0]
 
@@ -102,7 +103,7 @@ async def _write_then_read(shm_backing: int, shm_char: int, batch: int, user_cop
                   map=Linear(shm_backing, 4096),
                   setup={"inline_io": INLINE, **({"char_fd": shm_char} if user_copy else {})})
     fetch = plane.fetch_batch if batch else plane.fetch
-    done = (EV_COMMIT if batch else EV_IO)
+    done = EV_COMMIT if batch else EV_IO
     data = os.urandom(8192)
     try:
         if user_copy:  # what the kernel's copy in would give C for tag 2
@@ -127,7 +128,7 @@ async def _write_then_read(shm_backing: int, shm_char: int, batch: int, user_cop
 
 
 @pytest.mark.asyncio
-async def test_a_failed_inline_transfer_goes_to_python_with_its_errno(shm_char: int) -> None:
+async def test_a_failed_inline_transfer_goes_to_python_with_its_errno() -> None:
     """A backing C cannot read (opened write-only): the pread fails, and the
     request comes back to Python as a retry with that errno, holding nothing."""
     gen = _tmpfs_file("wronly", 1 << 20, os.O_WRONLY)
@@ -155,7 +156,7 @@ async def test_a_full_queue_of_inline_requests_all_complete(shm_backing: int, ba
     plane = Plane(ring, shm_backing, depth=depth, map=Linear(shm_backing),
                   batch=batch, setup={"inline_io": INLINE})
     fetch = plane.fetch_batch if batch else plane.fetch
-    done = (EV_COMMIT if batch else EV_IO)
+    done = EV_COMMIT if batch else EV_IO
     try:
         for tag in range(depth):
             plane.buf(tag)[:] = bytes([tag + 1]) * 4096
