@@ -47,6 +47,12 @@ int aur_init(struct aur *r, unsigned entries, unsigned cq_entries,
         io_uring_queue_exit(&r->ring);
         return ret;
     }
+    /* A ring one thread drives enters by its registered index, as kublk's
+       do: no fd lookup per io_uring_enter. The registration is the
+       thread's, which SINGLE_ISSUER makes the only one to enter; a kernel
+       without it (before 5.18) enters by fd, as before. */
+    if (flags & IORING_SETUP_SINGLE_ISSUER)
+        io_uring_register_ring_fd(&r->ring);
     return 0;
 }
 
