@@ -164,6 +164,7 @@ class Ring:
         self._cqe_view = memoryview(self._cqes)
         self._closed = False
         self._flush_hooks: list[Callable[[], None]] = []
+        self._c_submits = False
         self._dp: Any = None  # the data plane's C side, once there is one
         self._dp_event: EventHandler | None = None
         self._dp_owner: DataPlaneLike | None = None
@@ -191,12 +192,20 @@ class Ring:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
 
+    def c_submits(self) -> None:
+        """The data plane owns the loop's wait (``queue.cwait``): what a loop
+        turn queued goes with C's next wait, in the same ``io_uring_enter``,
+        which runs as the turn ends; only the flush hooks run here."""
+        self._c_submits = True
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         if self._closed:
             return
         for hook in self._flush_hooks:
             hook()
+        if self._c_submits:
+            return
         ret = lib.aur_submit(self._r)
         if ret < 0 and ret not in (-errno.EAGAIN, -errno.EBUSY, -errno.EINTR):
             raise OSError(-ret, f"io_uring_enter failed: {os.strerror(-ret)}")
@@ -465,7 +474,7 @@ class Ring:
         self._dp_owner = dp
         self._dp = dp.c
         self._dp_event = dp.on_event
-        size = 16 * max(_REAP_BATCH, 4 * lib.aur_dp_room(dp.c))
+        size = 16 * lib.aur_dp_out_cap(dp.c)
         if size > len(self._cqes):
             self._cqes = bytearray(size)
             self._cqe_buf = ffi.from_buffer(self._cqes)
@@ -498,6 +507,8 @@ class Ring:
         if self._closed:
             return
         self._closed = True
+        if self._dp is not None:  # (the loop's hook goes first: it may run C's wait)
+            lib.aur_dp_release_wait(self._dp)
         self.loop.remove_reader(self._efd)
         if self._handlers or self._dp_busy():
             lib.aur_prep(self._r, lib.IORING_OP_ASYNC_CANCEL, -1, 0, 0, 0,

@@ -58,7 +58,9 @@
  */
 
 #include <errno.h>
+#include <poll.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -98,6 +100,7 @@ _Static_assert(AUR_DP_MAX_SECTORS == AUR_DP_UD_AUX_MASK, "a piece's sectors fill
 #define DP_K_COMMIT 4
 #define DP_K_REG 5     /* -z: (un)registering a request's pages (aux 1: register) */
 #define DP_K_UC 11     /* -u: the copy to or from /dev/ublkcN (aux: sectors) */
+#define DP_K_LOOP 12   /* the poll on the worker loop's epoll fd (aur_dp_own_wait) */
 
 #define DP_MAX_PIECES AUR_DP_MAX_PIECES
 /* fds whose inline_io answer a data plane remembers */
@@ -184,6 +187,11 @@ struct aur_dp {
     unsigned nr_done;
     struct dp_fd_inline { int fd; int on; } fd_inline[DP_FD_INLINE_MAX];
     unsigned nr_fd_inline;
+    /* aur_dp_own_wait: the loop's hook, and the records C's wait kept for
+       Python (out_cap of them at most), which its next reap takes first */
+    struct dp_hook *hook;
+    char *kept;
+    unsigned nr_kept, out_cap;
     struct dp_queue q[];
 };
 
@@ -222,6 +230,7 @@ void aur_dp_free(struct aur_dp *dp)
         free(q->tags_mem);
     }
     free(dp->done);
+    free(dp->kept);
     free(dp);
 }
 
@@ -247,6 +256,7 @@ struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
          UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK : 0);
     /* the most records one CQE can produce: a fetch's tags, and itself */
     dp->room = (s->batch ? s->fetch_buf_bytes / 2 : 0) + 2;
+    dp->out_cap = 4 * dp->room > 256 ? 4 * dp->room : 256;
     {
         unsigned cq = r->ring.cq.ring_entries, fixed = s->nr_queues * (s->depth + 2);
 
@@ -327,6 +337,7 @@ unsigned aur_dp_withdraw(struct aur_dp *dp)
 }
 
 unsigned aur_dp_room(struct aur_dp *dp) { return dp->room; }
+unsigned aur_dp_out_cap(struct aur_dp *dp) { return dp->out_cap; }
 unsigned aur_dp_inflight(struct aur_dp *dp) { return dp->inflight; }
 void aur_dp_set_stopping(struct aur_dp *dp, int stopping) { dp->stopping = stopping; }
 void aur_dp_set_sealed(struct aur_dp *dp, int sealed) { dp->sealed = sealed; }
@@ -1183,6 +1194,8 @@ static void dp_commit_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int
     q->free_slots[q->nr_free++] = slot;
 }
 
+static void dp_loop_ready(struct aur_dp *dp);
+
 static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe)
 {
     uint64_t ud = cqe->user_data;
@@ -1222,13 +1235,17 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
     case DP_K_COMMIT:
         dp_commit_done(dp, o, ud, cqe->res);
         return;
+    case DP_K_LOOP:
+        dp_loop_ready(dp);
+        return;
     }
     dp_emit(o, ud, cqe->res, cqe->flags);
 }
 
-/* One pass: reap what the CQ holds, serve, commit, submit; a few rounds
-   while C alone has work. */
-static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full)
+/* One pass: reap what the CQ holds, serve, commit, and (submit) submit; a
+   few rounds while C alone has work. Without submit the caller's wait
+   submits: one io_uring_enter for both. */
+static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full, int submit)
 {
     struct io_uring *ring = &dp->r->ring;
     struct io_uring_cqe *cqe;
@@ -1260,7 +1277,7 @@ static void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full
             continue;
         }
         aur_dp_flush(dp);
-        if (io_uring_sq_ready(ring))
+        if (submit && io_uring_sq_ready(ring))
             io_uring_submit(ring);
         if (!seen || o->n)
             break;
@@ -1298,18 +1315,48 @@ static int dp_waiting(const struct aur_dp *dp)
     return 0;
 }
 
+/* Signal the ring's eventfd when the loop has something to take from C:
+   no completion waits for a wake-up that already happened. */
+static void dp_wake_loop(struct aur_dp *dp)
+{
+    struct io_uring *ring = &dp->r->ring;
+
+    if (dp->nr_kept || io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring) ||
+        dp_waiting(dp) || dp->nr_done) {
+        uint64_t one = 1;
+
+        if (write(dp->r->efd, &one, sizeof(one)) < 0) {
+            /* the count is full: a wake-up is pending anyway */
+        }
+    }
+}
+
 unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
 {
     struct io_uring *ring = &dp->r->ring;
     struct dp_out o = { out, 0 };
     struct io_uring_cqe *cqe;
-    uint64_t start = 0, wait_ns = 1000ULL * (dp->s.idle_us ? dp->s.idle_us : dp->s.poll_us);
+    /* (C waits in the loop's hook when it owns the wait, never here) */
+    uint64_t start = 0, wait_ns = dp->hook ? 0 :
+        1000ULL * (dp->s.idle_us ? dp->s.idle_us : dp->s.poll_us);
     uint64_t budget = wait_ns > POLL_BUDGET_NS ? wait_ns : POLL_BUDGET_NS, spent = 0;
     unsigned served = dp->served, completed = dp->completed;
     int full = 0, quiet = 0;
 
+    if (dp->nr_kept) {  /* what C's wait kept for Python comes first */
+        unsigned n = dp->nr_kept < max ? dp->nr_kept : max;
+
+        memcpy(out, dp->kept, 16 * (size_t)n);
+        memmove(dp->kept, dp->kept + 16 * (size_t)n, 16 * (size_t)(dp->nr_kept - n));
+        dp->nr_kept -= n;
+        o.n = n;
+        if (dp->nr_kept || max - o.n < dp->room) {
+            dp_wake_loop(dp);
+            return o.n;
+        }
+    }
     for (;;) {
-        dp_pass(dp, &o, max, &full);
+        dp_pass(dp, &o, max, &full, 1);
         if (o.n || full || !wait_ns || dp->served == served)
             break;
         if (!start) {
@@ -1338,13 +1385,243 @@ unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max)
         dp->q[0].counts->wakes++;
     if (quiet)
         io_uring_cq_eventfd_toggle(ring, true);
-    if (io_uring_cq_ready(ring) || io_uring_cq_has_overflow(ring) || dp_waiting(dp) ||
-        dp->nr_done) {
+    dp_wake_loop(dp);
+    return o.n;
+}
+
+/* -- C owns the wait -------------------------------------------------------- */
+
+/*
+ * Where a worker's thread sleeps. Left to itself the worker's loop (uvloop,
+ * so libuv) sleeps in epoll_wait, and a request wakes it through the ring's
+ * eventfd: an epoll return, an eventfd read and a Python callback before C
+ * sees the request. Here C sleeps instead, in the one io_uring_enter that
+ * also submits, for as long as the loop itself would have slept, and only
+ * then:
+ *
+ * - a prepare handle on the loop runs this just before libuv would poll,
+ *   after the loop ran every callback that was ready;
+ * - uv_backend_timeout is how long libuv would sleep: 0 while Python has
+ *   work (callbacks ready, pending or closing handles, a stop), else until
+ *   the next timer, or forever (-1);
+ * - everything else that would wake the loop (any fd it watches, the wake-up
+ *   of call_soon_threadsafe, signals) is ready in libuv's epoll set, so a
+ *   poll on the epoll fd itself, through the ring, ends C's wait: its CQE
+ *   is a request like the others;
+ * - what C's wait finds for Python it keeps (dp->kept), signals the ring's
+ *   eventfd and returns: libuv's poll finds it at once and the reader takes
+ *   the records first.
+ *
+ * libuv applies the changes to what it watches only in its poll, after
+ * prepare: while some are queued (watcher_queue), C does not wait, and the
+ * loop sleeps in epoll this once, woken by the eventfd as before.
+ *
+ * The loop is reached through the uv_loop_t uvloop made and the libuv its
+ * extension exports, both handed over by Python (struct aur_uv); the two
+ * private fields read here (backend_fd, the watcher queue) are checked
+ * against what libuv answers before the hook is installed, and a loop that
+ * does not match keeps waiting the old way (aur_dp_reap's poll).
+ */
+
+#define DP_UV_PREPARE 9            /* UV_PREPARE in uv_handle_type */
+/* uv_loop_t (libuv 1.x, 64-bit): where backend_fd and the watcher queue sit */
+#define DP_UVL_BACKEND_FD 64
+#define DP_UVL_PENDING 72
+#define DP_UVL_WATCHERS 88
+
+struct dp_uvq { struct dp_uvq *next, *prev; };
+
+typedef void dp_uv_cb(void *handle);
+/* libuv's functions C calls (struct aur_uv's addresses, typed) */
+struct dp_uv {
+    void *loop;
+    size_t (*handle_size)(int type);
+    int (*prepare_init)(void *loop, void *prepare);
+    int (*prepare_start)(void *prepare, dp_uv_cb *cb);
+    int (*prepare_stop)(void *prepare);
+    void (*close)(void *handle, dp_uv_cb *cb);
+    int (*backend_fd)(const void *loop);
+    int (*backend_timeout)(const void *loop);
+    void (*update_time)(void *loop);
+};
+
+struct dp_hook {
+    struct aur_dp *dp;
+    struct dp_uv uv;
+    int epfd;
+    int armed;       /* the poll on epfd is in the kernel */
+    int ready;       /* it completed since the wait began: the loop has work */
+    /* the uv_prepare_t (uv.handle_size of it), 16-byte aligned */
+    char handle[] __attribute__((aligned(16)));
+};
+
+static const struct dp_uvq *dp_uvq(const void *loop, size_t off)
+{
+    return (const struct dp_uvq *)((const char *)loop + off);
+}
+
+static int dp_uvq_sane(const struct dp_uvq *q)
+{
+    return q->next && q->prev && q->next->prev == q && q->prev->next == q;
+}
+
+static void dp_loop_ready(struct aur_dp *dp)
+{
+    if (dp->hook) {
+        dp->hook->armed = 0;
+        dp->hook->ready = 1;
+    }
+}
+
+/* Serve and wait until Python has work or ms pass (-1: no timer is due). */
+static void dp_own_wait(struct aur_dp *dp, int ms)
+{
+    struct dp_hook *h = dp->hook;
+    struct io_uring *ring = &dp->r->ring;
+    struct dp_out o = { dp->kept, 0 };
+    struct io_uring_cqe *cqe;
+    uint64_t deadline = ms < 0 ? 0 : dp_now_ns() + 1000000ULL * (uint64_t)ms;
+    unsigned served = dp->served, completed = dp->completed;
+    int full = 0, quiet, ret;
+
+    if (!h->armed) {
+        if (aur_prep(dp->r, IORING_OP_POLL_ADD, h->epfd, 0, 0, 0, POLLIN, 0, 0,
+                     DP_UD(DP_K_LOOP, 0, 0, 0)) < 0)
+            return;  /* no SQE: the loop sleeps in epoll this time */
+        h->armed = 1;
+    }
+    h->ready = 0;
+    quiet = io_uring_cq_eventfd_toggle(ring, false) == 0;
+    for (;;) {
+        dp_pass(dp, &o, dp->out_cap, &full, 0);
+        if (o.n || full || h->ready || dp->nr_done)
+            break;
+        if (dp_waiting(dp)) {  /* answers the SQ could not take: submit, go again */
+            io_uring_submit(ring);
+            continue;
+        }
+        if (deadline) {
+            uint64_t now = dp_now_ns(), ns;
+            struct __kernel_timespec ts;
+
+            if (now >= deadline)
+                break;
+            ns = deadline - now;
+            ts.tv_sec = (long long)(ns / 1000000000ULL);
+            ts.tv_nsec = (long long)(ns % 1000000000ULL);
+            ret = io_uring_submit_and_wait_timeout(ring, &cqe, 1, &ts, NULL);
+        } else {
+            ret = io_uring_submit_and_wait_timeout(ring, &cqe, 1, NULL, NULL);
+        }
+        if (ret == -ETIME)
+            break;  /* a timer is due */
+        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY)
+            break;  /* (the loop's reader sees what is wrong) */
+    }
+    if (io_uring_sq_ready(ring))
+        io_uring_submit(ring);
+    if (quiet)
+        io_uring_cq_eventfd_toggle(ring, true);
+    dp->nr_kept = o.n;
+    if (dp->served != served || dp->completed != completed)
+        dp->q[0].counts->wakes++;
+    dp_wake_loop(dp);
+}
+
+static void dp_hook_prepare(void *handle)
+{
+    struct dp_hook *h = (struct dp_hook *)((char *)handle - offsetof(struct dp_hook, handle));
+    struct aur_dp *dp = h->dp;
+    int ms;
+
+    if (!dp || dp->nr_kept)
+        return;  /* Python has records to take: the eventfd says so */
+    if (io_uring_sq_ready(&dp->r->ring))
+        io_uring_submit(&dp->r->ring);
+    if (dp_uvq(h->uv.loop, DP_UVL_WATCHERS)->next != dp_uvq(h->uv.loop, DP_UVL_WATCHERS)) {
+        /* libuv (re)arms watchers in its poll, after this: let it, and
+           come back at once (the eventfd ends that poll) to wait here */
         uint64_t one = 1;
 
         if (write(dp->r->efd, &one, sizeof(one)) < 0) {
             /* the count is full: a wake-up is pending anyway */
         }
+        return;
     }
-    return o.n;
+    h->uv.update_time(h->uv.loop);
+    ms = h->uv.backend_timeout(h->uv.loop);
+    if (ms == 0)
+        return;
+    dp_own_wait(dp, ms);
+    h->uv.update_time(h->uv.loop);  /* libuv's timeout then counts C's wait */
+}
+
+static void dp_hook_closed(void *handle)
+{
+    free((char *)handle - offsetof(struct dp_hook, handle));
+}
+
+int aur_dp_own_wait(struct aur_dp *dp, const struct aur_uv *a)
+{
+    struct dp_uv u = {
+        a->loop, (size_t (*)(int))a->handle_size, (int (*)(void *, void *))a->prepare_init,
+        (int (*)(void *, dp_uv_cb *))a->prepare_start, (int (*)(void *))a->prepare_stop,
+        (void (*)(void *, dp_uv_cb *))a->close, (int (*)(const void *))a->backend_fd,
+        (int (*)(const void *))a->backend_timeout, (void (*)(void *))a->update_time,
+    };
+    const struct dp_uv *uv = &u;
+    struct dp_hook *h;
+    size_t size;
+    int epfd;
+
+    if (!a->handle_size || !a->prepare_init || !a->prepare_start || !a->prepare_stop ||
+        !a->close || !a->backend_fd || !a->backend_timeout || !a->update_time)
+        return -EINVAL;
+    if (dp->hook)
+        return -EBUSY;
+    if (!uv->loop || !*(void *const *)uv->loop)  /* uvloop sets data to its Loop */
+        return -ENOTSUP;
+    epfd = uv->backend_fd(uv->loop);
+    if (epfd < 0 || *(const int *)((const char *)uv->loop + DP_UVL_BACKEND_FD) != epfd ||
+        !dp_uvq_sane(dp_uvq(uv->loop, DP_UVL_PENDING)) ||
+        !dp_uvq_sane(dp_uvq(uv->loop, DP_UVL_WATCHERS)))
+        return -ENOTSUP;  /* not the uv_loop_t layout this reads */
+    size = uv->handle_size(DP_UV_PREPARE);
+    if (size < 32 || size > 1024)
+        return -ENOTSUP;
+    if (!dp->kept && !(dp->kept = malloc(16 * (size_t)dp->out_cap)))
+        return -ENOMEM;
+    h = calloc(1, sizeof(*h) + size);
+    if (!h)
+        return -ENOMEM;
+    h->dp = dp;
+    h->uv = *uv;
+    h->epfd = epfd;
+    if (uv->prepare_init(uv->loop, h->handle) < 0) {
+        free(h);
+        return -EINVAL;
+    }
+    /* uv_handle_t.data: uvloop's close walks the loop's handles and reads a
+       UVHandle from it; NULL, it only complains about a foreign one */
+    *(void **)h->handle = NULL;
+    if (uv->prepare_start(h->handle, dp_hook_prepare) < 0) {
+        uv->close(h->handle, dp_hook_closed);
+        return -EINVAL;
+    }
+    dp->hook = h;
+    return 0;
+}
+
+/* Before the ring closes, on the loop's thread: the handle goes with the
+   loop's next turn (its close callback frees it); C waits the old way. */
+void aur_dp_release_wait(struct aur_dp *dp)
+{
+    struct dp_hook *h = dp->hook;
+
+    if (!h)
+        return;
+    dp->hook = NULL;
+    h->dp = NULL;
+    h->uv.prepare_stop(h->handle);
+    h->uv.close(h->handle, dp_hook_closed);
 }

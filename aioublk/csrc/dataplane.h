@@ -2,6 +2,7 @@
 #ifndef AIOUBLK_DATAPLANE_H
 #define AIOUBLK_DATAPLANE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "extents.h"
@@ -147,6 +148,21 @@ unsigned aur_dp_pending(struct aur_dp *dp, unsigned local, void *out, unsigned m
    left in the ring signal the eventfd again. */
 unsigned aur_dp_room(struct aur_dp *dp);
 unsigned aur_dp_reap(struct aur_dp *dp, void *out, unsigned max);
+/* the most records one reap may return: the size of out, in records */
+unsigned aur_dp_out_cap(struct aur_dp *dp);
+
+/* The worker's loop (a uv_loop_t) and the addresses of the libuv functions
+   uvloop's extension exports (uv_handle_size, uv_prepare_init, ...): with
+   them C owns the worker's wait (dataplane.c, "C owns the wait"). Copied. */
+struct aur_uv {
+    void *loop;
+    void *handle_size, *prepare_init, *prepare_start, *prepare_stop, *close;
+    void *backend_fd, *backend_timeout, *update_time;
+};
+/* 0, or -ENOTSUP: not a loop this can read (it keeps waiting in aur_dp_reap) */
+int aur_dp_own_wait(struct aur_dp *dp, const struct aur_uv *uv);
+/* before the ring closes, on the loop's thread */
+void aur_dp_release_wait(struct aur_dp *dp);
 /* cdef: end */
 
 #endif

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aioublk._uring import ffi, lib
+from aioublk.queue.cwait import hand_wait_to_c
 from aioublk.ring import UD_MARK, EventHandler, Ring
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ class DataPlane:
     C leaves to Python go to ``on_event``."""
 
     def __init__(self, ring: Ring, setup: dict[str, int], nr_queues: int,
-                 on_event: EventHandler) -> None:
+                 on_event: EventHandler, *, own_wait: bool = True) -> None:
         err = ffi.new("int *")
         c = lib.aur_dp_new(ring.raw, ffi.new("struct aur_dp_setup *", setup), err)
         if c == ffi.NULL:
@@ -142,6 +143,10 @@ class DataPlane:
         except BaseException:
             lib.aur_dp_free(c)
             raise
+        #: C sleeps in the ring for the worker's loop (cwait); else it polls in reaps
+        self.owns_wait = own_wait and hand_wait_to_c(c, ring.loop)
+        if self.owns_wait:
+            ring.c_submits()
 
     def set_map(self, m: Map | None) -> None:
         """Serve ``m`` in C from now on (None: every request goes to Python)."""

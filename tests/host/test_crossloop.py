@@ -67,22 +67,21 @@ async def until(pred: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.001)
 
 
-class IdleWorker:
-    """A worker's shape on its own thread: a loop, a ring with a data plane
-    that serves a read from an empty pipe, and a ``LoopHandle`` watching its
-    kick fd through that ring. After ``start`` the thread waits in C."""
+class UvloopThread:
+    """A uvloop loop on a thread of its own, running the subclass's
+    ``_main()``; ``start`` returns once it set ``_up`` (or failed)."""
 
-    def __init__(self) -> None:
-        self.pipe = os.pipe()
-        self.handle: LoopHandle | None = None
-        self.tid = 0
-        self.plane: Plane | None = None
+    error: BaseException | None = None
+    _stop: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
         self._up = threading.Event()
-        self._stop: asyncio.Future[None] | None = None
-        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         assert self._up.wait(WAIT) and self.error is None, self.error
+
+    async def _main(self) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         import uvloop
@@ -95,6 +94,19 @@ class IdleWorker:
             self._up.set()
         finally:
             loop.close()
+
+
+class IdleWorker(UvloopThread):
+    """A worker's shape on its own thread: a loop, a ring with a data plane
+    that serves a read from an empty pipe, and a ``LoopHandle`` watching its
+    kick fd through that ring. After ``start`` the thread waits in C."""
+
+    def __init__(self) -> None:
+        self.pipe = os.pipe()
+        self.handle: LoopHandle | None = None
+        self.tid = 0
+        self.plane: Plane | None = None
+        self.start()
 
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()

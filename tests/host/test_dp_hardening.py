@@ -41,12 +41,13 @@ from aioublk.queue.options import DeviceConfig
 class Plane:
     """A data plane serving queue 0 (``depth`` tags of ``max_io`` bytes)
     from ``backing``, its commands going to a pipe; ``setup``: more of its
-    setup fields (``poll_us``, ``idle_us``)."""
+    setup fields (``poll_us``, ``idle_us``); ``own_wait``: C waits in the
+    loop's hook (``cwait``), not in each reap."""
 
     def __init__(self, ring: Any, backing: int, *, depth: int = 4, max_io: int = 4096,
                  mode: int = 0, batch: int = 0, map: Map | None = None,
                  poll_us: int = 0, setup: dict[str, int] | None = None,
-                 copy_in: bool = False) -> None:
+                 copy_in: bool = False, own_wait: bool = False) -> None:
         self.ring = ring
         self.pipe = os.pipe()
         self.max_io = max_io
@@ -66,7 +67,7 @@ class Plane:
             "op_commit_io_cmds": uapi.IoCmd.COMMIT_IO_CMDS,
             "fetch_buf_bytes": 2 * depth, "fetch_buf_entries": 8, "poll_us": poll_us,
             **(setup or {}),
-        }, 1, self._on_event)
+        }, 1, self._on_event, own_wait=own_wait)
         self._views = (ffi.from_buffer(self.descs), ffi.from_buffer(self.bufs))
         lib.aur_dp_queue(self.dp.c, 0, 0, self._views[0], self._views[1], self.dp.counts)
         for tag in range(depth):

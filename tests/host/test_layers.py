@@ -43,6 +43,8 @@ LAYERS: list[list[str]] = [
     ["aioublk.queue.crossloop"],
     ["aioublk.io"],
     ["aioublk.queue.extents"],
+    # how C finds the worker's uvloop loop to own its wait: the data plane's
+    ["aioublk.queue.cwait"],
     ["aioublk.queue.dataplane"],
     ["aioublk.kernel.control"],
     ["aioublk.target"],
