@@ -290,6 +290,7 @@ struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
             q->free_slots[j] = (uint16_t)(s->depth - 1 - j);
         q->nr_free = s->depth;
     }
+    aur_fix_file(r, s->char_fd);  /* every ublk command goes through the table */
     *err = 0;
     return dp;
 fail:
@@ -378,14 +379,27 @@ static void dp_clock_stop(struct aur_dp_counts *c, struct dp_tag *t)
     c->lat_ns[t->lat_op] += ns;
 }
 
+/* A new map: only /dev/ublkcN stays in the ring's file table, the map's
+   own fds join it (an extent table's as C meets them). */
+static void dp_new_map(struct aur_dp *dp, const int *fds, unsigned n)
+{
+    unsigned i;
+
+    aur_unfix_files(dp->r, dp->s.char_fd);
+    for (i = 0; i < n; i++)
+        aur_fix_file(dp->r, fds[i]);
+}
+
 int aur_dp_map_null(struct aur_dp *dp)
 {
+    dp_new_map(dp, NULL, 0);
     dp->map = AUR_MAP_NULL;
     return 0;
 }
 
 int aur_dp_map_linear(struct aur_dp *dp, int fd, uint64_t base)
 {
+    dp_new_map(dp, &fd, 1);
     dp->fds[0] = fd;
     dp->nr_fds = 1;
     dp->base = base;
@@ -397,6 +411,7 @@ int aur_dp_map_striped(struct aur_dp *dp, const int *fds, unsigned n, uint64_t c
 {
     if (!n || n > DP_MAX_PIECES || !chunk || (chunk & (chunk - 1)) || chunk % 512)
         return -EINVAL;
+    dp_new_map(dp, fds, n);
     memcpy(dp->fds, fds, n * sizeof(int));
     dp->nr_fds = n;
     dp->chunk = chunk;
@@ -408,6 +423,7 @@ int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_sh
 {
     if (slot >= AUR_EXT_SLOTS)
         return -EINVAL;
+    dp_new_map(dp, NULL, 0);
     dp->ext = t;
     dp->ext_shift = granule_shift;
     dp->ext_slot = slot < 0 ? -1 : slot;
@@ -419,6 +435,7 @@ int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift
 {
     if (dp->r->sqe_size < 128 || lba_shift < 9 || lba_shift > 16)
         return -EINVAL;
+    dp_new_map(dp, &fd, 1);
     dp->fds[0] = fd;
     dp->nr_fds = 1;
     dp->nsid = nsid;
@@ -891,6 +908,8 @@ static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
         uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
         int op, ret;
 
+        if (dp->map == AUR_MAP_EXTENTS)  /* (the table's fds live as long as the map) */
+            aur_fix_file(dp->r, p[i].fd);
         if (dp->map == AUR_MAP_NVME) {
             ret = dp_nvme_rw(dp, t, local, tag, &p[i], ud);
         } else if (dp_zero_copy(dp)) {

@@ -35,6 +35,10 @@ int aur_init(struct aur *r, unsigned entries, unsigned cq_entries,
         return ret;
     r->flags = p.flags;
     r->sqe_size = (flags & IORING_SETUP_SQE128) ? 128 : 64;
+    for (unsigned i = 0; i < AUR_FIXED_MAX; i++)
+        r->fixed[i] = -1;
+    r->nr_fixed = 0;
+    r->fixed_state = 0;
     r->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (r->efd < 0) {
         ret = -errno;
@@ -83,6 +87,14 @@ static struct io_uring_sqe *aur_sqe(struct aur *r, uint8_t opcode, int fd, uint6
     memset(sqe, 0, r->sqe_size);
     sqe->opcode = opcode;
     sqe->fd = fd;
+    if (r->nr_fixed && fd >= 0) {
+        for (unsigned i = 0; i < AUR_FIXED_MAX; i++)
+            if (r->fixed[i] == fd) {
+                sqe->fd = (int)i;
+                sqe_flags |= IOSQE_FIXED_FILE;
+                break;
+            }
+    }
     sqe->addr = addr;
     sqe->len = len;
     sqe->buf_index = buf_index;
@@ -233,7 +245,53 @@ int aur_register_buffers_sparse(struct aur *r, unsigned nr)
 
 int aur_register_files(struct aur *r, const int *fds, unsigned nr)
 {
-    return io_uring_register_files(&r->ring, fds, nr);
+    int ret = io_uring_register_files(&r->ring, fds, nr);
+
+    if (ret == 0)
+        r->fixed_state = -1;  /* the caller's table, not aur_fix_file's */
+    return ret;
+}
+
+int aur_fix_file(struct aur *r, int fd)
+{
+    unsigned i, slot = AUR_FIXED_MAX;
+
+    if (fd < 0 || r->fixed_state < 0)
+        return -1;
+    for (i = 0; i < AUR_FIXED_MAX; i++) {
+        if (r->fixed[i] == fd)
+            return (int)i;
+        if (r->fixed[i] < 0 && slot == AUR_FIXED_MAX)
+            slot = i;
+    }
+    if (slot == AUR_FIXED_MAX)
+        return -1;
+    if (r->fixed_state == 0) {
+        /* (before 5.19, or a ring that has a table: no fixed files) */
+        r->fixed_state = io_uring_register_files_sparse(&r->ring, AUR_FIXED_MAX) == 0 ? 1 : -1;
+        if (r->fixed_state < 0)
+            return -1;
+    }
+    if (io_uring_register_files_update(&r->ring, slot, &fd, 1) != 1)
+        return -1;
+    r->fixed[slot] = fd;
+    r->nr_fixed++;
+    return (int)slot;
+}
+
+void aur_unfix_files(struct aur *r, int keep_fd)
+{
+    int none = -1;
+
+    for (unsigned i = 0; i < AUR_FIXED_MAX; i++) {
+        if (r->fixed[i] < 0 || r->fixed[i] == keep_fd)
+            continue;
+        /* (an update that fails leaves the slot's file registered, never
+           used: no SQE names it once it is out of fixed[]) */
+        io_uring_register_files_update(&r->ring, i, &none, 1);
+        r->fixed[i] = -1;
+        r->nr_fixed--;
+    }
 }
 
 void *aur_buf_ring_setup(struct aur *r, unsigned entries, int bgid, int *err)

@@ -15,11 +15,17 @@
 
 /* Python allocates it (cffi learns its size, not its fields); the data
    plane reads its fields */
+#define AUR_FIXED_MAX 16
 struct aur {
     struct io_uring ring;
     int efd;
     unsigned flags;
     unsigned sqe_size;
+    /* the registered file table (aur_fix_file): the fd in each slot, -1 for
+       none; fixed_state 0: no table yet, 1: registered, -1: refused */
+    int fixed[AUR_FIXED_MAX];
+    unsigned nr_fixed;
+    int fixed_state;
 };
 
 /* cdef: begin (plain declarations and `#define NAME value` only) */
@@ -51,6 +57,12 @@ int aur_wait(struct aur *r, unsigned timeout_ms);
 
 int aur_register_buffers_sparse(struct aur *r, unsigned nr);
 int aur_register_files(struct aur *r, const int *fds, unsigned nr);
+/* SQEs on fd go through the ring's file table from now on (IOSQE_FIXED_FILE:
+   no file lookup per operation); the caller keeps fd open while it is
+   there. Returns its slot, or -1 (no table, or full): SQEs use the fd. */
+int aur_fix_file(struct aur *r, int fd);
+/* every fd but keep_fd leaves the table */
+void aur_unfix_files(struct aur *r, int keep_fd);
 
 /* provided buffer rings (UBLK_F_BATCH_IO fetch) */
 void *aur_buf_ring_setup(struct aur *r, unsigned entries, int bgid, int *err);

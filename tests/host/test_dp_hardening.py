@@ -36,6 +36,8 @@ from aioublk.queue.dataplane import (
 )
 from aioublk.queue.extents import ExtentTable
 from aioublk.queue.options import DeviceConfig
+from aioublk.ring import Ring
+from tests.host.test_ring import registered_files
 
 
 class Plane:
@@ -160,8 +162,6 @@ def test_encode_is_decodes_inverse(fields: tuple[int, int, int, int]) -> None:
 
 @pytest.mark.asyncio
 async def test_the_data_plane_refuses_a_max_io_it_cannot_encode(backing: int) -> None:
-    from aioublk.ring import Ring
-
     ring = Ring(16)
     try:
         with pytest.raises(OSError) as e:
@@ -176,8 +176,6 @@ async def test_the_largest_request_commits_its_own_tag(backing: int) -> None:
     """A read of the largest size (its sectors fill the 16-bit field) is
     served by C and committed on its own tag, counted in full."""
     from aioublk.queue.options import MAX_IO_SIZE
-    from aioublk.ring import Ring
-
     ring = Ring(16)
     plane = Plane(ring, backing, depth=2, max_io=MAX_IO_SIZE)
     try:
@@ -195,8 +193,6 @@ async def test_a_request_longer_than_max_io_is_left_to_python(backing: int) -> N
     """The kernel never sends more than max_io; if a descriptor says so
     anyway, C does not serve it (its buffer is max_io, its length would not
     fit the field): the request goes to Python as fetched."""
-    from aioublk.ring import Ring
-
     ring = Ring(16)
     plane = Plane(ring, backing, depth=2, max_io=4096)
     try:
@@ -705,3 +701,35 @@ async def test_an_allocating_write_the_cq_cannot_hold_gives_its_clusters_back(
         assert table.lookup(0, 16 * G4, write=False) == [(-1, 0, 16 * G4)]
     finally:
         plane.close()
+
+
+# -- the ring's file table: /dev/ublkcN and the map's files ------------------
+
+@pytest.mark.asyncio
+async def test_the_maps_files_and_the_char_fd_are_the_rings_fixed_files(
+        tmp_path: Path) -> None:
+    """C's SQEs name /dev/ublkcN (here a pipe) and the map's files by slot;
+    a new map takes the old map's files out of the table, so a number
+    reused for another file is never served from the old one."""
+    paths = [tmp_path / "a", tmp_path / "b"]
+    fds = []
+    for p in paths:
+        p.write_bytes(bytes(1 << 20))
+        fds.append(os.open(p, os.O_RDWR))
+    plane = Plane(Ring(16), fds[0])
+    try:
+        files = registered_files(plane.ring)
+        assert len(files) == 2 and str(paths[0]) in files
+        assert any(f.startswith("pipe:") for f in files)
+        plane.dp.set_map(Linear(fds[1]))
+        files = registered_files(plane.ring)
+        assert len(files) == 2 and str(paths[1]) in files and str(paths[0]) not in files
+        # (a read through the new map still reads its file)
+        os.pwrite(fds[1], b"\x5a" * 4096, 0)
+        plane.fetch(0, uapi.Op.READ, 8)
+        await plane.wait_for(lambda: plane.dp.counts[0].c_served == 1)
+        assert plane.buf(0)[:4096] == b"\x5a" * 4096
+    finally:
+        plane.close()
+        for fd in fds:
+            os.close(fd)

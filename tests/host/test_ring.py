@@ -242,3 +242,50 @@ async def test_the_ring_keeps_its_data_plane_alive_until_it_closes() -> None:
     assert alive() is None
     with pytest.raises(RuntimeError, match="ring is closed"):
         ring.attach(DataPlane.__new__(DataPlane))
+
+
+def registered_files(ring: Ring) -> list[str]:
+    """The files in ``ring``'s file table, as the kernel lists them."""
+    info = Path(f"/proc/self/fdinfo/{lib.aur_ring_fd(ring.raw)}").read_text().splitlines()
+    start = next(i for i, line in enumerate(info) if line.startswith("UserFiles:"))
+    files = []
+    for line in info[start + 1:]:
+        head, _, name = line.strip().partition(": ")
+        if not head.isdigit():
+            break
+        files.append(name)
+    return files
+
+
+async def test_a_fixed_file_serves_its_fd_through_the_table(tmp_path: Path) -> None:
+    """Once fixed, SQEs on the fd name the table's slot: the file read is
+    the registered one even after the fd number is made another file's."""
+    ring = Ring(16, flags=lib.IORING_SETUP_SINGLE_ISSUER)
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.write_bytes(b"A" * 4096)
+    second.write_bytes(b"B" * 4096)
+    fd = os.open(first, os.O_RDONLY)
+    other = os.open(second, os.O_RDONLY)
+    try:
+        slot = lib.aur_fix_file(ring.raw, fd)
+        assert slot >= 0 and lib.aur_fix_file(ring.raw, fd) == slot  # (once)
+        assert registered_files(ring) == [str(first)]
+        os.dup2(other, fd)  # the number is now the second file's
+        buf = bytearray(4096)
+        assert await ring.read(fd, buf, 0) == 4096 and buf == b"A" * 4096
+        lib.aur_unfix_files(ring.raw, -1)
+        assert registered_files(ring) == []
+        assert await ring.read(fd, buf, 0) == 4096 and buf == b"B" * 4096
+    finally:
+        ring.close()
+        os.close(fd)
+        os.close(other)
+
+
+async def test_a_ring_with_its_own_table_fixes_nothing(datafile: int) -> None:
+    ring = Ring(16, flags=lib.IORING_SETUP_SINGLE_ISSUER)
+    try:
+        ring.register_files([datafile])
+        assert lib.aur_fix_file(ring.raw, datafile) == -1
+    finally:
+        ring.close()
