@@ -9,7 +9,10 @@ Why and how (every point was seen on a Debian 12 build machine):
   (the CPU vng asks for with KVM) and quits at once, about 0.05 s; the MSRs
   are set at the machine's first reset, before that quit. If the probe fails
   the guest runs under `--disable-kvm`: TCG software emulation, 11-14x slower
-  for Python code.
+  for Python code. Another host's /dev/kvm passes that probe and then stops
+  the real boot with "KVM internal error" (an instruction it cannot emulate,
+  early in the kernel): that boot is cut short when the log says so, booted
+  again under TCG, and `auto` keeps to TCG for the rest of the process.
 - Any bzImage boots instead of sid's (`kernel_from`): its release is read
   from the image's setup header, and its modules come from the folder given,
   else the image's own folder when it is a `/lib/modules/$REL` tree (as sid's
@@ -58,6 +61,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -89,6 +93,12 @@ BOOT_TIMEOUT = float(os.environ.get("AIOUBLK_GUEST_BOOT_TIMEOUT", "240"))
 
 
 ACCELS = ("auto", "kvm", "tcg")
+#: what QEMU's log says when KVM cannot run an instruction of the guest (seen
+#: on a host whose /dev/kvm passes the probe: a BMI2 instruction early in the
+#: kernel's boot, "emulation failure"); the VM then sits stopped
+KVM_FAILED = "KVM internal error"
+#: set when a KVM boot failed that way: `auto` uses TCG from then on
+_kvm_broken = threading.Event()
 
 
 class Kernel(NamedTuple):
@@ -273,7 +283,7 @@ def use_kvm(accel: str, probe: Callable[[], bool] = kvm_works) -> bool:
         raise SetupError(f"unknown guest accelerator {accel!r}: use one of {', '.join(ACCELS)}")
     if accel != "auto":
         return accel == "kvm"
-    if probe():
+    if probe() and not _kvm_broken.is_set():
         return True
     progress("KVM cannot run a guest here: using TCG emulation (slower); "
              "AIOUBLK_GUEST_ACCEL=kvm forces KVM")
@@ -421,17 +431,31 @@ def run_in_guest(
     hung = f"the guest kernel did not reach our script in {BOOT_TIMEOUT:.0f} s"
     boot_deadline = 0.0
 
+    kvm_failed = f"KVM could not run the guest ({KVM_FAILED})"
+
     def stop_why() -> str | None:
         if time.monotonic() > deadline:
             return f"timed out after {timeout:.0f} s"
-        if time.monotonic() > boot_deadline and not (ctl / "booted").exists():
-            return hung
+        if not (ctl / "booted").exists():
+            if kvm and KVM_FAILED in log.read_text(errors="replace"):
+                return kvm_failed
+            if time.monotonic() > boot_deadline:
+                return hung
         return watchdog() if watchdog is not None else None
 
     for boot in range(1, BOOTS + 1):
         boot_deadline = time.monotonic() + BOOT_TIMEOUT
         timed_out, returncode = _boot(cmd, workdir, vng, log, output, stop_why, on_output)
-        if status.exists() or (timed_out and timed_out != hung) or \
+        if timed_out == kvm_failed and accel == "auto":
+            # (the probe passed, a real boot did not: TCG for this and later runs)
+            _kvm_broken.set()
+            kvm = False
+            cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus,
+                              kvm=False, nvme=nvme)
+            progress("KVM cannot run the guest here: booting again under TCG emulation "
+                     "(slower); AIOUBLK_GUEST_ACCEL=tcg skips the attempt")
+            continue
+        if status.exists() or (timed_out and timed_out not in (hung, kvm_failed)) or \
                 (ctl / "booted").exists() or boot == BOOTS:
             break
         # an emulated SMP boot now and then dies or hangs before our script runs

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -359,6 +360,21 @@ def test_guest_kernel_and_accel_options_reach_vng(
     assert "--disable-kvm" not in (pytester.path / "argv").read_text().splitlines()
 
 
+def run_with_stand_in(vng: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      accel: str) -> None:
+    """run_in_guest through the stand-in script ``vng`` (which runs the
+    command on the host when it lets a boot go on): the command must run."""
+    vng.chmod(0o755)
+    monkeypatch.setenv("AIOUBLK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(guest, "_vng", lambda: str(vng))
+    out = tmp_path / "out"
+    out.mkdir()
+    code = guest.run_in_guest(["sh", "-c", f"echo ran > {out / 'ran'}"], [out], timeout=60,
+                              kernel=guest.Kernel("fake", tmp_path / "bzImage"), accel=accel,
+                              on_output=lambda _b: None)
+    assert code == 0 and (out / "ran").read_text() == "ran\n"
+
+
 def test_a_boot_that_hangs_before_the_script_is_booted_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -370,15 +386,29 @@ def test_a_boot_that_hangs_before_the_script_is_booted_again(
     vng.write_text(f'#!/bin/sh\necho x >> {count}\n'
                    f'[ "$(wc -l < {count})" -ge 2 ] || exec sleep 600\n'
                    'for a; do case "$a" in --exec=*) eval "${a#--exec=}";; esac; done\n')
-    vng.chmod(0o755)
-    monkeypatch.setenv("AIOUBLK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(guest, "_vng", lambda: str(vng))
     monkeypatch.setattr(guest, "BOOT_TIMEOUT", 2.0)
-    out = tmp_path / "out"
-    out.mkdir()
-    code = guest.run_in_guest(["sh", "-c", f"echo ran > {out / 'ran'}"], [out], timeout=60,
-                              kernel=guest.Kernel("fake", tmp_path / "bzImage"), accel="tcg",
-                              on_output=lambda _b: None)
-    assert code == 0 and (out / "ran").read_text() == "ran\n"
+    run_with_stand_in(vng, tmp_path, monkeypatch, "tcg")
     assert count.read_text().count("x") == 2
     assert "did not reach our script in 2 s" in capsys.readouterr().err
+
+
+def test_a_kvm_that_cannot_run_the_guest_gives_way_to_tcg(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A host whose /dev/kvm passes the probe may still stop the guest with a
+    KVM internal error (the VM then sits stopped): the boot is cut short as
+    soon as the log says so, booted again under TCG, and `auto` keeps to TCG.
+    The stand-in vng fails that way unless told --disable-kvm."""
+    boots = tmp_path / "boots"
+    vng = tmp_path / "vng"
+    vng.write_text(f'#!/bin/sh\necho "$*" >> {boots}\n'
+                   'case " $* " in *" --disable-kvm "*) ;; *)\n'
+                   '  echo "KVM internal error. Suberror: 1"; exec sleep 600;; esac\n'
+                   'for a; do case "$a" in --exec=*) eval "${a#--exec=}";; esac; done\n')
+    monkeypatch.setattr(guest, "kvm_works", lambda: True)
+    monkeypatch.setattr(guest, "_kvm_broken", threading.Event())
+    run_with_stand_in(vng, tmp_path, monkeypatch, "auto")
+    first, second = boots.read_text().splitlines()
+    assert "--disable-kvm" not in first.split() and "--disable-kvm" in second.split()
+    assert "booting again under TCG" in capsys.readouterr().err
+    assert not guest.use_kvm("auto", lambda: True)  # (and no probe's word brings KVM back)
