@@ -443,20 +443,25 @@ def run_in_guest(
                 return hung
         return watchdog() if watchdog is not None else None
 
-    for boot in range(1, BOOTS + 1):
+    boot = 0
+    while True:
+        boot += 1
         boot_deadline = time.monotonic() + BOOT_TIMEOUT
         timed_out, returncode = _boot(cmd, workdir, vng, log, output, stop_why, on_output)
-        if timed_out == kvm_failed and accel == "auto":
-            # (the probe passed, a real boot did not: TCG for this and later runs)
+        booted = status.exists() or (ctl / "booted").exists()
+        if kvm and accel == "auto" and not booted and \
+                KVM_FAILED in log.read_text(errors="replace"):
+            # the probe passed, a real boot did not (cut short, or QEMU gave up by
+            # itself): TCG for this and later runs, not counted as one of the BOOTS
             _kvm_broken.set()
             kvm = False
+            boot -= 1
             cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus,
                               kvm=False, nvme=nvme)
             progress("KVM cannot run the guest here: booting again under TCG emulation "
                      "(slower); AIOUBLK_GUEST_ACCEL=tcg skips the attempt")
             continue
-        if status.exists() or (timed_out and timed_out not in (hung, kvm_failed)) or \
-                (ctl / "booted").exists() or boot == BOOTS:
+        if booted or (timed_out and timed_out not in (hung, kvm_failed)) or boot >= BOOTS:
             break
         # an emulated SMP boot now and then dies or hangs before our script runs
         # (seen: an int3 oops in sched_clock_cpu under TCG; a boot stuck after

@@ -403,7 +403,8 @@ def test_a_kvm_that_cannot_run_the_guest_gives_way_to_tcg(
     vng = tmp_path / "vng"
     vng.write_text(f'#!/bin/sh\necho "$*" >> {boots}\n'
                    'case " $* " in *" --disable-kvm "*) ;; *)\n'
-                   '  echo "KVM internal error. Suberror: 1"; exec sleep 600;; esac\n'
+                   '  echo "KVM internal error. Suberror: 1"\n'
+                   f'  [ "$(wc -l < {boots})" -ge 2 ] && exit 1; exec sleep 600;; esac\n'
                    'for a; do case "$a" in --exec=*) eval "${a#--exec=}";; esac; done\n')
     monkeypatch.setattr(guest, "kvm_works", lambda: True)
     monkeypatch.setattr(guest, "_kvm_broken", threading.Event())
@@ -412,3 +413,21 @@ def test_a_kvm_that_cannot_run_the_guest_gives_way_to_tcg(
     assert "--disable-kvm" not in first.split() and "--disable-kvm" in second.split()
     assert "booting again under TCG" in capsys.readouterr().err
     assert not guest.use_kvm("auto", lambda: True)  # (and no probe's word brings KVM back)
+
+
+def test_a_kvm_boot_that_fails_by_itself_late_gives_way_to_tcg_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QEMU may give up by itself, and only after the boots a hang would
+    count: the switch to TCG still comes, and is not one of those boots."""
+    boots = tmp_path / "boots"
+    vng = tmp_path / "vng"
+    vng.write_text(f'#!/bin/sh\necho "$*" >> {boots}\n'
+                   'case " $* " in *" --disable-kvm "*) ;; *)\n'
+                   f'  if [ "$(wc -l < {boots})" -ge {guest.BOOTS} ]; then\n'
+                   '    echo "KVM internal error. Suberror: 1"; fi; exit 1;; esac\n'
+                   'for a; do case "$a" in --exec=*) eval "${a#--exec=}";; esac; done\n')
+    monkeypatch.setattr(guest, "kvm_works", lambda: True)
+    monkeypatch.setattr(guest, "_kvm_broken", threading.Event())
+    run_with_stand_in(vng, tmp_path, monkeypatch, "auto")
+    runs = boots.read_text().splitlines()
+    assert len(runs) == guest.BOOTS + 1 and "--disable-kvm" in runs[-1].split()
