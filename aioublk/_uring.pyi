@@ -72,6 +72,7 @@ class _Lib:
     AUR_DP_EV_COMMIT: int
     AUR_DP_EV_LOST: int
     AUR_DP_EV_IDLE: int
+    AUR_DP_EV_EXT: int
     AUR_DP_MAX_SECTORS: int
     AUR_DP_MAX_PIECES: int
     AUR_DP_MAX_ELEM_BYTES: int
@@ -81,6 +82,7 @@ class _Lib:
     AUR_MAP_STRIPED: int
     AUR_MAP_EXTENTS: int
     AUR_MAP_NVME: int
+    AUR_MAP_EXTERN: int
     AUR_LAT_OPS: int
     AUR_LAT_BUCKETS: int
     AUR_DP_COPY: int
@@ -153,6 +155,7 @@ class _Lib:
     def aur_dp_map_striped(self, dp: Any, fds: Any, n: int, chunk: int, /) -> int: ...
     def aur_dp_map_extents(self, dp: Any, t: Any, granule_shift: int, slot: int, /) -> int: ...
     def aur_dp_map_nvme(self, dp: Any, fd: int, nsid: int, lba_shift: int, /) -> int: ...
+    def aur_dp_map_extern(self, dp: Any, ops: Any, ctx: Any, /) -> int: ...
     def aur_dp_set_stopping(self, dp: Any, stopping: int, /) -> None: ...
     def aur_dp_set_sealed(self, dp: Any, sealed: int, /) -> None: ...
     def aur_dp_inflight(self, dp: Any, /) -> int: ...

@@ -65,6 +65,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <poll.h>
 #include <unistd.h>
 #include <sys/vfs.h>
 #include <linux/magic.h>
@@ -101,6 +102,7 @@ _Static_assert(AUR_DP_MAX_SECTORS == AUR_DP_UD_AUX_MASK, "a piece's sectors fill
 #define DP_K_REG 5     /* -z: (un)registering a request's pages (aux 1: register) */
 #define DP_K_UC 11     /* -u: the copy to or from /dev/ublkcN (aux: sectors) */
 #define DP_K_LOOP 12   /* the poll on the worker loop's epoll fd (aur_dp_own_wait) */
+#define DP_K_EXT 21    /* an external map's poll and its wake-ups (aux: see dp_ext) */
 
 #define DP_MAX_PIECES AUR_DP_MAX_PIECES
 /* fds whose inline_io answer a data plane remembers */
@@ -192,6 +194,7 @@ struct aur_dp {
     struct dp_hook *hook;
     char *kept;
     unsigned nr_kept, out_cap;
+    struct dp_ext *ext_map;  /* AUR_MAP_EXTERN */
     struct dp_queue q[];
 };
 
@@ -231,6 +234,7 @@ void aur_dp_free(struct aur_dp *dp)
     }
     free(dp->done);
     free(dp->kept);
+    free(dp->ext_map);
     free(dp);
 }
 
@@ -996,6 +1000,201 @@ static unsigned dp_fill_zeros(struct aur_dp *dp, unsigned local, uint16_t tag,
     return k;
 }
 
+/* -- an external map (dp_ext.h) ------------------------------------------------
+ *
+ * A plug-in in another extension moves the data (the nbd target: libnbd on
+ * a socket). C hands it each READ and WRITE the way it would queue backend
+ * pieces: the request holds one reserved CQE, and the plug-in's answer
+ * (dp_ext_done) waits in dp->done as the CQE it stands for, handled by
+ * dp_rw_done once the call that produced it has returned: success
+ * commits, anything else is Python's from the start. So an answer that comes while the plug-in is
+ * being called, even from Python (closing its connection fails what is in
+ * flight), is never handled inside that call.
+ *
+ * The plug-in's fd is watched on this ring: one-shot polls for what it
+ * wants (readable, writable), re-armed after each completion, their
+ * user_data DP_UD(DP_K_EXT, 0, 0, gen << 3 | what). When the fd changes (a
+ * new connection, or none) the polls of the old one are removed and gen
+ * moves on, so a late completion of theirs is ignored: a poll holds its
+ * file, and a socket the plug-in closed would stay open under it. When the
+ * plug-in asks for Python (AUR_EXT_PY) outside a CQE's handling, a NOP
+ * (what DP_EXT_NOP) brings the record on the next pass, so no CQE ever
+ * makes more records than dp->room allows.
+ */
+#define DP_EXT_NOP 4
+#define DP_EXT_GEN_MASK 0x1fff
+/* CQEs kept for the plug-in's own: two polls, a NOP, removes and the
+   polls of an old fd completing late */
+#define DP_EXT_CQES 16
+
+_Static_assert(AUR_EXT_READ == UBLK_IO_OP_READ && AUR_EXT_WRITE == UBLK_IO_OP_WRITE,
+               "dp_ext.h's ops are ublk's");
+
+struct dp_ext {
+    const struct aur_dp_ext *ops;
+    void *ctx;
+    int fd;            /* what the polls in flight watch; -1: none */
+    unsigned gen;      /* fd's generation */
+    unsigned armed;    /* AUR_EXT_IN, AUR_EXT_OUT: its polls in flight */
+    int nop;           /* a NOP is in flight */
+    int py;            /* Python is to be told (by the NOP's completion) */
+};
+
+static uint64_t dp_ext_ud(unsigned gen, unsigned what)
+{
+    return DP_UD(DP_K_EXT, 0, 0, (gen & DP_EXT_GEN_MASK) << 3 | what);
+}
+
+/* Ask the plug-in what it wants, and make the polls say it: o, a CQE's
+   records (NULL: none may be added now). Returns 1 if SQEs were queued. */
+static int dp_ext_watch(struct aur_dp *dp, struct dp_out *o)
+{
+    struct dp_ext *e = dp->ext_map;
+    unsigned want, bit;
+    int fd = -1, queued = 0;
+
+    want = e->ops->wants(e->ctx, &fd);
+    if (fd != e->fd) {
+        for (bit = AUR_EXT_IN; bit <= AUR_EXT_OUT; bit <<= 1)
+            if ((e->armed & bit) && aur_prep(dp->r, IORING_OP_POLL_REMOVE, -1,
+                                             dp_ext_ud(e->gen, bit), 0, 0, 0, 0, 0,
+                                             dp_ext_ud(e->gen, 0)) == 0)
+                queued = 1;
+        e->armed = 0;
+        e->gen = (e->gen + 1) & DP_EXT_GEN_MASK;
+        e->fd = fd;
+    }
+    for (bit = AUR_EXT_IN; fd >= 0 && bit <= AUR_EXT_OUT; bit <<= 1) {
+        if (!(want & bit) || (e->armed & bit))
+            continue;
+        if (aur_prep(dp->r, IORING_OP_POLL_ADD, fd, 0, 0, 0,
+                     bit == AUR_EXT_IN ? POLLIN : POLLOUT, 0, 0, dp_ext_ud(e->gen, bit)) == 0) {
+            e->armed |= bit;
+            queued = 1;
+        }
+    }
+    if (want & AUR_EXT_PY)
+        e->py = 1;
+    if (e->py) {
+        if (o) {
+            dp_emit(o, DP_UD(AUR_DP_EV_EXT, 0, 0, 0), 0, 0);
+            e->py = 0;
+        } else if (!e->nop && aur_prep(dp->r, IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0,
+                                       dp_ext_ud(e->gen, DP_EXT_NOP)) == 0) {
+            e->nop = 1;
+            queued = 1;
+        }
+    }
+    return queued;
+}
+
+/* The plug-in's answer to (local, tag): the CQE it stands for, next pass. */
+static void dp_ext_done(struct aur_dp *dp, unsigned local, uint16_t tag, int err)
+{
+    struct dp_tag *t;
+
+    if (local >= dp->s.nr_queues || tag >= dp->s.depth)
+        return;
+    t = dp_tag(dp, local, tag);
+    if (!t->served || t->pending != 1 || dp->nr_done > dp->max_cqes)
+        return;  /* (not one it was given: never) */
+    dp->done[dp->nr_done++] = (struct dp_done){ DP_UD(DP_K_RW, local, tag, t->len >> 9),
+                                                err ? err : (int32_t)t->len };
+}
+
+static int dp_ext_kick(struct aur_dp *dp)
+{
+    uint64_t one = 1;
+    int queued;
+
+    if (!dp->ext_map)
+        return 0;
+    queued = dp_ext_watch(dp, NULL);
+    if (dp->nr_done && write(dp->r->efd, &one, sizeof(one)) < 0) {
+        /* the count is full: a wake-up is pending anyway */
+    }
+    return queued || dp->nr_done;
+}
+
+
+int aur_dp_map_extern(struct aur_dp *dp, const struct aur_dp_ext *ops, void *ctx)
+{
+    struct dp_ext *e;
+    int ret;
+
+    if (dp->ext_map)
+        return -EBUSY;
+    if (!ops || dp->max_cqes < 2 * DP_EXT_CQES)
+        return -EINVAL;
+    if (dp->s.mode != AUR_DP_COPY)  /* (the data must be in the tag's buffer) */
+        return 0;  /* never bound: the plug-in's owner serves everything */
+    if (!dp->done && !(dp->done = malloc((dp->max_cqes + 1) * sizeof(*dp->done))))
+        return -ENOMEM;
+    if (!(e = calloc(1, sizeof(*e))))
+        return -ENOMEM;
+    e->ops = ops;
+    e->ctx = ctx;
+    e->fd = -1;
+    ret = ops->bind(ctx, dp, dp->s.nr_queues, dp->s.depth, dp_ext_done, dp_ext_kick);
+    if (ret < 0) {
+        free(e);
+        return ret;
+    }
+    dp_new_map(dp, NULL, 0);  /* (the plug-in's fd changes with its connections) */
+    dp->max_cqes -= DP_EXT_CQES;
+    dp->ext_map = e;
+    dp->map = AUR_MAP_EXTERN;
+    dp_ext_watch(dp, NULL);
+    return 0;
+}
+
+/* dp_serve's step for AUR_MAP_EXTERN: 1 if the plug-in took the request. */
+static int dp_ext_serve(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
+                        unsigned op, uint64_t off, uint32_t len)
+{
+    struct dp_ext *e = dp->ext_map;
+    int ret;
+
+    /* one CQE held for its answer */
+    if (!dp->q[local].bufs || dp->cqes + 1 > dp->max_cqes)
+        return 0;
+    t->pending = 1;
+    t->cqes = 1;
+    t->served = 1;
+    ret = e->ops->submit(e->ctx, local, tag, op, off, len, dp_buf(dp, local, tag));
+    if (ret == 0) {
+        dp->cqes++;
+        dp->served++;
+        dp->inflight++;
+    } else {
+        t->pending = 0;
+        t->cqes = 0;
+        t->served = 0;
+    }
+    dp_ext_watch(dp, NULL);
+    return ret == 0;
+}
+
+static void dp_ext_cqe(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t res)
+{
+    struct dp_ext *e = dp->ext_map;
+    unsigned what = DP_AUX(ud) & 7, gen = DP_AUX(ud) >> 3;
+
+    if (!e)
+        return;
+    if (what == DP_EXT_NOP) {
+        e->nop = 0;
+    } else if (what == AUR_EXT_IN || what == AUR_EXT_OUT) {
+        if (gen != e->gen)
+            return;  /* a poll of an fd no longer watched */
+        e->armed &= ~what;
+        e->ops->ready(e->ctx, res);
+    } else {
+        return;  /* a remove's answer */
+    }
+    dp_ext_watch(dp, o);
+}
+
 /* A fetched request: 1 if C serves it, 0 if it is Python's. */
 static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
@@ -1034,6 +1233,8 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
        Python serves it there (null, above, has no data to move) */
     if (d->op_flags & UBLK_IO_F_SHMEM_ZC)
         return 0;
+    if (dp->map == AUR_MAP_EXTERN)
+        return dp_ext_serve(dp, t, local, tag, op, off, len);
     n = dp_resolve(dp, t, off, len, write, p);
     if (!n)
         return 0;
@@ -1256,6 +1457,9 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
         return;
     case DP_K_LOOP:
         dp_loop_ready(dp);
+        return;
+    case DP_K_EXT:
+        dp_ext_cqe(dp, o, ud, cqe->res);
         return;
     }
     dp_emit(o, ud, cqe->res, cqe->flags);

@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dp_ext.h"
 #include "extents.h"
 #include "ring.h"
 
@@ -31,6 +32,7 @@
 #define AUR_DP_EV_COMMIT 8    /* COMMIT_IO_CMDS refused an element (tag, res) */
 #define AUR_DP_EV_LOST 9      /* a request finished after the seal: not answered */
 #define AUR_DP_EV_IDLE 10     /* stopping, and C holds no request any more */
+#define AUR_DP_EV_EXT 20      /* the external map's plug-in asks Python to look */
 
 /* the most sectors a request may have: a piece's length is carried in aux
    (max_io_size is bounded by it) */
@@ -47,6 +49,7 @@
 #define AUR_MAP_STRIPED 3
 #define AUR_MAP_EXTENTS 4
 #define AUR_MAP_NVME 5     /* NVMe passthrough: one NVME_URING_CMD_IO per request */
+#define AUR_MAP_EXTERN 6   /* a plug-in's (dp_ext.h), copy mode only */
 
 /* copy modes C serves in */
 #define AUR_DP_COPY 0
@@ -116,6 +119,11 @@ int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_sh
 /* the namespace `nsid` behind generic char device fd, blocks of 1 << lba_shift
    bytes; the ring must have 128-byte SQEs */
 int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift);
+/* the plug-in whose table is ops (dp_ext.h), with its context ctx; -EBUSY
+   if the data plane has one already. Copy mode only: in the others it
+   returns 0 and binds nothing (every request stays Python's) */
+struct aur_dp_ext;
+int aur_dp_map_extern(struct aur_dp *dp, const struct aur_dp_ext *ops, void *ctx);
 
 void aur_dp_set_stopping(struct aur_dp *dp, int stopping);
 void aur_dp_set_sealed(struct aur_dp *dp, int sealed);

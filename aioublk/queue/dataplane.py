@@ -14,6 +14,11 @@ A target that knows where a request's bytes are returns a **map** from
 - ``Passthrough(fd, nsid, block_size)``: the device is NVMe namespace
   ``nsid`` behind generic char device ``fd``; each request is one
   ``NVME_URING_CMD_IO`` (the nvme target; its ring has 128-byte SQEs).
+- ``External(ops, ctx, wake, owner)``: a plug-in in another C extension
+  moves the data (the nbd target's, over its NBD connection): C hands it
+  each READ and WRITE through a table of function pointers
+  (``csrc/dp_ext.h``), watches its fd on the queue's ring, and calls
+  ``wake`` when it asks for Python. Copy mode only.
 
 Each queue worker serves, in C and with the GIL released, every READ and
 non-FUA WRITE its map resolves, from the fetch to the commit. What the map
@@ -32,7 +37,7 @@ logs every request) keeps every request in Python.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,12 +92,26 @@ class Passthrough:
     block_size: int
 
 
-Map = Null | Linear | Striped | Extents | Passthrough
+@dataclass(frozen=True, slots=True)
+class External:
+    """A plug-in's ``struct aur_dp_ext`` table at address ``ops`` with its
+    context at ``ctx`` (both in another extension, held alive by ``owner``
+    for as long as the data plane lives); ``wake`` runs on the worker's
+    loop when the plug-in asks Python to look (its connection died, its
+    commands for Python completed)."""
+
+    ops: int
+    ctx: int
+    wake: Callable[[], None]
+    owner: object
+
+
+Map = Null | Linear | Striped | Extents | Passthrough | External
 
 #: the kinds of record the data plane hands to Python (the kind in its user_data)
-EV_IO, EV_FETCH, EV_TAG, EV_RETRY, EV_COMMIT, EV_LOST, EV_IDLE = (
+EV_IO, EV_FETCH, EV_TAG, EV_RETRY, EV_COMMIT, EV_LOST, EV_IDLE, EV_EXT = (
     lib.AUR_DP_EV_IO, lib.AUR_DP_EV_FETCH, lib.AUR_DP_EV_TAG, lib.AUR_DP_EV_RETRY,
-    lib.AUR_DP_EV_COMMIT, lib.AUR_DP_EV_LOST, lib.AUR_DP_EV_IDLE)
+    lib.AUR_DP_EV_COMMIT, lib.AUR_DP_EV_LOST, lib.AUR_DP_EV_IDLE, lib.AUR_DP_EV_EXT)
 
 # the layout's fields, as C defines them (dataplane.h)
 _KIND_SHIFT, _KIND_MASK = lib.AUR_DP_UD_KIND_SHIFT, lib.AUR_DP_UD_KIND_MASK
@@ -165,11 +184,19 @@ class DataPlane:
                                          -1 if m.slot is None else m.slot)
         elif isinstance(m, Passthrough):
             ret = lib.aur_dp_map_nvme(self.c, m.fd, m.nsid, m.block_size.bit_length() - 1)
+        elif isinstance(m, External):
+            ret = lib.aur_dp_map_extern(self.c, ffi.cast("const struct aur_dp_ext *", m.ops),
+                                        ffi.cast("void *", m.ctx))
         else:
             raise TypeError(f"not a data-plane map: {m!r}")
         if ret < 0:
             raise OSError(-ret, f"the data plane refused {m!r}: {os.strerror(-ret)}")
         self.map = m
+
+    def wake(self) -> None:
+        """The external map's plug-in asked for Python (``EV_EXT``)."""
+        if isinstance(self.map, External):
+            self.map.wake()
 
     @property
     def inflight(self) -> int:

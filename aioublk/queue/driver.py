@@ -25,7 +25,7 @@ from aioublk import logs
 from aioublk._uring import ffi, lib
 from aioublk.kernel import uapi
 from aioublk.queue import dataplane
-from aioublk.queue.dataplane import EV_IDLE, EV_LOST, EV_RETRY, DataPlane, decode
+from aioublk.queue.dataplane import EV_EXT, EV_IDLE, EV_LOST, EV_RETRY, DataPlane, decode
 from aioublk.queue.lifecycle import Action, Event, Lifecycle, State, Table
 from aioublk.queue.options import CopyMode, DeviceConfig
 from aioublk.ring import Ring, keep
@@ -498,6 +498,8 @@ class Driver:
         elif kind == EV_LOST:
             self.w.log.warning("request finished after the final write-back: left to the "
                                "kernel", tag=tag)
+        elif kind == EV_EXT:
+            self.dp.wake()
         else:
             self.event(kind, local, tag, aux, res, flags)
 

@@ -10,18 +10,25 @@ a command's completion is recorded in C (``anbd_done``: our request id and
 its errno) and reaped in bulk after each ``nbd_aio_notify_*``, as the ring's
 CQEs are, rather than calling into Python once per completion.
 
+The data plane's plug-in (``anbd_ext``, ``csrc/nbd.c``) sends the reads and
+writes the worker's data plane hands it, on the connection Python made,
+with no Python per request; its table reaches ``aioublk._uring`` as an
+address, once (``dataplane.External``). Its C is ``csrc/nbd.c``.
+
 Supported: libnbd >= 1.14 (Debian 12).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from pathlib import Path
+
 import cffi
 
-CDEF = """
+#: libnbd's part: its functions as they are, and its constants
+LIBNBD_CDEF = """
 struct nbd_handle;
-struct anbd_q;
-struct anbd_done { uint64_t id; int32_t error; };
-
 struct nbd_handle *nbd_create(void);
 void nbd_close(struct nbd_handle *h);
 const char *nbd_get_error(void);
@@ -34,8 +41,6 @@ int nbd_set_uri_allow_tls(struct nbd_handle *h, int tls);
 int nbd_set_tls_certificates(struct nbd_handle *h, const char *dir);
 int nbd_aio_connect_uri(struct nbd_handle *h, const char *uri);
 int nbd_poll(struct nbd_handle *h, int timeout);
-int anbd_can_tls_hostname(void);
-int anbd_set_tls_hostname(struct nbd_handle *h, const char *hostname);
 int nbd_shutdown(struct nbd_handle *h, uint32_t flags);
 
 int nbd_aio_get_fd(struct nbd_handle *h);
@@ -59,19 +64,6 @@ int nbd_can_fast_zero(struct nbd_handle *h);
 int nbd_can_multi_conn(struct nbd_handle *h);
 int nbd_get_structured_replies_negotiated(struct nbd_handle *h);
 
-struct anbd_q *anbd_q_new(void);
-void anbd_q_free(struct anbd_q *q);
-unsigned anbd_reap(struct anbd_q *q, struct anbd_done *out, unsigned max);
-int64_t anbd_pread(struct nbd_handle *h, struct anbd_q *q, void *buf, size_t count,
-                   uint64_t offset, uint64_t id, uint32_t flags);
-int64_t anbd_pwrite(struct nbd_handle *h, struct anbd_q *q, const void *buf, size_t count,
-                    uint64_t offset, uint64_t id, uint32_t flags);
-int64_t anbd_flush(struct nbd_handle *h, struct anbd_q *q, uint64_t id, uint32_t flags);
-int64_t anbd_trim(struct nbd_handle *h, struct anbd_q *q, uint64_t count, uint64_t offset,
-                  uint64_t id, uint32_t flags);
-int64_t anbd_zero(struct nbd_handle *h, struct anbd_q *q, uint64_t count, uint64_t offset,
-                  uint64_t id, uint32_t flags);
-
 #define LIBNBD_SIZE_MINIMUM ...
 #define LIBNBD_SIZE_PREFERRED ...
 #define LIBNBD_SIZE_MAXIMUM ...
@@ -85,141 +77,30 @@ int64_t anbd_zero(struct nbd_handle *h, struct anbd_q *q, uint64_t count, uint64
 #define LIBNBD_SHUTDOWN_ABANDON_PENDING ...
 """
 
-SOURCE = r"""
-#include <errno.h>
-#include <stdbool.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <libnbd.h>
+#: the C is in csrc/nbd.c, declared in csrc/nbd.h; the plug-in's table is
+#: the data plane's (aioublk/csrc/dp_ext.h)
+_CSRC = Path(__file__).parent / "csrc"
+_DP = Path(__file__).parent.parent / "csrc"
 
-struct anbd_done { uint64_t id; int32_t error; };
 
-/* the completions not yet reaped, in the order they came */
-struct anbd_q { struct anbd_done *done; unsigned n, cap; };
+def _cdef_of(header: Path) -> str:
+    """The header's cdef region, read as ``aioublk/_uring_build.py`` reads
+    the data plane's (loaded by path: a build script is not imported)."""
+    spec = importlib.util.spec_from_file_location(
+        "_aioublk_uring_build", Path(__file__).parent.parent / "_uring_build.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return str(build._cdef_of(header))
 
-/* one command's callback data: which queue, which request */
-struct anbd_cmd { struct anbd_q *q; uint64_t id; };
 
-/* the TLS host name a certificate must hold, where libnbd can take it
-   (1.22); older ones check only a TCP URI's host, and nothing over a unix socket */
-int anbd_can_tls_hostname(void)
-{
-#ifdef LIBNBD_HAVE_NBD_SET_TLS_HOSTNAME
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-int anbd_set_tls_hostname(struct nbd_handle *h, const char *hostname)
-{
-#ifdef LIBNBD_HAVE_NBD_SET_TLS_HOSTNAME
-    return nbd_set_tls_hostname(h, hostname);
-#else
-    (void)h;
-    (void)hostname;
-    return -1;
-#endif
-}
-
-struct anbd_q *anbd_q_new(void)
-{
-    return calloc(1, sizeof(struct anbd_q));
-}
-
-/* only after nbd_close of every handle using q: closing runs the callbacks
-   of the commands still in flight */
-void anbd_q_free(struct anbd_q *q)
-{
-    free(q->done);
-    free(q);
-}
-
-static int anbd_completed(void *user_data, int *error)
-{
-    struct anbd_cmd *c = user_data;
-    struct anbd_q *q = c->q;
-
-    if (q->n == q->cap) {
-        unsigned cap = q->cap ? 2 * q->cap : 64;
-        struct anbd_done *d = realloc(q->done, cap * sizeof(*d));
-
-        if (!d)
-            abort();  /* a lost completion would hang its request forever */
-        q->done = d;
-        q->cap = cap;
-    }
-    q->done[q->n].id = c->id;
-    q->done[q->n].error = *error;
-    q->n++;
-    return 1;  /* retire the command: its cookie is not polled */
-}
-
-unsigned anbd_reap(struct anbd_q *q, struct anbd_done *out, unsigned max)
-{
-    unsigned n = q->n < max ? q->n : max;
-
-    memcpy(out, q->done, n * sizeof(*out));
-    memmove(q->done, q->done + n, (q->n - n) * sizeof(*out));
-    q->n -= n;
-    return n;
-}
-
-static nbd_completion_callback anbd_cb(struct anbd_q *q, uint64_t id, int *ok)
-{
-    struct anbd_cmd *c = malloc(sizeof(*c));
-    nbd_completion_callback cb = { .callback = anbd_completed, .user_data = c, .free = free };
-
-    *ok = c != NULL;
-    if (c) {
-        c->q = q;
-        c->id = id;
-    }
-    return cb;
-}
-
-#define ANBD_CALL(call) do { \
-        int ok; \
-        nbd_completion_callback cb = anbd_cb(q, id, &ok); \
-        if (!ok) \
-            return -1; \
-        return call; \
-    } while (0)
-
-int64_t anbd_pread(struct nbd_handle *h, struct anbd_q *q, void *buf, size_t count,
-                   uint64_t offset, uint64_t id, uint32_t flags)
-{
-    ANBD_CALL(nbd_aio_pread(h, buf, count, offset, cb, flags));
-}
-
-int64_t anbd_pwrite(struct nbd_handle *h, struct anbd_q *q, const void *buf, size_t count,
-                    uint64_t offset, uint64_t id, uint32_t flags)
-{
-    ANBD_CALL(nbd_aio_pwrite(h, buf, count, offset, cb, flags));
-}
-
-int64_t anbd_flush(struct nbd_handle *h, struct anbd_q *q, uint64_t id, uint32_t flags)
-{
-    ANBD_CALL(nbd_aio_flush(h, cb, flags));
-}
-
-int64_t anbd_trim(struct nbd_handle *h, struct anbd_q *q, uint64_t count, uint64_t offset,
-                  uint64_t id, uint32_t flags)
-{
-    ANBD_CALL(nbd_aio_trim(h, count, offset, cb, flags));
-}
-
-int64_t anbd_zero(struct nbd_handle *h, struct anbd_q *q, uint64_t count, uint64_t offset,
-                  uint64_t id, uint32_t flags)
-{
-    ANBD_CALL(nbd_aio_zero(h, count, offset, cb, flags));
-}
-"""
+CDEF = LIBNBD_CDEF + _cdef_of(_CSRC / "nbd.h")
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)
-ffibuilder.set_source("aioublk.targets._nbd", SOURCE, libraries=["nbd"])
+ffibuilder.set_source("aioublk.targets._nbd", '#include "nbd.h"\n',
+                      sources=[os.path.relpath(_CSRC / "nbd.c")], libraries=["nbd"],
+                      include_dirs=[str(_CSRC), str(_DP)])
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -5,10 +5,24 @@ Why libnbd rather than the protocol over the queue's ring: it is the NBD
 project's maintained client (handshake, structured replies, block-size
 constraints, TLS through gnutls), and its asynchronous API fits a queue's
 loop as it is: one socket fd, a readiness direction, and commands pipelined
-on it with no thread. Each request is a coroutine awaiting a future; the
-fd is watched with ``add_reader`` (always) and ``add_writer`` (while libnbd
-has bytes to send), and after each ``nbd_aio_notify_*`` the completions the
-C side recorded are reaped in bulk and resolve their futures.
+on it with no thread.
+
+Reads and writes go in C: the target's map is the nbd extension's plug-in
+(``csrc/nbd.c``, ``dataplane.External``). Once a queue's data plane has
+taken it and Python has connected, the handle is plugged in: the data plane
+hands the plug-in every READ and non-FUA WRITE, which it sends with libnbd
+on the worker's thread into or from the tag's buffer; the socket is watched
+by polls on the queue's ring, and each completion commits its request, all
+without Python. Python keeps the rest on the same handle (flush, trim,
+zeroes, FUA writes, and every request C hands back: one answered with an
+error, or lost with its connection), and everything while no handle is
+plugged (connecting, reconnecting, other copy modes): there each request is
+a coroutine awaiting a future (or the task-free ``start_read``), the fd is
+watched with ``add_reader`` (always) and ``add_writer`` (while libnbd has
+bytes to send), and after each ``nbd_aio_notify_*`` the completions the C
+side recorded are reaped in bulk and resolve their futures. When C sees
+the handle die it lets go of it at once and tells Python (``EV_EXT``),
+which reconnects as below and plugs the new handle in.
 
 Connections: one per queue loop when the server advertises multi-conn (its
 connections then share one consistent cache, so a flush on one covers
@@ -60,6 +74,8 @@ from typing import Any
 
 from aioublk import logs
 from aioublk.errors import Error
+from aioublk.queue.dataplane import External
+from aioublk.ring import Ring, current_ring
 from aioublk.target import Done, Geometry, QueueContext, Target, current_queue
 
 log = logs.get_logger("aioublk.nbd")
@@ -202,6 +218,34 @@ class _Link:
         self.ready: asyncio.Future[None] | None = None
         self.reconnecting: asyncio.Task[None] | None = None
         self.why = ""
+        #: the data plane's plug-in (``external``): once a data plane took it,
+        #: a connected handle is plugged in and C sends reads and writes on
+        #: it and watches its socket on the queue's ring, not the loop
+        self.ext: Any = None
+        self.plugged = False
+        self.ring: Ring | None = None
+
+    def external(self) -> External:
+        """The data plane's map: this connection's plug-in (``csrc/nbd.c``)."""
+        ffi, lib = self.ffi, self.lib
+        ext = lib.anbd_ext_new(int(self.t.read_only), self.q)
+        if ext == ffi.NULL:
+            raise MemoryError("the NBD data plane plug-in")
+        self.ext = ffi.gc(ext, lib.anbd_ext_free)  # freed after the data plane that holds it
+        self.ring = current_ring()
+        return External(int(ffi.cast("uintptr_t", lib.anbd_ext_ops())),
+                        int(ffi.cast("uintptr_t", ext)), self.wake, self.ext)
+
+    def wake(self) -> None:
+        """The plug-in asks for Python: it was bound, its handle died, or
+        commands of ours on it completed."""
+        if self.h is not None:
+            self._progress()
+
+    def _kicked(self, ret: int) -> None:
+        """After C was told something: its ring has work to submit."""
+        if ret and self.ring is not None:
+            self.ring.request_flush()
 
     # ------------------------------------------------------- connecting --
 
@@ -223,14 +267,20 @@ class _Link:
             self._drop()
             raise
         self.up = True
+        if self.ext is not None:  # (plugged into C if a data plane took it)
+            self._progress()
 
     def _progress(self) -> None:
         """After libnbd did something: reap completions, follow its fd and
         direction, notice a connection made or lost."""
         lib, h = self.lib, self.h
+        if self.plugged:  # (C lets go of a dead handle here)
+            self._kicked(lib.anbd_ext_kick(self.ext))
         dead = bool(lib.nbd_aio_is_dead(h) or lib.nbd_aio_is_closed(h))
         self._reap(dead)
         if dead:
+            if self.plugged and not self.why:
+                self.why = self.ffi.string(lib.anbd_ext_why(self.ext)).decode(errors="replace")
             if self.ready is not None and not self.ready.done():
                 self.ready.set_exception(NbdError(
                     f"NBD server {self.t.uri}: {self.why or 'connection closed'}"))
@@ -239,6 +289,13 @@ class _Link:
             return
         if self.ready is not None and not self.ready.done() and lib.nbd_aio_is_ready(h):
             self.ready.set_result(None)
+        if self.plugged:
+            return
+        if self.up and self.ext is not None and lib.anbd_ext_bound(self.ext):
+            self._unwatch()  # the ring watches it from now on
+            self.plugged = True
+            self._kicked(lib.anbd_ext_plug(self.ext, h))
+            return
         fd = lib.nbd_aio_get_fd(h)
         if fd != self.nbd_fd:  # connecting to the next address of a host makes a new socket
             self._unwatch()
@@ -269,12 +326,21 @@ class _Link:
         self.fd, self.nbd_fd, self.writing = -1, -1, False
 
     def _drop(self) -> None:
-        """Close the handle; its commands still in flight are held."""
+        """Close the handle; its commands still in flight are held (C's
+        come back to Python as retries)."""
+        self._unplug()
         self._unwatch()
         h, self.h, self.up = self.h, None, False
         if h is not None:
             self.lib.nbd_close(h)  # runs the callbacks of what was in flight
+            if self.ext is not None:  # C's answers wait for its next pass
+                self._kicked(self.lib.anbd_ext_kick(self.ext))
             self._reap(True)
+
+    def _unplug(self) -> None:
+        if self.plugged:
+            self.plugged = False
+            self._kicked(self.lib.anbd_ext_plug(self.ext, self.ffi.NULL))
 
     def _reap(self, lost: bool) -> None:
         lib = self.lib
@@ -369,6 +435,7 @@ class _Link:
         if self.reconnecting is not None:
             self.reconnecting.cancel()
             await asyncio.wait([self.reconnecting])
+        self._unplug()  # (before the goodbye: nothing but libnbd reads the socket)
         if self.h is not None and self.up:
             self.lib.nbd_shutdown(self.h, 0)
         self._drop()
@@ -531,6 +598,12 @@ class NbdTarget(Target):
     def _link(self) -> _Link:
         link: _Link = current_queue().state["nbd"]
         return link
+
+    def map(self) -> External:
+        """The data plane sends this loop's reads and writes itself, on the
+        connection Python made (``csrc/nbd.c``); the rest (flush, trim,
+        zeroes, FUA, what C hands back) comes to the coroutines."""
+        return self._link().external()
 
     # ------------------------------------------------------- requests ---
 

@@ -1,0 +1,231 @@
+"""The nbd target's data-plane plug-in (``csrc/nbd.c``) against real NBD
+servers on the host: the C data plane sends reads and writes on the
+connection Python made and commits them with no Python per request. The
+test plays the kernel as test_dp_hardening's does (a request is fetched by
+a NOP, its commit goes to a pipe that refuses it: an EV_IO record of its
+tag); the connection's socket is watched on the same ring."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aioublk._uring import lib as ulib
+from aioublk.kernel import uapi
+from aioublk.queue.dataplane import EV_EXT, EV_IO, EV_RETRY, External, decode
+from aioublk.ring import Ring
+from aioublk.target import QueueContext, setup_queue, teardown_queue
+from aioublk.targets.nbd import NbdTarget
+from tests.host import test_nbd_host
+from tests.host.test_dp_hardening import Plane
+from tests.host.test_nbd_host import SIZE, Server, pytestmark  # noqa: F401 - its skips
+
+DEPTH, MAX_IO = 8, 128 << 10
+#: qemu-nbd serving this module's disk
+qemu_nbd = test_nbd_host.qemu_nbd
+
+
+class NbdPlane(Plane):
+    """Plane whose plug-in asks for Python as the driver routes it (EV_EXT)."""
+
+    def _on_event(self, ud: int, res: int, flags: int) -> None:
+        if decode(ud)[0] == EV_EXT:
+            self.dp.wake()
+            return
+        super()._on_event(ud, res, flags)
+
+    def answered(self, tag: int) -> list[tuple[int, int, int, int]]:
+        return [e for e in self.events if e[1] == tag]
+
+    @property
+    def counts(self) -> Any:
+        return self.dp.counts[0]
+
+
+class Rig:
+    """A target connected on the test's loop, its map in a data plane."""
+
+    def __init__(self, t: NbdTarget, q: QueueContext, plane: NbdPlane) -> None:
+        self.t, self.q, self.plane = t, q, plane
+        self.link = q.state["nbd"]
+
+    async def plugged(self, want: bool = True) -> None:
+        await self.plane.wait_for(lambda: self.link.plugged == want, timeout=20)
+
+    async def rw(self, tag: int, op: int, offset: int, length: int) -> tuple[int, int, int, int]:
+        """One request, fetched and waited for: its first record."""
+        self.plane.events.clear()
+        self.plane.fetch(tag, op, length >> 9, offset >> 9)
+        await self.plane.wait_for(lambda: self.plane.answered(tag))
+        return self.plane.answered(tag)[0]
+
+
+@contextlib.asynccontextmanager
+async def rig_of(uri: str, **kw: Any) -> AsyncIterator[Rig]:
+    """The target on this loop, its map in a data plane on a ring of its
+    own, its connection plugged in."""
+    ring = Ring(64, bind_thread=True)
+    try:
+        t = NbdTarget(uri, **kw)
+        q = QueueContext(0, (0,), asyncio.get_running_loop())
+        await setup_queue(t, q)
+        plane = None
+        try:
+            m = t.map()
+            assert isinstance(m, External)
+            plane = NbdPlane(ring, -1, depth=DEPTH, max_io=MAX_IO, map=m)
+            rig = Rig(t, q, plane)
+            await rig.plugged()
+            yield rig
+        finally:
+            await teardown_queue(t, q)
+            if plane is not None:
+                plane.close()
+    finally:
+        ring.close()
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Path:
+    path = tmp_path / "disk.raw"
+    with open(path, "wb") as f:  # data in the first half, a hole after it
+        f.write(os.urandom(SIZE // 2))
+        f.truncate(SIZE)
+    return path
+
+
+def _io_done(ev: tuple[int, int, int, int]) -> bool:
+    """The record of a commit C sent (the pipe refused it), not a hand-over."""
+    return ev[0] == EV_IO and ev[3] < 0
+
+
+@pytest.mark.asyncio
+async def test_reads_and_writes_are_served_in_c(qemu_nbd: Server, disk: Path) -> None:
+    """4k and 128k writes then reads of the same ranges: every one sent,
+    answered and committed by C (no record but its commit), the bytes in
+    the server's file and back in the tag buffers."""
+    async with rig_of(qemu_nbd.uri()) as rig:
+        p = rig.plane
+        writes = [(0, 4096, 1 << 20), (1, MAX_IO, 2 << 20)]
+        datas = {}
+        for tag, n, off in writes:
+            datas[tag] = os.urandom(n)
+            p.buf(tag)[:n] = datas[tag]
+            assert _io_done(await rig.rw(tag, uapi.Op.WRITE, off, n))
+        raw = disk.read_bytes()
+        for tag, n, off in writes:
+            assert raw[off:off + n] == datas[tag]
+        for tag, n, off in writes:
+            p.buf(tag + 2)[:n] = bytes(n)
+            assert _io_done(await rig.rw(tag + 2, uapi.Op.READ, off, n))
+            assert bytes(p.buf(tag + 2)[:n]) == datas[tag]
+        assert (p.counts.c_served, p.counts.py_handed) == (4, 0)
+        assert rig.t.lib.anbd_ext_sent(rig.link.ext) == 4
+
+
+@pytest.mark.asyncio
+async def test_structured_replies_with_holes_fill_the_buffer(qemu_nbd: Server,
+                                                             disk: Path) -> None:
+    """qemu-nbd answers a read over a hole with structured reply chunks
+    (OFFSET_HOLE): libnbd zeroes those parts of the tag buffer, which held
+    garbage, and C commits the read whole."""
+    async with rig_of(qemu_nbd.uri()) as rig:
+        assert rig.t.lib.nbd_get_structured_replies_negotiated(rig.link.h) == 1
+        p = rig.plane
+        off = SIZE // 2 - MAX_IO // 2  # half data, half hole
+        p.buf(5)[:MAX_IO] = b"\xa5" * MAX_IO
+        assert _io_done(await rig.rw(5, uapi.Op.READ, off, MAX_IO))
+        want = disk.read_bytes()[off:off + MAX_IO]
+        assert want[MAX_IO // 2:] == bytes(MAX_IO // 2)
+        assert bytes(p.buf(5)[:MAX_IO]) == want
+        assert p.counts.c_served == 1
+
+
+@pytest.mark.asyncio
+async def test_a_server_error_hands_the_request_to_python(tmp_path: Path) -> None:
+    """nbdkit's error filter fails reads while its file exists: C does not
+    answer the request, it hands it to Python (EV_RETRY with the error);
+    the same read afterwards is C's again."""
+    sock, inject = tmp_path / "kit.sock", tmp_path / "inject"
+    kit = Server(["nbdkit", "-f", "-U", str(sock), "--filter=error", "memory", f"size={SIZE}",
+                  "error-pread=EIO", "error-pread-rate=100%", f"error-pread-file={inject}"],
+                 sock).start()
+    try:
+        async with rig_of(kit.uri("")) as rig:
+            inject.touch()
+            assert (await rig.rw(0, uapi.Op.READ, 0, 4096))[::3] == (EV_RETRY, -errno.EIO)
+            assert (rig.plane.counts.c_served, rig.plane.counts.py_handed) == (0, 1)
+            assert rig.link.plugged  # an answer with an error is not a lost connection
+            inject.unlink()
+            assert _io_done(await rig.rw(0, uapi.Op.READ, 0, 4096))
+            assert rig.plane.counts.c_served == 1
+    finally:
+        kit.kill()
+
+
+@pytest.mark.asyncio
+async def test_connection_lost_requests_go_to_python_until_it_reconnects(
+        qemu_nbd: Server, disk: Path) -> None:
+    """The server stops with C's writes in flight, then dies: C hands them
+    to Python (EV_RETRY), lets go of the dead handle (a new request is
+    Python's, EV_IO with res 0, not sent on it), and Python, told through
+    EV_EXT, reconnects; its coroutines resend what C handed back, and once
+    the new handle is plugged in C serves again."""
+    async with rig_of(qemu_nbd.uri(), reconnect_timeout=20) as rig:
+        p, t = rig.plane, rig.t
+        assert qemu_nbd.proc is not None
+        qemu_nbd.proc.send_signal(signal.SIGSTOP)
+        datas = {tag: os.urandom(4096) for tag in range(4)}
+        p.events.clear()
+        for tag, data in datas.items():
+            p.buf(tag)[:4096] = data
+            p.fetch(tag, uapi.Op.WRITE, 8, tag * 8)
+        await p.wait_for(lambda: ulib.aur_dp_inflight(p.dp.c) == 4)
+        qemu_nbd.kill()
+        await p.wait_for(lambda: len([e for e in p.events if e[0] == EV_RETRY]) == 4)
+        assert not any(_io_done(e) for e in p.events)
+        await rig.plugged(False)
+        p.events.clear()
+        p.fetch(4, uapi.Op.READ, 8, 0)
+        await p.wait_for(lambda: p.answered(4))
+        assert p.answered(4) == [(EV_IO, 4, 0, 0)]  # fetched, and Python's
+        # Python serves what C handed back, as the driver would: held until it reconnects
+        resent = [asyncio.ensure_future(t.write(tag * 4096, p.buf(tag)[:4096])) for tag in datas]
+        qemu_nbd.start()
+        await rig.plugged()
+        await p.wait_for(lambda: all(w.done() for w in resent), timeout=20)
+        await asyncio.gather(*resent)
+        assert disk.read_bytes()[:4 * 4096] == b"".join(datas.values())
+        before = p.counts.c_served
+        assert _io_done(await rig.rw(5, uapi.Op.READ, 4096, 4096))
+        assert bytes(p.buf(5)[:4096]) == datas[1]
+        assert p.counts.c_served == before + 1
+
+
+@pytest.mark.asyncio
+async def test_pythons_own_commands_complete_on_the_plugged_handle(qemu_nbd: Server,
+                                                                   disk: Path) -> None:
+    """Flush, zeroes and a FUA write (the coroutines' share) go on the
+    handle C watches: their completions reach Python through EV_EXT."""
+    async with rig_of(qemu_nbd.uri()) as rig:
+        t, p = rig.t, rig.plane
+
+        async def run(coro: Any) -> None:
+            task = asyncio.ensure_future(coro)
+            await p.wait_for(task.done)
+            await task
+
+        data = bytearray(os.urandom(8192))
+        await run(t.write(8192, memoryview(data), fua=True))
+        await run(t.write_zeroes(8192, 4096, unmap=False))
+        await run(t.flush())
+        assert disk.read_bytes()[8192:16384] == bytes(4096) + data[4096:]
+        assert rig.link.plugged
