@@ -86,8 +86,9 @@ def run_guest(module: str, args: list[str], timeout: float, cpus: int = 2,
               here: bool = True) -> tuple[int, Data | None]:
     """Run ``python -m MODULE ARGS --inner [KUBLK] [INNER...] OUT`` in the guest (or here
     when this host has ublk_drv and `here`), building kublk first if `kublk`: (exit
-    status, the JSON it left in OUT or None)."""
-    from aioublk.testing.guest import run_in_guest
+    status, the JSON it left in OUT or None). ``AIOUBLK_GUEST_ACCEL`` picks the
+    accelerator, as for the tests (tcg where a KVM probe passes but guests fail)."""
+    from aioublk.testing.guest import default_accel, run_in_guest
 
     peer: list[str] = []
     if kublk:
@@ -101,7 +102,7 @@ def run_guest(module: str, args: list[str], timeout: float, cpus: int = 2,
             code = subprocess.run(argv, cwd=ROOT).returncode
         else:
             code = run_in_guest(argv, [rw], memory=memory, cpus=cpus, timeout=timeout,
-                                cwd=ROOT)
+                                cwd=ROOT, accel=default_accel())
         if not out.exists():
             print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
             return code, None
