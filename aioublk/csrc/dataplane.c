@@ -49,9 +49,8 @@
  * thread may read them while the worker closes.
  *
  * Latency (aur_dp_set_timing, off unless metrics asked for it): every
- * request is fetched and committed here, whichever side served it, so the
- * clock read at fetch and at commit times both paths; one read serves a
- * whole batch of CQEs (dp_batch_ns). Off, it costs a
+ * request is fetched and committed here, whichever side served it, so one
+ * clock read at fetch and one at commit time both paths. Off, it costs a
  * test of a flag at fetch and of the tag's stamp at commit. The buckets are
  * plain counters another thread reads while they move: a read may be one
  * request behind, never more (64-bit loads do not tear on the targets we
@@ -176,10 +175,6 @@ struct aur_dp {
     uint32_t nsid;          /* AUR_MAP_NVME */
     unsigned lba_shift;
     int stopping, sealed, timing;
-    /* timing: the clock as read for the batch of CQEs that starts at CQ head
-       clock_head (dp_batch_ns); 0: none read yet */
-    uint64_t clock_ns;
-    unsigned clock_head;
     unsigned inflight;
     unsigned served;        /* requests C took, ever (wraps) */
     unsigned completed;     /* requests C completed, ever (wraps) */
@@ -362,34 +357,7 @@ static uint64_t dp_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
-/*
- * The clock once per batch of CQEs, not twice per request (two reads,
- * ~45 ns on a build machine, are a large part of what C spends on a
- * request it serves from the null or a linear map): every CQE of
- * one batch was in the CQ before C began it, so the time C read at its
- * first fetch is, for every fetch after it, between its arrival and the
- * moment C saw it. A batch is known by the CQ head it starts at, which
- * stays put until C has handled all of it and then moves on for good.
- * Only a fetch keeps the time it read: a commit Python answered outside
- * any batch, or C completed after the head moved on (inline I/O), reads
- * its own, and so never hands a time to a later batch.
- */
-static uint64_t dp_batch_ns(struct aur_dp *dp, int keep)
-{
-    unsigned head = IO_URING_READ_ONCE(*dp->r->ring.cq.khead);
-    uint64_t now;
-
-    if (dp->clock_ns && dp->clock_head == head)
-        return dp->clock_ns;
-    now = dp_now_ns();
-    if (keep) {
-        dp->clock_ns = now;
-        dp->clock_head = head;
-    }
-    return now;
-}
-
-/* A request was fetched (while C handles its CQE): stamp it, when timing. */
+/* A request was fetched: stamp it, when timing. */
 static void dp_clock_start(struct aur_dp *dp, unsigned local, uint16_t tag)
 {
     struct dp_queue *q = &dp->q[local];
@@ -399,13 +367,13 @@ static void dp_clock_start(struct aur_dp *dp, unsigned local, uint16_t tag)
         return;
     op = ublksrv_get_op(&q->descs[tag]);
     q->tags[tag].lat_op = (uint8_t)(op < AUR_LAT_OPS - 1 ? op : AUR_LAT_OPS - 1);
-    q->tags[tag].t0 = dp_batch_ns(dp, 1);
+    q->tags[tag].t0 = dp_now_ns();
 }
 
 /* Its answer: into the op's log2 bucket (once: a refused commit answers again). */
-static void dp_clock_stop(struct aur_dp *dp, struct aur_dp_counts *c, struct dp_tag *t)
+static void dp_clock_stop(struct aur_dp_counts *c, struct dp_tag *t)
 {
-    uint64_t ns = dp_batch_ns(dp, 0) - t->t0, units = ns >> 10;
+    uint64_t ns = dp_now_ns() - t->t0, units = ns >> 10;
     unsigned b = units ? 64 - (unsigned)__builtin_clzll(units) : 0;
 
     t->t0 = 0;
@@ -711,7 +679,7 @@ static int dp_commit(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t re
     struct aur_dp_counts *c = dp->q[local].counts;
 
     if (dp->q[local].tags[tag].t0)
-        dp_clock_stop(dp, c, &dp->q[local].tags[tag]);
+        dp_clock_stop(c, &dp->q[local].tags[tag]);
     c->ios++;
     if (res > 0)
         c->bytes += (uint64_t)res;

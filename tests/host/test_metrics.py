@@ -147,66 +147,6 @@ async def test_no_timing_unless_enabled() -> None:
         ring.close()
 
 
-def _timed_plane(ring: Any) -> Any:
-    """A data plane on the null map (C serves reads, Python flushes), timing."""
-    from tests.host.test_dp_hardening import Plane
-
-    plane = Plane(ring, -1, depth=8, map=dataplane.Null())
-    plane.dp.set_timing(True)
-    return plane
-
-
-async def _fetch(plane: Any, fetches: list[tuple[int, int]], events: int) -> None:
-    """The kernel hands each (tag, op) a 4 KiB request, all in one submit
-    (one batch of CQEs); until `events` records reached Python."""
-    for tag, op in fetches:
-        uapi.IO_DESC.pack_into(plane.descs, tag * uapi.IO_DESC.size, op, 8, 0, 0)
-        assert lib.aur_prep(plane.ring.raw, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0,
-                            dataplane.encode(dataplane.EV_IO, 0, tag)) == 0
-    plane.ring.submit_now()
-    await plane.wait_for(lambda: len(plane.events) >= events)
-
-
-@pytest.mark.asyncio
-async def test_requests_of_one_batch_read_the_clock_once() -> None:
-    """C serves eight null reads fetched together: one clock read stamps them
-    all and their commits in the same batch, so none took any time at all
-    (with a read per fetch and per commit, their sum could not be 0)."""
-    from aioublk.ring import Ring
-
-    plane = _timed_plane(Ring(64))
-    try:
-        await _fetch(plane, [(tag, uapi.Op.READ) for tag in range(8)], 8)
-        c = plane.dp.counts[0]
-        assert c.ios == 8 and c.c_served == 8
-        assert list(c.lat[0])[0] == 8 and c.lat_ns[0] == 0
-    finally:
-        plane.close()
-
-
-@pytest.mark.asyncio
-async def test_a_batchs_time_never_stamps_a_later_one_nor_pythons_answer() -> None:
-    """A flush Python answers 20 ms after its fetch is timed to its answer;
-    one fetched 20 ms after a batch C served is timed from its own fetch."""
-    from aioublk.ring import Ring
-
-    plane = _timed_plane(Ring(64))
-    try:
-        c = plane.dp.counts[0]
-        await _fetch(plane, [(0, uapi.Op.READ), (1, uapi.Op.FLUSH)], 2)  # a commit, a flush
-        await asyncio.sleep(0.02)
-        assert lib.aur_dp_answer(plane.dp.c, 0, 1, 0) == 0
-        slow = metrics.bucket_of(15_000_000)  # (a loop's timer may be a little early)
-        assert sum(list(c.lat[uapi.Op.FLUSH])[slow:]) == 1 and c.lat_ns[uapi.Op.FLUSH] >= 15e6
-        await asyncio.sleep(0.02)
-        await _fetch(plane, [(2, uapi.Op.FLUSH)], 4)
-        assert lib.aur_dp_answer(plane.dp.c, 0, 2, 0) == 0
-        assert sum(list(c.lat[uapi.Op.FLUSH])[slow:]) == 1  # the second one was quick
-        assert sum(c.lat[uapi.Op.FLUSH]) == 2
-    finally:
-        plane.close()
-
-
 # -- the collector ----------------------------------------------------------------
 
 class _Dev:
