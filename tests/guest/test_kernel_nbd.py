@@ -17,7 +17,7 @@ import pytest
 
 from tests.guest.test_kernel_lifecycle import reap, wait_state, writes_done
 from tests.guest.test_kernel_qcow2 import delta, served
-from tests.support.kernel import add, delete, fio, make_file, run, start_server, tail
+from tests.support.kernel import add, delete, fio, make_file, run, start_server, tail, write_synced
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 
@@ -101,12 +101,7 @@ def test_fio_verify_and_data_in_the_export(server: tuple[Server, Path | None],
               "--verify=crc32c", "--verify_fatal=1", "--do_verify=1")
     assert job["write"]["io_bytes"] == 24 * MiB  # type: ignore[index]
     data = os.urandom(MiB)
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, 100 * MiB)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_synced(path, data, 100 * MiB)
     delete(dev.dev_id)
     if disk is not None:
         with open(disk, "rb") as f:
@@ -294,12 +289,7 @@ def test_c_serves_4k_reads_and_writes_and_again_after_a_reconnect(tmp_path: Path
         d = delta(s2, served(dev.dev_id, time.time()))
         assert d["c_served"] >= 2048 and d["py_handed"] == 0, d
         data = os.urandom(MiB)
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, 100 * MiB)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_synced(path, data, 100 * MiB)
         delete(dev.dev_id)
         assert disk is not None
         with open(disk, "rb") as f:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.guest.test_kernel_nbd import _write_error
-from tests.support.kernel import add, cli, delete, fio, listing, run
+from tests.support.kernel import add, cli, delete, fio, listing, run, write_synced
 from tools.ceph import Cluster
 
 pytestmark = [
@@ -40,15 +40,6 @@ def _exported(ceph: Cluster, spec: str, tmp_path: Path, offset: int, length: int
         return f.read(length)
 
 
-def _pwrite(path: str, data: bytes, offset: int) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def test_fio_verify_and_data_in_the_image(ceph: Cluster, rbd_image: str,
                                           tmp_path: Path) -> None:
     dev_id, path = _add(ceph, rbd_image)
@@ -57,7 +48,7 @@ def test_fio_verify_and_data_in_the_image(ceph: Cluster, rbd_image: str,
               "--verify=crc32c", "--verify_fatal=1", "--do_verify=1")
     assert job["write"]["io_bytes"] == 16 * MiB  # type: ignore[index]
     data = os.urandom(MiB)
-    _pwrite(path, data, 100 * MiB)
+    write_synced(path, data, 100 * MiB)
     delete(dev_id)
     assert _exported(ceph, rbd_image, tmp_path, 100 * MiB, MiB) == data
 
@@ -65,9 +56,9 @@ def test_fio_verify_and_data_in_the_image(ceph: Cluster, rbd_image: str,
 def test_a_snapshot_is_read_only(ceph: Cluster, rbd_image: str, tmp_path: Path) -> None:
     old = os.urandom(MiB)
     dev_id, path = _add(ceph, rbd_image)
-    _pwrite(path, old, 0)
+    write_synced(path, old, 0)
     ceph.rbd("snap", "create", f"{rbd_image}@before")
-    _pwrite(path, os.urandom(MiB), 0)
+    write_synced(path, os.urandom(MiB), 0)
     delete(dev_id)
     dev_id, path = _add(ceph, f"{rbd_image}@before")
     try:

@@ -256,6 +256,16 @@ def run(*cmd: str, timeout: float = 120) -> str:
     return p.stdout
 
 
+def write_synced(path: str, data: bytes, offset: int) -> None:
+    """``data`` written at ``offset`` of the device at ``path``, and fsynced."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def make_file(path: Path, size: int) -> Path:
     with open(path, "wb") as f:
         f.truncate(size)
