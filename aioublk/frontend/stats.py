@@ -252,9 +252,10 @@ async def publish(devices: Callable[[], list[Device]], log_every: float = 0,
             for dev in current:
                 if dev.info is None:
                     continue
+                taken = time.time()  # before the counters: a reader's "after" holds
                 rows = dev.stats()
                 try:
-                    _write(dfd, _name(dev.id), {"queues": rows})
+                    _write(dfd, _name(dev.id), {"time": taken, "queues": rows})
                     published.add(dev.id)
                 except OSError as e:
                     log.warning("cannot publish stats", dev=dev.id, error=str(e))

@@ -175,6 +175,38 @@ def test_read_at_says_when_the_counters_were_published(run_dir: Path) -> None:
     assert stats.read_at(0, os.getpid() + 1) is None  # another server's
 
 
+
+def test_the_publication_time_is_taken_before_the_counters(run_dir: Path) -> None:
+    """A reader that waits for a publication stamped after its run ended
+    must see every request of the run: a stamp taken after reading the
+    counters (a slow write under emulation) let one request go missing."""
+    read_at: list[float] = []
+
+    class Slow(FakeDevice):
+        def stats(self) -> list[dict[str, int]]:
+            read_at.append(time.time())
+            time.sleep(0.02)  # (the time the publisher takes between the two)
+            return ROWS
+
+    got: tuple[float, list[dict[str, int]]] | None = None
+
+    async def main() -> None:
+        nonlocal got
+        task = asyncio.ensure_future(stats.publish(
+            lambda: [Slow(0)], period=0.01))  # type: ignore[list-item]
+        while got is None:
+            await asyncio.sleep(0.005)  # (polls the condition: a publication)
+            got = stats.read_at(0, os.getpid())
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert got is not None
+    # stamped before its counters were read, not 20 ms after
+    assert any(0 <= r - got[0] < 0.015 for r in read_at), (got[0], read_at)
+
+
 DAEMON = """
 import os, sys
 from aioublk.frontend import cli
