@@ -57,6 +57,7 @@
  * build for).
  */
 
+#include <endian.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdbool.h>
@@ -131,8 +132,12 @@ struct dp_tag {
     uint16_t cqes;       /* CQEs reserved for its backend I/O (of aur_dp.cqes) */
     uint8_t has_lba;     /* zoned: the next commit carries zone_lba */
     uint64_t zone_lba;   /* zoned: where a zone append landed, in sectors */
+    uint8_t fua;         /* nvme: the write carries the FUA bit */
     uint32_t *ids;       /* DP_MAX_PIECES extent ids */
     struct dp_piece *pieces;  /* -u: DP_MAX_PIECES */
+    /* nvme: a discard's one range (context attributes, blocks, starting LBA,
+       little-endian), which the controller reads until the command is done */
+    uint32_t dsm[4];
 };
 
 struct dp_commit {
@@ -174,6 +179,7 @@ struct aur_dp {
     int ext_slot;           /* its pool in ext (aur_ext_attach); -1: no allocation */
     uint32_t nsid;          /* AUR_MAP_NVME */
     unsigned lba_shift;
+    unsigned nvme_flags;    /* AUR_NVME_* */
     int stopping, sealed, timing;
     unsigned inflight;
     unsigned served;        /* requests C took, ever (wraps) */
@@ -435,7 +441,8 @@ int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_sh
     return 0;
 }
 
-int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift)
+int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift,
+                    unsigned flags)
 {
     if (dp->r->sqe_size < 128 || lba_shift < 9 || lba_shift > 16)
         return -EINVAL;
@@ -444,6 +451,7 @@ int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift
     dp->nr_fds = 1;
     dp->nsid = nsid;
     dp->lba_shift = lba_shift;
+    dp->nvme_flags = flags;
     dp->map = AUR_MAP_NVME;
     return 0;
 }
@@ -862,7 +870,7 @@ static int dp_nvme_rw(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint1
         .data_len = p->len,
         .cdw10 = (uint32_t)lba,
         .cdw11 = (uint32_t)(lba >> 32),
-        .cdw12 = (p->len >> dp->lba_shift) - 1,
+        .cdw12 = ((p->len >> dp->lba_shift) - 1) | (t->fua ? 1u << 30 : 0),
     };
 
     return aur_prep_cmd(dp->r, p->fd, NVME_URING_CMD_IO, &cmd, sizeof(cmd), 0, 0,
@@ -1195,6 +1203,76 @@ static void dp_ext_cqe(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
     dp_ext_watch(dp, o);
 }
 
+/* A request C takes on: its tag's state from scratch. */
+static void dp_tag_start(struct dp_tag *t, uint32_t len, int write, int fua)
+{
+    t->bad = 0;
+    t->len = len;
+    t->write = (uint8_t)write;
+    t->fua = (uint8_t)fua;
+    t->then = 0;
+    t->nr_ids = 0;
+    t->pending = 0;
+    t->cqes = 0;
+}
+
+/* nvme: a flush, discard or write zeroes as the one command that does it
+   (a flush without a volatile cache has nothing to do); 1 if C serves it,
+   0 if it is Python's (not in whole blocks, too long for one command, the
+   CQ or SQ full). */
+static int dp_nvme_other(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag,
+                         unsigned op, uint64_t off, uint32_t len, uint32_t op_flags)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+    uint64_t lba = off >> dp->lba_shift, nlb = len >> dp->lba_shift;
+    struct nvme_uring_cmd cmd = { .nsid = dp->nsid };
+
+    if (op == UBLK_IO_OP_FLUSH) {
+        cmd.opcode = 0x00;
+    } else if (!nlb || ((off | len) & ((1u << dp->lba_shift) - 1))) {
+        return 0;
+    } else if (op == UBLK_IO_OP_DISCARD) {  /* dataset management, deallocate */
+        t->dsm[0] = 0;
+        t->dsm[1] = htole32((uint32_t)nlb);
+        t->dsm[2] = htole32((uint32_t)lba);
+        t->dsm[3] = htole32((uint32_t)(lba >> 32));
+        cmd.opcode = 0x09;
+        cmd.addr = (uint64_t)(uintptr_t)t->dsm;
+        cmd.data_len = sizeof(t->dsm);
+        cmd.cdw10 = 0;        /* one range */
+        cmd.cdw11 = 1u << 2;  /* AD */
+    } else if (op == UBLK_IO_OP_WRITE_ZEROES && nlb <= 65536) {
+        cmd.opcode = 0x08;
+        cmd.cdw10 = (uint32_t)lba;
+        cmd.cdw11 = (uint32_t)(lba >> 32);
+        cmd.cdw12 = (uint32_t)(nlb - 1) |
+            (op_flags & UBLK_IO_F_NOUNMAP ? 0 : 1u << 25);  /* DEAC */
+    } else {
+        return 0;
+    }
+    if (op == UBLK_IO_OP_FLUSH && !(dp->nvme_flags & AUR_NVME_VWC)) {
+        dp_tag_start(t, 0, 0, 0);
+        dp->served++;
+        dp->inflight++;
+        t->served = 1;
+        dp_complete(dp, o, local, tag, 0);
+        return 1;
+    }
+    if (dp->cqes + 1 > dp->max_cqes)
+        return 0;
+    dp_tag_start(t, 0, 0, 0);  /* (its result is 0: only reads and writes count bytes) */
+    if (aur_prep_cmd(dp->r, dp->fds[0], NVME_URING_CMD_IO, &cmd, sizeof(cmd), 0, 0, 0, 0, 0,
+                     DP_UD(DP_K_RW, local, tag, 0)) < 0)
+        return 0;
+    t->cqes = 1;
+    dp->cqes++;
+    t->pending = 1;
+    dp->served++;
+    dp->inflight++;
+    t->served = 1;
+    return 1;
+}
+
 /* A fetched request: 1 if C serves it, 0 if it is Python's. */
 static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
@@ -1206,22 +1284,28 @@ static int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_
     uint64_t off = d->start_sector << 9;
     uint32_t len = d->nr_sectors << 9;
     int write = op == UBLK_IO_OP_WRITE, uc = dp->s.mode == AUR_DP_USER_COPY;
+    int fua = write && (d->op_flags & UBLK_IO_F_FUA);
 
     if (dp->map == AUR_MAP_NONE || dp->stopping)
         return 0;
-    if (op > UBLK_IO_OP_WRITE || !len || (write && (d->op_flags & UBLK_IO_F_FUA)))
+    if (dp->map == AUR_MAP_NVME) {
+        if (op == UBLK_IO_OP_FLUSH || op == UBLK_IO_OP_DISCARD ||
+            op == UBLK_IO_OP_WRITE_ZEROES)
+            return dp_nvme_other(dp, o, local, tag, op, off, len, d->op_flags);
+        if (!(dp->nvme_flags & AUR_NVME_VWC))
+            fua = 0;  /* every write is durable when it completes */
+        else if (fua && !(dp->nvme_flags & AUR_NVME_FUA))
+            return 0;  /* a write and a flush: Python's */
+    } else if (fua) {
+        return 0;
+    }
+    if (op > UBLK_IO_OP_WRITE || !len)
         return 0;
     if (dp->s.mode == AUR_DP_AUTO_ZC && (d->op_flags & UBLK_IO_F_NEED_REG_BUF))
         return 0;
     if (len > dp->s.max_io)  /* (never from the kernel: its buffer, its encoding) */
         return 0;
-    t->bad = 0;
-    t->len = len;
-    t->write = (uint8_t)write;
-    t->then = 0;
-    t->nr_ids = 0;
-    t->pending = 0;
-    t->cqes = 0;
+    dp_tag_start(t, len, write, fua);
     if (dp->map == AUR_MAP_NULL) {
         dp->served++;
         dp->inflight++;

@@ -50,6 +50,9 @@
 #define AUR_MAP_EXTENTS 4
 #define AUR_MAP_NVME 5     /* NVMe passthrough: one NVME_URING_CMD_IO per request */
 #define AUR_MAP_EXTERN 6   /* a plug-in's (dp_ext.h), copy mode only */
+/* aur_dp_map_nvme's flags: what the namespace's write cache asks for */
+#define AUR_NVME_VWC 1     /* a volatile write cache: flush and FUA mean something */
+#define AUR_NVME_FUA 2     /* writes take the FUA bit (else a FUA write is Python's) */
 
 /* copy modes C serves in */
 #define AUR_DP_COPY 0
@@ -117,8 +120,9 @@ int aur_dp_map_striped(struct aur_dp *dp, const int *fds, unsigned n, uint64_t c
    such a write is Python's */
 int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_shift, int slot);
 /* the namespace `nsid` behind generic char device fd, blocks of 1 << lba_shift
-   bytes; the ring must have 128-byte SQEs */
-int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift);
+   bytes, flags AUR_NVME_*; the ring must have 128-byte SQEs */
+int aur_dp_map_nvme(struct aur_dp *dp, int fd, uint32_t nsid, unsigned lba_shift,
+                    unsigned flags);
 /* the plug-in whose table is ops (dp_ext.h), with its context ctx; -EBUSY
    if the data plane has one already. Copy mode only: in the others it
    returns 0 and binds nothing (every request stays Python's) */

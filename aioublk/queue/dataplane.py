@@ -85,11 +85,15 @@ class Extents:
 class Passthrough:
     """The device is NVMe namespace ``nsid`` of ``fd`` (``/dev/ngXnY``),
     ``block_size``-byte blocks from LBA 0; a request not in whole blocks is
-    a miss."""
+    a miss. Flush, discard and write zeroes are one command each; with a
+    ``volatile_cache``, a flush is a command and a FUA write carries the
+    bit where the namespace takes it (``fua``), else it is Python's."""
 
     fd: int
     nsid: int
     block_size: int
+    volatile_cache: bool = False
+    fua: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +187,10 @@ class DataPlane:
                                          m.table.granule.bit_length() - 1,
                                          -1 if m.slot is None else m.slot)
         elif isinstance(m, Passthrough):
-            ret = lib.aur_dp_map_nvme(self.c, m.fd, m.nsid, m.block_size.bit_length() - 1)
+            flags = (lib.AUR_NVME_VWC if m.volatile_cache else 0) | \
+                (lib.AUR_NVME_FUA if m.fua else 0)
+            ret = lib.aur_dp_map_nvme(self.c, m.fd, m.nsid, m.block_size.bit_length() - 1,
+                                      flags)
         elif isinstance(m, External):
             ret = lib.aur_dp_map_extern(self.c, ffi.cast("const struct aur_dp_ext *", m.ops),
                                         ffi.cast("void *", m.ctx))

@@ -19,12 +19,14 @@ hands it a ``FixedBuf``, the ublk request's pages in the ring's buffer
 table: the command then carries ``IORING_URING_CMD_FIXED`` with that index,
 and its ``addr`` is the offset inside that buffer (a kernel-registered
 buffer starts at address 0), so the controller moves the data straight to
-or from the request's pages. The C data plane serves reads and
-non-FUA writes (``map`` is ``Passthrough``): it builds the same command in
-C, with the fixed-buffer flag and the tag's slot in the zero-copy modes, and
-counts a result of 0 as the whole transfer. Everything else, and anything C
-hands back, is a coroutine or a ``start_read``/``start_write`` fast-path CQE
-handler.
+or from the request's pages. The C data plane serves reads, writes (FUA
+ones too where the namespace takes the bit, or has no volatile cache),
+flushes, discards and write zeroes (``map`` is ``Passthrough``): it builds
+the same command in C, with the fixed-buffer flag and the tag's slot in the
+zero-copy modes, and counts a result of 0 as the whole transfer. Anything
+else (a write zeroes over 2^16 blocks, a FUA write the namespace needs a
+flush for) and anything C hands back is a coroutine or a
+``start_read``/``start_write`` fast-path CQE handler.
 """
 
 from __future__ import annotations
@@ -222,7 +224,8 @@ class NvmeTarget(Target):
         self.ns = Namespace(path, fd, nsid, self.geometry.logical_block_size)
 
     def map(self) -> Passthrough:
-        return Passthrough(self.ns.fd, self.ns.nsid, self.ns.lbs)
+        g = self.geometry
+        return Passthrough(self.ns.fd, self.ns.nsid, self.ns.lbs, g.volatile_cache, g.fua)
 
     async def _cmd(self, cmd: bytes, keep: object = None, fixed: FixedBuf | None = None) -> None:
         res = await current_ring().uring_cmd(

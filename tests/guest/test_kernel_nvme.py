@@ -7,11 +7,13 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.guest.test_kernel_qcow2 import delta, served
 from tests.support import kernel
 from tests.support.kernel import add, cli, delete, fio, parse_list, run
 
@@ -138,6 +140,40 @@ def test_discard_and_write_zeroes() -> None:
         run("blkdiscard", "-z", "-o", str(2 * MiB), "-l", str(MiB), blk)  # write zeroes
         assert _direct_read(blk, 2 * MiB, MiB) == bytes(MiB)
         assert _direct_read(blk, 3 * MiB, MiB) == b"\xa5" * MiB
+    finally:
+        delete(dev.dev_id)
+
+
+@pytest.mark.parametrize("copy", [[], ["-z"], ["--auto_zc"]],
+                         ids=["copy", "zero_copy", "auto_zc"])
+def test_flush_discard_write_zeroes_and_fua_are_served_in_c(copy: list[str]) -> None:
+    """Issue #25: the namespace's flush, deallocate, write zeroes and FUA
+    writes are each one command from the C data plane; none reaches
+    Python, and what they did is on the namespace."""
+    dev = add("-t", "nvme", NG, "-q", "1", *copy)
+    blk = f"/dev/ublkb{dev.dev_id}"
+    try:
+        queue = Path(f"/sys/block/ublkb{dev.dev_id}/queue")
+        assert (queue / "write_cache").read_text().strip() == "write back"
+        assert int((queue / "fua").read_text()) == 1  # the namespace takes FUA: so do we
+        s0 = served(dev.dev_id, time.time())
+        data = mmap.mmap(-1, MiB)
+        data.write(b"\x3c" * MiB)
+        fd = os.open(blk, os.O_WRONLY | os.O_DIRECT | os.O_DSYNC)  # FUA writes
+        try:
+            for i in range(4):
+                assert os.pwritev(fd, [data], 8 * MiB + i * MiB) == MiB
+            os.fsync(fd)  # a flush
+        finally:
+            os.close(fd)
+            data.close()
+        run("blkdiscard", "-o", str(MiB), "-l", str(MiB), blk)  # deallocate
+        run("blkdiscard", "-z", "-o", str(2 * MiB), "-l", str(MiB), blk)  # write zeroes
+        d = delta(s0, served(dev.dev_id, time.time()))
+        assert d["py_handed"] == 0, f"requests reached Python: {d}"
+        assert d["c_served"] >= 4 + 1 + 2, d
+        assert _direct_read(BLOCK, 2 * MiB, MiB) == bytes(MiB)
+        assert _direct_read(BLOCK, 8 * MiB, 4 * MiB) == b"\x3c" * (4 * MiB)
     finally:
         delete(dev.dev_id)
 

@@ -232,8 +232,10 @@ async def test_io_not_in_whole_namespace_blocks_fails(
 
 def test_reads_and_writes_are_the_data_planes(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the namespace's write cache: a flush is a command, a FUA write
+    Python's (the fake namespace takes no FUA bit)."""
     target, _ = served_by(tmp_path, monkeypatch)
-    assert target.map() == Passthrough(-1, 1, 4096)
+    assert target.map() == Passthrough(-1, 1, 4096, volatile_cache=True, fua=False)
 
 
 @pytest.mark.parametrize("sqe128", [False, True], ids=["64-byte", "128-byte"])
