@@ -277,13 +277,14 @@ def kvm_works() -> bool:
     return proc.returncode == 0
 
 
-def use_kvm(accel: str, probe: Callable[[], bool] = kvm_works) -> bool:
-    """`kvm` and `tcg` are obeyed; `auto` asks the probe and says so when KVM is out."""
+def use_kvm(accel: str, probe: Callable[[], bool] | None = None) -> bool:
+    """`kvm` and `tcg` are obeyed; `auto` asks the probe (``kvm_works`` as it
+    is at the call) and says so when KVM is out."""
     if accel not in ACCELS:
         raise SetupError(f"unknown guest accelerator {accel!r}: use one of {', '.join(ACCELS)}")
     if accel != "auto":
         return accel == "kvm"
-    if probe() and not _kvm_broken.is_set():
+    if (probe or kvm_works)() and not _kvm_broken.is_set():
         return True
     progress("KVM cannot run a guest here: using TCG emulation (slower); "
              "AIOUBLK_GUEST_ACCEL=kvm forces KVM")
