@@ -43,7 +43,7 @@ from aioublk import logs
 from aioublk._version import __version__
 from aioublk.device import Device
 from aioublk.errors import UblkError
-from aioublk.frontend import registry, stats, udev
+from aioublk.frontend import img, registry, stats, udev
 from aioublk.frontend.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.frontend.kublk_lines import device_ids, dump, print_device, target_line
 from aioublk.frontend.runner import ONE_LINE_ERRORS, run_device, run_loop
@@ -268,6 +268,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve the devices of a TOML config file (foreground)")
     sv.add_argument("config", help="the TOML config file (see README)")
+    img.add_parser(sub)
     return p
 
 
@@ -874,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
             from aioublk.frontend.serve import main as serve_main
 
             return serve_main(args.config)
+        if args.cmd == "img":
+            return img.main(args)
         if args.cmd == "udev":
             if args.udev_cmd == "rules":
                 sys.stdout.write(udev.rules())

@@ -32,6 +32,7 @@ INCOMPAT_NAMES = {0: "dirty", 1: "corrupt", 2: "external data file",
 EXT_END = 0
 EXT_BACKING_FORMAT = 0xE2792ACA
 EXT_FEATURE_NAMES = 0x6803F857
+EXT_BITMAPS = 0x23852875
 
 # table entry bits
 COPIED = 1 << 63
@@ -90,6 +91,8 @@ class Header:
     backing_file: str | None = None
     backing_format: str | None = None
     feature_names: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: every header extension but the end marker: type -> its data
+    extensions: dict[int, bytes] = field(default_factory=dict)
 
     @property
     def cluster_size(self) -> int:
@@ -226,6 +229,7 @@ def _parse_extensions(h: Header, first: bytes) -> None:
         if pos + length > end:
             raise Qcow2Error(f"qcow2 header extension {kind:#x} runs past the header cluster")
         data = first[pos:pos + length]
+        h.extensions[kind] = data
         if kind == EXT_BACKING_FORMAT:
             h.backing_format = data.decode("utf-8", "replace")
         elif kind == EXT_FEATURE_NAMES:

@@ -60,7 +60,7 @@ LAYERS: list[list[str]] = [
     # the built-in targets declared: config and cli build from it
     ["aioublk.frontend.registry", "aioublk.frontend.notify"],
     ["aioublk.frontend.stats", "aioublk.frontend.config", "aioublk.frontend.udev",
-     "aioublk.frontend.metrics"],
+     "aioublk.frontend.metrics", "aioublk.frontend.img"],
     # what cli and serve share
     ["aioublk.frontend.kublk_lines", "aioublk.frontend.runner"],
     ["aioublk.frontend.serve"],
