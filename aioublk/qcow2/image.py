@@ -261,11 +261,12 @@ class Qcow2Image(Writes):
         if not read_only:
             if h.incompatible & fmt.INCOMPAT_DIRTY:
                 raise Qcow2Error(f"{self.path} is marked dirty (lazy refcounts): repair it "
-                                 f"with `qemu-img check -r all {self.path}`, or open it "
+                                 f"with `aioublk img check -r all {self.path}`, or open it "
                                  "read-only")
             if h.incompatible & fmt.INCOMPAT_CORRUPT:
                 raise Qcow2Error(f"{self.path} is marked corrupt: repair it with "
-                                 f"`qemu-img check -r all {self.path}`, or open it read-only")
+                                 f"`aioublk img check -r all {self.path}`, or open it "
+                                 "read-only")
         # tables
         self.l1 = fmt.load_table(f.pread(h.l1_table_offset, h.l1_size * 8)) \
             if h.l1_size else array("Q")

@@ -33,6 +33,7 @@ import random
 import shutil
 import struct
 import subprocess
+import sys
 import threading
 import zlib
 from collections.abc import Awaitable, Callable
@@ -447,7 +448,11 @@ def test_flagged_image_refused_read_write(tpl: Templates, tmp_path: Path, bit: i
     p = clone(tpl.v3, tmp_path)
     poke(p, INCOMPAT, "Q", bit)
     msg = expect_open_error(p, (word,), read_only=False)
-    assert "qemu-img check -r all" in msg, f"message does not say how to repair: {msg!r}"
+    assert f"aioublk img check -r all {p}" in msg, f"message does not say how to repair: {msg!r}"
+    fixed = subprocess.run([sys.executable, "-m", "aioublk", "img", "check", "-r", "all",
+                            str(p)], capture_output=True, text=True, timeout=60)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert peek(p, INCOMPAT, "Q") == 0  # the command the message names did clear it
 
 
 # ---------------------------------------------------------------- async I/O-time cases
