@@ -51,7 +51,6 @@ from bench.common import (
     median,
     met,
     notes,
-    paired,
     parser,
     publish,
     ratio,
@@ -242,7 +241,8 @@ def report(data: dict[str, object], command: str) -> str:
         f"{setup_line(data)}, {data['cpus']} CPUs, Linux {data['kernel']}. fio with io_uring, "
         f"O_DIRECT, {data['runtime']} s per workload after {data['ramp']} s ramp; median of "
         f"{data['rounds']} round(s). Every device has depth 128; kublk runs with `-b` (batch "
-        "I/O) and, on the rows that say so, also without it (per-I/O commands), aioublk with its defaults (no mode flags: batch I/O when the driver has "
+        "I/O) and, on the rows that say so, also without it (per-I/O commands), aioublk "
+        "with its defaults (no mode flags: batch I/O when the driver has "
         f"UBLK_F_BATCH_IO, and {batch})"
         + (f" plus `{shlex.join(extra)}`" if isinstance(extra, list) and extra else "")
         + "; copy mode unless stated. kublk and aioublk alternate device by device, kublk "
