@@ -61,6 +61,12 @@ def _open(path: str, write: bool, share: bool) -> int:
     return fd
 
 
+def _write(fd: int, offset: int, data: bytes) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
 def _read_of(fd: int) -> chk.Read:
     return lambda off, n: os.pread(fd, n, off)
 
@@ -95,10 +101,7 @@ def _check(fd: int, args: argparse.Namespace) -> int:
         except fmt.Qcow2Error as e:
             say(chk.finding_lines(res), sys.stderr)
             raise Error(f"{args.filename}: {e}") from None
-        for batch in (repair.writes, repair.then):  # (the header last, once the rest is in)
-            for off, data in batch:
-                os.pwrite(fd, data, off)
-            os.fsync(fd)
+        chk.apply(repair, lambda off, data: _write(fd, off, data), lambda: os.fsync(fd))
         say(repair.lines, sys.stderr)
         if args.output == "human":
             say(["The following inconsistencies were found and repaired:", "",

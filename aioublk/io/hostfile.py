@@ -188,6 +188,15 @@ class HostFile:
         if sync:
             self.datasync()
 
+    def patch(self, offset: int, data: bytes) -> None:
+        """Write ``data`` at any offset, synchronously: the sectors around it
+        are read and written whole (O_DIRECT takes nothing else)."""
+        start = offset & ~(ALIGN - 1)
+        end = (offset + len(data) + ALIGN - 1) & ~(ALIGN - 1)
+        whole = bytearray(self.pread(start, end - start).ljust(end - start, b"\0"))
+        whole[offset - start:offset - start + len(data)] = data
+        self.pwrite_sector(bytes(whole), start, sync=False)
+
     def datasync(self) -> None:
         """fdatasync, synchronously."""
         os.fdatasync(self.fd)

@@ -88,6 +88,7 @@ class ImageBase:
     size: int
     v3: bool
     corrupt: bool
+    lazy: bool  # lazy refcounts: the dirty bit is set while the image is open
     l1: array[int]
     l1_dirty: set[int]
     reftable: array[int]
@@ -167,7 +168,7 @@ class ImageBase:
             raise OSError(errno.EROFS, f"{self.path} is open read-only")
         if self.corrupt:
             raise _eio(f"{self.path} was marked corrupt: repair it with "
-                       f"`qemu-img check -r all {self.path}`")
+                       f"`aioublk img check -r all {self.path}`")
 
     def _overlap(self, host: int, length: int) -> None:
         first = host >> self.cbits
@@ -196,7 +197,7 @@ class ImageBase:
                 else:
                     self.head[:] = head
         raise _eio(f"{self.path}: {why}; image marked corrupt, run "
-                   f"`qemu-img check -r all {self.path}`")
+                   f"`aioublk img check -r all {self.path}`")
 
     async def _claim_unpublished(self, run: range) -> None:
         """Host clusters about to be allocated must not be any guest cluster's
@@ -230,6 +231,14 @@ class ImageBase:
         self._pub_host.clear()
         if self.extents is not None:
             self.extents.invalidate(0, (1 << 64) - 1)
+
+    def _set_dirty(self, on: bool) -> None:
+        """The header's dirty bit set (or cleared), durably."""
+        inc = int.from_bytes(self.head[fmt.OFF_INCOMPAT:fmt.OFF_INCOMPAT + 8], "big")
+        inc = inc | fmt.INCOMPAT_DIRTY if on else inc & ~fmt.INCOMPAT_DIRTY
+        self.head[fmt.OFF_INCOMPAT:fmt.OFF_INCOMPAT + 8] = fmt.pack_u64(inc)
+        self.file.pwrite_sector(bytes(self.head), 0)
+        self.h.incompatible = inc
 
     def _corrupt_bit(self, head: bytes | bytearray) -> bytes:
         """Header bytes ``head`` with the corrupt bit set if the image is corrupt."""

@@ -386,6 +386,15 @@ def _patch(read: Read, file_size: int, h: fmt.Header, res: Result, mode: str,
     return final
 
 
+def apply(repair: Repair, write: Callable[[int, bytes], None],
+          sync: Callable[[], None]) -> None:
+    """The repair's writes, durable, then the header's switch (if any), durable."""
+    for batch in (repair.writes, repair.then):
+        for off, data in batch:
+            write(off, data)
+        sync()
+
+
 def json_report(res: Result, filename: str, repair: Repair | None = None) -> dict[str, Any]:
     """qemu-img's ``--output json`` keys (a zero count is left out, as there)."""
     out: dict[str, Any] = {}

@@ -156,6 +156,8 @@ class WriteBack(Pools):
                 await self.writeback()
                 if self._frees:
                     await self.writeback()
+                if self.lazy:  # every refcount is on disk: clean again
+                    self._set_dirty(False)
         finally:
             self.release()
 

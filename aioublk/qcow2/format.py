@@ -28,6 +28,9 @@ INCOMPAT_KNOWN = INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_COMPRESSION
 INCOMPAT_NAMES = {0: "dirty", 1: "corrupt", 2: "external data file",
                   3: "compression type", 4: "extended L2 entries"}
 
+# compatible feature bits
+COMPAT_LAZY_REFCOUNTS = 1 << 0
+
 # header extension types
 EXT_END = 0
 EXT_BACKING_FORMAT = 0xE2792ACA

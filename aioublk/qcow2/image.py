@@ -115,9 +115,10 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from aioublk.io.hostfile import HostFile
+from aioublk.qcow2 import check
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.backing_policy import BackingPolicy, Checked
-from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, _nclusters
+from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, _nclusters, log
 from aioublk.qcow2.format import OFFSET_MASK, Qcow2Error
 from aioublk.qcow2.writeback import HEADER, L1, L2, REFBLOCK, REFTABLE, SNAPSHOT
 from aioublk.qcow2.writes import Writes
@@ -248,7 +249,13 @@ class Qcow2Image(Writes):
         self.path = path
         self.read_only = read_only
         first = f.pread(0, 1 << 21)
-        h = self.h = fmt.parse_header(first, f.size)
+        h = fmt.parse_header(first, f.size)
+        if not read_only and h.incompatible & fmt.INCOMPAT_DIRTY and \
+                not h.incompatible & fmt.INCOMPAT_CORRUPT:
+            self._repair_dirty(f, path, h)  # as QEMU does on opening one
+            first = f.pread(0, 1 << 21)
+            h = fmt.parse_header(first, f.size)
+        self.h = h
         self.head = bytearray(first[:512].ljust(512, b"\0"))  # sector 0, updated in place
         self.cluster_size = cs = h.cluster_size
         self.cbits = h.cluster_bits
@@ -258,15 +265,9 @@ class Qcow2Image(Writes):
         self.size = h.size
         self.v3 = h.version >= 3
         self.corrupt = False
-        if not read_only:
-            if h.incompatible & fmt.INCOMPAT_DIRTY:
-                raise Qcow2Error(f"{self.path} is marked dirty (lazy refcounts): repair it "
-                                 f"with `aioublk img check -r all {self.path}`, or open it "
-                                 "read-only")
-            if h.incompatible & fmt.INCOMPAT_CORRUPT:
-                raise Qcow2Error(f"{self.path} is marked corrupt: repair it with "
-                                 f"`aioublk img check -r all {self.path}`, or open it "
-                                 "read-only")
+        if not read_only and h.incompatible & fmt.INCOMPAT_CORRUPT:
+            raise Qcow2Error(f"{self.path} is marked corrupt: repair it with "
+                             f"`aioublk img check -r all {self.path}`, or open it read-only")
         # tables
         self.l1 = fmt.load_table(f.pread(h.l1_table_offset, h.l1_size * 8)) \
             if h.l1_size else array("Q")
@@ -331,6 +332,37 @@ class Qcow2Image(Writes):
             self.head[fmt.OFF_AUTOCLEAR:fmt.OFF_AUTOCLEAR + 8] = bytes(8)
             f.pwrite_sector(bytes(self.head), 0)
             h.autoclear = 0
+        #: lazy refcounts: dirty while open, as QEMU marks it, so that whoever
+        #: opens it after a crash rebuilds its refcounts (leaks included)
+        self.lazy = not read_only and self.v3 and \
+            bool(h.compatible & fmt.COMPAT_LAZY_REFCOUNTS)
+        if self.lazy:
+            self._set_dirty(True)
+
+    @staticmethod
+    def _repair_dirty(f: HostFile, path: str, h: fmt.Header) -> None:
+        """A dirty image (lazy refcounts, left open by a crash): its refcounts
+        rebuilt from its tables, as ``img check -r all`` does, before use."""
+        try:
+            _h, res = check.scan(f.pread, f.size)
+            repair = check.plan_repair(f.pread, f.size, h, res, "all") \
+                if res.leaks or res.corruptions else None
+        except Qcow2Error as e:
+            raise Qcow2Error(f"{path} is marked dirty and cannot be repaired here ({e}): "
+                             f"try `qemu-img check -r all {path}`") from None
+        if repair is not None:
+            check.apply(repair, f.patch, f.datasync)
+            f.size = os.lseek(f.fd, 0, os.SEEK_END)
+            _h, res = check.scan(f.pread, f.size)
+            if res.corruptions or res.check_errors:
+                raise Qcow2Error(f"{path} is marked dirty and its repair left "
+                                 f"{res.corruptions} errors: try `qemu-img check -r all "
+                                 f"{path}`")
+        f.patch(fmt.OFF_INCOMPAT, fmt.pack_u64(check.clean_bits(h)))
+        f.datasync()
+        log.info("qcow2 image was dirty: refcounts repaired", image=path,
+                 leaks_fixed=repair.leaks_fixed if repair else 0,
+                 corruptions_fixed=repair.corruptions_fixed if repair else 0)
 
     def _counted_end(self, f: HostFile) -> int:
         """The end of the last cluster with a refcount, looking only at the

@@ -310,3 +310,57 @@ def test_not_qcow2_is_one_line(tmp_path: Path) -> None:
     got = ours(p)
     assert got.returncode == 1 and got.stderr.count("\n") == 1 and "qcow2" in got.stderr
     assert "Traceback" not in got.stderr
+
+
+# -- lazy refcounts: dirty while open, repaired on the next open --------------------------
+
+CRASH = """
+import asyncio, os, sys
+from aioublk.qcow2 import Qcow2Image
+
+async def main() -> None:
+    img = Qcow2Image.open(sys.argv[1])
+    async with img:
+        buf = bytearray(b"\\x5a" * 65536)
+        for i in range(0, 64):
+            await img.write(i * 3 * 65536, buf)
+        await img.flush()
+        print(int.from_bytes(open(sys.argv[1], "rb").read(80)[72:80], "big"), flush=True)
+        os._exit(9)  # a crash: nothing written back after the flush
+
+asyncio.run(main())
+"""
+
+
+def incompatible(p: Path) -> int:
+    with open(p, "rb") as f:
+        return int.from_bytes(f.read(80)[72:80], "big")
+
+
+def test_lazy_refcounts_dirty_while_open_and_repaired_after_a_crash(tmp_path: Path) -> None:
+    p = create(tmp_path / "lazy.qcow2", 64 * M, lazy_refcounts=True)
+    crash = subprocess.run([sys.executable, "-c", CRASH, str(p)], capture_output=True,
+                           text=True, timeout=120)
+    assert crash.returncode == 9, crash.stderr
+    assert int(crash.stdout) & 1, "not dirty while open"
+    assert incompatible(p) & 1, "the crash left it clean"
+    assert "dirty" in json.dumps(json.loads(qemu_img("info", "--output", "json", p).stdout))
+    # what QEMU's lazy refcounts leave after a crash: refcounts not written yet
+    unreferenced_in_use(Raw(p))
+    assert theirs(p).returncode == 2
+    # the next open repairs it (as QEMU's does), and a clean close leaves it clean
+    fixer = """
+import asyncio, sys
+from aioublk.qcow2 import Qcow2Image
+async def main() -> None:
+    async with Qcow2Image.open(sys.argv[1]) as img:
+        buf = bytearray(65536)
+        await img.read(3 * 65536, buf)
+        assert buf == bytearray(b"\\x5a" * 65536), "flushed data lost"
+asyncio.run(main())
+"""
+    subprocess.run([sys.executable, "-c", fixer, str(p)], check=True, timeout=120)
+    assert incompatible(p) & 1 == 0
+    assert theirs(p).returncode == 0, theirs(p).stdout
+    raw = to_raw(p, tmp_path / "after.raw").read_bytes()
+    assert all(raw[i * 3 * 65536:(i * 3 + 1) * 65536] == b"\x5a" * 65536 for i in range(64))
