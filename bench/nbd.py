@@ -163,7 +163,7 @@ def _client_runs(client: str, exp: Export, workloads: list[str],
         side = KernelClient()
         attached = side.attach_export(exp)
     else:
-        side = AioublkServer(("-t", "nbd", "-q", "1", "-d", "128"))
+        side = AioublkServer("nbd", ["-d", "128"])
         attached = side.attach(exp.uri)
     return workload_runs(client, side, attached, workloads, runtime)
 

@@ -60,7 +60,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -383,16 +383,17 @@ class NbdServer:
 
 
 class AioublkServer:
-    def __init__(self, target: str = "qcow2") -> None:
+    def __init__(self, target: str = "qcow2", extra: Sequence[str] = ()) -> None:
         self.cmd = [sys.executable, "-m", "aioublk"]
         self.target = target
+        self.extra = list(extra)  # more add flags (-d, a target's options)
         self.name = AIOUBLK if target == "qcow2" else target
         self.dev_id: str | None = None
         self.pid: int | None = None
         self.connections = 0
 
     def attach(self, image: str | None, queues: int = 1) -> tuple[str | None, str | None]:
-        dev_id, err = _add(self.cmd, ["-t", self.target, "-q", str(queues),
+        dev_id, err = _add(self.cmd, ["-t", self.target, "-q", str(queues), *self.extra,
                                       *([image] if image else [])])
         if dev_id is None:
             return None, err

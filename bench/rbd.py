@@ -71,7 +71,7 @@ def _client_runs(client: str, conf: str, workloads: list[str],
     """Attach one client to the image, run each workload on it, detach."""
     side: RbdNbd | AioublkServer = (
         RbdNbd(conf) if client == "rbd-nbd"
-        else AioublkServer(("-t", "rbd", "--rbd-conf", conf, "-q", "1", "-d", "128")))
+        else AioublkServer("rbd", ["--rbd-conf", conf, "-d", "128"]))
     return workload_runs(client, side, side.attach(IMAGE), workloads, runtime)
 
 
