@@ -2,6 +2,8 @@
 spelled as qemu-img spells them so that people's habits (and scripts) work.
 
     aioublk img check [-q] [-f qcow2] [--output human|json] [-r leaks|all] [-U] FILE
+    aioublk img info [-f qcow2] [--output human|json] [-U] FILE
+    aioublk img snapshot -l [-U] FILE
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from aioublk.errors import Error
 from aioublk.io import locking
 from aioublk.qcow2 import check as chk
 from aioublk.qcow2 import format as fmt
+from aioublk.qcow2 import info
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     img = sub.add_parser("img", help="qemu-img's commands on a qcow2 image nothing serves "
-                         "(check)")
+                         "(check, info, snapshot -l)")
     cmds = img.add_subparsers(dest="img_cmd", required=True, parser_class=type(img))
     c = cmds.add_parser("check", help="find (and with -r repair) leaked clusters, wrong "
                         "refcounts and COPIED flags, as qemu-img check does; exit 0 clean, "
@@ -36,10 +39,61 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="check an image another process has open (its numbers may be "
                    "off while it writes); not with -r")
     c.add_argument("filename")
+    i = cmds.add_parser("info", help="the image's size, format options, backing file, "
+                        "snapshots and bitmaps, as qemu-img info prints them")
+    i.add_argument("-f", dest="format", default="qcow2", choices=["qcow2"])
+    i.add_argument("--output", choices=["human", "json"], default="human")
+    i.add_argument("-U", "--force-share", action="store_true",
+                   help="read an image another process has open")
+    i.add_argument("filename")
+    s = cmds.add_parser("snapshot", help="list the image's internal snapshots (-l), as "
+                        "qemu-img snapshot -l does")
+    s.add_argument("-l", dest="list", action="store_true", required=True,
+                   help="list the snapshots")
+    s.add_argument("-f", dest="format", default="qcow2", choices=["qcow2"])
+    s.add_argument("-U", "--force-share", action="store_true",
+                   help="read an image another process has open")
+    s.add_argument("filename")
 
 
 def main(args: argparse.Namespace) -> int:
-    return cmd_check(args)
+    return {"check": cmd_check, "info": cmd_info, "snapshot": cmd_snapshot}[args.img_cmd](args)
+
+
+def _reading(args: argparse.Namespace) -> tuple[int, chk.Read]:
+    fd = _open(args.filename, False, args.force_share)
+    return fd, _read_of(fd)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    fd, read = _reading(args)
+    try:
+        try:
+            found = info.image_info(read, args.filename, os.fstat(fd))
+        except fmt.Qcow2Error as e:
+            raise Error(f"{args.filename}: {e}") from None
+        if args.output == "json":
+            print(json.dumps(found, indent=4))
+        else:
+            print("\n".join(info.human_info(found, read)))
+        return 0
+    finally:
+        os.close(fd)
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    fd, read = _reading(args)
+    try:
+        try:
+            h = fmt.parse_header(read(0, 1 << 21), os.fstat(fd).st_size)
+            snaps = info.snapshots(read, h)
+        except fmt.Qcow2Error as e:
+            raise Error(f"{args.filename}: {e}") from None
+        if snaps:
+            print("\n".join(info.snapshot_lines(snaps)))
+        return 0
+    finally:
+        os.close(fd)
 
 
 def _open(path: str, write: bool, share: bool) -> int:

@@ -31,9 +31,6 @@ from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, Qcow2Error
 Read = Callable[[int, int], bytes]
 
 AUTOCLEAR_BITMAPS = 1
-_BITMAPS_EXT = struct.Struct(">IIQQ")  # nb_bitmaps, reserved, directory size, offset
-_BITMAP_ENTRY = struct.Struct(">QIIBBHI")  # table offset, size, flags, type, gran, name, extra
-_BITMAP_OFFSET = 0x00FF_FFFF_FFFF_FE00
 
 
 @dataclass
@@ -176,24 +173,18 @@ class _Scan:
                 contiguous = host + cs
 
     def bitmaps(self, ext: bytes) -> None:
-        if len(ext) < _BITMAPS_EXT.size:
-            self.res.other.append("bitmaps header extension is truncated")
+        try:
+            _, offset, size = fmt.bitmaps_directory(ext)
+            marks = fmt.parse_bitmaps(ext, self.read)
+        except Qcow2Error as e:
+            self.res.other.append(str(e))
             return
-        count, _, dir_size, dir_offset = _BITMAPS_EXT.unpack_from(ext)
-        self.ref(dir_offset, dir_size)
-        data = self.read(dir_offset, dir_size)
-        pos = 0
-        for _ in range(count):
-            if pos + _BITMAP_ENTRY.size > len(data):
-                self.res.other.append("bitmap directory is truncated")
-                return
-            table, size, _flags, _type, _gran, name_len, extra = \
-                _BITMAP_ENTRY.unpack_from(data, pos)
-            pos = (pos + _BITMAP_ENTRY.size + extra + name_len + 7) & ~7
-            self.ref(table, size * 8)
-            for e in _table(self.read, table, size):
-                if e & _BITMAP_OFFSET:
-                    self.ref(e & _BITMAP_OFFSET, self.h.cluster_size)
+        self.ref(offset, size)
+        for b in marks:
+            self.ref(b.table_offset, b.table_size * 8)
+            for entry in _table(self.read, b.table_offset, b.table_size):
+                if entry & fmt.BITMAP_OFFSET_MASK:
+                    self.ref(entry & fmt.BITMAP_OFFSET_MASK, self.h.cluster_size)
 
     def refcounts(self) -> None:
         """The refcount blocks (each one more reference) and what they hold."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from aioublk.errors import Error
@@ -389,6 +389,13 @@ class Snapshot:
     l1_table_offset: int
     l1_size: int
     name: str
+    id: str = ""
+    date_sec: int = 0
+    date_nsec: int = 0
+    vm_clock_nsec: int = 0
+    vm_state_size: int = 0
+    icount: int | None = None  # (None: the entry predates it)
+    disk_size: int | None = None
 
 
 def parse_snapshots(data: bytes, count: int) -> tuple[list[Snapshot], int]:
@@ -398,15 +405,63 @@ def parse_snapshots(data: bytes, count: int) -> tuple[list[Snapshot], int]:
     for _ in range(count):
         if pos + _SNAP.size > len(data):
             raise Qcow2Error("qcow2 snapshot table is truncated")
-        (l1_off, l1_size, id_len, name_len, _s, _ns, _vm, _vs,
+        (l1_off, l1_size, id_len, name_len, date_sec, date_nsec, vm_clock, vm_state,
          extra) = _SNAP.unpack_from(data, pos)
         if extra > MAX_SNAPSHOT_EXTRA:
             raise Qcow2Error(f"qcow2 snapshot table entry has {extra} bytes of extra data "
                              f"(at most {MAX_SNAPSHOT_EXTRA})")
-        pos += _SNAP.size + extra + id_len
+        more = data[pos + _SNAP.size:pos + _SNAP.size + extra]
+        words = [int.from_bytes(more[i:i + 8], "big") for i in range(0, len(more) - 7, 8)]
+        if words and words[0]:
+            vm_state = words[0]  # the 64-bit size, where the entry has it
+        pos += _SNAP.size + extra
+        ident = data[pos:pos + id_len].decode("utf-8", "replace")
+        pos += id_len
         if pos + name_len > len(data):
             raise Qcow2Error("qcow2 snapshot table is truncated")
         name = data[pos:pos + name_len].decode("utf-8", "replace")
         pos = (pos + name_len + 7) & ~7  # padding QEMU leaves out after the last entry
-        snaps.append(Snapshot(l1_off, l1_size, name))
+        snaps.append(Snapshot(l1_off, l1_size, name, ident, date_sec, date_nsec, vm_clock,
+                              vm_state, words[2] if len(words) > 2 else None,
+                              words[1] if len(words) > 1 else None))
     return snaps, pos
+
+
+# --- persistent bitmaps (the bitmaps header extension and its directory)
+
+_BITMAPS_EXT = struct.Struct(">IIQQ")  # nb_bitmaps, reserved, directory size, offset
+_BITMAP_ENTRY = struct.Struct(">QIIBBHI")  # table offset, size, flags, type, gran, name, extra
+BITMAP_OFFSET_MASK = 0x00FF_FFFF_FFFF_FE00
+
+
+@dataclass
+class Bitmap:
+    name: str
+    table_offset: int
+    table_size: int  # entries
+    flags: int
+    granularity_bits: int
+
+
+def bitmaps_directory(ext: bytes) -> tuple[int, int, int]:
+    """(count, directory offset, directory size) from the extension's data."""
+    if len(ext) < _BITMAPS_EXT.size:
+        raise Qcow2Error("qcow2 bitmaps header extension is truncated")
+    count, _, size, offset = _BITMAPS_EXT.unpack_from(ext)
+    return count, offset, size
+
+
+def parse_bitmaps(ext: bytes, read: Callable[[int, int], bytes]) -> list[Bitmap]:
+    count, offset, size = bitmaps_directory(ext)
+    data = read(offset, size)
+    out, pos = [], 0
+    for _ in range(count):
+        if pos + _BITMAP_ENTRY.size > len(data):
+            raise Qcow2Error("qcow2 bitmap directory is truncated")
+        table, entries, flags, _type, gran, name_len, extra = \
+            _BITMAP_ENTRY.unpack_from(data, pos)
+        start = pos + _BITMAP_ENTRY.size + extra
+        out.append(Bitmap(data[start:start + name_len].decode("utf-8", "replace"), table,
+                          entries, flags, gran))
+        pos = (start + name_len + 7) & ~7
+    return out
