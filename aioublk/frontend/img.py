@@ -4,6 +4,7 @@ spelled as qemu-img spells them so that people's habits (and scripts) work.
     aioublk img check [-q] [-f qcow2] [--output human|json] [-r leaks|all] [-U] FILE
     aioublk img info [-f qcow2] [--output human|json] [-U] FILE
     aioublk img snapshot -l [-U] FILE
+    aioublk img map [-f qcow2] [--output human|json] [-U] FILE
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from typing import TextIO
 
 from aioublk.errors import Error
 from aioublk.io import locking
+from aioublk.qcow2 import blockmap, info
 from aioublk.qcow2 import check as chk
 from aioublk.qcow2 import format as fmt
-from aioublk.qcow2 import info
+from aioublk.qcow2.base import MAX_CHAIN
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     img = sub.add_parser("img", help="qemu-img's commands on a qcow2 image nothing serves "
-                         "(check, info, snapshot -l)")
+                         "(check, info, map, snapshot -l)")
     cmds = img.add_subparsers(dest="img_cmd", required=True, parser_class=type(img))
     c = cmds.add_parser("check", help="find (and with -r repair) leaked clusters, wrong "
                         "refcounts and COPIED flags, as qemu-img check does; exit 0 clean, "
@@ -54,10 +56,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("-U", "--force-share", action="store_true",
                    help="read an image another process has open")
     s.add_argument("filename")
+    m = cmds.add_parser("map", help="where each range of the disk lives, through the backing "
+                        "chain, as qemu-img map prints it")
+    m.add_argument("-f", dest="format", default="qcow2", choices=["qcow2"])
+    m.add_argument("--output", choices=["human", "json"], default="human")
+    m.add_argument("-U", "--force-share", action="store_true",
+                   help="read images another process has open")
+    m.add_argument("filename")
 
 
 def main(args: argparse.Namespace) -> int:
-    return {"check": cmd_check, "info": cmd_info, "snapshot": cmd_snapshot}[args.img_cmd](args)
+    return {"check": cmd_check, "info": cmd_info, "snapshot": cmd_snapshot,
+            "map": cmd_map}[args.img_cmd](args)
 
 
 def _reading(args: argparse.Namespace) -> tuple[int, chk.Read]:
@@ -79,6 +89,45 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     finally:
         os.close(fd)
+
+
+def cmd_map(args: argparse.Namespace) -> int:
+    fds: list[int] = []
+    try:
+        chain: list[blockmap.Layer] = []
+        name, kind = args.filename, "qcow2"
+        while True:
+            if len(chain) >= MAX_CHAIN:
+                raise Error(f"{args.filename}: backing chain deeper than {MAX_CHAIN} images")
+            fd = _open(name, False, args.force_share)
+            fds.append(fd)
+            read, size = _read_of(fd), os.fstat(fd).st_size
+            if kind != "raw" and read(0, 4) != fmt.MAGIC:
+                kind = "raw"  # (a backing file with no format named: probed, as qemu-img)
+            if kind == "raw":
+                chain.append(blockmap.Layer(name, read, size))
+                break
+            try:
+                h = fmt.parse_header(read(0, 1 << 21), size)
+            except fmt.Qcow2Error as e:
+                raise Error(f"{name}: {e}") from None
+            chain.append(blockmap.Layer(name, read, h.size, h))
+            if h.backing_file is None:
+                break
+            name = info.full_backing(name, h.backing_file)
+            kind = h.backing_format or "probe"
+        entries = blockmap.block_map(chain)
+        if args.output == "json":
+            sys.stdout.write(blockmap.json_lines(entries))
+            return 0
+        lines, stopped = blockmap.human_lines(entries)
+        print("\n".join(lines), flush=True)
+        if stopped:
+            raise Error(stopped)
+        return 0
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:

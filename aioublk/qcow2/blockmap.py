@@ -1,0 +1,143 @@
+"""What ``aioublk img map`` says of an image: where each range of the disk
+lives, through its backing chain, in qemu-img map's entries and words.
+
+Each layer is read through a callable (no I/O here): a qcow2 image's L1
+and L2 tables give its runs (data at a host offset, compressed, zero,
+or not allocated), and a range no layer allocates falls through to the
+next one, down to a raw file (data at the same offset) or to nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from aioublk.qcow2 import format as fmt
+from aioublk.qcow2.check import Read
+from aioublk.qcow2.format import COMPRESSED, OFFSET_MASK, ZERO
+
+DATA, PACKED, ZEROS, NONE = "data", "compressed", "zero", "unallocated"
+
+
+@dataclass
+class Layer:
+    """One image of the chain: a qcow2 image (``header`` set) or a raw file."""
+
+    filename: str
+    read: Read
+    size: int  # its virtual size (a raw file's length)
+    header: fmt.Header | None = None
+    _l1: list[int] | None = field(default=None, repr=False)
+
+    def runs(self, start: int, end: int) -> Iterator[tuple[int, int, str, int | None]]:
+        """(start, length, kind, host offset) over ``[start, end)`` in this layer alone."""
+        h = self.header
+        if h is None:
+            if start < self.size:
+                yield start, min(end, self.size) - start, DATA, start
+            if end > self.size:
+                yield max(start, self.size), end - max(start, self.size), NONE, None
+            return
+        cs, per = h.cluster_size, h.l2_entries
+        if self._l1 is None:
+            raw = self.read(h.l1_table_offset, h.l1_size * 8)
+            self._l1 = list(fmt.load_table(raw[:len(raw) & ~7]))
+        pos = start
+        while pos < end:
+            i, j = divmod(pos // cs, per)
+            l2 = self._l1[i] & OFFSET_MASK if i < len(self._l1) else 0
+            table_end = min(end, (i + 1) * per * cs)
+            if not l2 or pos >= self.size:
+                yield pos, table_end - pos, NONE, None
+                pos = table_end
+                continue
+            entries = fmt.load_table(self.read(l2, cs))
+            while pos < table_end:
+                e = entries[(pos // cs) % per]
+                stop = min(table_end, (pos // cs + 1) * cs)
+                host = e & OFFSET_MASK
+                if e & COMPRESSED:
+                    yield pos, stop - pos, PACKED, None
+                elif e & ZERO and h.version >= 3:
+                    yield pos, stop - pos, ZEROS, (host + pos % cs) if host else None
+                elif host:
+                    yield pos, stop - pos, DATA, host + pos % cs
+                else:
+                    yield pos, stop - pos, NONE, None
+                pos = stop
+
+
+@dataclass
+class Entry:
+    """One line of qemu-img map."""
+
+    start: int
+    length: int
+    depth: int
+    present: bool
+    zero: bool
+    data: bool
+    offset: int | None
+    filename: str
+
+    def follows(self, e: Entry) -> bool:
+        """Whether ``self`` merges into ``e``, which ends where it starts (qemu-img's rule)."""
+        same = (self.zero, self.data, self.depth, self.present, self.filename,
+                self.offset is None) == (e.zero, e.data, e.depth, e.present, e.filename,
+                                         e.offset is None)
+        return same and (self.offset is None or
+                         e.offset is not None and e.offset + e.length == self.offset)
+
+
+def _entries(chain: list[Layer], depth: int, start: int, end: int) -> Iterator[Entry]:
+    layer = chain[depth]
+    for pos, length, kind, host in layer.runs(start, end):
+        # below: the backing file, as far as it goes (past its end: nothing, here)
+        below = min(pos + length, chain[depth + 1].size) if depth + 1 < len(chain) else pos
+        if kind == NONE and below > pos:
+            yield from _entries(chain, depth + 1, pos, below)
+        if kind == NONE and below < pos + length:
+            yield Entry(max(pos, below), pos + length - max(pos, below), depth, False, True,
+                        False, None, layer.filename)
+        elif kind != NONE:
+            yield Entry(pos, length, depth, True, kind == ZEROS, kind in (DATA, PACKED), host,
+                        layer.filename)
+
+
+def block_map(chain: list[Layer]) -> list[Entry]:
+    """The map of ``chain[0]`` (its backing files after it), merged as qemu-img merges."""
+    out: list[Entry] = []
+    for e in _entries(chain, 0, 0, chain[0].size):
+        if out and out[-1].start + out[-1].length == e.start and e.follows(out[-1]):
+            out[-1].length += e.length
+        else:
+            out.append(e)
+    return out
+
+
+def json_lines(entries: list[Entry]) -> str:
+    """qemu-img map --output json, byte for byte."""
+    rows = []
+    for e in entries:
+        row = (f'{{ "start": {e.start}, "length": {e.length}, "depth": {e.depth}, '
+               f'"present": {str(e.present).lower()}, "zero": {str(e.zero).lower()}, '
+               f'"data": {str(e.data).lower()}')
+        if e.offset is not None:
+            row += f', "offset": {e.offset}'
+        rows.append(row + "}")
+    return "[" + ",\n".join(rows) + "]\n"
+
+
+def human_lines(entries: list[Entry]) -> tuple[list[str], str | None]:
+    """qemu-img map's table (the ranges with data, where they are and in
+    which file) up to the first range it cannot show, and why it stopped."""
+    def hx(v: int) -> str:
+        return f"{v:#x}" if v else "0"
+
+    lines = [f"{'Offset':<16}{'Length':<16}{'Mapped to':<16}File"]
+    for e in entries:
+        if e.data and not e.zero:
+            if e.offset is None:
+                return lines, "File contains external, encrypted or compressed clusters."
+            lines.append(f"{hx(e.start):<16}{hx(e.length):<16}{hx(e.offset):<16}{e.filename}")
+    return lines, None
