@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from aioublk.errors import Error
 from aioublk.io import locking
@@ -27,42 +27,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     img = sub.add_parser("img", help="qemu-img's commands on a qcow2 image nothing serves "
                          "(check, info, map, snapshot -l)")
     cmds = img.add_subparsers(dest="img_cmd", required=True, parser_class=type(img))
-    c = cmds.add_parser("check", help="find (and with -r repair) leaked clusters, wrong "
-                        "refcounts and COPIED flags, as qemu-img check does; exit 0 clean, "
-                        "1 the check could not finish, 2 corruptions, 3 leaks only")
-    c.add_argument("-f", dest="format", default="qcow2", choices=["qcow2"],
-                   help="the image's format (qcow2 only)")
+
+    def command(name: str, what: str, *, output: bool = True,
+                share: str = "read an image another process has open") -> Any:
+        """A subcommand with the options every one of them takes, as qemu-img spells them."""
+        p = cmds.add_parser(name, help=what)
+        p.add_argument("-f", dest="format", default="qcow2", choices=["qcow2"],
+                       help="the image's format (qcow2 only)")
+        if output:
+            p.add_argument("--output", choices=["human", "json"], default="human")
+        p.add_argument("-U", "--force-share", action="store_true", help=share)
+        p.add_argument("filename")
+        return p
+
+    c = command("check", "find (and with -r repair) leaked clusters, wrong refcounts and "
+                "COPIED flags, as qemu-img check does; exit 0 clean, 1 the check could not "
+                "finish, 2 corruptions, 3 leaks only",
+                share="check an image another process has open (its numbers may be off "
+                "while it writes); not with -r")
     c.add_argument("-q", dest="quiet", action="store_true", help="print nothing")
-    c.add_argument("--output", choices=["human", "json"], default="human")
     c.add_argument("-r", "--repair", choices=["leaks", "all"],
                    help="leaks: set leaked clusters' refcounts right; all: every refcount "
                    "and COPIED flag")
-    c.add_argument("-U", "--force-share", action="store_true",
-                   help="check an image another process has open (its numbers may be "
-                   "off while it writes); not with -r")
-    c.add_argument("filename")
-    i = cmds.add_parser("info", help="the image's size, format options, backing file, "
-                        "snapshots and bitmaps, as qemu-img info prints them")
-    i.add_argument("-f", dest="format", default="qcow2", choices=["qcow2"])
-    i.add_argument("--output", choices=["human", "json"], default="human")
-    i.add_argument("-U", "--force-share", action="store_true",
-                   help="read an image another process has open")
-    i.add_argument("filename")
-    s = cmds.add_parser("snapshot", help="list the image's internal snapshots (-l), as "
-                        "qemu-img snapshot -l does")
+    command("info", "the image's size, format options, backing file, snapshots and "
+            "bitmaps, as qemu-img info prints them")
+    s = command("snapshot", "list the image's internal snapshots (-l), as qemu-img "
+                "snapshot -l does", output=False)
     s.add_argument("-l", dest="list", action="store_true", required=True,
                    help="list the snapshots")
-    s.add_argument("-f", dest="format", default="qcow2", choices=["qcow2"])
-    s.add_argument("-U", "--force-share", action="store_true",
-                   help="read an image another process has open")
-    s.add_argument("filename")
-    m = cmds.add_parser("map", help="where each range of the disk lives, through the backing "
-                        "chain, as qemu-img map prints it")
-    m.add_argument("-f", dest="format", default="qcow2", choices=["qcow2"])
-    m.add_argument("--output", choices=["human", "json"], default="human")
-    m.add_argument("-U", "--force-share", action="store_true",
-                   help="read images another process has open")
-    m.add_argument("filename")
+    command("map", "where each range of the disk lives, through the backing chain, as "
+            "qemu-img map prints it", share="read images another process has open")
 
 
 def main(args: argparse.Namespace) -> int:
