@@ -1789,8 +1789,16 @@ static void dp_own_wait(struct aur_dp *dp, int ms)
     struct io_uring_cqe *cqe;
     uint64_t deadline = ms < 0 ? 0 : dp_now_ns() + 1000000ULL * (uint64_t)ms;
     unsigned served = dp->served, completed = dp->completed;
+    uint64_t count;
     int full = 0, quiet, ret;
 
+    /* C takes the CQ from here: a signal of the ring's eventfd still unread
+       (a CQE that came while Python ran) would end the poll on the loop's
+       epoll at once, and every batch would go round through Python. What
+       Python must see, C signals again when it returns (dp_wake_loop). */
+    if (read(dp->r->efd, &count, sizeof(count)) < 0) {
+        /* EAGAIN: nothing was signalled */
+    }
     if (!h->armed) {
         if (aur_prep(dp->r, IORING_OP_POLL_ADD, h->epfd, 0, 0, 0, POLLIN, 0, 0,
                      DP_UD(DP_K_LOOP, 0, 0, 0)) < 0)
