@@ -5,6 +5,7 @@ spelled as qemu-img spells them so that people's habits (and scripts) work.
     aioublk img info [-f qcow2] [--output human|json] [-U] FILE
     aioublk img snapshot -l [-U] FILE
     aioublk img map [-f qcow2] [--output human|json] [-U] FILE
+    aioublk img create [-q] [-f qcow2] [-b BACKING [-F FMT]] [-o OPTIONS] FILE [SIZE]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, TextIO
 
 from aioublk.errors import Error
 from aioublk.io import locking
-from aioublk.qcow2 import blockmap, info
+from aioublk.qcow2 import blockmap, create, info
 from aioublk.qcow2 import check as chk
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.base import MAX_CHAIN
@@ -25,7 +26,7 @@ from aioublk.qcow2.base import MAX_CHAIN
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     img = sub.add_parser("img", help="qemu-img's commands on a qcow2 image nothing serves "
-                         "(check, info, map, snapshot -l)")
+                         "(create, check, info, map, snapshot -l)")
     cmds = img.add_subparsers(dest="img_cmd", required=True, parser_class=type(img))
 
     def command(name: str, what: str, *, output: bool = True,
@@ -57,11 +58,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="list the snapshots")
     command("map", "where each range of the disk lives, through the backing chain, as "
             "qemu-img map prints it", share="read images another process has open")
+    n = cmds.add_parser("create", help="a new qcow2 image, as qemu-img create makes it")
+    n.add_argument("-f", dest="format", default="qcow2", choices=["qcow2"])
+    n.add_argument("-q", dest="quiet", action="store_true", help="print nothing")
+    n.add_argument("-b", dest="backing", help="the backing file (a name beside the image, or "
+                   "a path), stored as given")
+    n.add_argument("-F", dest="backing_fmt", choices=["qcow2", "raw"],
+                   help="the backing file's format")
+    n.add_argument("-o", dest="options", action="append", default=[],
+                   help="cluster_size=, compat=1.1|0.10, refcount_bits=, lazy_refcounts=on|"
+                   "off, compression_type=zlib|zstd, preallocation=off|metadata|falloc, "
+                   "backing_file=, backing_fmt= (comma-separated, repeatable)")
+    n.add_argument("filename")
+    n.add_argument("size", nargs="?", help="bytes, or with k, M, G, T (default: the backing "
+                   "file's)")
 
 
 def main(args: argparse.Namespace) -> int:
     return {"check": cmd_check, "info": cmd_info, "snapshot": cmd_snapshot,
-            "map": cmd_map}[args.img_cmd](args)
+            "map": cmd_map, "create": cmd_create}[args.img_cmd](args)
 
 
 def _reading(args: argparse.Namespace) -> tuple[int, chk.Read]:
@@ -122,6 +137,100 @@ def cmd_map(args: argparse.Namespace) -> int:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _create_options(args: argparse.Namespace) -> tuple[create.Options, set[str]]:
+    """The options from -o, -b and -F, and which of them were given."""
+    given: dict[str, str] = {}
+    for group in args.options:
+        for item in filter(None, group.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise Error(f"-o {item}: give it as KEY=VALUE")
+            given[key.strip()] = value.strip()
+    if args.backing is not None:
+        given["backing_file"] = args.backing
+    if args.backing_fmt is not None:
+        given["backing_fmt"] = args.backing_fmt
+    o = create.Options(size=0)
+    flags = {"on": True, "off": False}
+    for key, value in given.items():
+        try:
+            if key == "cluster_size":
+                o.cluster_size = create.parse_size(value)
+            elif key == "refcount_bits":
+                o.refcount_bits = int(value)
+            elif key == "lazy_refcounts":
+                o.lazy_refcounts = flags[value]
+            elif key == "extended_l2":
+                if flags[value]:
+                    raise Error("extended_l2=on images are not supported yet: leave "
+                                "extended_l2 off")
+            elif key in ("compat", "compression_type", "preallocation", "backing_file",
+                         "backing_fmt"):
+                setattr(o, key, value)
+            else:
+                raise Error(f"unknown option {key!r} for qcow2: use cluster_size, compat, "
+                            "refcount_bits, lazy_refcounts, compression_type, preallocation, "
+                            "backing_file, backing_fmt")
+        except (KeyError, ValueError):
+            raise Error(f"-o {key}={value}: not a valid value") from None
+    return o, set(given)
+
+
+def _backing_size(image: str, o: create.Options) -> int:
+    """The virtual size of the backing file named by ``o``, for a SIZE left out."""
+    if o.backing_file is None:
+        raise Error("give the image's SIZE (or a backing file to take it from)")
+    path = info.full_backing(image, o.backing_file)
+    fd = _open(path, False, True)
+    try:
+        read = _read_of(fd)
+        if o.backing_fmt == "raw" or (o.backing_fmt is None and read(0, 4) != fmt.MAGIC):
+            return os.fstat(fd).st_size
+        return fmt.parse_header(read(0, 1 << 21), os.fstat(fd).st_size).size
+    except fmt.Qcow2Error as e:
+        raise Error(f"backing file {path}: {e}") from None
+    finally:
+        os.close(fd)
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    o, given = _create_options(args)
+    try:
+        o.size = create.parse_size(args.size) if args.size is not None else \
+            _backing_size(args.filename, o)
+        if o.backing_file is not None and o.backing_fmt is None:
+            raise Error("give the backing file's format with -F qcow2|raw (it is never "
+                        "guessed from the file)")
+        writes, end = create.build(o)
+    except fmt.Qcow2Error as e:
+        raise Error(str(e)) from None
+    if not args.quiet:
+        print(create.formatting_line(args.filename, o, "compat" in given,
+                                     "preallocation" in given), flush=True)
+    try:
+        fd = os.open(args.filename, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise Error(f"cannot create {args.filename}: {e.strerror}") from None
+    try:
+        try:
+            locking.lock(fd, args.filename, write=True)
+        except locking.InUse:
+            raise Error(f"{args.filename} is in use by another process (QEMU or aioublk): "
+                        "stop it first") from None
+        os.ftruncate(fd, 0)
+        for off, data in writes:
+            _write(fd, off, data)
+        os.ftruncate(fd, end)
+        if o.preallocation == "falloc":
+            os.posix_fallocate(fd, 0, end)
+        os.fsync(fd)
+    except OSError as e:
+        raise Error(f"cannot write {args.filename}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    return 0
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from aioublk.qcow2 import check as chk
-from tests.support.qcow2_util import K, M, create, qemu_img, qemu_io, to_raw
+from tests.support.qcow2_util import K, M, create, held_by_qemu_io, qemu_img, qemu_io, to_raw
 
 AIOUBLK = [sys.executable, "-m", "aioublk"]
 
@@ -287,21 +287,12 @@ def test_dirty_and_corrupt_bits_cleared_by_a_repair(tmp_path: Path) -> None:
 
 def test_an_image_in_use_is_refused_in_one_line(tmp_path: Path) -> None:
     p = img_data(tmp_path)
-    holder = subprocess.Popen(["qemu-io", "-f", "qcow2", p], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdin is not None and holder.stdout is not None
-        holder.stdin.write("write -P 1 0 4k\n")  # (its answer: the image is open)
-        holder.stdin.flush()
-        assert "wrote" in holder.stdout.readline()
+    with held_by_qemu_io(p):
         got = ours(p)
         assert got.returncode == 1 and got.stderr.count("\n") == 1, got.stderr
         assert "in use by another process" in got.stderr and "-U" in got.stderr
         assert ours("-r", "leaks", p).returncode == 1
         assert ours("-U", p).returncode in (0, 3)
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_not_qcow2_is_one_line(tmp_path: Path) -> None:

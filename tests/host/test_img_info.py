@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.host.test_img_check import IMAGES
-from tests.support.qcow2_util import M, create, qemu_img, qemu_io
+from tests.support.qcow2_util import M, create, held_by_qemu_io, qemu_img, qemu_io
 
 
 def ours(*args: object) -> subprocess.CompletedProcess[str]:
@@ -62,16 +62,7 @@ def test_info_matches_qemu_img(name: str, where: str, tmp_path: Path,
 
 def test_info_of_an_image_in_use_needs_u(tmp_path: Path) -> None:
     p = IMAGES["data"](tmp_path)
-    holder = subprocess.Popen(["qemu-io", "-f", "qcow2", p], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdin is not None and holder.stdout is not None
-        holder.stdin.write("write -P 1 0 4k\n")
-        holder.stdin.flush()
-        assert "wrote" in holder.stdout.readline()  # (the image is open for writing)
+    with held_by_qemu_io(p):
         got = ours("info", p)
         assert got.returncode == 1 and got.stderr.count("\n") == 1, got.stderr
         assert ours("info", "-U", p).returncode == 0
-    finally:
-        holder.kill()
-        holder.wait()

@@ -325,3 +325,20 @@ def _sample(b: memoryview, at: int) -> str:
 def read_file(path: Path) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+@contextlib.contextmanager
+def held_by_qemu_io(image: Path) -> Iterator[None]:
+    """``image`` open for writing by a qemu-io that waits for commands (its
+    locks taken), until the block ends."""
+    holder = subprocess.Popen(["qemu-io", "-f", "qcow2", str(image)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdin is not None and holder.stdout is not None
+        holder.stdin.write("read 0 512\n")
+        holder.stdin.flush()
+        assert "read" in holder.stdout.readline()  # (its answer: the image is open)
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
