@@ -113,14 +113,15 @@ def cmd_map(args: argparse.Namespace) -> int:
             read, size = _read_of(fd), os.fstat(fd).st_size
             if kind != "raw" and read(0, 4) != fmt.MAGIC:
                 kind = "raw"  # (a backing file with no format named: probed, as qemu-img)
+            holes = _holes_of(fd, size)
             if kind == "raw":
-                chain.append(blockmap.Layer(name, read, size))
+                chain.append(blockmap.Layer(name, read, size, holes=holes))
                 break
             try:
                 h = fmt.parse_header(read(0, 1 << 21), size)
             except fmt.Qcow2Error as e:
                 raise Error(f"{name}: {e}") from None
-            chain.append(blockmap.Layer(name, read, h.size, h))
+            chain.append(blockmap.Layer(name, read, h.size, h, holes))
             if h.backing_file is None:
                 break
             name = info.full_backing(name, h.backing_file)
@@ -231,6 +232,30 @@ def cmd_create(args: argparse.Namespace) -> int:
     finally:
         os.close(fd)
     return 0
+
+
+def _holes_of(fd: int, size: int) -> blockmap.Holes:
+    """The holes of the file at fd (SEEK_HOLE), past its end included."""
+    def holes(offset: int, length: int) -> list[tuple[int, int]]:
+        out, pos, end = [], offset, offset + length
+        while pos < end:
+            if pos >= size:
+                out.append((pos, end))
+                break
+            try:
+                hole = os.lseek(fd, pos, os.SEEK_HOLE)
+            except OSError:
+                break  # (no SEEK_HOLE here: no holes known)
+            if hole >= end:
+                break
+            try:
+                data = os.lseek(fd, hole, os.SEEK_DATA)
+            except OSError:  # ENXIO: a hole to the end of the file
+                data = size
+            out.append((hole, min(data, end)))
+            pos = data
+        return out
+    return holes
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ next one, down to a raw file (data at the same offset) or to nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from aioublk.qcow2 import format as fmt
@@ -17,6 +17,13 @@ from aioublk.qcow2.check import Read
 from aioublk.qcow2.format import COMPRESSED, OFFSET_MASK, ZERO
 
 DATA, PACKED, ZEROS, NONE = "data", "compressed", "zero", "unallocated"
+
+#: the holes in ``[offset, offset + length)`` of a layer's file, as (start, end)
+Holes = Callable[[int, int], list[tuple[int, int]]]
+
+
+def no_holes(offset: int, length: int) -> list[tuple[int, int]]:
+    return []
 
 
 @dataclass
@@ -27,6 +34,8 @@ class Layer:
     read: Read
     size: int  # its virtual size (a raw file's length)
     header: fmt.Header | None = None
+    #: a hole in the file reads as zeros: its data is zero too (as QEMU says)
+    holes: Holes = no_holes
     _l1: list[int] | None = field(default=None, repr=False)
 
     def runs(self, start: int, end: int) -> Iterator[tuple[int, int, str, int | None]]:
@@ -99,9 +108,28 @@ def _entries(chain: list[Layer], depth: int, start: int, end: int) -> Iterator[E
         if kind == NONE and below < pos + length:
             yield Entry(max(pos, below), pos + length - max(pos, below), depth, False, True,
                         False, None, layer.filename)
+        elif kind == DATA and host is not None:
+            yield from _split_holes(layer, depth, pos, length, host)
         elif kind != NONE:
-            yield Entry(pos, length, depth, True, kind == ZEROS, kind in (DATA, PACKED), host,
+            yield Entry(pos, length, depth, True, kind == ZEROS, kind == PACKED, host,
                         layer.filename)
+
+
+def _split_holes(layer: Layer, depth: int, pos: int, length: int, host: int) -> Iterator[Entry]:
+    """A data run, its parts in holes of the file marked zero, as QEMU's
+    file layer reports them under the format's answer."""
+    at = host
+    for start, end in layer.holes(host, length):
+        if start > at:
+            yield Entry(pos + at - host, start - at, depth, True, False, True, at,
+                        layer.filename)
+        # (a qcow2 cluster there is still its data; a raw file's hole is not)
+        yield Entry(pos + start - host, end - start, depth, True, True,
+                    layer.header is not None, start, layer.filename)
+        at = end
+    if at < host + length:
+        yield Entry(pos + at - host, host + length - at, depth, True, False, True, at,
+                    layer.filename)
 
 
 def block_map(chain: list[Layer]) -> list[Entry]:

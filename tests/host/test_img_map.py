@@ -38,7 +38,28 @@ def img_three_deep(d: Path) -> Path:
     return top
 
 
-MORE: dict[str, Callable[[Path], Path]] = {"zeros": img_zeros, "three-deep": img_three_deep}
+def img_preallocated(d: Path) -> Path:
+    """Metadata preallocated: clusters allocated over holes of the file."""
+    p = d / "prealloc.qcow2"
+    qemu_img("create", "-q", "-f", "qcow2", "-o", "preallocation=metadata", p, "8M")
+    qemu_io(p, "write -P 1 64k 64k", "write -P 2 5M 4k")
+    return p
+
+
+def img_sparse_raw(d: Path) -> Path:
+    raw = d / "sparse.raw"
+    with open(raw, "wb") as f:
+        f.truncate(8 * M)
+        f.seek(2 * M)
+        f.write(b"\x33" * (512 * 1024))
+    top = create(d / "over-sparse.qcow2", 8 * M, backing=raw.name, backing_fmt="raw")
+    qemu_io(top, "write -P 4 0 64k")
+    return top
+
+
+MORE: dict[str, Callable[[Path], Path]] = {"zeros": img_zeros, "three-deep": img_three_deep,
+                                           "preallocated": img_preallocated,
+                                           "sparse-raw": img_sparse_raw}
 
 
 @pytest.mark.parametrize("name", [*IMAGES, *MORE])
