@@ -110,6 +110,7 @@ class ImageBase:
     _reserving: set[int]
     _free_hint: int
     _frees: list[tuple[int, int]]  # (generation, host cluster)
+    _punch: set[int]  # host clusters a discard freed: punched in the file once free
     gen: int
     _io: dict[int, int]  # generation -> data I/O in flight
     _zcache: OrderedDict[int, bytes]  # decompressed clusters

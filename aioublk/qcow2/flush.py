@@ -4,6 +4,8 @@ frees that waited for it."""
 
 from __future__ import annotations
 
+import errno
+
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2 import writeback as wbplan
 from aioublk.qcow2.base import _eio
@@ -129,6 +131,15 @@ class WriteBack(Pools):
         return [(base + s * 512, raw[s * 512:(s + 1) * 512].ljust(512, b"\0"))
                 for s in sorted({i // 64 for i in l1})]
 
+    async def _punch_cluster(self, c: int) -> None:
+        """Deallocate a free cluster in the file (before anyone may take it:
+        under the allocation lock). A file system that cannot is left as is."""
+        try:
+            await self.file.punch(c << self.cbits, self.cluster_size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+
     async def _apply_frees(self, cut: int) -> None:
         """Drop the references whose last user's change is durable (``cut``) and
         that no I/O begun before it may still use."""
@@ -143,6 +154,9 @@ class WriteBack(Pools):
                     self.meta.pop(c, None)
                     self._free_hint = min(self._free_hint, c)
                     self.l2cache.pop(c << self.cbits, None)
+                    if c in self._punch:  # a discard's, shared by no snapshot: give
+                        await self._punch_cluster(c)  # the host its space, as QEMU does
+                self._punch.discard(c)
         refs = self._refblock_cut()
         await self._run(self._plan(wbplan.Cut(
             refblocks=[(self._refblock_offset(t), raw) for t, _b, _g, raw in refs])))

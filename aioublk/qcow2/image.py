@@ -320,6 +320,7 @@ class Qcow2Image(Writes):
         self._pools_init()
         self._free_hint = 0
         self._frees: list[tuple[int, int]] = []  # (generation, host cluster)
+        self._punch: set[int] = set()
         self.gen = 0
         self._io: dict[int, int] = {}  # generation -> data I/O in flight
         self._zcache: OrderedDict[int, bytes] = OrderedDict()  # decompressed clusters

@@ -240,6 +240,8 @@ class Writes(Reads):
                         t.entries[vc & self.l2_mask] = (old & OFFSET_MASK) | COPIED | ZERO
                     else:
                         t.entries[vc & self.l2_mask] = want
+                        if unmap and old & OFFSET_MASK and not old & COMPRESSED:
+                            self._punch.add((old & OFFSET_MASK) >> self.cbits)
                         self._release(old)
                 self._changed(t)
         finally:
