@@ -30,7 +30,7 @@ from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, Qcow2Error
 
 Read = Callable[[int, int], bytes]
 
-AUTOCLEAR_BITMAPS = 1
+AUTOCLEAR_BITMAPS = fmt.AUTOCLEAR_BITMAPS
 
 
 @dataclass

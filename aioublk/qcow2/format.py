@@ -441,6 +441,11 @@ class Bitmap:
     table_size: int  # entries
     flags: int
     granularity_bits: int
+    at: int = 0  # where its directory entry lies in the file
+
+
+BITMAP_IN_USE = 1  # its data was not stored after the last change: it is inconsistent
+AUTOCLEAR_BITMAPS = 1  # the bitmaps extension is valid (cleared by a program lacking it)
 
 
 def bitmaps_directory(ext: bytes) -> tuple[int, int, int]:
@@ -462,6 +467,6 @@ def parse_bitmaps(ext: bytes, read: Callable[[int, int], bytes]) -> list[Bitmap]
             _BITMAP_ENTRY.unpack_from(data, pos)
         start = pos + _BITMAP_ENTRY.size + extra
         out.append(Bitmap(data[start:start + name_len].decode("utf-8", "replace"), table,
-                          entries, flags, gran))
+                          entries, flags, gran, offset + pos))
         pos = (start + name_len + 7) & ~7
     return out

@@ -329,16 +329,30 @@ class Qcow2Image(Writes):
         if h.backing_file:
             self.backing = self._open_backing(h, direct, policy, chain)
         if not read_only and self.v3 and h.autoclear:
-            # we keep none of the autoclear extensions up to date (e.g. bitmaps)
-            self.head[fmt.OFF_AUTOCLEAR:fmt.OFF_AUTOCLEAR + 8] = bytes(8)
-            f.pwrite_sector(bytes(self.head), 0)
-            h.autoclear = 0
+            # persistent bitmaps are kept, marked in use: they miss our writes,
+            # and QEMU then calls them inconsistent (as after its own crash)
+            # rather than dropping them with their clusters leaked
+            keep = h.autoclear & fmt.AUTOCLEAR_BITMAPS if fmt.EXT_BITMAPS in h.extensions \
+                else 0
+            if keep:
+                self._bitmaps_in_use(f, h)
+            if h.autoclear & ~keep:  # the others we do not keep up to date
+                self.head[fmt.OFF_AUTOCLEAR:fmt.OFF_AUTOCLEAR + 8] = fmt.pack_u64(keep)
+                f.pwrite_sector(bytes(self.head), 0)
+                h.autoclear = keep
         #: lazy refcounts: dirty while open, as QEMU marks it, so that whoever
         #: opens it after a crash rebuilds its refcounts (leaks included)
         self.lazy = not read_only and self.v3 and \
             bool(h.compatible & fmt.COMPAT_LAZY_REFCOUNTS)
         if self.lazy:
             self._set_dirty(True)
+
+    @staticmethod
+    def _bitmaps_in_use(f: HostFile, h: fmt.Header) -> None:
+        for b in fmt.parse_bitmaps(h.extensions[fmt.EXT_BITMAPS], f.pread):
+            if not b.flags & fmt.BITMAP_IN_USE:
+                f.patch(b.at + 12, (b.flags | fmt.BITMAP_IN_USE).to_bytes(4, "big"))
+        f.datasync()
 
     @staticmethod
     def _repair_dirty(f: HostFile, path: str, h: fmt.Header) -> None:
