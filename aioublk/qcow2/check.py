@@ -90,9 +90,15 @@ def _clusters(offset: int, length: int, bits: int) -> range:
 class _Scan:
     """One pass over an image: its references, refcounts and flags."""
 
+    #: clusters past the end of the file a reference may name and be counted:
+    #: past them a hostile image could make the scan (and a rebuild) unbounded
+    FAR_CLUSTERS = 1 << 16
+
     def __init__(self, read: Read, file_size: int) -> None:
-        self.read = read
+        # every read clipped to the file: a table's size never sizes a buffer
+        self.read: Read = lambda off, n: read(off, max(0, min(n, file_size - off)))
         self.file_size = file_size
+        self.far = 0
         first = read(0, 1 << 21)
         self.h = h = fmt.parse_header(first, file_size)
         if h.incompatible & fmt.INCOMPAT_DATA_FILE:
@@ -100,9 +106,13 @@ class _Scan:
                              "use qemu-img check")
         self.bits = h.cluster_bits
         self.res = Result(h.cluster_size)
+        self.limit = -(-file_size // h.cluster_size) + self.FAR_CLUSTERS
 
     def ref(self, offset: int, length: int) -> None:
-        for c in _clusters(offset, length, self.bits):
+        end = min(offset + length, self.limit << self.bits)
+        if end < offset + length:
+            self.far += 1
+        for c in _clusters(offset, end - offset, self.bits):
             self.res.refs[c] = self.res.refs.get(c, 0) + 1
 
     def run(self) -> Result:
@@ -125,12 +135,18 @@ class _Scan:
         if h.autoclear & AUTOCLEAR_BITMAPS and fmt.EXT_BITMAPS in h.extensions:
             self.bitmaps(h.extensions[fmt.EXT_BITMAPS])
         self.refcounts()
+        if self.far:
+            res.other.append(f"{self.far} references lie far past the end of the file "
+                             f"(more than {self.FAR_CLUSTERS} clusters)")
         self.compare()
         self.check_copied()
         return res
 
     def l1(self, offset: int, size: int, *, active: bool) -> None:
         cs = self.h.cluster_size
+        if size * 8 > fmt.MAX_L1_BYTES:
+            self.res.other.append(f"an L1 table of {size} entries is too large")
+            return
         self.ref(offset, size * 8)
         for e in _table(self.read, offset, size):
             l2 = e & OFFSET_MASK
@@ -150,6 +166,9 @@ class _Scan:
         for e in _table(self.read, offset, h.l2_entries):
             if e & COMPRESSED:
                 for c in fmt.compressed_clusters(e, self.bits):
+                    if c >= self.limit:
+                        self.far += 1
+                        break
                     res.refs[c] = res.refs.get(c, 0) + 1
                 if active:
                     res.allocated += 1
@@ -212,7 +231,7 @@ class _Scan:
             block = fmt.RefBlock(h.refcount_bits, self.read(off, cs).ljust(cs, b"\0"))
             self.blocks[i] = block
             base = i * h.refblock_entries
-            for j in range(block.entries):
+            for j in range(min(block.entries, self.limit - base)):  # (none past the limit)
                 if v := block[j]:
                     res.disk[base + j] = v
 
