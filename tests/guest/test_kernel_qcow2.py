@@ -647,9 +647,12 @@ def test_c_serves_all_but_the_first_touch(args: list[str], tmp_path: Path) -> No
         total = d["c_served"] + d["py_handed"]
         assert total >= 4000, f"{what}: only {total} requests counted: {d}"
         assert d["py_handed"] <= total // 100, f"{what}: Python served {d} (over 1%)"
-    # nearly every cluster fio wrote first (Python allocates when a queue's
-    # pool runs dry before the owner refills it: a few, counted in the 1%)
-    assert alloc["c_alloc"] >= 1024 * 98 // 100, f"C allocated only {alloc['c_alloc']} clusters"
+    # nearly every cluster fio wrote first: Python allocates only when a
+    # queue's pool runs dry before the owner refills it, and each of those is
+    # one of the requests Python served (the 1% above); cluster 0 was the
+    # first touch's
+    limit = 1023 - alloc["py_handed"]
+    assert alloc["c_alloc"] >= limit, f"C allocated only {alloc['c_alloc']} clusters: {alloc}"
     assert_clean(img)
 
 
