@@ -1,17 +1,20 @@
 """Only here because cffi's extension hook (cffi_modules) has no pyproject key.
 
 The nbd and rbd targets' extensions are built only where libnbd's and
-librbd's headers are: without them aioublk still installs, and ``-t nbd`` or
-``-t rbd`` says what to install."""
+librbd's headers are (found with pkg-config's flags, else on the compiler's
+own paths: buildlibs.py): without them aioublk still installs, and
+``-t nbd`` or ``-t rbd`` says what to install."""
 
-import os
+import runpy
+from pathlib import Path
 
 from setuptools import setup
 
+available = runpy.run_path(str(Path(__file__).parent / "buildlibs.py"))["available"]
 modules = ["aioublk/_uring_build.py:ffibuilder", "aioublk/qcow2/_zstd_build.py:ffibuilder"]
-if os.path.exists("/usr/include/libnbd.h"):
+if available("libnbd", "libnbd.h"):
     modules.append("aioublk/targets/_nbd_build.py:ffibuilder")
-if os.path.exists("/usr/include/rbd/librbd.h"):
+if available("librbd", "rbd/librbd.h"):
     modules.append("aioublk/targets/_rbd_build.py:ffibuilder")
 
 setup(cffi_modules=modules)

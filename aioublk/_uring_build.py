@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 from pathlib import Path
 
 import cffi
@@ -82,8 +83,10 @@ def _parts() -> tuple[str, list[str]]:
 _PART_CDEF, _SOURCES = _parts()
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF + _PART_CDEF)
+_LINK = runpy.run_path(str(Path(__file__).parent.parent / "buildlibs.py"))["source_args"](
+    "liburing", ["uring"], include_dirs=[str(_HERE)])
 ffibuilder.set_source("aioublk._uring", "".join(f'#include "{n}.h"\n' for n in PARTS),
-                      sources=_SOURCES, libraries=["uring"], include_dirs=[str(_HERE)])
+                      sources=_SOURCES, **_LINK)
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

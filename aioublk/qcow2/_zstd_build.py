@@ -8,6 +8,9 @@ call in C does exactly that, in ~20 lines and against the system libzstd.
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import cffi
 
 CDEF = """
@@ -46,7 +49,9 @@ done:
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)
-ffibuilder.set_source("aioublk.qcow2._zstd", SOURCE, libraries=["zstd"])
+_LINK = runpy.run_path(str(Path(__file__).parents[2] / "buildlibs.py"))["source_args"](
+    "libzstd", ["zstd"])
+ffibuilder.set_source("aioublk.qcow2._zstd", SOURCE, **_LINK)
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

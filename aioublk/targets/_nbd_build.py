@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import runpy
 from pathlib import Path
 
 import cffi
@@ -98,9 +99,10 @@ CDEF = LIBNBD_CDEF + _cdef_of(_CSRC / "nbd.h")
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)
+_LINK = runpy.run_path(str(Path(__file__).parents[2] / "buildlibs.py"))["source_args"](
+    "libnbd", ["nbd"], include_dirs=[str(_CSRC), str(_DP)])
 ffibuilder.set_source("aioublk.targets._nbd", '#include "nbd.h"\n',
-                      sources=[os.path.relpath(_CSRC / "nbd.c")], libraries=["nbd"],
-                      include_dirs=[str(_CSRC), str(_DP)])
+                      sources=[os.path.relpath(_CSRC / "nbd.c")], **_LINK)
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -17,6 +17,9 @@ Supported: Ceph >= 16.2 (pacific, Debian 12).
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import cffi
 
 CDEF = """
@@ -130,7 +133,10 @@ int arbd_reap(rbd_image_t image, struct arbd_done *out, int max)
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)
-ffibuilder.set_source("aioublk.targets._rbd", SOURCE, libraries=["rbd", "rados"])
+# (librbd ships no .pc file: then the compiler's default paths)
+_LINK = runpy.run_path(str(Path(__file__).parents[2] / "buildlibs.py"))["source_args"](
+    "librbd", ["rbd", "rados"])
+ffibuilder.set_source("aioublk.targets._rbd", SOURCE, **_LINK)
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
