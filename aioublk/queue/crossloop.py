@@ -30,7 +30,7 @@ from aioublk import logs
 from aioublk._uring import lib
 from aioublk.ring import Ring
 
-__all__ = ["FdWatch", "LoopHandle", "call_on", "current", "run_in_thread"]
+__all__ = ["FdWatch", "LoopHandle", "call_on", "current", "run_in_thread", "waiter"]
 
 log = logs.get_logger("aioublk.queue.crossloop")
 
@@ -172,6 +172,28 @@ async def call_on(owner: LoopHandle, here: LoopHandle,
         coro.close()
         raise
     return await asyncio.shield(fut)
+
+
+def waiter() -> tuple[asyncio.Future[None], Callable[[], None]]:
+    """A future on the running loop, and a ``wake()`` any thread may call once
+    to settle it: through this thread's handle (a kick) when it has one."""
+    loop = asyncio.get_running_loop()
+    here = current()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def wake() -> None:
+        try:
+            if here is not None and here.loop is loop:
+                here.call_soon(settle)
+            else:
+                loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is gone: nobody waits
+            pass
+    return fut, wake
 
 
 async def run_in_thread(fn: Callable[..., T], *args: Any) -> T:
