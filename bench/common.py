@@ -216,6 +216,13 @@ def errors_section(errors: Mapping[str, str], each: str) -> list[str]:
             *(f"- {where}: `{e}`" for where, e in errors.items())]
 
 
+def spread(ratios: Sequence[float]) -> str:
+    """Per-round ratios as a table cell: "median (min – max)", or — for none."""
+    if not ratios:
+        return "—"
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f} – {max(ratios):.2f})"
+
+
 def footer(errors: Mapping[str, str], each: str, chart: str, command: str) -> list[str]:
     """A guest bench's last lines: its errors, chart, command."""
     return errors_section(errors, each) + [
@@ -317,6 +324,33 @@ def publish(name: str, data: Data, text: str,
         print(f"benchmark incomplete (exit {code})", file=sys.stderr)
         return 1
     return 0
+
+
+def serve_main(name: str, ns: argparse.Namespace, cpus: int, extra: Sequence[str],
+               inner: Callable[[int, int], None], report: Callable[[Data, str], str],
+               plot: Callable[[Data, Path], None], timeout: Callable[[int, int], float]) -> int:
+    """The rest of main for a bench with its own ``--cpus`` (default `cpus`) and `extra`
+    options passed to the guest: render a run's report again (``--report``), run
+    inside the guest (``--inner``: ``inner(runtime, rounds)``), or boot the guest
+    (no kublk) and publish what it wrote. ``--quick`` means one round of 2 s runs
+    unless told; ``timeout(rounds, runtime)`` bounds the guest run."""
+    runtime = ns.runtime or (2 if ns.quick else 5)
+    rounds = 1 if ns.quick and ns.rounds == 3 else ns.rounds
+    if ns.report:
+        data = load(ns.report)
+        return publish(name, data, report(data, command(data, name)), plot, out=ns.out)
+    if ns.inner:
+        inner(runtime, rounds)
+        return 0
+    options = [f"--runtime={runtime}", f"--rounds={rounds}", *extra,
+               *(["--quick"] if ns.quick else [])]
+    shown = [*options, *([f"--cpus={ns.cpus}"] if ns.cpus != cpus else [])]
+    code, got = run_guest(f"bench.{name}", options, timeout(rounds, runtime), cpus=ns.cpus,
+                          kublk=False)
+    if got is None:
+        return 1
+    got["command"] = " ".join([".venv/bin/python", "-m", f"bench.{name}", *shown])
+    return publish(name, got, report(got, command(got, name)), plot, code, ns.out)
 
 
 def guest_main(name: str, doc: str | None, argv: list[str] | None, *, rounds: int,

@@ -57,19 +57,16 @@ from typing import Any, NamedTuple
 from bench.common import (
     ROOT,
     Data,
-    command,
     errors_section,
     fmt,
     grouped_bars,
-    load,
     median,
     met,
     notes,
     paired_ratios,
     parser,
-    publish,
     record,
-    run_guest,
+    serve_main,
     setup_line,
     swapped,
     table,
@@ -123,18 +120,20 @@ def timed(exposition: str) -> int:
 
 
 class Server:
-    """One ``aioublk serve`` of `cfg`, until stop()."""
+    """One ``aioublk serve`` of `cfg` (`devices` of them, `env` added to its
+    environment), until stop()."""
 
-    def __init__(self, cfg: str, folder: str) -> None:
-        path = Path(folder) / "serve.toml"
+    def __init__(self, cfg: str, folder: str, devices: int = len(DEVICES),
+                 env: Mapping[str, str] | None = None, name: str = "serve") -> None:
+        path = Path(folder) / f"{name}.toml"
         path.write_text(cfg)
         self.p = subprocess.Popen([sys.executable, "-m", "aioublk", "serve", str(path)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  cwd=ROOT)
+                                  cwd=ROOT, env={**os.environ, **(env or {})})
         assert self.p.stdout is not None
         seen: list[str] = []
         ids: set[int] = set()
-        while len(ids) < len(DEVICES):
+        while len(ids) < devices:
             line = self.p.stdout.readline()
             if not line:
                 self.p.wait()
@@ -389,24 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scrape-every", type=float, default=1.0,
                     help="seconds between scrapes in the scraped setting (default 1)")
     ns = ap.parse_args(argv)
-    runtime = ns.runtime or (2 if ns.quick else 5)
-    rounds = 1 if ns.quick and ns.rounds == 3 else ns.rounds
-    if ns.report:
-        data = load(ns.report)
-        return publish(NAME, data, report(data, command(data, NAME)), plot, out=ns.out)
-    if ns.inner:
-        inner(runtime, rounds, ns.quick, ns.scrape_every, Path(ns.inner[0]))
-        return 0
-    options = [f"--runtime={runtime}", f"--rounds={rounds}", f"--scrape-every={ns.scrape_every}",
-               *(["--quick"] if ns.quick else [])]
-    shown = [*options, *([f"--cpus={ns.cpus}"] if ns.cpus != 1 else [])]
-    code, got = run_guest(f"bench.{NAME}", options, _guest_timeout(rounds, ns.quick, runtime),
-                          cpus=ns.cpus, kublk=False)
-    if got is None:
-        return 1
-    data = got
-    data["command"] = " ".join([".venv/bin/python", "-m", f"bench.{NAME}", *shown])
-    return publish(NAME, data, report(data, command(data, NAME)), plot, code, ns.out)
+    return serve_main(NAME, ns, 1, [f"--scrape-every={ns.scrape_every}"],
+                      lambda runtime, rounds: inner(runtime, rounds, ns.quick, ns.scrape_every,
+                                                    Path(ns.inner[0])),
+                      report, plot, lambda rounds, runtime: _guest_timeout(rounds, ns.quick,
+                                                                           runtime))
 
 
 if __name__ == "__main__":

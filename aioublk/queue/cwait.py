@@ -7,6 +7,9 @@ finds what C needs: uvloop's ``uv_loop_t`` and the libuv functions its
 extension exports. Neither is public API, so each step is checked, and a
 loop that does not match (another event loop, another uvloop layout) keeps
 the older way: C polls for a slice inside each reap.
+
+``AIOUBLK_OWN_WAIT=0`` in a server's environment keeps the older way on
+every loop, to compare the two (``bench.mixed``).
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ def uv_loop_of(loop: Any) -> int | None:
 def hand_wait_to_c(dp: Any, loop: Any) -> bool:
     """Let data plane ``dp`` own the wait of ``loop``'s thread; False (and the
     older way) when the loop is not one C can hook."""
+    if os.environ.get("AIOUBLK_OWN_WAIT") == "0":
+        log.debug("C does not own the loop's wait: AIOUBLK_OWN_WAIT=0")
+        return False
     so = _libuv()
     uv_loop = uv_loop_of(loop)
     if so is None or uv_loop is None:

@@ -147,6 +147,16 @@ def test_c_serves_while_it_owns_the_wait_and_python_gets_its_records(
     assert plane.dp.counts[0].c_served == 1 and plane.dp.counts[0].py_handed == 0
 
 
+def test_aioublk_own_wait_0_keeps_the_older_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The knob bench.mixed compares the two waits with."""
+    monkeypatch.setenv("AIOUBLK_OWN_WAIT", "0")
+    w = HookedWorker()
+    try:
+        assert w.plane is not None and not w.plane.dp.owns_wait
+    finally:
+        w.stop()
+
+
 def test_closing_the_ring_gives_the_hook_back_cleanly() -> None:
     """The worker closes its ring, then its loop: uvloop's close finds the
     hook's handle closed, and nothing is reported."""
