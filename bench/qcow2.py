@@ -6,8 +6,12 @@
 Each server exports a fresh 2 GiB qcow2 image (64 KiB clusters) kept in guest
 RAM (tmpfs), once EMPTY (``qemu-img create -f qcow2``) and once PREALLOCATED
 (``-o preallocation=metadata``: every L2 entry and refcount in place, the data
-area a hole of the file). The servers, in the order ``qemu-nbd io_uring,
-aioublk, qemu-nbd native`` in odd rounds and the reverse in even ones:
+area a hole of the file); for the allocating rows alone, twice more over a raw
+backing file of random data (BACKED: ``-b base.raw -F raw``), once plain and once
+with ``-o extended_l2=on``, where a 4k write copies nothing from the backing file
+(the **Subclusters** table: what that gains each server). The servers, in the
+order ``qemu-nbd io_uring, aioublk, qemu-nbd native`` in odd rounds and the
+reverse in even ones:
 
 - ``qemu-nbd --cache=none --aio=io_uring --discard=unmap -f qcow2 -c /dev/nbdN``
   (nbd.ko, one connection), and the same with ``--aio=native``: each row uses
@@ -77,6 +81,7 @@ from bench.common import (
     record,
     run,
     run_guest,
+    spread,
     swapped,
     table,
 )
@@ -89,7 +94,13 @@ QUICK_IMAGE_SIZE = 64 << 20
 KINDS: dict[str, list[str]] = {  # image kind -> extra qemu-img create arguments
     "empty": [],
     "prealloc": ["-o", "preallocation=metadata"],
+    "backing": [],
+    "extl2": ["-o", "extended_l2=on"],
 }
+# Kinds made over a raw backing file full of data (BASE), so that an allocating 4k write
+# must copy the rest of its cluster, or with extended_l2 only of its 2 KiB subcluster.
+BACKED = ("backing", "extl2")
+BASE = "base.raw"
 NBD_AIO = ("io_uring", "native")
 AIOUBLK = "aioublk"
 NULL = "null"
@@ -157,7 +168,8 @@ def plan(rows: str, quick: bool) -> dict[str, list[Step]]:
     if quick:
         return {"empty": QUICK_STEPS}
     one = [s for s in STEPS if rows == "all" or s.rows == "goals"]
-    return {kind: one + (STEPS_2Q if kind == "empty" or rows == "all" else [])
+    return {kind: [s for s in STEPS if s.how == "count"] if kind in BACKED
+            else one + (STEPS_2Q if kind == "empty" or rows == "all" else [])
             for kind in KINDS}
 
 
@@ -435,9 +447,23 @@ def _new_image(folder: str, kind: str, size: int) -> tuple[str, str | None]:
     path = os.path.join(folder, f"{kind}.qcow2")
     if os.path.exists(path):
         os.unlink(path)
-    _, err = run(["qemu-img", "create", "-q", "-f", "qcow2", *KINDS[kind], path, str(size)],
-                 timeout=120)
+    backing = ["-b", _base(folder, size), "-F", "raw"] if kind in BACKED else []
+    _, err = run(["qemu-img", "create", "-q", "-f", "qcow2", *KINDS[kind], *backing, path,
+                  str(size)], timeout=120)
     return path, (f"qemu-img create {err}" if err else None)
+
+
+def _base(folder: str, size: int) -> str:
+    """BASE in `folder`, written once: no zeros nor holes, so every copy on write reads
+    data."""
+    path = os.path.join(folder, BASE)
+    if not os.path.exists(path):
+        block = os.urandom(MiB)
+        with open(path + ".part", "wb") as f:
+            for i in range(size // MiB):
+                f.write(i.to_bytes(8, "little") + block[8:])
+        os.rename(path + ".part", path)
+    return path
 
 
 class Guest:
@@ -562,6 +588,9 @@ def inner(runtime: int, rounds: int, rows_set: str, quick: bool, nbd_aio: list[s
             counts: dict[str, int] = {}  # step -> the round's first server's I/O count
             for server in round_order(servers, r):
                 guest.device(server, r, kind, steps, counts, str(folder["path"]))
+        base = os.path.join(str(folder["path"]), BASE)
+        if os.path.exists(base):  # RAM for the next round's full images
+            os.unlink(base)
         guest.ceiling(r)
     data["complete"] = True
     data["elapsed_s"] = time.monotonic() - guest.start
@@ -648,7 +677,7 @@ class Goal(NamedTuple):
 
 EMPTY_QD64 = [("empty", RANDWRITE, 64, 1), ("empty", RANDREAD, 64, 1),
               ("empty", IN_PLACE, 64, 1)]
-QD1 = [(kind, w, 1, 1) for kind in KINDS for w in (RANDREAD, RANDWRITE)]
+QD1 = [(kind, w, 1, 1) for kind in ("empty", "prealloc") for w in (RANDREAD, RANDWRITE)]
 
 
 def goals(data: Mapping[str, Any]) -> list[Goal]:
@@ -705,7 +734,12 @@ def report(data_in: Mapping[str, Any], command: str) -> str:
         f"{data['fio']}. Each server gets a fresh {size_gib:g} GiB qcow2 image (64 KiB "
         f"clusters) in guest RAM (`{storage['path']}`, {storage['fs']}) per image kind: "
         "**empty** (`qemu-img create -f qcow2`) or **prealloc** (`-o preallocation=metadata`: "
-        "L2 tables and refcounts in place, data area a hole).",
+        "L2 tables and refcounts in place, data area a hole)"
+        + (f", and for the allocating rows **backing** and **extl2** (`-b {BASE} -F raw`, "
+           "a raw file of random data as large as the image, without and with "
+           "`-o extended_l2=on`: 32 subclusters of 2 KiB, so a 4k write copies no part of "
+           "its cluster from the backing file)" if any(x["kind"] in BACKED for x in runs)
+           else "") + ".",
         "",
         "- qemu-nbd: `qemu-nbd --cache=none --aio=AIO --discard=unmap -f qcow2 -c /dev/nbdN` "
         "(nbd.ko, one connection; with two queues, two connections through nbd-client when "
@@ -748,6 +782,7 @@ def report(data_in: Mapping[str, Any], command: str) -> str:
               *table(["goal", "value", "target", "met"], "lrrl",
                      ([g.label, fmt(g.value, ".2f"), f"≥ {g.target}", met(g.value, g.target)]
                       for g in goals(data)))]
+    lines += _subclusters(data)
     null_keys = list(dict.fromkeys((x["workload"], x["qd"]) for x in runs
                                    if x["server"] == NULL))
     if null_keys:
@@ -798,6 +833,23 @@ def report(data_in: Mapping[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
+def _subclusters(data: Mapping[str, Any]) -> list[str]:
+    """What extended L2 gains each server: extl2 / backing IOPS, paired by round."""
+    runs = data["runs"]
+    servers = list(dict.fromkeys(str(x["server"]) for x in runs if x["kind"] == "extl2"))
+    if not servers:
+        return []
+    steps = [s for s in STEPS if s.how == "count"]
+    return ["", "## Subclusters", "",
+            "Allocating 4k writes over the backing file: each server's IOPS on the **extl2** "
+            "image / on the **backing** image, paired by round (median, min – max).", "",
+            *table(["server", *(s.key for s in steps)], "l" + "r" * len(steps),
+                   ([name, *(spread(paired_ratios(
+                       runs, {"server": name, **_match(("extl2", s.workload, s.qd, 1))},
+                       {"server": name, **_match(("backing", s.workload, s.qd, 1))}))
+                     for s in steps)] for name in servers))]
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -837,7 +889,7 @@ def guest_timeout(runtime: int, rounds: int, rows_set: str, quick: bool,
                   else runtime * COUNT_CAP + 60 if s.how == "count"
                   else runtime + RAMP + 60 for s in steps)
         per_round += servers * (attaches * 300 + fio)
-    per_round += 300 + len(NULL_STEPS) * (runtime + RAMP + 60)
+    per_round += 300 + len(NULL_STEPS) * (runtime + RAMP + 60) + size / MiB / MIN_FILL_RATE
     return 600 + rounds * per_round
 
 

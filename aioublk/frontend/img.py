@@ -164,16 +164,14 @@ def _create_options(args: argparse.Namespace) -> tuple[create.Options, set[str]]
             elif key == "lazy_refcounts":
                 o.lazy_refcounts = flags[value]
             elif key == "extended_l2":
-                if flags[value]:
-                    raise Error("extended_l2=on images are not supported yet: leave "
-                                "extended_l2 off")
+                o.extended_l2 = flags[value]
             elif key in ("compat", "compression_type", "preallocation", "backing_file",
                          "backing_fmt"):
                 setattr(o, key, value)
             else:
                 raise Error(f"unknown option {key!r} for qcow2: use cluster_size, compat, "
                             "refcount_bits, lazy_refcounts, compression_type, preallocation, "
-                            "backing_file, backing_fmt")
+                            "extended_l2, backing_file, backing_fmt")
         except (KeyError, ValueError):
             raise Error(f"-o {key}={value}: not a valid value") from None
     return o, set(given)

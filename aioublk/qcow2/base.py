@@ -28,22 +28,72 @@ _ZEROS = bytes(1 << 20)
 Backing = Any  # Qcow2Image | RawBacking
 
 
+#: an engine entry no standard entry can say (an extended L2 entry whose
+#: subclusters differ): its subcluster word says, per subcluster. A reserved
+#: bit of the standard entry, never written as such (``ext_entry``)
+PARTIAL = 1 << 1
+
+
+def engine_entry(e: int, sub: int) -> int:
+    """An extended L2 entry as the engine works with it: a standard entry
+    where the subclusters all agree, else the entry marked PARTIAL."""
+    e &= ~fmt.ZERO  # (reserved with extended L2)
+    if e & fmt.COMPRESSED:
+        return e
+    alloc, zero = sub & fmt.SUB_ALLOC, sub >> 32
+    if e & fmt.OFFSET_MASK and alloc == fmt.SUB_ALLOC and not zero:
+        return e
+    if zero == fmt.SUB_ALLOC and not alloc:
+        return e | fmt.ZERO
+    if not e & fmt.OFFSET_MASK and not sub:
+        return 0
+    return e | PARTIAL
+
+
+def ext_entry(e: int, sub: int) -> tuple[int, int]:
+    """An engine entry as an extended L2 entry and its subcluster word
+    (``sub``: what the table held, kept where the entry is PARTIAL)."""
+    if e & PARTIAL:
+        return e & ~PARTIAL, sub
+    if e & fmt.COMPRESSED:
+        return e, 0
+    if e & fmt.ZERO:
+        return e & ~fmt.ZERO, fmt.SUB_ZERO
+    return (e, fmt.SUB_ALLOC) if e & fmt.OFFSET_MASK else (0, 0)
+
+
 class L2Table:
     """A cached L2 table: the L1 index it maps (``l1i``) and, per entry, what
     the data plane has of it (``pub``: 0 nothing, else the kind it was
     published as, ``aioublk.queue.extents.MAP`` or ``ZERO``; see
-    ``aioublk.qcow2.l2cache``)."""
+    ``aioublk.qcow2.l2cache``). With extended L2, ``entries`` are engine
+    entries (``engine_entry``) and ``subs`` the subcluster words as loaded."""
 
-    __slots__ = ("offset", "entries", "dirty", "gen", "l1i", "pub")
+    __slots__ = ("offset", "entries", "dirty", "gen", "l1i", "pub", "subs")
 
     def __init__(self, offset: int, entries: array[int], l1i: int,
-                 dirty: bool = False) -> None:
+                 dirty: bool = False, subs: array[int] | None = None) -> None:
         self.offset = offset
         self.entries = entries
         self.dirty = dirty
         self.gen = 0
         self.l1i = l1i
         self.pub = bytearray(len(entries))
+        self.subs = subs
+
+    @classmethod
+    def parse(cls, offset: int, data: bytes | memoryview, l1i: int,
+              extended: bool) -> L2Table:
+        entries, subs = fmt.split_l2(data, extended)
+        if subs is not None:
+            entries = array("Q", map(engine_entry, entries, subs))
+        return cls(offset, entries, l1i, subs=subs)
+
+    def dump(self) -> bytes:
+        if self.subs is None:
+            return fmt.dump_table(self.entries)
+        pairs = list(map(ext_entry, self.entries, self.subs))
+        return fmt.join_l2(array("Q", (e for e, _ in pairs)), array("Q", (s for _, s in pairs)))
 
     def touch(self) -> None:
         self.dirty = True

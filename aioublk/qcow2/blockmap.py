@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from aioublk.qcow2 import format as fmt
-from aioublk.qcow2.check import Read
+from aioublk.qcow2.check import Read, l2_table
 from aioublk.qcow2.format import COMPRESSED, OFFSET_MASK, ZERO
 
 DATA, PACKED, ZEROS, NONE = "data", "compressed", "zero", "unallocated"
@@ -60,10 +60,18 @@ class Layer:
                 yield pos, table_end - pos, NONE, None
                 pos = table_end
                 continue
-            entries = fmt.load_table(self.read(l2, cs))
+            entries, subs = l2_table(self.read, l2, h)
+            sc = cs // fmt.SUBCLUSTERS
             while pos < table_end:
-                e = entries[(pos // cs) % per]
+                k = (pos // cs) % per
+                e = entries[k]
                 stop = min(table_end, (pos // cs + 1) * cs)
+                if subs is not None and not e & COMPRESSED:
+                    # per subcluster: allocated, zero, or neither
+                    stop = min(table_end, (pos // sc + 1) * sc)
+                    sub = pos % cs // sc
+                    e = e & ~ZERO if subs[k] >> sub & 1 else \
+                        e | ZERO if subs[k] >> (32 + sub) & 1 else 0
                 host = e & OFFSET_MASK
                 if e & COMPRESSED:
                     yield pos, stop - pos, PACKED, None

@@ -83,6 +83,14 @@ def _table(read: Read, offset: int, entries: int) -> list[int]:
     return list(fmt.load_table(data[:len(data) & ~7]))
 
 
+def l2_table(read: Read, offset: int, h: fmt.Header) -> tuple[list[int], list[int] | None]:
+    """An L2 table's entries and (extended L2) their subcluster words."""
+    words = _table(read, offset, h.cluster_size // 8)
+    if not h.extended_l2:
+        return words, None
+    return words[0::2], words[1::2]
+
+
 def _clusters(offset: int, length: int, bits: int) -> range:
     return range(offset >> bits, ((offset + length - 1) >> bits) + 1) if length > 0 else range(0)
 
@@ -148,7 +156,9 @@ class _Scan:
             self.res.other.append(f"an L1 table of {size} entries is too large")
             return
         self.ref(offset, size * 8)
-        for e in _table(self.read, offset, size):
+        for i, e in enumerate(_table(self.read, offset, size)):
+            if active and self.progress is not None and not i % 64:
+                self.progress(i / size)  # (the active tables are most of the work)
             l2 = e & OFFSET_MASK
             if not l2:
                 continue
@@ -163,7 +173,10 @@ class _Scan:
         h, res = self.h, self.res
         cs = h.cluster_size
         contiguous = 0
-        for e in _table(self.read, offset, h.l2_entries):
+        entries, subs = l2_table(self.read, offset, h)
+        for k, e in enumerate(entries):
+            if subs is not None and (bad := self.bad_subclusters(e, subs[k])):
+                res.other.append(f"L2 entry {e:#x} has {bad} {subs[k]:#x}")
             if e & COMPRESSED:
                 for c in fmt.compressed_clusters(e, self.bits):
                     if c >= self.limit:
@@ -178,7 +191,7 @@ class _Scan:
             host = e & OFFSET_MASK
             if not host:
                 continue
-            if e & fmt.L2_RESERVED:
+            if e & (fmt.L2_RESERVED | (fmt.ZERO if subs is not None else 0)):
                 res.other.append(f"L2 entry {e:#x} has reserved bits set")
             if host % cs:
                 res.other.append(f"data cluster offset {host:#x} is not cluster aligned; "
@@ -190,6 +203,17 @@ class _Scan:
                 if contiguous and host != contiguous:
                     res.fragmented += 1
                 contiguous = host + cs
+
+    @staticmethod
+    def bad_subclusters(e: int, word: int) -> str:
+        """What is wrong with an extended L2 entry's subcluster word ("": nothing)."""
+        if e & COMPRESSED:
+            return "a compressed cluster with a subcluster bitmap" if word else ""
+        if word & fmt.SUB_ALLOC & word >> 32:
+            return "subclusters both allocated and zero in bitmap"
+        if word & fmt.SUB_ALLOC and not e & OFFSET_MASK:
+            return "allocated subclusters but no cluster in bitmap"
+        return ""
 
     def bitmaps(self, ext: bytes) -> None:
         try:
@@ -261,18 +285,22 @@ class _Scan:
             rc = res.disk.get(l2 >> self.bits, 0)
             if (rc == 1) != bool(e & COPIED):
                 res.copied.append(Copied(h.l1_table_offset + 8 * i, e, rc, i))
-            for j, d in enumerate(_table(self.read, l2, h.l2_entries)):
+            for j, d in enumerate(l2_table(self.read, l2, h)[0]):
                 host = d & OFFSET_MASK
                 if d & COMPRESSED or not host or host % h.cluster_size:
                     continue
                 rc = res.disk.get(host >> self.bits, 0)
                 if (rc == 1) != bool(d & COPIED):
-                    res.copied.append(Copied(l2 + 8 * j, d, rc, None))
+                    res.copied.append(Copied(l2 + h.l2_entry_bytes * j, d, rc, None))
 
 
-def scan(read: Read, file_size: int) -> tuple[fmt.Header, Result]:
-    s = _Scan(read, file_size)
-    return s.h, s.run()
+def scan(read: Read, file_size: int,
+         progress: Progress | None = None) -> tuple[fmt.Header, Result]:
+    s = _Scan(read, file_size, progress)
+    h, res = s.h, s.run()
+    if progress is not None:
+        progress(1.0)
+    return h, res
 
 
 # -- repair ------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class Options:
     preallocation: str = "off"
     backing_file: str | None = None
     backing_fmt: str | None = None
+    extended_l2: bool = False
 
     def check(self) -> None:
         cs = self.cluster_size
@@ -57,6 +58,12 @@ class Options:
         if self.v2 and (rb != 16 or self.lazy_refcounts or self.compression_type != "zlib"):
             raise Qcow2Error("compat=0.10 images have 16-bit refcounts, no lazy refcounts "
                              "and zlib compression only: use compat=1.1")
+        if self.extended_l2 and cs < 16384:
+            raise Qcow2Error("Extended L2 entries are only supported with cluster sizes of "
+                             "at least 16384 bytes")
+        if self.extended_l2 and self.v2:
+            raise Qcow2Error("Extended L2 entries are only supported with compatibility "
+                             "level 1.1 and above (use version=v3 or greater)")
         if self.compression_type not in ("zlib", "zstd"):
             raise Qcow2Error(f"compression_type {self.compression_type!r}: use zlib or zstd")
         if self.preallocation not in PREALLOCATIONS:
@@ -93,7 +100,9 @@ def _header(o: Options, l1_size: int, l1_offset: int, reftable_clusters: int) ->
                        bits, o.size, 0, l1_size, l1_offset, cs, reftable_clusters, 0, 0)
     if not o.v2:
         zstd = o.compression_type == "zstd"
-        head += struct.pack(">QQQII", fmt.INCOMPAT_COMPRESSION if zstd else 0,
+        incompat = (fmt.INCOMPAT_COMPRESSION if zstd else 0) | \
+            (fmt.INCOMPAT_EXTL2 if o.extended_l2 else 0)
+        head += struct.pack(">QQQII", incompat,
                             fmt.COMPAT_LAZY_REFCOUNTS if o.lazy_refcounts else 0, 0,
                             (o.refcount_bits.bit_length() - 1), length)
         head += bytes([fmt.COMPRESSION_ZSTD if zstd else fmt.COMPRESSION_ZLIB]) + bytes(7)
@@ -107,7 +116,8 @@ def build(o: Options) -> tuple[list[tuple[int, bytes]], int]:
     """The writes that make the image (offset, bytes), and the file's length."""
     o.check()
     cs = o.cluster_size
-    l2_entries = cs // 8
+    entry = 16 if o.extended_l2 else 8
+    l2_entries = cs // entry
     l1_size = -(-o.size // (cs * l2_entries))
     l1_clusters = -(-l1_size * 8 // cs) if l1_size else 0
     data = -(-o.size // cs) if o.preallocation != "off" else 0
@@ -138,7 +148,9 @@ def build(o: Options) -> tuple[list[tuple[int, bytes]], int]:
             n = min(l2_entries, left)
             l2 = bytearray(cs)
             for j in range(n):
-                struct.pack_into(">Q", l2, 8 * j, (pos + 1 + j) * cs | COPIED)
+                struct.pack_into(">Q", l2, entry * j, (pos + 1 + j) * cs | COPIED)
+                if o.extended_l2:  # (every subcluster allocated)
+                    struct.pack_into(">Q", l2, entry * j + 8, fmt.SUB_ALLOC)
             writes.append((l2_at, bytes(l2)))
             pos += 1 + n
             left -= n
@@ -158,7 +170,7 @@ def formatting_line(path: str, o: Options, compat_given: bool,
                     prealloc_given: bool) -> str:
     """qemu-img create's ``Formatting ...`` line."""
     parts = [f"Formatting '{path}', fmt=qcow2", f"cluster_size={o.cluster_size}",
-             "extended_l2=off"]
+             f"extended_l2={'on' if o.extended_l2 else 'off'}"]
     if prealloc_given:
         parts.append(f"preallocation={o.preallocation}")
     parts += [f"compression_type={o.compression_type}", f"size={o.size}"]

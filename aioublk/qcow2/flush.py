@@ -77,7 +77,7 @@ class WriteBack(Pools):
             reftable=(self.reftable_offset, fmt.dump_table(self.reftable))
             if self.reftable_dirty else None,
             header=bytes(header) if header is not None else None,
-            l2=[(t.offset, fmt.dump_table(t.entries)) for t, _g in l2s],
+            l2=[(t.offset, t.dump()) for t, _g in l2s],
             l1=self._l1_sectors(l1)))
         await self._run(steps)
         # all durable: clean what the cut held, unless it changed since

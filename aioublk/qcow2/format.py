@@ -24,7 +24,7 @@ INCOMPAT_CORRUPT = 1 << 1
 INCOMPAT_DATA_FILE = 1 << 2
 INCOMPAT_COMPRESSION = 1 << 3
 INCOMPAT_EXTL2 = 1 << 4
-INCOMPAT_KNOWN = INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_COMPRESSION
+INCOMPAT_KNOWN = INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_COMPRESSION | INCOMPAT_EXTL2
 INCOMPAT_NAMES = {0: "dirty", 1: "corrupt", 2: "external data file",
                   3: "compression type", 4: "extended L2 entries"}
 
@@ -45,6 +45,11 @@ OFFSET_MASK = 0x00FF_FFFF_FFFF_FE00  # bits 9-55: a host cluster offset
 L1_RESERVED = 0x7F00_0000_0000_01FF
 L2_RESERVED = 0x3F00_0000_0000_01FE
 REFT_OFFSET_MASK = ~0x1FF & ((1 << 64) - 1)
+# an extended L2 entry's second word: 32 subclusters' allocation bits, then
+# their zero bits
+SUB_ALLOC = 0xFFFF_FFFF
+SUB_ZERO = 0xFFFF_FFFF << 32
+SUBCLUSTERS = 32
 
 # QEMU's limits
 MAX_L1_BYTES = 32 << 20
@@ -102,8 +107,17 @@ class Header:
         return 1 << self.cluster_bits
 
     @property
+    def extended_l2(self) -> bool:
+        return bool(self.incompatible & INCOMPAT_EXTL2)
+
+    @property
+    def l2_entry_bytes(self) -> int:
+        """8, or 16 with extended L2 entries (the entry, then its subclusters)."""
+        return 16 if self.extended_l2 else 8
+
+    @property
     def l2_entries(self) -> int:
-        return self.cluster_size // 8
+        return self.cluster_size // self.l2_entry_bytes
 
     @property
     def refcount_bits(self) -> int:
@@ -184,6 +198,9 @@ def parse_header(first: bytes, file_size: int) -> Header:
     elif h.compression_type != COMPRESSION_ZLIB:
         raise Qcow2Error("qcow2 compression_type is not zlib but the compression type "
                          "incompatible bit is clear")
+    if h.extended_l2 and h.cluster_bits < 14:
+        raise Qcow2Error(f"extended L2 entries with {cs}-byte clusters: QEMU makes them only "
+                         "with clusters of 16 KiB or more")
     if h.size >> 55:
         raise Qcow2Error(f"qcow2 virtual size {h.size} is too large")
     need_l1 = _ceil_div(h.size, cs * h.l2_entries)
@@ -278,6 +295,23 @@ def load_table(data: bytes | memoryview) -> array[int]:
     if sys.byteorder == "little":
         t.byteswap()
     return t
+
+
+def split_l2(data: bytes | memoryview, extended: bool) -> tuple[array[int], array[int] | None]:
+    """An L2 table's entries, and with extended L2 their subcluster words."""
+    words = load_table(data)
+    if not extended:
+        return words, None
+    return words[0::2], words[1::2]
+
+
+def join_l2(entries: array[int], subs: array[int] | None) -> bytes:
+    if subs is None:
+        return dump_table(entries)
+    words = array("Q", bytes(16 * len(entries)))
+    words[0::2] = entries
+    words[1::2] = subs
+    return dump_table(words)
 
 
 def dump_table(t: array[int]) -> bytes:

@@ -260,7 +260,7 @@ class Qcow2Image(Writes):
         self.cluster_size = cs = h.cluster_size
         self.cbits = h.cluster_bits
         self.cmask = cs - 1
-        self.l2_bits = h.cluster_bits - 3
+        self.l2_bits = h.cluster_bits - (4 if h.extended_l2 else 3)
         self.l2_mask = (1 << self.l2_bits) - 1
         self.size = h.size
         self.v3 = h.version >= 3

@@ -17,8 +17,7 @@ from array import array
 from typing import Any
 
 from aioublk.io.hostfile import aligned
-from aioublk.qcow2 import format as fmt
-from aioublk.qcow2.base import L2Table, log
+from aioublk.qcow2.base import PARTIAL, L2Table, _eio, log
 from aioublk.qcow2.flush import WriteBack
 from aioublk.qcow2.format import COPIED, OFFSET_MASK
 from aioublk.qcow2.writeback import KIND_NAMES, L2
@@ -37,6 +36,14 @@ class L2Cache(WriteBack):
         if t is None:
             return None
         return t.entries[vc & self.l2_mask]
+
+    def _sub_word(self, vc: int) -> int:
+        """The subcluster word of ``vc``'s PARTIAL entry (its table cached)."""
+        t = self.l2cache[self.l1[vc >> self.l2_bits] & OFFSET_MASK]
+        if t.subs is None:  # (a standard entry with that reserved bit set)
+            raise _eio(f"{self.path}: the L2 entry of cluster {vc} has reserved bits set: "
+                       "run qemu-img check")
+        return t.subs[vc & self.l2_mask]
 
     async def _entry(self, vc: int) -> int:
         e = self._lookup(vc)
@@ -68,7 +75,7 @@ class L2Cache(WriteBack):
             await self._make_room()
             t = self.l2cache.get(off)  # created meanwhile (cannot be, but stay exact)
             if t is None:
-                t = L2Table(off, fmt.load_table(buf), l1i)
+                t = L2Table.parse(off, buf, l1i, self.h.extended_l2)
                 self.l2cache[off] = t
                 self._publish_table(t)
             fut.set_result(t)
@@ -111,13 +118,16 @@ class L2Cache(WriteBack):
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._l2_busy[l1i] = fut
             try:
+                subs = array("Q", bytes(8 << self.l2_bits)) if self.h.extended_l2 else None
                 if off:
                     old = await self._load_l2(off, l1i)
                     entries = array("Q", old.entries)
+                    if old.subs is not None:
+                        subs = array("Q", old.subs)
                 else:
-                    entries = array("Q", bytes(self.cluster_size))
+                    entries = array("Q", bytes(8 << self.l2_bits))
                 c, _fresh = await self._alloc(1, meta=L2)
-                new = L2Table(c << self.cbits, entries, l1i, dirty=True)
+                new = L2Table(c << self.cbits, entries, l1i, dirty=True, subs=subs)
                 await self._make_room()
                 self.l2cache[new.offset] = new
                 self.l1[l1i] = new.offset | COPIED
@@ -219,7 +229,8 @@ class L2Cache(WriteBack):
           private to the active layer, COPIED in L1, so that a record never
           needs the table copied): reads are zeros, a write takes a cluster
           from the queue's pool;
-        - never a compressed cluster, one that shows the backing file, one
+        - never a compressed cluster, one whose subclusters differ, one that
+          shows the backing file, one
           past the disk's end, nor one being changed (``_busy``): its changer
           has taken it back or is about to, and publishes it after."""
         if not self._publishing:
@@ -227,7 +238,7 @@ class L2Cache(WriteBack):
         assert self.extents is not None
         cbits, vc0 = self.cbits, (t.l1i << self.l2_bits) + i
         if n == 1:  # (the one host cluster and vc are all the rules need to know)
-            if vc0 in self._busy:
+            if vc0 in self._busy or t.entries[i] & PARTIAL:
                 return
             c = (t.entries[i] & OFFSET_MASK) >> cbits
             meta: Any = (c,) if c in self.meta else ()
@@ -235,11 +246,15 @@ class L2Cache(WriteBack):
         else:
             meta = self.meta
             skip = [vc for vc in self._busy if vc0 <= vc < vc0 + n]
+            if t.subs is not None:  # (subclusters that differ: Python's, vc by vc)
+                skip = sorted({*skip, *(vc0 + k for k in range(n)
+                                        if t.entries[i + k] & PARTIAL)})
         try:
             pairs = self.extents.publish_l2(
                 self.file.fd, vc0 << cbits, memoryview(t.entries)[i:i + n],
                 memoryview(t.pub)[i:i + n], used_end=self.used_end, size=self.size,
-                writable_ok=not self.read_only and not self.metadata_write_through,
+                writable_ok=not (self.read_only or self.metadata_write_through
+                                 or self.compress),
                 alloc_ok=self.c_allocating and bool(self.l1[t.l1i] & COPIED),
                 backing_end=self.backing.size if self.backing is not None else 0,
                 meta=meta, skip=skip)

@@ -10,7 +10,7 @@ from typing import Any
 
 from aioublk.io.hostfile import aligned
 from aioublk.qcow2 import format as fmt
-from aioublk.qcow2.base import OFFLOAD_BYTES, _eio, _fill_zero
+from aioublk.qcow2.base import OFFLOAD_BYTES, PARTIAL, _eio, _fill_zero
 from aioublk.qcow2.compress import decompress
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
 from aioublk.qcow2.l2cache import L2Cache
@@ -52,7 +52,7 @@ class Reads(L2Cache):
         if t is None:
             return -1
         e = t.entries[vc & self.l2_mask]
-        if e & (COMPRESSED | ZERO) or not e & OFFSET_MASK:
+        if e & (COMPRESSED | ZERO | PARTIAL) or not e & OFFSET_MASK:
             return -1
         host = e & OFFSET_MASK
         if host & self.cmask or host >= self.used_end:
@@ -97,6 +97,8 @@ class Reads(L2Cache):
             sub = view[pos - offset:stop - offset]
             if e & COMPRESSED:
                 pending.append(self._read_compressed(e, pos & cmask, sub))
+            elif e & PARTIAL:
+                pending.append(self._read_partial(vc, e, self._sub_word(vc), pos & cmask, sub))
             elif e & ZERO:
                 _fill_zero(sub)
             elif e & OFFSET_MASK:
@@ -108,7 +110,8 @@ class Reads(L2Cache):
                 nxt = host + cs
                 while stop < end:
                     e2 = self._lookup(stop >> cbits)
-                    if e2 is None or e2 & (COMPRESSED | ZERO) or (e2 & OFFSET_MASK) != nxt:
+                    if e2 is None or e2 & (COMPRESSED | ZERO | PARTIAL) or \
+                            (e2 & OFFSET_MASK) != nxt:
                         break
                     if self._publishing:
                         self._publish(stop >> cbits)
@@ -125,6 +128,40 @@ class Reads(L2Cache):
                 _fill_zero(sub)
             pos = stop
         if pending:  # every leg done (they fill the caller's buffer) before an error
+            await gather_all(pending)
+
+    async def _read_partial(self, vc: int, e: int, word: int, at: int,
+                            view: memoryview) -> None:
+        """Bytes [at, at + len(view)) of a cluster whose subclusters differ
+        (extended L2, subcluster word ``word``), in runs of subclusters alike:
+        allocated ones from its host cluster, zero ones as zeros, the others
+        from the backing file (or zeros)."""
+        sc = self.cluster_size // fmt.SUBCLUSTERS
+        host = e & OFFSET_MASK
+
+        def kind(i: int) -> int:  # 1 allocated, 2 zero, 0 neither
+            return (word >> i & 1) | (word >> (32 + i) & 1) << 1
+
+        pending: list[Awaitable[Any]] = []
+        pos, end = at, at + len(view)
+        while pos < end:
+            k = kind(pos // sc)
+            stop = min(end, (pos // sc + 1) * sc)
+            while stop < end and kind(stop // sc) == k:
+                stop = min(end, stop + sc)
+            part = view[pos - at:stop - at]
+            if k == 3 or k == 1 and not host:
+                raise _eio(f"{self.path}: the L2 entry of cluster {vc} has an invalid "
+                           f"subcluster bitmap {word:#x}: run qemu-img check")
+            if k == 1:
+                self._check_host(host, vc)
+                pending.append(self.file.read_into(part, host + pos))
+            elif k == 0 and self.backing is not None:
+                pending.append(self._read_backing((vc << self.cbits) + pos, part))
+            else:
+                _fill_zero(part)
+            pos = stop
+        if pending:
             await gather_all(pending)
 
     async def _read_backing(self, pos: int, view: memoryview) -> None:

@@ -10,11 +10,19 @@ import errno
 from typing import Any
 
 from aioublk.io.hostfile import aligned
-from aioublk.qcow2.base import _ZEROS, L2Table, _zero_buf
+from aioublk.qcow2 import format as fmt
+from aioublk.qcow2.base import _ZEROS, PARTIAL, L2Table, _zero_buf, engine_entry
+from aioublk.qcow2.compress import compress
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
 from aioublk.qcow2.reads import Reads
 from aioublk.ring import current_ring
 from aioublk.target import Done, rw_handler
+
+
+def _in_place(e: int) -> bool:
+    """Whether a write to the cluster of entry ``e`` goes into its host
+    cluster: allocated, the image's alone, plain data in every subcluster."""
+    return e & (COPIED | COMPRESSED | ZERO | PARTIAL) == COPIED and bool(e & OFFSET_MASK)
 
 
 class Writes(Reads):
@@ -88,10 +96,10 @@ class Writes(Reads):
             while i < len(vcs):
                 e0 = olds[i]
                 j = i + 1
-                if e0 & (COPIED | COMPRESSED | ZERO) == COPIED and e0 & OFFSET_MASK:
+                if _in_place(e0):
                     host = e0 & OFFSET_MASK
                     self._check_host(host, vcs[i])
-                    while j < len(vcs) and olds[j] & (COPIED | COMPRESSED | ZERO) == COPIED \
+                    while j < len(vcs) and _in_place(olds[j]) \
                             and olds[j] & OFFSET_MASK == host + (j - i) * cs:
                         j += 1
                     ws = max(s, vcs[i] << cbits)
@@ -100,10 +108,17 @@ class Writes(Reads):
                     self._overlap(h0, we - ws)
                     await self._data_write([view[ws - base:we - base]], h0)
                 else:
-                    while j < len(vcs) and not (olds[j] & (COPIED | COMPRESSED | ZERO) == COPIED
-                                                and olds[j] & OFFSET_MASK):
+                    while j < len(vcs) and not _in_place(olds[j]):
                         j += 1
-                    await self._alloc_write(vcs[i:j], olds[i:j], s, e, base, view)
+                    a, b = i, j
+                    if self.h.extended_l2:  # (the clusters it covers in part: by subcluster)
+                        if await self._sub_write(vcs[a], olds[a], s, e, base, view):
+                            a += 1
+                        if b > a and await self._sub_write(vcs[b - 1], olds[b - 1], s, e, base,
+                                                           view):
+                            b -= 1
+                    if b > a:
+                        await self._alloc_write(vcs[a:b], olds[a:b], s, e, base, view)
                 i = j
         finally:
             self._unlock(vcs)
@@ -150,6 +165,11 @@ class Writes(Reads):
     async def _cow(self, vc: int, old: int, at: int, length: int) -> Any:
         """The old contents of ``length`` bytes at ``at`` in cluster ``vc``, or
         None when they are zeros."""
+        if old & PARTIAL and not old & COMPRESSED:  # (vc is held: its word stays)
+            await self._entry(vc)  # (its table cached again, if it went)
+            buf = aligned(length)
+            await self._read_partial(vc, old, self._sub_word(vc), at, buf)
+            return buf
         if old & COMPRESSED:
             data = await self._cluster_bytes(old)
             return memoryview(data)[at:at + length]
@@ -214,7 +234,45 @@ class Writes(Reads):
         if old & COMPRESSED == 0 and (old & ZERO or not old & OFFSET_MASK and (
                 self.backing is None or vc << self.cbits >= self.backing.size)):
             return
+        if self.h.extended_l2 and not old & COMPRESSED:
+            # whole subclusters by their zero bits, as QEMU zeroes them
+            sc, c0 = self.cluster_size // fmt.SUBCLUSTERS, vc << self.cbits
+            lo, hi = c0 + -(-(s - c0) // sc) * sc, c0 + (e - c0) // sc * sc
+            if lo < hi:
+                for a, b in ((s, lo), (hi, e)):
+                    if a < b:
+                        await self._write_zero_bytes(a, b)
+                await self._zero_subclusters(vc, (lo - c0) // sc, (hi - c0) // sc)
+                return
         await self._write_zero_bytes(s, e)
+
+    async def _zero_subclusters(self, vc: int, a: int, b: int) -> None:
+        """Subclusters [a, b) of cluster ``vc`` read as zeros: their zero bits
+        set, their allocation bits cleared (the host cluster, if any, stays:
+        the other subclusters may hold data)."""
+        vcs = range(vc, vc + 1)
+        await self._lock(vcs)
+        try:
+            old = await self._entry(vc)
+            if old & COMPRESSED:  # (compressed meanwhile: zeros the long way, below)
+                return
+            word = self._sub_word(vc) if old & PARTIAL else fmt.SUB_ZERO if old & ZERO \
+                else fmt.SUB_ALLOC if old & OFFSET_MASK else 0
+            mask = (1 << b) - (1 << a)
+            word = word & fmt.SUB_ALLOC & ~mask | ((word >> 32) | mask) << 32
+            t = await self._remap(vcs)
+            assert t.subs is not None
+            k = vc & self.l2_mask
+            t.subs[k] = word
+            t.entries[k] = engine_entry(old & ~(PARTIAL | ZERO), word)
+            self._changed(t)
+        finally:
+            self._unlock(vcs)
+        if old & COMPRESSED:
+            sc = self.cluster_size // fmt.SUBCLUSTERS
+            await self._write_zero_bytes((vc << self.cbits) + a * sc, (vc << self.cbits) + b * sc)
+        elif self._publishing:
+            self._publish_vcs(vcs)
 
     async def _write_zero_bytes(self, s: int, e: int) -> None:
         pos = s

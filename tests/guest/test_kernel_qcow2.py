@@ -250,6 +250,8 @@ FIO_SHAPES = [
     ("empty", ["-b", "-q", "2", "-u"]), ("empty", ["--no-batch", "-q", "2"]),
     ("empty", ["-b", "-q", "4"]), ("empty", ["--no-batch", "-q", "4", "-u"]),
     ("zstd-backing", ["-b", "-q", "2"]), ("zstd-backing", ["--no-batch", "-q", "2"]),
+    # subclusters: C serves whole clusters, Python the partly allocated ones
+    ("extl2-backing", ["-b", "-q", "2"]),
 ]
 
 
@@ -260,8 +262,9 @@ def test_fio_verify(image: str, args: list[str], tmp_path: Path,
     """Two fio jobs, pinned to different queues where there are several,
     write and verify 16 MiB each: their ranges start and meet mid-cluster,
     and over a backing file every first write to a cluster is partial
-    (copy-on-write from compressed clusters). The bytes around them must
-    still be the backing file's."""
+    (copy-on-write from compressed clusters; with extended L2 the image
+    starts with clusters whose subclusters differ). The bytes around them
+    must still be the backing file's."""
     size, span = FIO_SIZE, FIO_SPAN
     around = bytes(span)
     allow: list[str] = []
@@ -269,7 +272,15 @@ def test_fio_verify(image: str, args: list[str], tmp_path: Path,
         img = create(tmp_path / "disk.qcow2", size)
     else:
         base, around = request.getfixturevalue("zstd_base")
-        img = create(tmp_path / "top.qcow2", backing=base)
+        img = tmp_path / "top.qcow2"
+        if image == "extl2-backing":
+            qemu_img("create", "-q", "-f", "qcow2", "-o", "extended_l2=on", "-b", str(base),
+                     "-F", "qcow2", str(img))
+            # partly allocated clusters inside fio's range, which it overwrites
+            run("qemu-io", "-f", "qcow2", "-c", "write -P 5 9M 2k", "-c", "write -z 10M 4k",
+                "-c", "write -P 6 20M 3k", str(img))
+        else:
+            create(img, backing=base)
         allow = ["--allow-backing", str(base)]  # the shared base is in another directory
     dev = add("-t", "qcow2", str(img), *args, *allow)
     assert dev.queues == int(args[args.index("-q") + 1]) and dev.sectors * 512 == size

@@ -157,10 +157,25 @@ def test_goal_rows_and_all_rows() -> None:
         "4k randread qd64", "4k randwrite in place qd1", "4k randwrite in place qd64",
         "4k randread qd64 2q", "4k randwrite in place qd64 2q"]
     assert keys["prealloc"] == keys["empty"][:-2]
-    assert all(len(every[k]) > len(goals[k]) for k in goals)
+    assert keys["backing"] == keys["extl2"] == ["4k randwrite qd1", "4k randwrite qd64"]
+    assert all(len(every[k]) > len(goals[k]) for k in goals if k not in qcow2.BACKED)
     assert "512k rw qd64" in [s.key for s in every["prealloc"]]
     assert qcow2.guest_timeout(5, 3, "all", False, 3) > qcow2.guest_timeout(5, 3, "goals",
                                                                               False, 3)
+
+
+def test_subclusters_pair_each_servers_extl2_with_its_backing_rows() -> None:
+    runs = []
+    for rnd, gain in enumerate([2.0, 3.0, 2.5], 1):
+        for server, base in ((AIOUBLK, 100.0), (IO_URING, 50.0)):
+            for qd in (1, 64):
+                runs += [run(rnd, server, "backing", RANDWRITE, qd, base * rnd),
+                         run(rnd, server, "extl2", RANDWRITE, qd,
+                             base * rnd * (gain if server == AIOUBLK else 1.5))]
+    text = qcow2.report(data(runs), "cmd")
+    assert "| aioublk | 2.50 (2.00 – 3.00) | 2.50 (2.00 – 3.00) |" in text
+    assert "| qemu-nbd io_uring | 1.50 (1.50 – 1.50) | 1.50 (1.50 – 1.50) |" in text
+    assert "**backing** and **extl2**" in text
 
 
 def test_results_of_the_one_round_script_render_with_a_note(tmp_path: Path) -> None:

@@ -99,6 +99,15 @@ def img_bitmaps(d: Path) -> Path:
     return p
 
 
+def img_extended_l2(d: Path) -> Path:
+    """Subclusters allocated, zero and unallocated over a backing file."""
+    base = img_data(d)
+    p = create(d / "ext.qcow2", None, backing=base.name, extended_l2=True, cluster_size=32 * K)
+    qemu_io(p, "write -P 7 4k 2k", "write -P 8 70k 10k", "write -z 200k 8k", "write -z 1M 64k",
+            "write -P 9 2M 64k", "discard 300k 2k", "write -P 10 8M 3k")
+    return p
+
+
 def img_v2(d: Path) -> Path:
     p = create(d / "v2.qcow2", 16 * M, compat="0.10")
     qemu_io(p, "write -P 1 0 1M")
@@ -110,6 +119,7 @@ IMAGES: dict[str, Callable[[Path], Path]] = {
     "data": img_data, "snapshots": img_snapshots, "compressed": img_compressed,
     "refcount-1": img_small_clusters(1), "refcount-64": img_small_clusters(64),
     "backing": img_backing, "bitmaps": img_bitmaps, "v2": img_v2,
+    "extended-l2": img_extended_l2,
 }
 
 

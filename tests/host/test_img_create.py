@@ -26,6 +26,9 @@ CASES: dict[str, tuple[list[str], str]] = {
     "refcount-64-big": (["-o", "refcount_bits=64,cluster_size=512,preallocation=metadata"],
                         "4M"),
     "empty": ([], "0"),
+    "extended-l2": (["-o", "extended_l2=on"], "1G"),
+    "extended-l2-metadata": (["-o", "extended_l2=on,cluster_size=32k,preallocation=metadata"],
+                             "64M"),
 }
 
 
@@ -81,7 +84,8 @@ def test_create_over_a_backing_file(tmp_path: Path) -> None:
     (["-b", "base.qcow2", "x.qcow2", "1M"], "-F qcow2|raw"),
     (["-o", "colour=blue", "x.qcow2", "1M"], "unknown option 'colour'"),
     (["-o", "cluster_size=3000", "x.qcow2", "1M"], "cluster_size 3000"),
-    (["-o", "extended_l2=on", "x.qcow2", "1M"], "extended_l2"),
+    (["-o", "extended_l2=on,cluster_size=4k", "x.qcow2", "1M"], "at least 16384 bytes"),
+    (["-o", "extended_l2=on,compat=0.10", "x.qcow2", "1M"], "compatibility level 1.1"),
     (["-o", "compat=0.10,lazy_refcounts=on", "x.qcow2", "1M"], "compat=1.1"),
     (["-o", "preallocation=full", "x.qcow2", "1M"], "preallocation 'full'"),
     (["x.qcow2", "12Q"], "invalid image size"),

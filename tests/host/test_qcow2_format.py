@@ -90,7 +90,7 @@ def test_header_fields() -> None:
     ({"version": 4}, "version"),
     ({"crypt": 1}, "encrypted"),
     ({"incompat": 1 << 2}, "external data file"),
-    ({"incompat": 1 << 4}, "extended L2"),
+    ({"incompat": 1 << 4, "cluster_bits": 12}, "extended L2"),
     ({"incompat": 1 << 9}, "bit 9"),
     ({"l1_size": 1}, "L1 table"),
     ({"l1_offset": 0x30200}, "not aligned"),

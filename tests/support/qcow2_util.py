@@ -103,7 +103,7 @@ def qemu_io(path: Path, *commands: str, fmt: str = "qcow2") -> str:
 def create(path: Path, size: int | None, *, cluster_size: int = 64 * K,
            refcount_bits: int = 16, compat: str = "1.1", backing: Path | str | None = None,
            backing_fmt: str = "qcow2", compression_type: str | None = None,
-           lazy_refcounts: bool = False) -> Path:
+           lazy_refcounts: bool = False, extended_l2: bool = False) -> Path:
     """``qemu-img create -f qcow2``. ``backing`` is stored as given (a relative
     name is relative to the image's directory, as QEMU resolves it). ``size``
     None takes the backing file's size."""
@@ -113,6 +113,8 @@ def create(path: Path, size: int | None, *, cluster_size: int = 64 * K,
         opts.append(f"compression_type={compression_type}")
     if lazy_refcounts:
         opts.append("lazy_refcounts=on")
+    if extended_l2:
+        opts.append("extended_l2=on")
     args: list[object] = ["create", "-q", "-f", "qcow2", "-o", ",".join(opts)]
     if backing is not None:
         args += ["-b", backing, "-F", backing_fmt]
