@@ -120,6 +120,9 @@ TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
                "own directory)", default=(), flags=("--allow-backing",)),
         Option("backing_format", CHOICE, "the format of backing files whose image records "
                "none (never guessed)", flags=("--backing-format",), choices=("raw", "qcow2")),
+        Option("compress", BOOL, "write whole, aligned clusters compressed, with the image's "
+               "compression type (as qemu-img convert -c); C then serves reads only",
+               default=False, flags=("--compress",)),
     ), files="image", read_only=True),
     TargetSpec("nvme", "aioublk.targets.nvme:NvmeTarget", (
         Option("device", PATH, "the NVMe namespace's generic char device (/dev/ngXnY)",

@@ -1,5 +1,5 @@
-"""cffi (API mode) builder for ``aioublk.qcow2._zstd``: zstd decompression of
-qcow2 compressed clusters, with the GIL released.
+"""cffi (API mode) builder for ``aioublk.qcow2._zstd``: zstd compression and
+decompression of qcow2 compressed clusters, with the GIL released.
 
 Why not a PyPI binding: QEMU's zstd clusters end in sector padding after the
 frame, and QEMU's reader stops as soon as the cluster is full; one streaming
@@ -15,6 +15,7 @@ import cffi
 
 CDEF = """
 long aur_zstd_decompress(void *dst, size_t dst_len, const void *src, size_t src_len);
+long aur_zstd_compress(void *dst, size_t dst_len, const void *src, size_t src_len);
 """
 
 SOURCE = r"""
@@ -44,6 +45,14 @@ long aur_zstd_decompress(void *dst, size_t dst_len, const void *src, size_t src_
 done:
     ZSTD_freeDCtx(dctx);
     return ret;
+}
+
+/* One frame at zstd's default level (QEMU's), or -1 when it does not fit dst. */
+long aur_zstd_compress(void *dst, size_t dst_len, const void *src, size_t src_len)
+{
+    size_t r = ZSTD_compress(dst, dst_len, src, src_len, ZSTD_CLEVEL_DEFAULT);
+
+    return ZSTD_isError(r) ? -1 : (long)r;
 }
 """
 

@@ -176,6 +176,9 @@ class ImageBase:
     #: every request that changed metadata returns only once the change is in
     #: the image file (see ``_write_through``); an attribute, or ``open``'s keyword
     metadata_write_through = False
+    #: whole clusters are written compressed (``open``'s keyword; set before
+    #: the extent table is made: the data plane then writes nothing)
+    compress = False
     _meta_seq = 0  # metadata changes made in memory (counted, see _changed)
     _meta_written = 0  # ... of which the image file holds the first this many
     _rt_gen = 0  # bumped on each change of the refcount table (or its place)

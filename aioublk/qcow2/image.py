@@ -164,20 +164,24 @@ class Qcow2Image(Writes):
     @classmethod
     def open(cls, path: str, *, read_only: bool = False, cache_bytes: int | None = None,
              direct: bool = True, metadata_write_through: bool = False,
-             allow_backing: Iterable[str] = (),
-             backing_format: str | None = None) -> Qcow2Image:
+             allow_backing: Iterable[str] = (), backing_format: str | None = None,
+             compress: bool = False) -> Qcow2Image:
         """Open the image at ``path`` and its backing chain. Backing files are
         used only where the user allows (``backing_policy``): in the image's
         own directory, or under a path of ``allow_backing`` (a directory, or
         a file such as a block device); ``backing_format`` ("qcow2" or "raw")
         is the format of backing files whose image records none.
-        ``metadata_write_through``: see the module docstring."""
+        ``metadata_write_through``: see the module docstring. ``compress``:
+        whole, aligned clusters are written compressed with the image's
+        compression type (as QEMU's compress filter and ``qemu-img convert
+        -c`` write them); a cluster that does not shrink is written as it is."""
         try:
             policy = BackingPolicy.for_image(path, allow_backing, backing_format)
         except Qcow2Error as e:
             raise Qcow2Error(cls._one_line(f"{path}: {e}")) from None
         img = cls._open(path, path, read_only, cache_bytes, direct, policy, ())
         img.metadata_write_through = metadata_write_through
+        img.compress = compress and not read_only
         return img
 
     async def __aenter__(self) -> Qcow2Image:

@@ -66,14 +66,14 @@ class Pools(Refcounts):
     def c_allocating(self) -> bool:
         """Whether C may allocate now: what publishing ALLOC asks first."""
         return bool(self._slots) and not self.read_only and not self.corrupt \
-            and not self.metadata_write_through and not self.file.is_block
+            and not self.metadata_write_through and not self.compress and not self.file.is_block
 
     def attach_pool(self) -> int:
         """A pool for one more data plane (any thread: ``ExtentTable.attach``
         is C's, under its mutex); it is filled by the next ``service``."""
         table = self.extents
         if table is None or not self.c_alloc or self.read_only or self.file.is_block \
-                or self.metadata_write_through:
+                or self.metadata_write_through or self.compress:
             return -1
         with self._attaching:
             if not self._slots:

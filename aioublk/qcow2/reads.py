@@ -59,7 +59,8 @@ class Reads(L2Cache):
             return -1  # the coroutine path reports it
         if self._publishing and not t.pub[vc & self.l2_mask]:
             self._publish_in(t, vc)  # the next request on it may not come here
-        if write and (not e & COPIED or self.read_only or self.corrupt or vc in self._busy
+        if write and (not e & COPIED or self.read_only or self.corrupt or self.compress
+                      or vc in self._busy
                       or host >> self.cbits in self.meta or self._meta_written < self._meta_seq
                       and self.metadata_write_through):
             return -1

@@ -56,7 +56,8 @@ class Writes(Reads):
             finally:
                 self._io_end(g)
             return
-        await self._per_table(offset, end, lambda s, e: self._write_chunk(s, e, offset, view))
+        chunk = self._compress_chunk if self.compress else self._write_chunk
+        await self._per_table(offset, end, lambda s, e: chunk(s, e, offset, view))
         await self._write_through()
 
     async def _per_table(self, start: int, end: int, fn: Any) -> None:
@@ -124,6 +125,148 @@ class Writes(Reads):
             self._unlock(vcs)
         if self._publishing:  # what it wrote, in place or into new clusters
             self._publish_vcs(vcs)
+
+    async def _compress_chunk(self, s: int, e: int, base: int, view: memoryview) -> None:
+        """With ``compress``: the whole clusters of [s, e) compressed (runs of
+        those that do not shrink, and the parts of clusters at either end,
+        written as usual)."""
+        cbits, cs = self.cbits, self.cluster_size
+        first, last = -(-s // cs) * cs, e // cs * cs
+        if first >= last:
+            await self._write_chunk(s, e, base, view)
+            return
+        if s < first:
+            await self._write_chunk(s, first, base, view)
+        vcs = range(first >> cbits, last >> cbits)
+        kind = self.h.compression_type
+        blobs = [compress(kind, view[(vc << cbits) - base:(vc + 1 << cbits) - base], cs - 1)
+                 for vc in vcs]
+        i = 0
+        while i < len(vcs):
+            j = i + 1
+            while j < len(vcs) and (blobs[j] is None) == (blobs[i] is None):
+                j += 1
+            if blobs[i] is None:
+                await self._write_chunk(vcs[i] << cbits, vcs[j - 1] + 1 << cbits, base, view)
+            else:
+                await self._compressed_run(vcs[i:j], [b for b in blobs[i:j] if b is not None])
+            i = j
+        if last < e:
+            await self._write_chunk(last, e, base, view)
+
+    def _pack(self, blobs: list[bytes]) -> tuple[list[int], list[int]]:
+        """Where each compressed cluster goes in a run of fresh host clusters
+        (byte offsets from its start, one after another, a cluster skipped
+        where its refcount would overflow), and how many of them touch each
+        host cluster of the run: its refcount."""
+        cbits = self.cbits
+        most = (1 << self.h.refcount_bits) - 1
+        at = 0
+        offs: list[int] = []
+        touches: list[int] = []
+        for b in blobs:
+            if at >> cbits < len(touches) and touches[at >> cbits] >= most:
+                at = (at >> cbits) + 1 << cbits
+            offs.append(at)
+            for c in range(at >> cbits, (at + len(b) - 1 >> cbits) + 1):
+                touches += [0] * (c + 1 - len(touches))
+                touches[c] += 1
+            at += len(b)
+        return offs, touches
+
+    async def _compressed_run(self, vcs: range, blobs: list[bytes]) -> None:
+        """Whole clusters stored compressed, packed into fresh host clusters,
+        then their L2 entries switched over (as ``_alloc_write``)."""
+        cbits, cs = self.cbits, self.cluster_size
+        offs, touches = self._pack(blobs)
+        n = len(touches)
+        buf = aligned(n * cs)
+        for off, b in zip(offs, blobs, strict=True):
+            buf[off:off + len(b)] = b
+        await self._lock(vcs)
+        try:
+            olds = [await self._entry(vc) for vc in vcs]
+            await self._table_for_update(vcs[0] >> self.l2_bits)
+            c0, _ = await self._alloc(n)
+            host0 = c0 << cbits
+            try:
+                self._overlap(host0, n * cs)
+                await self._data_write([buf], host0)
+            except BaseException:
+                for c in range(c0, c0 + n):
+                    self._defer_free(c)
+                raise
+            async with self.alloc_lock:
+                for k, t in enumerate(touches):
+                    if t > 1:
+                        await self._add_ref(c0 + k, t - 1)
+            shift = 62 - (cbits - 8)
+            table = await self._remap(vcs)
+            for k, vc in enumerate(vcs):
+                host = host0 + offs[k]
+                sectors = (host + len(blobs[k]) - 1 >> 9) - (host >> 9)
+                table.entries[vc & self.l2_mask] = COMPRESSED | sectors << shift | host
+                self._release(olds[k])
+            self._changed(table)
+        finally:
+            self._unlock(vcs)
+        if self._publishing:
+            self._publish_vcs(vcs)
+
+    async def _sub_write(self, vc: int, old: int, s: int, e: int, base: int,
+                         view: memoryview) -> bool:
+        """Extended L2: the part of [s, e) in cluster ``vc`` (held), if it
+        covers the cluster only in part, written into the subclusters it
+        touches alone, as QEMU's subclusters allow: the others keep showing
+        what they showed (the backing file, zeros, their data), so nothing
+        is copied but the edges of the subclusters written. False where
+        that does not apply (a whole cluster written; a compressed or shared
+        one, or preallocated zeros): the caller writes the cluster whole."""
+        cbits, cs = self.cbits, self.cluster_size
+        c0 = vc << cbits
+        ws, we = max(s, c0), min(e, c0 + cs)
+        if ws == c0 and we == c0 + cs or old & COMPRESSED or \
+                old & OFFSET_MASK and (not old & COPIED or old & ZERO):
+            return False
+        sc = cs // fmt.SUBCLUSTERS
+        lo, hi = (ws - c0) // sc * sc, -(-(we - c0) // sc) * sc
+        touched = (1 << hi // sc) - (1 << lo // sc)
+        if old & PARTIAL:
+            await self._entry(vc)  # (its table cached again, if it went)
+            word = self._sub_word(vc)
+        else:
+            word = fmt.SUB_ZERO if old & ZERO else 0
+        host = old & OFFSET_MASK
+        fresh = not host
+        if fresh:
+            await self._table_for_update(vc >> self.l2_bits)
+            c, _ = await self._alloc(1)
+            host = c << cbits
+        else:
+            self._check_host(host, vc)
+        try:
+            bufs: list[Any] = []
+            for at, n in ((lo, ws - c0 - lo), (we - c0, hi - (we - c0))):
+                if n:  # (the edges of the subclusters written: what they showed)
+                    edge = aligned(n)
+                    await self._read_partial(vc, old, word, at, edge)
+                    bufs.append(edge)
+                if at == lo:
+                    bufs.append(view[ws - base:we - base])
+            self._overlap(host + lo, hi - lo)
+            await self._data_write(bufs, host + lo)
+        except BaseException:
+            if fresh:
+                self._defer_free(host >> cbits)
+            raise
+        t = await self._remap(range(vc, vc + 1))
+        assert t.subs is not None
+        alloc = word & fmt.SUB_ALLOC | touched
+        k = vc & self.l2_mask
+        t.subs[k] = alloc | (word >> 32 & ~touched) << 32
+        t.entries[k] = host | COPIED | (0 if alloc == fmt.SUB_ALLOC else PARTIAL)
+        self._changed(t)
+        return True
 
     async def _alloc_write(self, vcs: range, olds: list[int], s: int, e: int, base: int,
                            view: memoryview) -> None:

@@ -55,10 +55,11 @@ class Qcow2Target(Target):
 
     def __init__(self, path: str, *, read_only: bool = False,
                  cache_bytes: int | None = None, direct: bool = True,
-                 allow_backing: Sequence[str] = (), backing_format: str | None = None) -> None:
+                 allow_backing: Sequence[str] = (), backing_format: str | None = None,
+                 compress: bool = False) -> None:
         self.image = Qcow2Image.open(path, read_only=read_only, cache_bytes=cache_bytes,
                                      direct=direct, allow_backing=allow_backing,
-                                     backing_format=backing_format)
+                                     backing_format=backing_format, compress=compress)
         cs = self.image.cluster_size
         self.geometry = Geometry(
             size=self.image.size & ~511, volatile_cache=True, fua=True, read_only=read_only,
@@ -215,4 +216,5 @@ class Qcow2Target(Target):
         return {"target": self.name, "size": self.geometry.size, "file": self.image.path,
                 "cluster_size": self.image.cluster_size, "version": h.version,
                 "backing": h.backing_file,
-                "metadata_write_through": self.image.metadata_write_through}
+                "metadata_write_through": self.image.metadata_write_through,
+                "compress": self.image.compress}
