@@ -4,6 +4,7 @@ spelled as qemu-img spells them so that people's habits (and scripts) work.
     aioublk img check [-q] [-f qcow2] [--output human|json] [-r leaks|all] [-U] FILE
     aioublk img info [-f qcow2] [--output human|json] [-U] FILE
     aioublk img snapshot -l [-U] FILE
+    aioublk img snapshot -c|-a|-d SNAPSHOT FILE
     aioublk img map [-f qcow2] [--output human|json] [-U] FILE
     aioublk img create [-q] [-f qcow2] [-b BACKING [-F FMT]] [-o OPTIONS] FILE [SIZE]
 """
@@ -14,11 +15,12 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from aioublk.errors import Error
 from aioublk.io import locking
-from aioublk.qcow2 import blockmap, create, info
+from aioublk.qcow2 import blockmap, create, info, snapshot
 from aioublk.qcow2 import check as chk
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.base import MAX_CHAIN
@@ -26,7 +28,7 @@ from aioublk.qcow2.base import MAX_CHAIN
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     img = sub.add_parser("img", help="qemu-img's commands on a qcow2 image nothing serves "
-                         "(create, check, info, map, snapshot -l)")
+                         "(create, check, info, map, snapshot)")
     cmds = img.add_subparsers(dest="img_cmd", required=True, parser_class=type(img))
 
     def command(name: str, what: str, *, output: bool = True,
@@ -52,10 +54,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    "and COPIED flag")
     command("info", "the image's size, format options, backing file, snapshots and "
             "bitmaps, as qemu-img info prints them")
-    s = command("snapshot", "list the image's internal snapshots (-l), as qemu-img "
-                "snapshot -l does", output=False)
-    s.add_argument("-l", dest="list", action="store_true", required=True,
-                   help="list the snapshots")
+    s = command("snapshot", "list (-l), create (-c), apply (-a) or delete (-d) the image's "
+                "internal snapshots, as qemu-img snapshot does", output=False,
+                share="list the snapshots of an image another process has open (-l only)")
+    act = s.add_mutually_exclusive_group(required=True)
+    act.add_argument("-l", dest="list", action="store_true", help="list the snapshots")
+    act.add_argument("-c", dest="create", metavar="SNAPSHOT",
+                     help="take a snapshot of the disk as it is, named SNAPSHOT")
+    act.add_argument("-a", dest="apply", metavar="SNAPSHOT",
+                     help="revert the disk to SNAPSHOT (an ID, or a name)")
+    act.add_argument("-d", dest="delete", metavar="SNAPSHOT",
+                     help="delete the first snapshot named SNAPSHOT")
     command("map", "where each range of the disk lives, through the backing chain, as "
             "qemu-img map prints it", share="read images another process has open")
     n = cmds.add_parser("create", help="a new qcow2 image, as qemu-img create makes it")
@@ -257,18 +266,81 @@ def _holes_of(fd: int, size: int) -> blockmap.Holes:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    fd, read = _reading(args)
+    if args.list:
+        lines = snapshot_lines(args.filename, args.force_share)
+        if lines:
+            print("\n".join(lines))
+        return 0
+    if args.force_share:
+        raise Error("-U works with -l only: changing snapshots needs the image to itself")
+    verb, name = (("create", args.create) if args.create is not None
+                  else ("apply", args.apply) if args.apply is not None
+                  else ("delete", args.delete))
+    change_snapshots(args.filename, verb, name)
+    return 0
+
+
+def snapshot_lines(path: str, share: bool) -> list[str]:
+    """``qemu-img snapshot -l``'s lines (none without snapshots)."""
+    snaps = snapshots_of(path, share)
+    return info.snapshot_lines(snaps) if snaps else []
+
+
+def snapshots_of(path: str, share: bool) -> list[fmt.Snapshot]:
+    fd = _open(path, False, share)
     try:
+        read = _read_of(fd)
         try:
             h = fmt.parse_header(read(0, 1 << 21), os.fstat(fd).st_size)
-            snaps = info.snapshots(read, h)
+            return info.snapshots(read, h)
         except fmt.Qcow2Error as e:
-            raise Error(f"{args.filename}: {e}") from None
-        if snaps:
-            print("\n".join(info.snapshot_lines(snaps)))
-        return 0
+            raise Error(f"{path}: {e}") from None
     finally:
         os.close(fd)
+
+
+#: ``verb`` -> its planner (the snapshot named by an argument)
+_PLANNERS: dict[str, Callable[..., snapshot.Plan]] = {
+    "create": snapshot.plan_create, "apply": snapshot.plan_apply,
+    "delete": snapshot.plan_delete}
+
+
+def change_snapshots(path: str, verb: str, name: str) -> None:
+    """Create, apply or delete a snapshot of an image nothing has open:
+    planned from the image, written in durable steps."""
+    fd = _open(path, True, False)
+    try:
+        read = _read_of(fd)
+        try:
+            plan = _PLANNERS[verb](read, os.fstat(fd).st_size, name,
+                                   progress=terminal_progress())
+        except fmt.Qcow2Error as e:
+            raise Error(f"{path}: could not {verb} snapshot '{name}': {e}") from None
+        try:
+            snapshot.apply(plan, lambda off, data: _write(fd, off, data), lambda: os.fsync(fd))
+        except OSError as e:
+            raise Error(f"{path}: could not {verb} snapshot '{name}': {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def terminal_progress(stream: TextIO | None = None) -> chk.Progress | None:
+    """qemu-img -p's progress line, on a terminal only (elsewhere there is
+    nothing to redraw it on, and scripts want clean output)."""
+    out = sys.stderr if stream is None else stream
+    if not out.isatty():
+        return None
+    last = -1.0
+
+    def show(done: float) -> None:
+        nonlocal last
+        pct = min(100.0, done * 100)
+        if pct - last < 1 and pct < 100 or pct == last:
+            return
+        last = pct
+        out.write(f"    ({pct:.2f}/100%)\r" + ("\n" if pct >= 100 else ""))
+        out.flush()
+    return show
 
 
 def _open(path: str, write: bool, share: bool) -> int:
@@ -320,7 +392,8 @@ def _check(fd: int, args: argparse.Namespace) -> int:
                 print(line, file=stream)
 
     try:
-        h, res = chk.scan(read, os.fstat(fd).st_size)
+        h, res = chk.scan(read, os.fstat(fd).st_size,
+                          None if args.quiet else terminal_progress())
     except fmt.Qcow2Error as e:
         raise Error(f"{args.filename}: {e}") from None
     repair = None

@@ -21,7 +21,7 @@ finish, 2 corruptions, 3 leaks only.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,8 @@ from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, Qcow2Error
 
 Read = Callable[[int, int], bytes]
+#: told how far a long scan has come (0.0 to 1.0)
+Progress = Callable[[float], None]
 
 AUTOCLEAR_BITMAPS = fmt.AUTOCLEAR_BITMAPS
 
@@ -102,7 +104,8 @@ class _Scan:
     #: past them a hostile image could make the scan (and a rebuild) unbounded
     FAR_CLUSTERS = 1 << 16
 
-    def __init__(self, read: Read, file_size: int) -> None:
+    def __init__(self, read: Read, file_size: int, progress: Progress | None = None) -> None:
+        self.progress = progress
         # every read clipped to the file: a table's size never sizes a buffer
         self.read: Read = lambda off, n: read(off, max(0, min(n, file_size - off)))
         self.file_size = file_size
@@ -351,17 +354,39 @@ def _rebuild(h: fmt.Header, res: Result, file_size: int, out: Repair) -> dict[in
     """A new refcount structure holding exactly the references, in clusters
     past everything in use (so a crash before the header names it loses
     nothing): its blocks, then its table, then the header."""
-    cs, rbe, bits = h.cluster_size, h.refblock_entries, h.cluster_bits
+    cs, bits = h.cluster_size, h.cluster_bits
     counts = dict(res.refs)
     old = set(_clusters(h.refcount_table_offset, h.refcount_table_clusters * cs, bits))
     # (the old blocks each hold one reference in res.refs; they are free once replaced)
     old |= res.refblock_clusters
-    for c in old:
+    unref(counts, old)
+    start = max(-(-file_size // cs), max(counts, default=0) + 1)
+    writes, switch = refcount_structure(h, counts, start)
+    out.writes += writes
+    out.then.append((fmt.OFF_REFTABLE, switch))
+    out.lines.append("Rebuilding refcount structure")
+    # (qemu-img counts a block past the end twice: it grows the file to take
+    # it, which makes its cluster one more in use with refcount 0)
+    out.corruptions_fixed += len(res.low) + res.bad_refblocks + res.far_refblocks
+    out.leaks_fixed += len(res.leaks)
+    return counts
+
+
+def unref(counts: dict[int, int], clusters: Iterable[int]) -> None:
+    """One reference fewer to each of ``clusters``."""
+    for c in clusters:
         if counts.get(c, 0) > 0:
             counts[c] -= 1
             if not counts[c]:
                 del counts[c]
-    start = max(-(-file_size // cs), max(counts, default=0) + 1)
+
+
+def refcount_structure(h: fmt.Header, counts: dict[int, int],
+                       start: int) -> tuple[list[tuple[int, bytes]], bytes]:
+    """A refcount structure holding ``counts`` (which it adds its own clusters
+    to), laid out from cluster ``start`` on: its writes, and the header's
+    reftable fields that switch to it."""
+    cs, rbe = h.cluster_size, h.refblock_entries
     nblocks = ntable = 0
     while True:  # the new clusters need counting too
         end = start + nblocks + ntable
@@ -372,6 +397,7 @@ def _rebuild(h: fmt.Header, res: Result, file_size: int, out: Repair) -> dict[in
         nblocks, ntable = want_blocks, want_table
     for c in range(start, start + nblocks + ntable):
         counts[c] = 1
+    writes = []
     table = bytearray(ntable * cs)
     for i in range(nblocks):
         block = fmt.RefBlock(h.refcount_bits, bytes(cs))
@@ -383,17 +409,11 @@ def _rebuild(h: fmt.Header, res: Result, file_size: int, out: Repair) -> dict[in
                     raise Qcow2Error(f"cluster {c} has {n} references, more than "
                                      f"{h.refcount_bits}-bit refcounts hold") from None
         off = (start + i) * cs
-        out.writes.append((off, block.dump()))
+        writes.append((off, block.dump()))
         struct.pack_into(">Q", table, 8 * i, off)
     table_off = (start + nblocks) * cs
-    out.writes.append((table_off, bytes(table)))
-    out.then.append((fmt.OFF_REFTABLE, fmt.pack_reftable_fields(table_off, ntable)))
-    out.lines.append("Rebuilding refcount structure")
-    # (qemu-img counts a block past the end twice: it grows the file to take
-    # it, which makes its cluster one more in use with refcount 0)
-    out.corruptions_fixed += len(res.low) + res.bad_refblocks + res.far_refblocks
-    out.leaks_fixed += len(res.leaks)
-    return counts
+    writes.append((table_off, bytes(table)))
+    return writes, fmt.pack_reftable_fields(table_off, ntable)
 
 
 def _patch(read: Read, file_size: int, h: fmt.Header, res: Result, mode: str,

@@ -430,6 +430,20 @@ class Snapshot:
     vm_state_size: int = 0
     icount: int | None = None  # (None: the entry predates it)
     disk_size: int | None = None
+    #: the entry as stored (padded to 8 bytes), kept so a rewritten table
+    #: carries what this code does not read
+    raw: bytes = field(default=b"", repr=False, compare=False)
+
+
+def pack_snapshot(s: Snapshot) -> bytes:
+    """A new snapshot table entry, with the extra data QEMU 5+ writes (the
+    64-bit VM state size, the disk size, the instruction count), padded."""
+    ident, name = s.id.encode(), s.name.encode()
+    extra = struct.pack(">QQQ", s.vm_state_size, s.disk_size or 0, s.icount or 0)
+    out = _SNAP.pack(s.l1_table_offset, s.l1_size, len(ident), len(name), s.date_sec,
+                     s.date_nsec, s.vm_clock_nsec, min(s.vm_state_size, 0xFFFF_FFFF),
+                     len(extra)) + extra + ident + name
+    return out.ljust((len(out) + 7) & ~7, b"\0")
 
 
 def parse_snapshots(data: bytes, count: int) -> tuple[list[Snapshot], int]:
@@ -437,6 +451,7 @@ def parse_snapshots(data: bytes, count: int) -> tuple[list[Snapshot], int]:
     snaps = []
     pos = 0
     for _ in range(count):
+        start = pos
         if pos + _SNAP.size > len(data):
             raise Qcow2Error("qcow2 snapshot table is truncated")
         (l1_off, l1_size, id_len, name_len, date_sec, date_nsec, vm_clock, vm_state,
@@ -457,7 +472,8 @@ def parse_snapshots(data: bytes, count: int) -> tuple[list[Snapshot], int]:
         pos = (pos + name_len + 7) & ~7  # padding QEMU leaves out after the last entry
         snaps.append(Snapshot(l1_off, l1_size, name, ident, date_sec, date_nsec, vm_clock,
                               vm_state, words[2] if len(words) > 2 else None,
-                              words[1] if len(words) > 1 else None))
+                              words[1] if len(words) > 1 else None,
+                              data[start:pos].ljust(pos - start, b"\0")))
     return snaps, pos
 
 
@@ -479,6 +495,7 @@ class Bitmap:
 
 
 BITMAP_IN_USE = 1  # its data was not stored after the last change: it is inconsistent
+BITMAP_AUTO = 2  # enabled: it tracks every write
 AUTOCLEAR_BITMAPS = 1  # the bitmaps extension is valid (cleared by a program lacking it)
 
 

@@ -365,3 +365,31 @@ asyncio.run(main())
     assert theirs(p).returncode == 0, theirs(p).stdout
     raw = to_raw(p, tmp_path / "after.raw").read_bytes()
     assert all(raw[i * 3 * 65536:(i * 3 + 1) * 65536] == b"\x5a" * 65536 for i in range(64))
+
+
+def test_progress_is_drawn_on_a_terminal_only(tmp_path: Path) -> None:
+    """Long scans (check, snapshot changes) show qemu-img -p's progress line
+    on a terminal, and nothing in a pipe or file."""
+    import io
+
+    from aioublk.frontend import img
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert img.terminal_progress(io.StringIO()) is None
+    tty = Tty()
+    show = img.terminal_progress(tty)
+    assert show is not None
+    path = img_small_clusters(16)(tmp_path)  # 8 MiB of 512-byte clusters: many L1 entries
+    data = path.read_bytes()
+    seen: list[float] = []
+    chk.scan(lambda off, n: data[off:off + n], len(data), seen.append)
+    assert len(seen) > 3 and seen == sorted(seen) and seen[-1] == 1.0
+    for done in seen:
+        show(done)
+    lines = tty.getvalue().split("\r")
+    assert lines[0] == "    (0.00/100%)" and lines[-2] == "    (100.00/100%)" and \
+        lines[-1] == "\n"
+    assert ours(path).stderr == ""  # (a pipe: no progress)
