@@ -11,6 +11,7 @@ kublk keep working::
     python -m aioublk stop -n ID [--safe]
     python -m aioublk quiesce -n ID
     python -m aioublk update_size -n ID -s BYTES
+    python -m aioublk snapshot -n ID create|list|delete [NAME] (a qcow2 device's image)
     python -m aioublk list [-n ID | -a] [--stats] [--json]
     python -m aioublk features
     python -m aioublk serve config.toml
@@ -47,6 +48,7 @@ from aioublk.frontend import img, registry, stats, udev
 from aioublk.frontend.config import SIZE_FORMS, build_target, parse_size, target_options
 from aioublk.frontend.kublk_lines import device_ids, dump, print_device, target_line
 from aioublk.frontend.runner import ONE_LINE_ERRORS, run_device, run_loop
+from aioublk.io import locking
 from aioublk.kernel import uapi
 from aioublk.kernel.control import Control, state_name
 from aioublk.queue import options
@@ -241,6 +243,13 @@ def _parser() -> argparse.ArgumentParser:
 
     qu = sub.add_parser("quiesce", help="detach the server, leaving the device QUIESCED")
     _add_dev_id(qu, "device to quiesce")
+
+    sn = sub.add_parser("snapshot", help="internal snapshots of the qcow2 image a live device "
+                        "serves (added with -r 1 -i 1): the server steps aside while one is taken")
+    _add_dev_id(sn, "device whose image to snapshot")
+    sn.add_argument("action", choices=["create", "list", "delete"],
+                    help="create a snapshot, list them, or delete one")
+    sn.add_argument("name", nargs="?", help="the snapshot's name (create, delete)")
 
     us = sub.add_parser("update_size", help="change the device's size")
     _add_dev_id(us, "device to resize")
@@ -546,6 +555,34 @@ async def cmd_quiesce(args: argparse.Namespace) -> int:
                             "recovery (-r 1), or this kernel lacks UBLK_F_QUIESCE (6.15+)")
         if res < 0:
             raise UblkError(f"cannot quiesce device {dev_id}: {os.strerror(-res)}")
+    return await _on_device(args, run)
+
+
+async def cmd_snapshot(args: argparse.Namespace) -> int:
+    from aioublk.frontend import livesnap
+
+    async def run(ctrl: Control, dev_id: int) -> None:
+        await ctrl.get_info(dev_id)  # "does not exist" in one line
+        image = livesnap.image_of(dev_id)
+        if args.action == "list":
+            lines = img.snapshot_lines(image, True)
+            if lines:
+                print("\n".join(lines))
+            return
+        if not args.name:
+            raise UblkError(f"give the snapshot's name: snapshot -n {dev_id} {args.action} NAME")
+        if args.action == "delete" and all(s.name != args.name
+                                           for s in img.snapshots_of(image, True)):
+            # (found before the server steps aside for nothing)
+            raise UblkError(f"{image}: could not delete snapshot '{args.name}': "
+                            "snapshot not found")
+        await livesnap.detach(ctrl, dev_id)
+        try:
+            if not locking.wait_released(image, livesnap.STEP_TIMEOUT):
+                raise UblkError(f"{image} is still in use after its server exited")
+            img.change_snapshots(image, args.action, args.name)
+        finally:
+            livesnap.recover(dev_id)
     return await _on_device(args, run)
 
 
@@ -885,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.configure()
         handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features,
                    "stop": cmd_stop, "quiesce": cmd_quiesce,
-                   "update_size": cmd_update_size}[args.cmd]
+                   "update_size": cmd_update_size, "snapshot": cmd_snapshot}[args.cmd]
         return run_loop(handler(args))
     except ONE_LINE_ERRORS as e:  # as serve() reports them
         sys.stderr.write(f"aioublk: {e}\n")

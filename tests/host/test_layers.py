@@ -62,7 +62,7 @@ LAYERS: list[list[str]] = [
     ["aioublk.frontend.stats", "aioublk.frontend.config", "aioublk.frontend.udev",
      "aioublk.frontend.metrics", "aioublk.frontend.img"],
     # what cli and serve share
-    ["aioublk.frontend.kublk_lines", "aioublk.frontend.runner"],
+    ["aioublk.frontend.kublk_lines", "aioublk.frontend.runner", "aioublk.frontend.livesnap"],
     ["aioublk.frontend.serve"],
     ["aioublk.frontend.cli"],
     ["aioublk.__main__", "aioublk"],
