@@ -45,7 +45,14 @@ from aioublk._version import __version__
 from aioublk.device import Device
 from aioublk.errors import UblkError
 from aioublk.frontend import img, registry, stats, udev
-from aioublk.frontend.config import SIZE_FORMS, build_target, parse_size, target_options
+from aioublk.frontend.config import (
+    SIZE_FORMS,
+    build_target,
+    filter_stack,
+    parse_size,
+    target_options,
+    with_filters,
+)
 from aioublk.frontend.kublk_lines import device_ids, dump, print_device, target_line
 from aioublk.frontend.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.io import locking
@@ -140,6 +147,9 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("--force-share", "-U", dest="force_share", action="store_true",
                      help="with --read-only: serve files QEMU or others may be writing")
     add.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    add.add_argument("--filter", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                     help="put a filter in front of the target (repeatable, outermost "
+                     "first): " + "; ".join(_filter_help(f) for f in registry.FILTERS.values()))
     add.add_argument("--log-format", choices=("console", "json"), default="console",
                      help="log lines as text (default) or JSON")
     add.add_argument("--log-file", metavar="PATH",
@@ -219,6 +229,12 @@ def _add_target_options(add: argparse.ArgumentParser) -> None:
                      help="a target option by its config key (repeatable): the only way to "
                      "give a pkg.module:Class target its keyword arguments; VALUE is read as "
                      "TOML (64, true, \"s\", [\"a\", \"b\"]) when it parses, else as a string")
+
+
+def _filter_help(spec: registry.FilterSpec) -> str:
+    keys = ",".join(f"{o.key}={o.type.upper()}" if o.required else f"[{o.key}={o.type.upper()}]"
+                    for o in spec.options)
+    return f"{spec.name}" + (f":{keys}" if keys else "") + f" = {spec.help}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -415,6 +431,8 @@ async def _describe(ctrl: Control, dev_id: int, with_stats: bool) -> dict[str, A
         "pid": pid, "flags": info.flags, "state": state_name(info.state),
         "target": record.get("target") if mine and record else None,
         "files": [str(f) for f in record.get("files", [])] if mine and record else [],
+        "filters": list(record.get("options", {}).get("filter") or []) if mine and record
+        else [],
     }
     if with_stats:
         got = stats.read_at(dev_id, pid)
@@ -673,8 +691,9 @@ def _built(name: str, options: dict[str, Any], args: argparse.Namespace) -> Targ
     """The target, read-only if asked whatever it is (as serve's read_only):
     the kernel makes the disk read-only, and a target that opens files
     opens them so."""
-    target = build_target(name, options, read_only=args.read_only,
-                          force_share=args.force_share)
+    filters = filter_stack(args.filter)
+    target = with_filters(build_target(name, options, read_only=args.read_only,
+                                       force_share=args.force_share), filters)
     if args.read_only:
         target.geometry = replace(target.geometry, read_only=True)
     return target

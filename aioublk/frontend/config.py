@@ -58,7 +58,7 @@ TARGET_OPTIONS = {name: spec.keys() for name, spec in registry.TARGETS.items()}
 #: the ``[[devices]]`` keys that are no device option (``DEVICE_OPTIONS``):
 #: what to serve, and how serve stops it and presents the disk
 SPEC_KEYS = ("target", "on_stop", "logical_block_size", "physical_block_size", "read_only",
-             "force_share", "options")
+             "force_share", "filters", "options")
 DEVICE_KEYS = SPEC_KEYS[:1] + tuple(o.key for o in DEVICE_OPTIONS if o.key) + SPEC_KEYS[1:]
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
@@ -104,6 +104,8 @@ class DeviceSpec:
     force_share: bool = False      # read-only: let QEMU or others write meanwhile
     logical_block_size: int | None = None
     physical_block_size: int | None = None
+    #: (name, checked options) of each filter, outermost first
+    filters: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def backing_files(self) -> list[tuple[str, str]]:
         """(key path, real path) of each file the target opens."""
@@ -113,8 +115,8 @@ class DeviceSpec:
 
     def build_target(self) -> Target:
         """The target, with this device's read-only flag and block sizes."""
-        target = build_target(self.target, self.options, read_only=self.read_only,
-                              force_share=self.force_share)
+        target = with_filters(build_target(self.target, self.options, read_only=self.read_only,
+                                           force_share=self.force_share), self.filters)
         geo = target.geometry
         lbs = self.logical_block_size or geo.logical_block_size
         pbs = self.physical_block_size or geo.physical_block_size
@@ -336,7 +338,8 @@ def _device(raw: dict[str, Any], at: str, base: str) -> DeviceSpec:
                        "its files)")
     return DeviceSpec(at, kind, options, cfg, recovery=recovery, on_stop=on_stop,
                       read_only=read_only, force_share=force_share,
-                      logical_block_size=lbs, physical_block_size=pbs)
+                      logical_block_size=lbs, physical_block_size=pbs,
+                      filters=parse_filters(raw.get("filters", []), key("filters"), base))
 
 
 def _device_option(o: DeviceOption, raw: dict[str, Any], at: str, base: str) -> Any:
@@ -456,7 +459,120 @@ def _option(o: registry.Option, v: Any, at: str, base: str, kind: str) -> Any:
         return _paths(v, at, base, kind, o)
     if o.type == registry.CHOICE:
         return _choice(v, at, o.choices)
+    if o.type == registry.DURATION:
+        return _duration(v, at)
+    if o.type == registry.FLOAT:
+        return _float(v, at, o.lo, o.hi)
+    if o.type == registry.RANGES:
+        return _ranges(v, at)
     return _str(v, at)
+
+
+def _ranges(v: Any, at: str) -> list[tuple[int, int]]:
+    """(start, end) byte ranges from "START-END+START-END" (sizes as anywhere)."""
+    out = []
+    for part in filter(None, (p.strip() for p in _str(v, at).split("+"))):
+        first, dash, last = part.partition("-")
+        try:
+            start, end = parse_size(first), parse_size(last)
+        except ValueError:
+            start = end = -1
+        if not dash or start < 0 or end <= start:
+            raise _Invalid(at, f"{part!r} is not START-END with START < END: write e.g. 0-1M")
+        out.append((start, end))
+    if not out:
+        raise _Invalid(at, "no range: write e.g. 0-1M, or 0-1M+4G-5G")
+    return out
+
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|ms|s)?\s*")
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}
+
+
+def _duration(v: Any, at: str) -> float:
+    """Seconds, from a number of seconds or "50ms", "2s", "100us" (nbdkit's)."""
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+        return float(v)
+    m = _DURATION.fullmatch(v) if isinstance(v, str) else None
+    if m is None:
+        raise _Invalid(at, f"{_show(v)} is not a duration: use seconds, or e.g. \"50ms\", "
+                       "\"100us\", \"2s\"")
+    return float(m[1]) * _TIME_UNITS[m[2]]
+
+
+def _float(v: Any, at: str, lo: int | None, hi: int | None) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise _Invalid(at, f"{_show(v)} is {_kind(v)}: use a number")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise _Invalid(at, f"{v} is out of range: use {lo}..{hi}")
+    return float(v)
+
+
+def parse_filters(raw: Any, at: str, base: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """A filter stack, outermost first, from "NAME[:KEY=VALUE,...]" strings
+    (``--filter``, a config's ``filters``), each option checked as its
+    declaration says; raises _Invalid."""
+    if not isinstance(raw, list):
+        raise _Invalid(at, f"{_show(raw)} is {_kind(raw)}: use a list of \"NAME[:KEY=VALUE,"
+                       "...]\" strings, outermost first")
+    out = []
+    for i, item in enumerate(raw):
+        where = f"{at}[{i}]"
+        text = _str(item, where)
+        name, _, rest = text.partition(":")
+        name = name.strip()
+        if at == "--filter":  # the command line's: name the flag as given
+            where = f"--filter {text}"
+        spec = registry.FILTERS.get(name)
+        if spec is None:
+            raise _Invalid(where, f"unknown filter {name!r}{_did_you_mean(name, registry.FILTERS)}"
+                           f": use one of {', '.join(registry.FILTERS)}")
+        values: dict[str, Any] = {}
+        for pair in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = pair.partition("=")
+            if not eq:
+                raise _Invalid(where, f"{pair!r} is not KEY=VALUE: write e.g. "
+                               f"{name}:{spec.keys()[0] if spec.options else 'KEY'}=VALUE")
+            values[key.strip()] = toml_value(value.strip())
+        where = f"--filter {name}" if at == "--filter" else f"{where}.{name}"
+        _known(values, where, spec.keys())
+        checked = {}
+        for o in spec.options:
+            if o.key in values:
+                checked[o.key] = _option(o, values[o.key], f"{where}.{o.key}", base, name)
+            elif o.required:
+                raise _Invalid(f"{where}.{o.key}", f"missing: the {name} filter needs it "
+                               f"({o.help})")
+        out.append((name, checked))
+    return out
+
+
+def filter_stack(specs: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """``--filter`` values checked (``parse_filters``); raises UblkError (one line)."""
+    try:
+        return parse_filters(specs, "--filter")
+    except _Invalid as e:
+        raise UblkError(_one_line(str(e))) from None
+
+
+def toml_value(text: str) -> Any:
+    """A value as TOML reads it (64, 0.1, true), any other the string it is."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def with_filters(target: Target, filters: list[tuple[str, dict[str, Any]]]) -> Target:
+    """``target`` under the checked filter stack (outermost first); a filter
+    that refuses its options closes the target and raises UblkError (one line)."""
+    for name, options in reversed(filters):
+        try:
+            target = registry.FILTERS[name].build(target, options)
+        except ValueError as e:
+            target.close()
+            raise UblkError(f"filter {name}: {e}") from None
+    return target
 
 
 def _custom_options(kind: str, raw: dict[str, Any], at: str) -> dict[str, Any]:

@@ -37,7 +37,9 @@ def target_line(record: dict[str, Any]) -> str:
     files = [str(f) for f in record.get("files", [])]
     what = "" if not files else f" file {files[0]}" if len(files) == 1 else \
         f" files {' '.join(files)}"
-    return f"\ttarget: {record.get('target')}{what}"
+    filters = record.get("options", {}).get("filter") or []
+    stack = f" filters {' '.join(filters)}" if filters else ""
+    return f"\ttarget: {record.get('target')}{what}{stack}"
 
 
 async def dump(ctrl: Control, dev_id: int) -> list[str]:

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 #: the option types: how a value is checked and how the command line reads it
 SIZE, INT, BOOL, PATH, PATHS, CHOICE, STR = "size", "int", "bool", "path", "paths", "choice", "str"
+#: filters' too: seconds (from "50ms", "2s", "100us" or a number of seconds), a fraction
+DURATION, FLOAT, RANGES = "duration", "float", "ranges"
 
 
 @dataclass(frozen=True)
@@ -174,4 +176,100 @@ TARGETS: dict[str, TargetSpec] = {t.name: t for t in (
         Option("die_during_fetch", BOOL, "1 = SIGKILL the server while it arms its tags",
                default=False, flags=("--die_during_fetch",), zero_one=True),
     )),
+)}
+
+
+@dataclass(frozen=True)
+class FilterSpec:
+    """A built-in filter: ``cls`` is "module:Class", built over the next layer."""
+
+    name: str
+    cls: str
+    help: str
+    options: tuple[Option, ...] = ()
+
+    def option(self, key: str) -> Option | None:
+        return next((o for o in self.options if o.key == key), None)
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(o.key for o in self.options)
+
+    def build(self, inner: Target, options: dict[str, Any]) -> Target:
+        """This filter over ``inner``, from checked ``options``."""
+        module, _, name = self.cls.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        layer: Target = cls(inner, **{o.arg or o.key: options[o.key] for o in self.options
+                                      if o.key in options})
+        return layer
+
+
+def _delay(op: str) -> Option:
+    return Option(op, DURATION, f"hold each {op.replace('_', '-')} this long", default=0)
+
+
+FILTERS: dict[str, FilterSpec] = {f.name: f for f in (
+    FilterSpec("offset", "aioublk.targets.filters:OffsetFilter",
+               "a window of the device: from OFFSET on, SIZE bytes (C still serves a loop's)", (
+                   Option("offset", SIZE, "the window's first byte", required=True, lo=0),
+                   Option("size", SIZE, "the window's length (default: to the end)", lo=1))),
+    FilterSpec("partition", "aioublk.targets.filters:PartitionFilter",
+               "one partition of the device's MBR or GPT (C still serves a loop's)", (
+                   Option("partition", INT, "its number, from 1", required=True, lo=1),)),
+    FilterSpec("truncate", "aioublk.targets.filters:TruncateFilter",
+               "the device's first SIZE bytes", (
+                   Option("size", SIZE, "bytes to serve", required=True, lo=1),)),
+    FilterSpec("readonly", "aioublk.targets.filters:ReadonlyFilter", "refuse every write"),
+    FilterSpec("delay", "aioublk.targets.filters:DelayFilter",
+               "a slow disk: each operation held for its delay (Python serves every request)",
+               tuple(_delay(op) for op in ("read", "write", "flush", "discard",
+                                            "write_zeroes"))),
+    FilterSpec("error", "aioublk.targets.filters:ErrorFilter",
+               "fail requests with an errno (Python serves every request)", (
+                   Option("rate", FLOAT, "the chance a matching request fails", default=1.0,
+                          lo=0, hi=1),
+                   Option("ops", STR, "the operations that fail, joined by +",
+                          default="read+write+flush+discard+write_zeroes"),
+                   Option("errno", STR, "the error returned", default="EIO"),
+                   Option("offset", SIZE, "fail requests touching bytes from here", default=0,
+                          lo=0),
+                   Option("length", SIZE, "... this many (default: to the end)", lo=1),
+                   Option("seed", INT, "the random sequence's seed (default: random)"))),
+    FilterSpec("rate", "aioublk.targets.filters:RateFilter",
+               "limit requests and bytes a second, token buckets with a second's burst "
+               "(Python serves every request)", (
+                   Option("iops", INT, "requests a second (0: no limit)", default=0, lo=0),
+                   Option("bandwidth", SIZE, "bytes a second read and written (0: no limit)",
+                          default=0, lo=0))),
+    FilterSpec("cache", "aioublk.targets.filters:CacheFilter",
+               "a cache in RAM, write-through or write-back (FLUSH and FUA honoured; "
+               "write-through under -r 1); Python serves every request", (
+                   Option("size", SIZE, "the cache's bytes", default=64 << 20, lo=4096),
+                   Option("block", SIZE, "its block size, a power of two", default=65536,
+                          lo=512, power_of_two=True),
+                   Option("mode", CHOICE, "writethrough or writeback",
+                          default="writethrough", choices=("writethrough", "writeback")))),
+    FilterSpec("cow", "aioublk.targets.filters:CowFilter",
+               "copy on write: the device under it is never written (as qemu-nbd -s); "
+               "Python serves every request", (
+                   Option("file", STR, "the overlay file, made anew (default: in memory)"),
+                   Option("block", SIZE, "the overlay's block size, a power of two",
+                          default=4096, lo=512, power_of_two=True),
+                   Option("commit", BOOL, "write the overlay to the device when it stops",
+                          default=False))),
+    FilterSpec("protect", "aioublk.targets.filters:ProtectFilter",
+               "refuse writes to byte ranges with EPERM (Python serves every request)", (
+                   Option("ranges", RANGES, "START-END byte ranges (END exclusive), joined "
+                          "by +, e.g. 0-1M+4G-5G", required=True),)),
+    FilterSpec("encrypt", "aioublk.targets.filters:EncryptFilter",
+               "AES-XTS, the bytes dm-crypt's plain mode writes (cryptsetup open --type plain "
+               "--cipher aes-xts-plain64 --key-size 512 --key-file KEYFILE); Python serves "
+               "every request", (
+                   Option("keyfile", PATH, "the 64-byte key file", required=True,
+                          what="key file"),)),
+    FilterSpec("log", "aioublk.targets.filters:LogFilter",
+               "a JSON line per request to FILE (Python serves every request)", (
+                   Option("file", STR, "the log file (appended to)", required=True),
+                   Option("max_size", SIZE, "rotate past this many bytes (0: never)", default=0,
+                          lo=0),
+                   Option("keep", INT, "old files kept when rotating", default=3, lo=1))),
 )}
