@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 import tomllib
@@ -243,7 +244,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="show the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
-    _add_create_options(sub.add_parser("add", help="create a device and serve it"))
+    add = sub.add_parser("add", help="create a device and serve it")
+    _add_create_options(add)
+    add.add_argument("--json", action="store_true",
+                     help="print the new device as list --json does (a list of one object, "
+                     "its id under dev_id) instead of kublk's lines")
+    add.add_argument("--run", metavar="CMD",
+                     help="captive mode (nbdkit's --run): run the shell command CMD with "
+                     "$ublk set to /dev/ublkbN and $ublk_id to N, then delete the device; "
+                     "exits with CMD's status")
     recover = sub.add_parser("recover", help="serve a QUIESCED device again (with the options "
                              "it was added with, or those given)")
     _add_create_options(recover)
@@ -781,6 +790,11 @@ def cmd_add(args: argparse.Namespace) -> int:
     recover = args.cmd == "recover"
     if recover:
         _as_recorded(args)
+    captive = getattr(args, "run", None)
+    as_json = getattr(args, "json", False)
+    if captive is not None and args.foreground:
+        raise UblkError("--run serves the device in the background while CMD runs: drop "
+                        "--foreground")
     json, level = args.log_format == "json", log_level(args)
     logs.configure(json=json, level=level)
     cfg = device_config(args)
@@ -793,7 +807,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             sys.stderr.write(f"aioublk: logs: {os.path.abspath(args.log_file)}\n")
 
         async def announce(dev: Device) -> None:
-            await print_device(dev._ctrl, dev.id)  # type: ignore[arg-type]
+            await _announce(dev._ctrl, dev.id, as_json)  # type: ignore[arg-type]
         return run_loop(_serve_recorded(target, cfg, announce, recover, record))
 
     try:
@@ -839,9 +853,29 @@ def cmd_add(args: argparse.Namespace) -> int:
         # said once the server runs: a refusal before that stays one line
         sys.stderr.write(f"aioublk: logs: {where}\n")
         sys.stderr.flush()
-        return run_loop(_with_control_lines(int(line.split()[1])))
+        dev_id = int(line.split()[1])
+        if captive is None:
+            return run_loop(_with_control_lines(dev_id, as_json))
+        return _run_captive(dev_id, captive)
     why = line.removeprefix("ERR ") if line else "the server exited before the device became live"
     raise UblkError(f"{why} (logs: {where})")
+
+
+def _run_captive(dev_id: int, command: str) -> int:
+    """``add --run``: CMD's exit status (128 + N for a signal, as a shell says
+    it), the device deleted however CMD ended."""
+    try:
+        run_loop(_with_control_lines(dev_id))
+        env = {**os.environ, "ublk": f"/dev/ublkb{dev_id}", "ublk_id": str(dev_id)}
+        code = subprocess.run(command, shell=True, env=env, check=False).returncode
+    finally:
+        run_loop(_with_control(lambda ctrl: _deleted(ctrl, dev_id)))
+    return 128 - code if code < 0 else code
+
+
+async def _deleted(ctrl: Control, dev_id: int) -> int:
+    await delete(ctrl, dev_id)
+    return 0
 
 
 async def _serve_recorded(target: Target, cfg: DeviceConfig,
@@ -899,11 +933,19 @@ def _daemonize(serve: Callable[[int], int], stderr: int | None = None) -> tuple[
         os._exit(code)
 
 
-async def _with_control_lines(dev_id: int) -> int:
+async def _with_control_lines(dev_id: int, as_json: bool = False) -> int:
     async def run(ctrl: Control) -> int:
-        await print_device(ctrl, dev_id)
+        await _announce(ctrl, dev_id, as_json)
         return 0
     return await _with_control(run)
+
+
+async def _announce(ctrl: Control, dev_id: int, as_json: bool) -> None:
+    """A new device: kublk's lines, or (``add --json``) list --json's list."""
+    if as_json:
+        print(json.dumps([await _describe(ctrl, dev_id, False)]), flush=True)
+    else:
+        await print_device(ctrl, dev_id)
 
 
 def _report_error(wfd: int, msg: str) -> None:

@@ -16,7 +16,7 @@ from aioublk.queue.options import DEVICE_OPTIONS, OptionError, option
 #: ``add``'s flags that are no device option: what to serve and how this
 #: command runs and logs (the targets' flags are the registry's)
 NOT_DEVICE = {"help", "target", "files", "opt", "foreground", "quiet", "debug_mask", "verbose",
-              "log_format", "log_file", "read_only", "force_share"}
+              "log_format", "log_file", "read_only", "force_share", "filter", "json", "run"}
 TARGET_FLAGS = {o.key for spec in registry.TARGETS.values() for o in spec.options if o.flags}
 
 
