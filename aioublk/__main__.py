@@ -1,7 +1,20 @@
-"""``python -m aioublk``: the kublk-compatible command line."""
+"""``python -m aioublk`` (and the ``aioublk`` script): the kublk-compatible
+command line. ``--version`` answers before the command line's modules load,
+so a script asking it pays for the interpreter alone."""
 
 import sys
 
-from aioublk.frontend.cli import main
 
-sys.exit(main())
+def entry() -> int:
+    if sys.argv[1:] == ["--version"]:
+        from aioublk._version import __version__
+
+        print(f"aioublk {__version__}")
+        return 0
+    from aioublk.frontend.cli import main
+
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(entry())

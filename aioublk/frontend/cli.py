@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import errno
 import functools
+import inspect
 import json
 import logging
 import os
 import subprocess
 import sys
 import time
-import tomllib
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, NoReturn
@@ -50,8 +51,11 @@ from aioublk.frontend.config import (
     SIZE_FORMS,
     build_target,
     filter_stack,
+    packaged_target,
+    packaged_targets,
     parse_size,
     target_options,
+    toml_value,
     with_filters,
 )
 from aioublk.frontend.kublk_lines import device_ids, dump, print_device, target_line
@@ -82,6 +86,23 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"aioublk: {message}\n")
         raise SystemExit(1)
+
+
+def _both_spellings(parser: argparse.ArgumentParser) -> None:
+    """Every multi-word long flag of ``parser`` and its subcommands also in the
+    other spelling (``--no_batch`` for ``--no-batch``, ``--chunk-size`` for
+    ``--chunk_size``): taken when parsing, while help, usage and errors keep
+    the one declared."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                _both_spellings(sub)
+            continue
+        for name in action.option_strings:
+            if not name.startswith("--"):
+                continue
+            for alt in ("--" + name[2:].replace("_", "-"), "--" + name[2:].replace("-", "_")):
+                parser._option_string_actions.setdefault(alt, action)
 
 
 def _flag01(value: str) -> bool:
@@ -134,7 +155,14 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("-t", "--type", dest="target", required=True,
                      help="target: " + "|".join(registry.TARGETS) + ", or pkg.module:Class "
                      "with --opt")
-    _add_device_options(add)
+    _add_device_options(add.add_argument_group(
+        "the device (kublk's flags)", "how the kernel's device is made: queues, copy mode, "
+        "features, recovery"))
+    _add_server_options(add.add_argument_group("the server", "how this process serves it"))
+    _add_target_options(add)
+
+
+def _add_server_options(add: argparse._ActionsContainer) -> None:
     add.add_argument("--foreground", action="store_true",
                      help="serve in this process instead of daemonizing")
     add.add_argument("--quiet", action="store_true",
@@ -156,10 +184,9 @@ def _add_create_options(add: argparse.ArgumentParser) -> None:
     add.add_argument("--log-file", metavar="PATH",
                      help="append the server's log lines (and a daemon's stderr) to PATH "
                      "(default: stderr with --foreground, else syslog)")
-    _add_target_options(add)
 
 
-def _add_device_options(add: argparse.ArgumentParser) -> None:
+def _add_device_options(add: argparse._ActionsContainer) -> None:
     """The device's flags, as ``options.DEVICE_OPTIONS`` declares them."""
     for o in DEVICE_OPTIONS:
         if not o.flags:
@@ -189,9 +216,11 @@ def _add_device_options(add: argparse.ArgumentParser) -> None:
 
 
 def _add_target_options(add: argparse.ArgumentParser) -> None:
-    """The built-in targets' flags, FILE and --opt, as the registry declares them."""
+    """The built-in targets' flags, FILE and --opt, as the registry declares them:
+    in a group for each set of targets that share them."""
     seen: set[str] = set()
     specs = registry.TARGETS.values()
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for spec in specs:
         for o in spec.options:
             if not o.flags or o.key in seen:
@@ -217,7 +246,9 @@ def _add_target_options(add: argparse.ArgumentParser) -> None:
                        "default": o.default if shared_default else None}
                 if o.type == registry.SIZE:
                     kw["metavar"] = "SIZE"
-            add.add_argument(*o.flags, **kw)
+            if users not in groups:
+                groups[users] = add.add_argument_group("-t " + users.replace("/", ", "))
+            groups[users].add_argument(*o.flags, **kw)
     fed = [(t.name, f) for t in specs if (f := t.option(t.files)) is not None]
     one = [name + ("" if f.required else " (or none)") for name, f in fed
            if f.type == registry.PATH]
@@ -303,7 +334,25 @@ def _parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="serve the devices of a TOML config file (foreground)")
     sv.add_argument("config", help="the TOML config file (see README)")
     img.add_parser(sub)
+
+    co = sub.add_parser("completion", help="print a shell completion script, generated from "
+                        "this parser (bash: source it, or install it as /usr/share/"
+                        "bash-completion/completions/aioublk)")
+    co.add_argument("shell", choices=["bash", "zsh", "fish"], help="the shell to complete for")
+    sub.add_parser("man", help="print the man page aioublk(1) in roff (man -l - shows it)")
+    _both_spellings(p)
     return p
+
+
+def generated(what: str, shell: str = "") -> str:
+    """``completion``'s script for ``shell``, or the man page (``man``)."""
+    from aioublk.frontend import shellgen
+
+    targets = (*registry.TARGETS, *packaged_targets())
+    cmds = shellgen.commands(_parser(), {"-t": targets, "--filter": tuple(registry.FILTERS)})
+    if what == "man":
+        return shellgen.man(cmds, __version__)
+    return {"bash": shellgen.bash, "zsh": shellgen.zsh, "fish": shellgen.fish}[shell](cmds)
 
 
 def _given_only(recover: argparse.ArgumentParser) -> None:
@@ -658,8 +707,11 @@ def make_target(args: argparse.Namespace) -> Target:
     opts = _opt_values(args.opt)
     spec = registry.TARGETS.get(name)
     if spec is None and ":" not in name:
-        raise UblkError(f"unknown target type '{name}': use one of "
-                        f"{', '.join(registry.TARGETS)}, or pkg.module:Class with --opt")
+        packaged = packaged_target(name)
+        if packaged is None:
+            raise _unknown_target(name)
+        name = packaged  # a package's target: built as the module:Class it names
+    _no_foreign_options(name, spec, args)
     if spec is None:
         if files:
             raise UblkError(f"{name} takes no FILE: give its arguments as --opt KEY=VALUE")
@@ -696,6 +748,29 @@ def make_target(args: argparse.Namespace) -> Target:
     return _built(name, options, args)
 
 
+def _unknown_target(name: str) -> UblkError:
+    known = [*registry.TARGETS, *packaged_targets()]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return UblkError(f"unknown target type '{name}'{hint}: use one of {', '.join(known)}, or "
+                     "pkg.module:Class with --opt")
+
+
+def _no_foreign_options(name: str, spec: registry.TargetSpec | None,
+                        args: argparse.Namespace) -> None:
+    """A target flag given to a target that does not take it is refused, not
+    ignored (``--zone_size`` with ``-t null``)."""
+    mine = set(spec.keys()) if spec is not None else set()
+    defaults = _create_defaults()
+    for other in registry.TARGETS.values():
+        for o in other.options:
+            if (o.flags and o.key not in mine and hasattr(args, o.key)
+                    and getattr(args, o.key) != defaults.get(o.key)):
+                owners = [t.name for t in registry.TARGETS.values() if t.option(o.key)]
+                raise UblkError(f"{o.flags[0]} is an option of the {'/'.join(owners)} "
+                                f"target, not {name}: drop it")
+
+
 def _built(name: str, options: dict[str, Any], args: argparse.Namespace) -> Target:
     """The target, read-only if asked whatever it is (as serve's read_only):
     the kernel makes the disk read-only, and a target that opens files
@@ -716,11 +791,7 @@ def _opt_values(opts: list[str]) -> dict[str, Any]:
         key, eq, text = opt.partition("=")
         if not eq or not key.strip():
             raise UblkError(f"--opt {opt!r} is not KEY=VALUE: write e.g. --opt size=64M")
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text
-        out[key.strip()] = value
+        out[key.strip()] = toml_value(text)
     return out
 
 
@@ -964,8 +1035,66 @@ def _detach_stdio(stderr: int | None) -> None:
 
 # -------------------------------------------------------------------- main --
 
+def _asked_target_help(argv: list[str]) -> str | None:
+    """The NAME of ``add|recover -t NAME --help``, else None."""
+    if not argv or argv[0] not in ("add", "recover") or not {"-h", "--help"} & set(argv):
+        return None
+    for i, a in enumerate(argv[:-1]):
+        if a in ("-t", "--type"):
+            return argv[i + 1]
+        if a.startswith("--type="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def target_help(name: str) -> str:
+    """What ``add -t NAME`` takes beyond the device options: the built-in
+    target's flags (and config keys), or a class's keyword arguments."""
+    spec = registry.TARGETS.get(name)
+    if spec is not None:
+        lines = [f"aioublk add -t {name}: the {name} target's options (each also --opt KEY=VALUE "
+                 "and a serve config's options.KEY)", ""]
+        for o in spec.options:
+            how = " ".join(o.flags) if o.flags and o.arg != "*" else \
+                "FILE" if o.key == spec.files else f"--opt {o.key}=VALUE"
+            default = f" (default: {o.default_help})" if o.default_help else ""
+            lines.append(f"  {how:28} {o.key}: {o.help}{default}")
+        lines += ["", "Device options (queues, depth, copy mode...): aioublk add --help."]
+        return "\n".join(lines) + "\n"
+    kind = name if ":" in name else packaged_target(name)
+    if kind is None:
+        raise _unknown_target(name)
+    from aioublk.frontend.config import target_class_of
+
+    cls = target_class_of(kind)
+    params = [p for p in inspect.signature(cls).parameters.values()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    lines = [f"aioublk add -t {name}: {kind}, its keyword arguments as --opt KEY=VALUE "
+             "(and a serve config's options.KEY)", ""]
+    lines += [f"  --opt {p.name}=VALUE" + ("" if p.default is p.empty
+                                          else f" (default: {p.default!r})")
+              for p in params]
+    doc = inspect.getdoc(cls)
+    if doc:
+        lines += ["", doc.splitlines()[0]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    given = sys.argv[1:] if argv is None else argv
+    if not given:  # a bare aioublk: what it can do
+        sys.stdout.write(parser.format_help())
+        return 2
+    asked = _asked_target_help(given)
+    if asked is not None:
+        try:
+            sys.stdout.write(target_help(asked))
+        except ONE_LINE_ERRORS as e:
+            sys.stderr.write(f"aioublk: {e}\n")
+            return 1
+        return 0
+    args = parser.parse_args(argv)
     try:
         if args.cmd in ("add", "recover"):
             return cmd_add(args)
@@ -975,6 +1104,9 @@ def main(argv: list[str] | None = None) -> int:
             return serve_main(args.config)
         if args.cmd == "img":
             return img.main(args)
+        if args.cmd in ("completion", "man"):
+            sys.stdout.write(generated(args.cmd, getattr(args, "shell", "")))
+            return 0
         if args.cmd == "udev":
             if args.udev_cmd == "rules":
                 sys.stdout.write(udev.rules())

@@ -44,7 +44,7 @@ from aioublk.queue.options import (
     OptionError,
     device_config,
 )
-from aioublk.target import Target
+from aioublk.target import GeometryError, Target
 
 BUILTIN_TARGETS = tuple(registry.TARGETS)
 LEVELS = ("warning", "info", "debug")
@@ -124,9 +124,13 @@ class DeviceSpec:
             target.close()
             raise UblkError(f"physical block size {pbs} is smaller than the logical block "
                             f"size {lbs}: raise physical_block_size")
-        target.geometry = replace(geo, logical_block_size=lbs, physical_block_size=pbs,
-                                  size=geo.size & ~(lbs - 1),
-                                  read_only=geo.read_only or self.read_only)
+        try:
+            target.geometry = replace(geo, logical_block_size=lbs, physical_block_size=pbs,
+                                      size=geo.size & ~(lbs - 1),
+                                      read_only=geo.read_only or self.read_only)
+        except GeometryError:
+            target.close()
+            raise
         return target
 
 
@@ -382,18 +386,47 @@ def _metadata_file(kind: str, options: dict[str, Any], cfg: DeviceConfig,
                        f"{second.what}: set options.{second.key}")
 
 
+#: the entry-point group through which an installed package offers targets by name
+ENTRY_POINTS = "aioublk.targets"
+
+
+def packaged_target(name: str) -> str | None:
+    """"module:Class" of the target an installed package offers as ``name``
+    (its ``aioublk.targets`` entry point), or None."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINTS, name=name):
+        return str(ep.value)
+    return None
+
+
+def packaged_targets() -> list[str]:
+    """The names installed packages offer targets under."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINTS)})
+
+
 def _target_kind(v: Any, at: str) -> str:
     kind = _str(v, at)
     if kind in BUILTIN_TARGETS:
         return kind
+    if ":" not in kind and (value := packaged_target(kind)) is not None:
+        kind = value  # (checked as the module:Class it names)
     if ":" in kind:
         try:
             _custom_class(kind)
         except UblkError as e:
             raise _Invalid(at, str(e)) from None
         return kind
-    raise _Invalid(at, f"unknown target {_show(kind)}{_did_you_mean(kind, BUILTIN_TARGETS)}: "
-                   f"use {', '.join(BUILTIN_TARGETS)} or \"pkg.module:Class\"")
+    known = [*BUILTIN_TARGETS, *packaged_targets()]
+    raise _Invalid(at, f"unknown target {_show(kind)}{_did_you_mean(kind, known)}: "
+                   f"use {', '.join(known)} or \"pkg.module:Class\"")
+
+
+def target_class_of(spec: str) -> type[Target]:
+    """The Target subclass "pkg.module:Class" names (UblkError if none)."""
+    return _custom_class(spec)
 
 
 def _custom_class(spec: str) -> type[Target]:

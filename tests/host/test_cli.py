@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from aioublk.errors import UblkError
 from aioublk.frontend import cli
 from aioublk.kernel import uapi
 
@@ -431,3 +432,95 @@ def test_update_size_refuses_to_grow_past_the_backing_files(
     assert _ResizeControl.resized == []
     assert cli.main(["update_size", "-n", "0", "-s", str(limit)]) == 0
     assert _ResizeControl.resized == [limit]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-t", "nul"], "unknown target type 'nul' (did you mean 'null'?)"),
+    (["-t", "null", "--zone_size", "1M"], "--zone_size is an option of the zoned target, "
+     "not null: drop it"),
+    (["-t", "null", "--chunk_size", "128K"], "--chunk_size is an option of the stripe target"),
+    (["-t", "null", "--buffered"], "--buffered is an option of the loop/qcow2/zoned target"),
+])
+def test_target_mistakes_are_named_in_one_line(args: list[str], message: str) -> None:
+    with pytest.raises(UblkError) as e:
+        cli.make_target(cli._parser().parse_args(["add", *args]))
+    assert message in str(e.value)
+
+
+def test_a_bare_aioublk_prints_its_usage() -> None:
+    proc = subprocess.run([sys.executable, "-m", "aioublk"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr == ""
+    assert proc.stdout.startswith("usage: aioublk") and "{add,recover," in proc.stdout
+
+
+def test_a_package_offers_a_target_by_name(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/ramdisk-package, installed with pip, is -t ramdisk and target = "ramdisk"."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--target", str(site),
+                    str(Path(__file__).parents[2] / "examples" / "ramdisk-package")],
+                   check=True, capture_output=True, timeout=300)
+    monkeypatch.syspath_prepend(str(site))
+    target = cli.make_target(cli._parser().parse_args(["add", "-t", "ramdisk", "--opt",
+                                                       "size=8M"]))
+    assert type(target).__name__ == "RamDisk" and target.geometry.size == 8 << 20
+    with pytest.raises(UblkError) as e:
+        cli.make_target(cli._parser().parse_args(["add", "-t", "ramdsk"]))
+    assert "(did you mean 'ramdisk'?)" in str(e.value)
+    conf = tmp_path / "serve.toml"
+    conf.write_text('[[devices]]\ntarget = "ramdisk"\noptions.size = "4M"\n')
+    conf.chmod(0o600)
+    from aioublk.frontend import config
+    [dev] = config.load(str(conf)).devices
+    assert dev.target == "aioublk_ramdisk:RamDisk" and dev.options == {"size": 4 << 20}
+
+
+def test_target_help_lists_that_targets_options() -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "aioublk", *args], capture_output=True,
+                              text=True, timeout=60)
+    p = run("add", "-t", "stripe", "--help")
+    assert p.returncode == 0 and p.stdout.startswith("aioublk add -t stripe:")
+    assert "--chunk_size" in p.stdout and "--l2-cache" not in p.stdout
+    p = run("add", "--help", "-t", "examples.fence:Fence")
+    assert p.returncode == 0 and "--opt limit=VALUE" in p.stdout
+    p = run("add", "-t", "strip", "-h")
+    assert p.returncode == 1 and "(did you mean 'stripe'?)" in p.stderr
+
+
+def test_multi_word_flags_take_both_spellings_and_help_shows_one() -> None:
+    args = cli._parser().parse_args(["add", "-t", "stripe", "--chunk-size", "128K",
+                                     "--no_batch", "--l2_cache", "1M", "--read_only",
+                                     "--no-auto-part-scan", "a", "b"])
+    assert (args.chunk_size, args.l2_cache, args.read_only) == (128 << 10, 1 << 20, True)
+    text = _subparsers(cli._parser())["add"].format_help()
+    assert "--chunk_size SIZE" in text and "--chunk-size" not in text
+    assert "--no-batch" in text and "--no_batch" not in text
+
+
+def test_version_loads_next_to_nothing() -> None:
+    """--version answers before the command line's modules load (issue #28)."""
+    def imported(*args: str) -> int:
+        p = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True,
+                           text=True, timeout=60, check=True)
+        return p.stderr.count("import time:")
+    assert imported("-m", "aioublk", "--version") <= imported("-c", "pass") + 15
+
+
+def test_add_help_groups_the_options_by_target() -> None:
+    """Issue 28: 144 lines in one list become the device's, the server's and
+    each target's: every target heads a group, and its flags are under it."""
+    from aioublk.frontend import cli, registry
+    text = cli._parser()._subparsers._group_actions[0].choices["add"].format_help()
+    headings = [line for line in text.splitlines() if line and not line[0].isspace()]
+    assert "the device (kublk's flags):" in headings and "the server:" in headings
+    target_heads = [h for h in headings if h.startswith("-t ")]
+    for name, spec in registry.TARGETS.items():
+        if not any(o.flags for o in spec.options):
+            continue  # (nvme: its FILE only)
+        assert any(name in h.removeprefix("-t ").rstrip(":").split(", ")
+                   for h in target_heads), name
+    after = text[text.index("\n-t stripe:"):]
+    assert after.index("--chunk_size") < after.index("\n-t ", 1)  # stripe's, under stripe
