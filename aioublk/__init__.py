@@ -28,6 +28,7 @@ _WHERE = {
     "MetricsError": "aioublk.frontend.metrics",
     "CopyMode": "aioublk.queue.options",
     "DeviceConfig": "aioublk.queue.options",
+    "DeviceOptions": "aioublk.queue.options",
     "IntegrityError": "aioublk.queue.options",
     "OptionError": "aioublk.queue.options",
     "UblkError": "aioublk.errors",
@@ -40,6 +41,7 @@ _WHERE = {
     "Done": "aioublk.target",
     "FixedBuf": "aioublk.target",
     "Geometry": "aioublk.target",
+    "GeometryError": "aioublk.target",
     "QueueContext": "aioublk.target",
     "QueueSetupError": "aioublk.target",
     "Target": "aioublk.target",
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
     from aioublk.queue.extents import ExtentTable as ExtentTable
     from aioublk.queue.options import CopyMode as CopyMode
     from aioublk.queue.options import DeviceConfig as DeviceConfig
+    from aioublk.queue.options import DeviceOptions as DeviceOptions
     from aioublk.queue.options import IntegrityError as IntegrityError
     from aioublk.queue.options import OptionError as OptionError
     from aioublk.ring import Ring as Ring
@@ -90,6 +93,7 @@ if TYPE_CHECKING:
     from aioublk.target import Done as Done
     from aioublk.target import FixedBuf as FixedBuf
     from aioublk.target import Geometry as Geometry
+    from aioublk.target import GeometryError as GeometryError
     from aioublk.target import QueueContext as QueueContext
     from aioublk.target import QueueSetupError as QueueSetupError
     from aioublk.target import Target as Target

@@ -22,14 +22,14 @@ import hashlib
 import mmap
 import os
 from dataclasses import replace
-from typing import Any
+from typing import Unpack
 
 from aioublk import logs
 from aioublk.errors import UblkError
 from aioublk.kernel import uapi
 from aioublk.kernel.control import Control, char_path, command_failed, settled_info, state_name
 from aioublk.queue.driver import QueueMem, WorkerSpec
-from aioublk.queue.options import CopyMode, DeviceConfig, layout
+from aioublk.queue.options import CopyMode, DeviceConfig, DeviceOptions, layout
 from aioublk.queue.worker import Worker
 from aioublk.ring import buffer_address
 from aioublk.target import QueueSetupError, Target
@@ -109,9 +109,10 @@ class Device:
     stops and deletes it.
     """
 
-    def __init__(self, target: Target, config: DeviceConfig | None = None, **kw: Any) -> None:
+    def __init__(self, target: Target, config: DeviceConfig | None = None,
+                 **kw: Unpack[DeviceOptions]) -> None:
         self.target = target
-        self.config = config or DeviceConfig(**kw)
+        self.config = config or DeviceConfig(**kw)  # type: ignore[arg-type]  # (copy: a str too)
         if target.one_loop and not self.config.one_loop:
             if self.config.nthreads > 1:
                 raise UblkError(f"target {target.name} serves all queues from one thread: "
@@ -144,16 +145,19 @@ class Device:
 
     @property
     def id(self) -> int:
+        """The kernel's device id (N of /dev/ublkbN); RuntimeError before ``start``."""
         if self.info is None:
             raise RuntimeError("device not added yet")
         return self.info.dev_id
 
     @property
     def path(self) -> str:
+        """The block device: ``/dev/ublkbN``."""
         return f"/dev/ublkb{self.id}"
 
     @property
     def char_path(self) -> str:
+        """The server's character device: ``/dev/ublkcN``."""
         return char_path(self.id)
 
     async def start(self, recover: bool = False) -> None:

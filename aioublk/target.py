@@ -57,9 +57,14 @@ from aioublk.kernel import uapi
 from aioublk.queue.dataplane import Map
 
 
+class GeometryError(Error, ValueError):
+    """A ``Geometry`` the kernel would refuse or change behind the target's back."""
+
+
 @dataclass
 class Geometry:
-    """What the device looks like to the kernel."""
+    """What the device looks like to the kernel; checked when made (and on
+    every ``dataclasses.replace``), so a bad one fails where it is written."""
 
     size: int
     logical_block_size: int = 512
@@ -87,6 +92,19 @@ class Geometry:
     max_active_zones: int = 0
     #: UBLK_F_INTEGRITY: the metadata format the device advertises
     integrity: uapi.Integrity | None = None
+
+    def __post_init__(self) -> None:
+        lbs, pbs = self.logical_block_size, self.physical_block_size
+        if lbs & (lbs - 1) or not 512 <= lbs <= 4096:
+            raise GeometryError(f"logical block size {lbs} is not a power of two from 512 to "
+                                "4096: use 512 or 4096")
+        if pbs & (pbs - 1) or pbs < lbs:
+            raise GeometryError(f"physical block size {pbs} is not a power of two of at least "
+                                f"the logical block size {lbs}: use e.g. 4096")
+        if self.size <= 0 or self.size % lbs:
+            raise GeometryError(f"device size {self.size} is not a positive multiple of the "
+                                f"logical block size {lbs}: round it down to a multiple of "
+                                f"{lbs}")
 
     def params(self, max_io_buf_bytes: int) -> uapi.Params:
         """The ``ublk_params`` for this geometry, capped by the kernel's
@@ -356,9 +374,15 @@ class Target:
         """Make every completed write durable."""
 
     async def discard(self, offset: int, length: int) -> None:
+        """The device's bytes ``[offset, offset + length)`` are no longer
+        needed (the backend may free them; what they read back is the target's
+        to say). Only with ``Geometry.discard``."""
         raise OSError(errno.EOPNOTSUPP, "discard not supported")
 
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
+        """The bytes ``[offset, offset + length)`` read back as zeros;
+        ``unmap``: the backend may free them to get there. Only with
+        ``Geometry.write_zeroes``."""
         raise OSError(errno.EOPNOTSUPP, "write_zeroes not supported")
 
     async def report_zones(self, offset: int, buf: memoryview) -> None:
@@ -372,18 +396,23 @@ class Target:
         raise OSError(errno.EOPNOTSUPP, "zone_append not supported")
 
     async def zone_open(self, offset: int) -> None:
+        """Zoned: open the zone holding ``offset`` explicitly."""
         raise OSError(errno.EOPNOTSUPP, "zone_open not supported")
 
     async def zone_close(self, offset: int) -> None:
+        """Zoned: close the zone holding ``offset`` (its write pointer stays)."""
         raise OSError(errno.EOPNOTSUPP, "zone_close not supported")
 
     async def zone_finish(self, offset: int) -> None:
+        """Zoned: make the zone holding ``offset`` full."""
         raise OSError(errno.EOPNOTSUPP, "zone_finish not supported")
 
     async def zone_reset(self, offset: int) -> None:
+        """Zoned: empty the zone holding ``offset`` (write pointer to its start)."""
         raise OSError(errno.EOPNOTSUPP, "zone_reset not supported")
 
     async def zone_reset_all(self) -> None:
+        """Zoned: empty every sequential zone."""
         raise OSError(errno.EOPNOTSUPP, "zone_reset_all not supported")
 
     def configure(self, device_flags: int) -> None:

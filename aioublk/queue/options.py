@@ -16,7 +16,7 @@ import enum
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from aioublk._uring import lib
 from aioublk.errors import UblkError
@@ -44,10 +44,14 @@ class CopyMode(enum.Enum):
 
     @property
     def own_buffers(self) -> bool:
+        """The server has a buffer per tag (copy and user copy); zero copy
+        works on the request's own pages."""
         return self in (CopyMode.COPY, CopyMode.USER_COPY)
 
     @property
     def fixed(self) -> bool:
+        """The backend does fixed-buffer I/O on the request's registered pages
+        (zero copy, auto zero copy)."""
         return self in (CopyMode.ZERO_COPY, CopyMode.AUTO_ZC)
 
     @property
@@ -265,14 +269,43 @@ def option(name: str) -> DeviceOption:
     return next(o for o in DEVICE_OPTIONS if name in (o.name, o.key))
 
 
+class DeviceOptions(TypedDict, total=False):
+    """``DeviceConfig``'s fields as ``Device(target, **options)`` takes them, so
+    that a type checker catches a misspelt one (a test keeps the two alike)."""
+
+    dev_id: int
+    queues: int
+    depth: int
+    flags: int
+    max_io_size: int
+    batch: bool | None
+    copy: CopyMode | str
+    auto_zc_fallback: bool
+    get_data: bool
+    nthreads: int
+    per_io_tasks: bool
+    one_loop: bool
+    fetch_buf_bytes: int
+    fetch_buf_entries: int
+    recovery: bool
+    recovery_reissue: bool
+    recovery_fail_io: bool
+    unprivileged: bool
+    zoned: bool
+    integrity: uapi.Integrity | None
+    shmem_zc: bool
+    htlb: str | None
+    rdonly_shmem_buf: bool
+
+
 @dataclass
 class DeviceConfig:
     """What a device is created with (kublk's add options). Defaults are
-    ``DEVICE_OPTIONS``' but for ``queues``: a program's device has one queue
-    unless it asks (the command line's and config's default is kublk's 2)."""
+    ``DEVICE_OPTIONS``', the command line's and a config's: kublk's 2 queues
+    of 128 requests."""
 
     dev_id: int = option("dev_id").default
-    queues: int = 1
+    queues: int = option("queues").default
     depth: int = option("depth").default
     flags: int = 0               # extra UBLK_F_* flags (e.g. NO_AUTO_PART_SCAN)
     max_io_size: int = 1 << 20
@@ -317,6 +350,14 @@ class DeviceConfig:
     #: device flags a caller may pass in ``flags``; the rest come from the options
     SUPPORTED_FLAGS = uapi.Feature.NO_AUTO_PART_SCAN
 
+    def __post_init__(self) -> None:
+        if isinstance(self.copy, str):  # copy="zero_copy", as a config writes it
+            try:
+                self.copy = CopyMode(self.copy)
+            except ValueError:
+                raise UblkError(f"copy {self.copy!r} is no copy mode: use one of "
+                                f"{', '.join(m.value for m in CopyMode)}") from None
+
     def validate(self) -> None:
         """Bounds and conflicts as ``DEVICE_OPTIONS`` and ``CONFLICTS``
         declare them: the one check the command line and config files share."""
@@ -345,6 +386,8 @@ class DeviceConfig:
 
     @property
     def recovery_flags(self) -> int:
+        """The ``UBLK_F_USER_RECOVERY*`` flags ``recovery``, ``recovery_reissue``
+        and ``recovery_fail_io`` ask for."""
         flags = 0
         if self.recovery or self.recovery_reissue or self.recovery_fail_io:
             flags |= uapi.Feature.USER_RECOVERY
@@ -355,6 +398,7 @@ class DeviceConfig:
         return flags
 
     def threads(self) -> int:
+        """How many worker threads (one loop each) serve the queues."""
         return 1 if self.one_loop else self.nthreads or self.queues
 
     def spread(self, batch: bool) -> bool:

@@ -25,6 +25,11 @@ _FILL_CHUNK = 1 << 20
 
 
 class LoopTarget(Target):
+    """A file or block device as the disk (``-t loop``): O_DIRECT at the
+    backing's logical block size where it takes it, buffered I/O where not;
+    its linear map lets the C data plane serve reads and writes. With
+    integrity metadata a second file holds it."""
+
     name = "loop"
     fixed_buffers = True
     metadata = True
@@ -33,8 +38,13 @@ class LoopTarget(Target):
     def __init__(self, path: str, *, direct: bool = True, read_only: bool = False,
                  metadata_file: str | None = None) -> None:
         self.backing = Backing(path, direct=direct, read_only=read_only)
+        size, lbs = self.backing.size, self.backing.logical_block_size
+        if size < lbs:
+            self.backing.close()
+            raise BackingError(f"{path} ({size} bytes) is smaller than one {lbs}-byte block: "
+                               "give a larger file")
         self.geometry = fit_geometry(
-            Geometry(size=self.backing.size, volatile_cache=True, read_only=read_only,
+            Geometry(size=size & ~(lbs - 1), volatile_cache=True, read_only=read_only,
                      discard=True, write_zeroes=True), [self.backing])
         self.meta: Backing | None = None
         self.integrity: uapi.Integrity | None = None
@@ -79,6 +89,7 @@ class LoopTarget(Target):
             await self.sync()
 
     async def sync(self) -> None:
+        """fdatasync the backing file (and the metadata file)."""
         await self.backing.sync()
         if self.meta is not None:
             await self.meta.sync()

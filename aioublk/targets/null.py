@@ -12,6 +12,9 @@ from aioublk.target import Buffer, Done, Geometry, Target
 
 
 class NullTarget(Target):
+    """``size`` bytes that store nothing (``-t null``): the framework's own
+    cost, as kublk's null target measures it."""
+
     name = "null"
     fixed_buffers = True
     metadata = True

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from aioublk import logs
 from aioublk.kernel import uapi
 from aioublk.qcow2 import Qcow2Image
-from aioublk.qcow2.format import HEADER_BYTES, virtual_size
+from aioublk.qcow2.format import HEADER_BYTES, Qcow2Error, virtual_size
 from aioublk.queue import crossloop
 from aioublk.queue.dataplane import Extents, Map
 from aioublk.ring import current_ring
@@ -47,6 +47,10 @@ OTHERS_SECONDS = 15.0
 
 
 class Qcow2Target(Target):
+    """A QEMU qcow2 image as the disk (``-t qcow2``): the image engine
+    (``aioublk.qcow2``) decides every mapping and its extent table lets C
+    serve what is mapped; crash-safe, and locked as QEMU locks it."""
+
     name = "qcow2"
     # everything a worker's loop waits for arrives through its ring or a kick:
     # hand-offs (call_on), executor results (run_in_thread), C's notifications
@@ -61,6 +65,10 @@ class Qcow2Target(Target):
                                      direct=direct, allow_backing=allow_backing,
                                      backing_format=backing_format, compress=compress)
         cs = self.image.cluster_size
+        if self.image.size < 512:
+            self.image.release()
+            raise Qcow2Error(f"{path}: its disk has {self.image.size} bytes, less than one "
+                             "512-byte sector: resize it (qemu-img resize)")
         self.geometry = Geometry(
             size=self.image.size & ~511, volatile_cache=True, fua=True, read_only=read_only,
             discard=not read_only, discard_granularity=max(cs, 4096),

@@ -40,6 +40,9 @@ def split(offset: int, length: int, chunk: int, nr_files: int
 
 
 class StripeTarget(Target):
+    """RAID-0 over 2 to 4 equally sized files (``-t stripe``), ``chunk_size``
+    bytes per chunk, as kublk's stripe target lays them out."""
+
     name = "stripe"
     fixed_buffers = True
     c_idle = True  # every request and its I/O come through the ring

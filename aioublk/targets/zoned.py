@@ -66,6 +66,10 @@ def zone_count(size: int, zone_size: int, conv_zones: int, max_open: int,
 
 
 class ZonedTarget(Target):
+    """A host-managed zoned disk (``-t zoned``) over a file or memory: zones
+    of ``zone_size`` bytes, the first ``conv_zones`` conventional, the open
+    and active limits enforced (see the module's docstring)."""
+
     name = "zoned"
     one_loop = True
 

@@ -5,13 +5,16 @@ and their checks all come from it, so none can be added, or drift, apart."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from aioublk.errors import UblkError
 from aioublk.frontend import cli, config, registry
-from aioublk.queue.options import DEVICE_OPTIONS, OptionError, option
+from aioublk.queue.options import DEVICE_OPTIONS, CopyMode, DeviceConfig, OptionError, option
 
 #: ``add``'s flags that are no device option: what to serve and how this
 #: command runs and logs (the targets' flags are the registry's)
@@ -55,6 +58,35 @@ def test_the_command_line_and_config_defaults_are_the_tables(tmp_path: Path) -> 
     from_flags = cli.device_config(cli._parser().parse_args(["add", "-t", "null"]))
     assert from_file == from_flags
     assert from_file.queues == option("queues").default == 2  # kublk's
+    # a program's device too: one default everywhere
+    assert DeviceConfig() == replace(from_flags, flags=0, batch=DeviceConfig().batch)
+
+
+@pytest.mark.parametrize(("geometry", "message"), [
+    ({"logical_block_size": 1000}, "logical block size 1000 is not a power of two"),
+    ({"logical_block_size": 8192}, "logical block size 8192 is not a power of two from 512"),
+    ({"physical_block_size": 256}, "physical block size 256 is not a power of two of at least"),
+    ({"size": 1000}, "device size 1000 is not a positive multiple of the logical block size"),
+    ({"size": 0}, "device size 0 is not a positive multiple"),
+])
+def test_a_geometry_the_kernel_would_change_fails_where_it_is_made(
+        geometry: dict[str, int], message: str) -> None:
+    from aioublk import Error, Geometry, GeometryError
+    with pytest.raises(GeometryError, match=message) as e:
+        Geometry(**{"size": 1 << 20, **geometry})
+    assert isinstance(e.value, ValueError) and isinstance(e.value, Error)
+    with pytest.raises(GeometryError):  # replace() checks too
+        replace(Geometry(size=1 << 20), **geometry)
+
+
+def test_a_loop_file_smaller_than_a_block_is_refused_in_one_line(tmp_path: Path) -> None:
+    from aioublk.io.hostfile import BackingError
+    tiny = tmp_path / "tiny.img"
+    tiny.write_bytes(b"x" * 100)
+    with pytest.raises(BackingError) as e:  # (an aioublk.Error: the CLI prints one line)
+        config.build_target("loop", {"file": str(tiny)}, read_only=False)
+    assert str(e.value) == f"{tiny} (100 bytes) is smaller than one 512-byte block: give a " \
+        "larger file"
 
 
 @pytest.mark.parametrize("flags,keys", [
@@ -89,3 +121,43 @@ def test_a_one_thread_target_on_an_older_kernel_is_told_both_spellings(tmp_path:
     cfg = replace(config.load(str(tmp_path / "c.toml")).devices[0].config, one_loop=True)
     with pytest.raises(UblkError, match=r"use -q 1 \(queues = 1 in a config\)"):
         cfg.resolve(uapi.Feature.USER_COPY)
+
+
+def test_device_keywords_are_typed_as_device_config_fields() -> None:
+    """Device(target, **kw)'s TypedDict names exactly DeviceConfig's fields."""
+    import dataclasses
+
+    from aioublk.queue.options import DeviceOptions
+    assert list(DeviceOptions.__annotations__) == [
+        f.name for f in dataclasses.fields(DeviceConfig)]
+
+
+def test_copy_takes_the_mode_by_name() -> None:
+    assert DeviceConfig(copy="zero_copy").copy is CopyMode.ZERO_COPY  # type: ignore[arg-type]
+    with pytest.raises(UblkError) as e:
+        DeviceConfig(copy="zerocopy")  # type: ignore[arg-type]
+    assert "copy 'zerocopy' is no copy mode: use one of copy, zero_copy" in str(e.value)
+
+
+def test_mypy_catches_a_misspelt_device_keyword(tmp_path: Path) -> None:
+    script = tmp_path / "typo.py"
+    script.write_text("from aioublk import Device, NullTarget\n"
+                      "Device(NullTarget(1 << 20), queus=2)\n"
+                      "Device(NullTarget(1 << 20), queues=2, copy=\"zero_copy\")\n")
+    p = subprocess.run([sys.executable, "-m", "mypy", "--no-error-summary",
+                        "--cache-dir", str(tmp_path / "cache"), str(script)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.stdout.count("error:") == 1, p.stdout
+    assert 'Unexpected keyword argument "queus" for "Device"' in p.stdout
+
+
+def test_a_qcow2_disk_of_no_sectors_is_refused_in_one_line(tmp_path: Path) -> None:
+    from aioublk.qcow2.format import Qcow2Error
+    image = tmp_path / "zero.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(image), "0"], check=True)
+    with pytest.raises(Qcow2Error) as e:
+        config.build_target("qcow2", {"image": str(image)}, read_only=False)
+    assert str(e.value) == f"{image}: its disk has 0 bytes, less than one 512-byte sector: " \
+        "resize it (qemu-img resize)"
+    with pytest.raises(Qcow2Error, match="its disk has 0 bytes"):  # not "locked": let go
+        config.build_target("qcow2", {"image": str(image)}, read_only=False)

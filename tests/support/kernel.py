@@ -275,7 +275,10 @@ def make_file(path: Path, size: int) -> Path:
 @contextmanager
 def served(target: Target, **config: Any) -> Iterator[Device]:
     """A device served by this process (its control loop on a thread of its
-    own) while the test drives it with fio, mkfs, mount: no CLI start-up."""
+    own) while the test drives it with fio, mkfs, mount: no CLI start-up.
+    One queue unless ``queues`` says (a worker thread less in the emulated
+    guest)."""
+    config.setdefault("queues", 1)
     import uvloop
 
     box: list[Device] = []
