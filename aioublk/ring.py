@@ -357,6 +357,8 @@ class Ring:
 
     async def write_fixed(self, fd: int, addr: int, length: int, offset: int,
                           buf_index: int) -> int:
+        """Write from a registered buffer (``addr`` lies inside buffer
+        ``buf_index``); returns bytes written."""
         res = await self._op(lib.IORING_OP_WRITE_FIXED, fd, addr=addr, length=length,
                              offset=offset, buf_index=buf_index)
         return check(res, "write_fixed")
@@ -374,25 +376,34 @@ class Ring:
         return check(res, what)
 
     async def readv(self, fd: int, bufs: list[Any], offset: int) -> int:
+        """preadv into ``bufs`` in order; returns bytes read (short at EOF)."""
         return await self._vec(lib.IORING_OP_READV, fd, bufs, offset, "readv", True)
 
     async def writev(self, fd: int, bufs: list[Any], offset: int) -> int:
+        """pwritev from ``bufs`` in order; returns bytes written."""
         return await self._vec(lib.IORING_OP_WRITEV, fd, bufs, offset, "writev", False)
 
     async def fsync(self, fd: int, *, datasync: bool = False) -> None:
+        """fsync(2) through the ring (``datasync``: fdatasync's weaker
+        promise); OSError on failure."""
         flags = lib.IORING_FSYNC_DATASYNC if datasync else 0
         check(await self._op(lib.IORING_OP_FSYNC, fd, op_flags=flags), "fsync")
 
     async def fdatasync(self, fd: int) -> None:
+        """fdatasync(2) through the ring: the data and what finds it durable."""
         await self.fsync(fd, datasync=True)
 
     async def fallocate(self, fd: int, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) through the ring: ``mode`` as the syscall takes it
+        (0 allocates; ``FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE`` frees;
+        ``FALLOC_FL_ZERO_RANGE`` zeroes)."""
         # io_uring's FALLOCATE carries the length in sqe->addr, the mode in len.
         res = await self._op(lib.IORING_OP_FALLOCATE, fd, addr=length, length=mode,
                              offset=offset)
         check(res, "fallocate")
 
     async def nop(self) -> int:
+        """A no-op round trip through the ring (0): what one submission costs."""
         return await self._op(lib.IORING_OP_NOP, -1)
 
     async def uring_cmd(self, fd: int, cmd_op: int, cmd: bytes, *, keep: Any = None,
@@ -485,14 +496,18 @@ class Ring:
 
     @property
     def in_flight(self) -> int:
+        """Submissions whose completion has not come yet."""
         return len(self._handlers)
 
     # -- resources ----------------------------------------------------------
 
     def register_buffers_sparse(self, nr: int) -> None:
+        """Make ``nr`` empty registered-buffer slots (for zero copy's
+        per-request registrations)."""
         check(lib.aur_register_buffers_sparse(self._r, nr), "register sparse buffers")
 
     def register_files(self, fds: list[int]) -> None:
+        """Register ``fds`` as the ring's fixed files, by index."""
         arr = ffi.new("int[]", fds)
         check(lib.aur_register_files(self._r, arr, len(fds)), "register files")
 
@@ -549,6 +564,7 @@ class Ring:
 
     @property
     def closed(self) -> bool:
+        """True once ``close`` ran: nothing may be submitted."""
         return self._closed
 
     def __enter__(self) -> Ring:

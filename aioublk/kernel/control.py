@@ -154,11 +154,15 @@ class Control:
         return res
 
     async def features(self) -> int:
+        """GET_FEATURES: the ``UBLK_F_*`` bits this driver supports."""
         buf = bytearray(8)
         await self._checked("GET_FEATURES", uapi.Cmd.GET_FEATURES, 0, buf=buf)
         return int.from_bytes(buf, "little")
 
     async def add_dev(self, info: uapi.DevInfo) -> uapi.DevInfo:
+        """ADD_DEV: the device ``info`` asks for (``dev_id`` -1: the first free
+        id); what the kernel granted (its id, queues, depth, flags). An id in use
+        or a missing privilege is a UblkError in one line."""
         buf = bytearray(info.pack())
         res = await self._bounded("ADD_DEV", uapi.Cmd.ADD_DEV, info.dev_id, buf=buf)
         if res == -errno.EEXIST:
@@ -175,6 +179,8 @@ class Control:
         return added
 
     async def get_info(self, dev_id: int) -> uapi.DevInfo:
+        """GET_DEV_INFO: the device's id, queues, depth, flags, state and
+        server pid; UblkError if it does not exist or is not ours."""
         buf = bytearray(uapi.DevInfo.SIZE)
         res = await self.cmd(uapi.Cmd.GET_DEV_INFO, dev_id, buf=buf)
         if res == -errno.ENODEV:
@@ -187,11 +193,14 @@ class Control:
         return uapi.DevInfo.unpack(buf)
 
     async def set_params(self, dev_id: int, params: uapi.Params) -> None:
+        """SET_PARAMS: the device's geometry (sizes, block sizes, discard,
+        zones), before START_DEV."""
         buf = bytearray(params.pack())
         await self._checked(f"SET_PARAMS of device {dev_id}", uapi.Cmd.SET_PARAMS, dev_id,
                             buf=buf)
 
     async def get_params(self, dev_id: int) -> uapi.Params:
+        """GET_PARAMS: the ``ublk_params`` the device has now."""
         buf = bytearray(uapi.PARAMS_SIZE)
         buf[0:4] = uapi.PARAMS_SIZE.to_bytes(4, "little")
         await self._checked(f"GET_PARAMS of device {dev_id}", uapi.Cmd.GET_PARAMS, dev_id,
@@ -199,6 +208,8 @@ class Control:
         return uapi.Params.unpack(buf)
 
     async def queue_affinity(self, dev_id: int, q_id: int) -> list[int]:
+        """GET_QUEUE_AFFINITY: the CPUs queue ``q_id`` is bound to, as kublk
+        prints them (``affinity(0 1 )``)."""
         buf = bytearray(128)  # a cpu_set_t
         await self._checked("GET_QUEUE_AFFINITY", uapi.Cmd.GET_QUEUE_AFFINITY, dev_id,
                             buf=buf, data=q_id)
@@ -206,12 +217,15 @@ class Control:
         return [i for i in range(len(buf) * 8) if mask >> i & 1]
 
     async def start_dev(self, dev_id: int, pid: int) -> None:
+        """START_DEV with our ``pid`` as the server's: the disk appears. Bounded
+        in time; a failure is a UblkError naming the device."""
         what = f"START_DEV of device {dev_id}"
         res = await self._bounded(what, uapi.Cmd.START_DEV, dev_id, data=pid)
         if res < 0:
             raise command_failed(what, res)
 
     async def stop_dev(self, dev_id: int) -> int:
+        """STOP_DEV: the disk goes away (in-flight requests first); 0 or -errno."""
         return await self.cmd(uapi.Cmd.STOP_DEV, dev_id)
 
     async def try_stop_dev(self, dev_id: int) -> int:
@@ -219,15 +233,23 @@ class Control:
         return await self.cmd(uapi.Cmd.TRY_STOP_DEV, dev_id)
 
     async def quiesce_dev(self, dev_id: int, timeout_ms: int = 10_000) -> int:
+        """QUIESCE_DEV: detach the server and keep the device (QUIESCED) for
+        recovery, waiting at most ``timeout_ms``; 0 or -errno."""
         return await self.cmd(uapi.Cmd.QUIESCE_DEV, dev_id, data=timeout_ms)
 
     async def update_size(self, dev_id: int, sectors: int) -> int:
+        """UPDATE_SIZE: the live device's capacity becomes ``sectors``; 0 or
+        -errno."""
         return await self.cmd(uapi.Cmd.UPDATE_SIZE, dev_id, data=sectors)
 
     async def start_user_recovery(self, dev_id: int) -> int:
+        """START_USER_RECOVERY of a QUIESCED (or FAIL_IO) device: the first
+        step of serving it again from a new process; 0 or -errno."""
         return await self.cmd(uapi.Cmd.START_USER_RECOVERY, dev_id)
 
     async def end_user_recovery(self, dev_id: int, pid: int) -> int:
+        """END_USER_RECOVERY with the new server's ``pid``, once its queues
+        are armed: the device is LIVE again; 0 or -errno."""
         return await self._bounded(f"END_USER_RECOVERY of device {dev_id}",
                                    uapi.Cmd.END_USER_RECOVERY, dev_id, data=pid)
 
@@ -238,12 +260,15 @@ class Control:
         return await self.cmd(uapi.Cmd.REG_BUF, dev_id, buf=buf)
 
     async def del_dev(self, dev_id: int) -> int:
+        """DEL_DEV: remove the device (after STOP_DEV and its server's exit);
+        0 or -errno."""
         res = await self.cmd(uapi.Cmd.DEL_DEV, dev_id)
         if res >= 0:
             self._unprivileged.discard(dev_id)  # its id may come back privileged
         return res
 
     def close(self) -> None:
+        """Close the ring and /dev/ublk-control."""
         self.ring.close()
         os.close(self.fd)
 

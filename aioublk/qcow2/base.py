@@ -186,12 +186,15 @@ class ImageBase:
 
     @property
     def alloc_lock(self) -> asyncio.Lock:
+        """The lock every refcount change is made under (made on first use,
+        on the loop that uses it)."""
         if self._alloc_lock is None:
             self._alloc_lock = asyncio.Lock()
         return self._alloc_lock
 
     @property
     def wb_lock(self) -> asyncio.Lock:
+        """The lock one write-back of cached metadata runs under at a time."""
         if self._wb_lock is None:
             self._wb_lock = asyncio.Lock()
         return self._wb_lock
