@@ -84,7 +84,7 @@ class _Image:
 
 def _find(snaps: list[fmt.Snapshot], key: str, *, by_id: bool) -> int:
     """The index of the snapshot ``key`` names: by ID first (where asked),
-    then by name, the first match, as QEMU looks them up."""
+    then by name, the first match, as QEMU looks them up; none is an error."""
     if by_id:
         for i, s in enumerate(snaps):
             if s.id == key:
@@ -92,7 +92,7 @@ def _find(snaps: list[fmt.Snapshot], key: str, *, by_id: bool) -> int:
     for i, s in enumerate(snaps):
         if s.name == key:
             return i
-    return -1
+    raise Qcow2Error("snapshot not found")
 
 
 def _new_id(snaps: list[fmt.Snapshot]) -> str:
@@ -212,8 +212,6 @@ def plan_delete(read: Read, file_size: int, name: str,
     """The first snapshot named ``name`` gone (by name only, as qemu-img -d)."""
     img = _Image(read, file_size, progress)
     i = _find(img.snaps, name, by_id=False)
-    if i < 0:
-        raise Qcow2Error("snapshot not found")
     return _plan(img, [s.raw for j, s in enumerate(img.snaps) if j != i],
                  (img.h.l1_table_offset, img.h.l1_size), drop=img.snaps[i])
 
@@ -223,8 +221,6 @@ def plan_apply(read: Read, file_size: int, key: str,
     """The disk as snapshot ``key`` (an ID, or else a name) holds it."""
     img = _Image(read, file_size, progress)
     i = _find(img.snaps, key, by_id=True)
-    if i < 0:
-        raise Qcow2Error("snapshot not found")
     h = img.h
     if h.autoclear & fmt.AUTOCLEAR_BITMAPS and fmt.EXT_BITMAPS in h.extensions and any(
             b.flags & fmt.BITMAP_AUTO for b in fmt.parse_bitmaps(h.extensions[fmt.EXT_BITMAPS],
