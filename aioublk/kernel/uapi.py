@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # ---------------------------------------------------------------- opcodes --
 
@@ -239,10 +239,10 @@ def io_cmd(q_id: int, tag: int, result: int = 0, addr: int = 0) -> bytes:
 
 
 _DEV_INFO = struct.Struct("=HHHHIIiIQQIIQQ")
+DEV_INFO_SIZE = _DEV_INFO.size
 
 
-@dataclass
-class DevInfo:
+class DevInfo(NamedTuple):
     """``struct ublksrv_ctrl_dev_info`` (64 bytes)."""
 
     nr_hw_queues: int = 1
@@ -255,8 +255,6 @@ class DevInfo:
     ublksrv_flags: int = 0
     owner_uid: int = 0
     owner_gid: int = 0
-
-    SIZE = _DEV_INFO.size
 
     def pack(self) -> bytes:
         return _DEV_INFO.pack(
@@ -307,8 +305,7 @@ PARAMS_SIZE = (_HDR.size + _BASIC.size + _DISCARD.size + _DEVT.size + _ZONED.siz
                + _DMA.size + _SEG_PAD + _SEG.size + _INTEGRITY.size)
 
 
-@dataclass(frozen=True)
-class Integrity:
+class Integrity(NamedTuple):
     """``struct ublk_param_integrity``: ``metadata_size`` bytes per
     ``1 << interval_exp`` bytes of data, a PI tuple of ``csum_type``
     (``PI_CSUM``) at ``pi_offset`` in them, ``tag_size`` bytes of tag."""
@@ -340,8 +337,7 @@ class Integrity:
         return meta_bytes // self.metadata_size << self.interval_exp
 
 
-@dataclass
-class Params:
+class Params(NamedTuple):
     """``struct ublk_params``: the parts a target sets (basic, discard, DMA
     alignment, segments) plus the read-only device numbers."""
 
@@ -357,7 +353,7 @@ class Params:
     discard: tuple[int, int, int, int, int] | None = None  # align gran max_disc max_wz segs
     dma_alignment: int | None = None
     segment: tuple[int, int, int] | None = None  # boundary_mask max_seg_size max_segs
-    devt: tuple[int, int, int, int] = field(default=(0, 0, 0, 0))
+    devt: tuple[int, int, int, int] = (0, 0, 0, 0)
     #: ``ublk_param_zoned``: max_open_zones max_active_zones max_zone_append_sectors
     zoned: tuple[int, int, int] | None = None
     integrity: Integrity | None = None

@@ -79,7 +79,7 @@ def python_abi() -> dict[str, int]:
         "UBLKSRV_IO_INTEGRITY_FLAG": uapi.IO_INTEGRITY_FLAG,
         "UBLK_SHMEM_BUF_READ_ONLY": uapi.SHMEM_BUF_READ_ONLY,
         "sizeof ublksrv_ctrl_cmd": uapi.CTRL_CMD.size,
-        "sizeof ublksrv_ctrl_dev_info": uapi.DevInfo.SIZE,
+        "sizeof ublksrv_ctrl_dev_info": uapi.DEV_INFO_SIZE,
         "sizeof ublksrv_io_desc": uapi.IO_DESC.size,
         "sizeof ublksrv_io_cmd": uapi.IO_CMD.size,
         "sizeof ublk_params": uapi.PARAMS_SIZE,
