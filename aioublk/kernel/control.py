@@ -6,18 +6,26 @@ SQE128 ring on the caller's loop.
 - ADD_DEV, START_DEV and END_USER_RECOVERY are awaited with a time limit: a
   driver that never answers costs one line, not a hung server.
 - The kernel checks CAP_SYS_ADMIN, not the uid, for privileged commands.
+- ``Control(blocking=True)`` waits for each answer on the spot instead, with
+  no event loop: ``list``, ``del`` and ``udev owner`` import neither asyncio
+  nor the queue's Ring (``run_now`` drives its coroutines).
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
-from typing import Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from aioublk._uring import ffi, lib
 from aioublk.errors import UblkError
 from aioublk.kernel import uapi
-from aioublk.ring import Ring, buffer_address
+
+if TYPE_CHECKING:
+    from aioublk.ring import Ring
+
+T = TypeVar("T")
 
 CONTROL_PATH = "/dev/ublk-control"
 
@@ -59,10 +67,58 @@ def command_failed(what: str, res: int) -> UblkError:
     return UblkError(f"{what}: {os.strerror(-res)} (errno {-res})")
 
 
-class Control:
-    """/dev/ublk-control, driven from the caller's event loop."""
+def run_now(coro: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never suspends: a blocking Control's
+    commands (whose ring answers before ``uring_cmd`` returns)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("a blocking Control's command waited for an event loop")
 
-    def __init__(self) -> None:
+
+class _WaitingRing:
+    """The control ring of a ``Control(blocking=True)``: each command is
+    submitted and its answer waited for before ``uring_cmd`` returns."""
+
+    def __init__(self, entries: int) -> None:
+        self._r = ffi.new("struct aur *")
+        ret = lib.aur_init(self._r, entries, 0, lib.IORING_SETUP_SQE128)
+        if ret < 0:
+            raise OSError(-ret, f"io_uring setup failed: {os.strerror(-ret)}")
+        self._cqe = ffi.new("uint8_t[16]")
+
+    async def uring_cmd(self, fd: int, cmd_op: int, cmd: bytes, *, keep: Any = None) -> int:
+        ret = lib.aur_prep_cmd(self._r, fd, cmd_op, cmd, len(cmd), 0, 0, 0, 0, 0, 1)
+        if ret >= 0:
+            ret = lib.aur_submit(self._r)
+        if ret < 0:
+            raise OSError(-ret, f"io_uring_enter failed: {os.strerror(-ret)}")
+        while not lib.aur_reap(self._r, self._cqe, 1):
+            ret = lib.aur_wait(self._r, int(CTRL_TIMEOUT * 1000))
+            if ret == -errno.ETIME:
+                # (the command stays in the kernel with ``keep``: never freed)
+                _STRANDED.append(keep)
+                raise UblkError(f"control command 0x{cmd_op:x}: no answer from ublk_drv in "
+                                f"{CTRL_TIMEOUT:g} s (is the kernel stuck? see dmesg)")
+            if ret < 0 and ret != -errno.EINTR:
+                raise OSError(-ret, f"io_uring wait failed: {os.strerror(-ret)}")
+        return int.from_bytes(ffi.buffer(self._cqe)[8:12], "little", signed=True)
+
+    def close(self) -> None:
+        lib.aur_exit(self._r)
+
+
+#: buffers of commands a waiting ring gave up on: the kernel may still write them
+_STRANDED: list[Any] = []
+
+
+class Control:
+    """/dev/ublk-control, driven from the caller's event loop, or (with
+    ``blocking``) answered on the spot for a command line without one."""
+
+    def __init__(self, *, blocking: bool = False) -> None:
         try:
             self.fd = os.open(CONTROL_PATH, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -73,7 +129,13 @@ class Control:
             raise UblkError(f"{CONTROL_PATH}: permission denied: run as root, or install "
                             "the udev rule for unprivileged devices (aioublk udev rules)") \
                 from None
-        self.ring = Ring(32, sqe128=True)
+        if blocking:
+            self.ring: Ring | _WaitingRing = _WaitingRing(8)
+        else:
+            from aioublk.ring import Ring
+
+            self.ring = Ring(32, sqe128=True)
+        self.blocking = blocking
         self.privileged = has_cap_sys_admin()
         #: devices whose commands must carry their char path: unprivileged ones
         #: (the kernel checks the caller's access to that node instead of
@@ -116,7 +178,7 @@ class Control:
 
     async def _raw(self, op: int, dev_id: int, buf: bytearray | None, data: int,
                    queue_id: int, dev_path_len: int) -> int:
-        addr = buffer_address(buf) if buf is not None else 0
+        addr = int(ffi.cast("uintptr_t", ffi.from_buffer(buf))) if buf is not None else 0
         length = len(buf) if buf is not None else 0
         payload = uapi.ctrl_cmd(dev_id, queue_id=queue_id, length=length,
                                 addr=addr, data=data, dev_path_len=dev_path_len)
@@ -131,7 +193,7 @@ class Control:
     async def get_info2(self, dev_id: int) -> uapi.DevInfo:
         """GET_DEV_INFO2, which takes the char path whatever the device is:
         how root learns whether a device is unprivileged, and its owner."""
-        buf = bytearray(uapi.DevInfo.SIZE)
+        buf = bytearray(uapi.DEV_INFO_SIZE)
         res = await self._send(uapi.Cmd.GET_DEV_INFO2, dev_id, buf, 0, uapi.CTRL_QUEUE_NONE,
                                with_path=True)
         if res < 0:
@@ -141,6 +203,10 @@ class Control:
     async def _bounded(self, what: str, op: int, dev_id: int, **kw: Any) -> int:
         """A command that could wait for ever on a stuck driver, within
         ``CTRL_TIMEOUT`` (its buffer stays with the ring if it ever answers)."""
+        if self.blocking:  # (its ring waits that long)
+            return await self.cmd(op, dev_id, **kw)
+        import asyncio
+
         try:
             return await asyncio.wait_for(self.cmd(op, dev_id, **kw), CTRL_TIMEOUT)
         except TimeoutError:
@@ -181,7 +247,7 @@ class Control:
     async def get_info(self, dev_id: int) -> uapi.DevInfo:
         """GET_DEV_INFO: the device's id, queues, depth, flags, state and
         server pid; UblkError if it does not exist or is not ours."""
-        buf = bytearray(uapi.DevInfo.SIZE)
+        buf = bytearray(uapi.DEV_INFO_SIZE)
         res = await self.cmd(uapi.Cmd.GET_DEV_INFO, dev_id, buf=buf)
         if res == -errno.ENODEV:
             raise UblkError(f"device {dev_id} does not exist")
@@ -277,6 +343,8 @@ async def settled_info(ctrl: Control, dev_id: int, timeout: float = 5.0) -> uapi
     """GET_DEV_INFO, after waiting out the moment between a server's exit
     and the kernel's release work, when the device still reads LIVE with
     no server (pid -1) before turning QUIESCED or FAIL_IO."""
+    import asyncio
+
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,7 @@ def _control() -> Control:
     """A Control whose every command would fail the test if sent."""
     ctrl = Control.__new__(Control)
     ctrl.privileged = True
+    ctrl.blocking = False
     ctrl._unprivileged = set()
 
     async def raw(*a: object, **kw: object) -> int:
@@ -105,3 +108,28 @@ def test_a_kernel_that_never_answers_add_or_start_is_one_line(
     assert str(e.value) == (f"{what}{dev}: no answer from ublk_drv in 0.2 s (is the kernel "
                             "stuck? see dmesg)")
 
+
+
+def test_a_blocking_control_ring_answers_before_it_returns(tmp_path: Path) -> None:
+    """``Control(blocking=True)``'s ring (list, del, udev owner: no event
+    loop): the command's CQE is waited for in ``uring_cmd``, so ``run_now``
+    gets its result; a regular file refuses a URING_CMD."""
+    from aioublk.kernel.control import _WaitingRing, run_now
+
+    ring = _WaitingRing(4)
+    try:
+        with open(tmp_path / "f", "wb") as f:
+            res = run_now(ring.uring_cmd(f.fileno(), uapi.Cmd.GET_FEATURES, bytes(32)))
+    finally:
+        ring.close()
+    assert res in (-errno.EOPNOTSUPP, -errno.EINVAL, -errno.ENOTTY)
+
+
+def test_run_now_refuses_a_coroutine_that_waits() -> None:
+    from aioublk.kernel.control import run_now
+
+    async def waits() -> None:
+        await asyncio.sleep(0)
+
+    with pytest.raises(RuntimeError, match="waited for an event loop"):
+        run_now(waits())
