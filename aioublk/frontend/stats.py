@@ -23,22 +23,26 @@ is read with ``O_NOFOLLOW``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
-import json
 import os
 import stat
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aioublk import logs
-from aioublk.device import Device
 from aioublk.errors import Error
 
-log = logs.get_logger("aioublk.stats")
+if TYPE_CHECKING:
+    from aioublk.device import Device
+
+
+def _log() -> Any:
+    """The module's logger, imported when first needed: ``list`` and ``del``
+    read and remove records without structlog."""
+    from aioublk import logs
+
+    return logs.get_logger("aioublk.stats")
 
 def _default_run_dir() -> str:
     """/run/aioublk for root; a user (serving unprivileged devices) cannot
@@ -50,7 +54,8 @@ def _default_run_dir() -> str:
     return f"{runtime}/aioublk" if runtime else f"/tmp/aioublk-{uid}"
 
 
-RUN_DIR = Path(os.environ.get("AIOUBLK_RUN_DIR") or _default_run_dir())
+#: (a str, not a Path: ``list`` and ``del`` read it without importing pathlib)
+RUN_DIR = os.environ.get("AIOUBLK_RUN_DIR") or _default_run_dir()
 
 
 DIR_MODE = 0o755
@@ -75,7 +80,7 @@ def open_run_dir(*, create: bool) -> int:
     ours, or writable by others."""
     d = RUN_DIR
     if create:
-        d.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(d)), exist_ok=True)
         try:
             os.mkdir(d, DIR_MODE)
         except FileExistsError:
@@ -106,6 +111,8 @@ def open_run_dir(*, create: bool) -> int:
 
 def _write(dfd: int, name: str, content: dict[str, Any]) -> None:
     """Replace ``name`` with ``content`` and this server's pid (whose file it is)."""
+    import json
+
     data = json.dumps({"pid": os.getpid(), "time": time.time(), **content}).encode()
     tmp = f".{name}.{os.getpid()}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -139,7 +146,10 @@ def _read(name: str) -> dict[str, Any] | None:
         finally:
             os.close(dfd)
         with os.fdopen(fd, "rb") as f:
-            data = json.loads(f.read())
+            raw = f.read()
+        import json  # (here: a ``list`` of devices no aioublk server recorded needs none)
+
+        data = json.loads(raw)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -171,7 +181,7 @@ def write_record(dev_id: int, record: dict[str, Any]) -> None:
         finally:
             os.close(dfd)
     except OSError as e:
-        log.warning("cannot record the device's options", dev=dev_id, dir=str(RUN_DIR),
+        _log().warning("cannot record the device's options", dev=dev_id, dir=str(RUN_DIR),
                     error=str(e))
 
 
@@ -184,20 +194,23 @@ def read_record(dev_id: int) -> dict[str, Any] | None:
     return record
 
 
-def remove_record(dev_id: int) -> None:
-    """Forget device ``dev_id`` (deleted: its id may be given to another)."""
+def remove_record(dev_id: int) -> str | None:
+    """Forget device ``dev_id`` (deleted: its id may be given to another);
+    why it could not be, for the caller to tell (None if it was, or there
+    was none)."""
     try:
         dfd = open_run_dir(create=False)
     except OSError:
-        return
+        return None
     try:
         os.unlink(_record_name(dev_id), dir_fd=dfd)
     except FileNotFoundError:
         pass
     except OSError as e:
-        log.warning("cannot remove the device's record", dev=dev_id, error=str(e))
+        return f"cannot remove device {dev_id}'s record in {RUN_DIR}: {e.strerror}"
     finally:
         os.close(dfd)
+    return None
 
 
 def c_share(row: dict[str, int]) -> float | None:
@@ -231,6 +244,9 @@ async def publish(devices: Callable[[], list[Device]], log_every: float = 0,
                   period: float = 1.0) -> None:
     """Until cancelled: publish every second; log rates every ``log_every``
     seconds (0: never). Removes the files when cancelled."""
+    import asyncio
+
+    log = _log()
     try:
         dfd = open_run_dir(create=True)
     except OSError as e:
@@ -279,7 +295,7 @@ def _log_rates(dev_id: int, rows: list[dict[str, int]],
     span = max(now - then, 1e-9)
     for r in rows:
         p = prev.get(r["queue"], dict.fromkeys(r, 0))
-        log.info("stats", dev=dev_id, queue=r["queue"],
+        _log().info("stats", dev=dev_id, queue=r["queue"],
                  iops=round((r["ios"] - p["ios"]) / span) if before else 0,
                  mib_s=round((r["bytes"] - p["bytes"]) / span / (1 << 20), 1) if before else 0,
                  inflight=r["inflight"], errors=r["errors"], ios=r["ios"])
