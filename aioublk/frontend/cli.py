@@ -27,7 +27,6 @@ error line, when the server fails).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import difflib
 import errno
 import functools
@@ -37,16 +36,15 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any
 
 from aioublk import logs
 from aioublk._version import __version__
 from aioublk.device import Device
 from aioublk.errors import UblkError
-from aioublk.frontend import img, registry, stats, udev
+from aioublk.frontend import ctl, img, registry, stats
 from aioublk.frontend.config import (
     SIZE_FORMS,
     build_target,
@@ -58,11 +56,11 @@ from aioublk.frontend.config import (
     toml_value,
     with_filters,
 )
-from aioublk.frontend.kublk_lines import device_ids, dump, print_device, target_line
+from aioublk.frontend.kublk_lines import print_device
 from aioublk.frontend.runner import ONE_LINE_ERRORS, run_device, run_loop
 from aioublk.io import locking
 from aioublk.kernel import uapi
-from aioublk.kernel.control import Control, state_name
+from aioublk.kernel.control import Control
 from aioublk.queue import options
 from aioublk.queue.options import (
     BOOL,
@@ -78,14 +76,6 @@ from aioublk.queue.options import (
 from aioublk.target import Target
 
 log = logs.get_logger("aioublk.cli")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit status 1 like kublk."""
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"aioublk: {message}\n")
-        raise SystemExit(1)
 
 
 def _both_spellings(parser: argparse.ArgumentParser) -> None:
@@ -129,24 +119,6 @@ def _debug_mask(value: str) -> int:
         raise argparse.ArgumentTypeError(f"'{value}' is not a hexadecimal mask: use e.g. 0, "
                                          "0x20 or 0x1f")
     return mask
-
-
-def _dev_id(value: str) -> int:
-    """``-n``: an id ublk_drv accepts (it sends ids as u32s, so a larger
-    one would name another device), or -1 (none given; any, for add)."""
-    try:
-        dev_id = int(value)
-    except ValueError:
-        dev_id = -2
-    if not -1 <= dev_id < uapi.MAX_DEV_ID:
-        raise argparse.ArgumentTypeError(f"device id {value} is out of range: use "
-                                         f"0..{uapi.MAX_DEV_ID - 1}")
-    return dev_id
-
-
-def _add_dev_id(parser: argparse.ArgumentParser, help: str) -> None:
-    parser.add_argument("-n", "--number", dest="dev_id", type=_dev_id, default=-1,
-                        metavar="DEV_ID", help=help)
 
 
 def _add_create_options(add: argparse.ArgumentParser) -> None:
@@ -210,7 +182,7 @@ def _add_device_options(add: argparse._ActionsContainer) -> None:
         elif o.type == CHOICE:
             add.add_argument(*o.flags, choices=o.choices, default=o.default, **kw)
         else:
-            kind: Callable[[str], Any] = _dev_id if o.type == ID else int if o.type == INT \
+            kind: Callable[[str], Any] = ctl.dev_id_arg if o.type == ID else int if o.type == INT \
                 else str
             add.add_argument(*o.flags, type=kind, default=o.default, **kw)
 
@@ -270,10 +242,10 @@ def _filter_help(spec: registry.FilterSpec) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="aioublk", description="ublk block-device server (kublk-compatible)")
+    p = ctl.Parser(prog="aioublk", description="ublk block-device server (kublk-compatible)")
     p.add_argument("--version", action="version", version=f"aioublk {__version__}",
                    help="show the version and exit")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=ctl.Parser)
 
     add = sub.add_parser("add", help="create a device and serve it")
     _add_create_options(add)
@@ -289,47 +261,30 @@ def _parser() -> argparse.ArgumentParser:
     _add_create_options(recover)
     _given_only(recover)
 
-    d = sub.add_parser("del", help="delete devices")
-    _add_dev_id(d, "device to delete")
-    d.add_argument("-a", "--all", action="store_true", help="delete all devices")
+    ctl.add_del(sub)
 
     st = sub.add_parser("stop", help="stop a device (its server exits; del removes it)")
-    _add_dev_id(st, "device to stop")
+    ctl.add_dev_id(st, "device to stop")
     st.add_argument("--safe", action="store_true", help="only if nothing has the disk open")
 
     qu = sub.add_parser("quiesce", help="detach the server, leaving the device QUIESCED")
-    _add_dev_id(qu, "device to quiesce")
+    ctl.add_dev_id(qu, "device to quiesce")
 
     sn = sub.add_parser("snapshot", help="internal snapshots of the qcow2 image a live device "
                         "serves (added with -r 1 -i 1): the server steps aside while one is taken")
-    _add_dev_id(sn, "device whose image to snapshot")
+    ctl.add_dev_id(sn, "device whose image to snapshot")
     sn.add_argument("action", choices=["create", "list", "delete"],
                     help="create a snapshot, list them, or delete one")
     sn.add_argument("name", nargs="?", help="the snapshot's name (create, delete)")
 
     us = sub.add_parser("update_size", help="change the device's size")
-    _add_dev_id(us, "device to resize")
+    ctl.add_dev_id(us, "device to resize")
     us.add_argument("-s", "--size", type=_size, required=True,
                     help=f"new size: {SIZE_FORMS}")
 
-    ls = sub.add_parser("list", help="show devices")
-    _add_dev_id(ls, "device to show (default: all)")
-    ls.add_argument("-a", "--all", action="store_true", help="show all devices (the default)")
-    ls.add_argument("--stats", action="store_true",
-                    help="also each queue's requests, bytes, errors and in-flight count, "
-                    "and the share the C data plane served")
-    ls.add_argument("--json", action="store_true",
-                    help="one JSON list of the devices instead of kublk's lines")
-
-    sub.add_parser("features", help="show the driver's features")
-
-    ud = sub.add_parser("udev", help="the udev rule that gives users their unprivileged "
-                        "devices")
-    uds = ud.add_subparsers(dest="udev_cmd", required=True, parser_class=_Parser)
-    uds.add_parser("rules", help=f"print the rule file (install it as {udev.RULES_FILE})")
-    uo = uds.add_parser("owner", help="run by the rule: print an unprivileged device's "
-                        "owner as UID GID (exit 1 for a privileged device)")
-    uo.add_argument("name", help="the node's kernel name: ublkcN, ublkbN or ublkbNpM")
+    ctl.add_list(sub)
+    ctl.add_features(sub)
+    ctl.add_udev(sub)
 
     sv = sub.add_parser("serve", help="serve the devices of a TOML config file (foreground)")
     sv.add_argument("config", help="the TOML config file (see README)")
@@ -471,119 +426,6 @@ async def _with_control(fn: Callable[[Control], Awaitable[int]]) -> int:
         return await fn(ctrl)
     finally:
         ctrl.close()
-
-
-async def _describe(ctrl: Control, dev_id: int, with_stats: bool) -> dict[str, Any]:
-    """``list --json``: one device as kublk's lines describe it, its recorded
-    target, and (``with_stats``) its server's published counters (None if
-    there are none)."""
-    info = await ctrl.get_info(dev_id)
-    params = await ctrl.get_params(dev_id)
-    pid = info.ublksrv_pid
-    record = stats.read_record(dev_id)
-    mine = record is not None and record.get("pid") == pid
-    out: dict[str, Any] = {
-        "dev_id": info.dev_id, "nr_hw_queues": info.nr_hw_queues,
-        "queue_depth": info.queue_depth, "block_size": 1 << params.logical_bs_shift,
-        "dev_capacity": params.dev_sectors, "max_io_buf_bytes": info.max_io_buf_bytes,
-        "pid": pid, "flags": info.flags, "state": state_name(info.state),
-        "target": record.get("target") if mine and record else None,
-        "files": [str(f) for f in record.get("files", [])] if mine and record else [],
-        "filters": list(record.get("options", {}).get("filter") or []) if mine and record
-        else [],
-    }
-    if with_stats:
-        got = stats.read_at(dev_id, pid)
-        out["stats"] = None if got is None else stats.json_rows(got[1])
-        out["stats_time"] = None if got is None else got[0]  # published then (time.time())
-    return out
-
-
-async def cmd_list(args: argparse.Namespace) -> int:
-    found: list[dict[str, Any]] = []
-
-    async def show(ctrl: Control, dev_id: int) -> None:
-        if args.json:
-            found.append(await _describe(ctrl, dev_id, args.stats))
-            return
-        out = await dump(ctrl, dev_id)
-        pid = (await ctrl.get_info(dev_id)).ublksrv_pid
-        record = stats.read_record(dev_id)
-        # (a record left by a server of another device of this id is not its)
-        if record is not None and record.get("pid") == pid:
-            out.append(target_line(record))
-        if args.stats:
-            rows = stats.read(dev_id, pid)
-            out += stats.lines(rows) if rows is not None else [
-                f"\tstats: none published by server pid {pid} (not an aioublk server, "
-                "or not running)"]
-        print("\n".join(out))
-
-    async def run(ctrl: Control) -> int:
-        if args.dev_id >= 0:
-            await show(ctrl, args.dev_id)
-        else:
-            for dev_id in device_ids():
-                try:
-                    await show(ctrl, dev_id)
-                except UblkError:  # deleted since
-                    continue
-        if args.json:
-            print(json.dumps(found))
-        return 0
-    return await _with_control(run)
-
-
-async def cmd_features(args: argparse.Namespace) -> int:
-    async def run(ctrl: Control) -> int:
-        feats = await ctrl.features()
-        print(f"ublk_drv features: 0x{feats:x}")
-        for bit, name in uapi.feature_names(feats):
-            print(f"0x{bit:<16x}: {name}")
-        return 0
-    return await _with_control(run)
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-async def delete(ctrl: Control, dev_id: int, timeout: float = 10.0) -> None:
-    """Stop the device, wait for its server to exit, delete it."""
-    info = await ctrl.get_info(dev_id)
-    res = await ctrl.stop_dev(dev_id)
-    if res < 0 and res != -errno.ENODEV:
-        raise UblkError(f"cannot stop device {dev_id}: {os.strerror(-res)}")
-    pid = info.ublksrv_pid
-    if pid > 0 and pid != os.getpid():
-        deadline = time.monotonic() + timeout
-        while not _pid_gone(pid) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-    res = await ctrl.del_dev(dev_id)
-    if res < 0 and res != -errno.ENODEV:
-        raise UblkError(f"cannot delete device {dev_id}: {os.strerror(-res)}")
-    stats.remove_record(dev_id)
-
-
-async def cmd_del(args: argparse.Namespace) -> int:
-    async def run(ctrl: Control) -> int:
-        if args.dev_id >= 0:
-            await delete(ctrl, args.dev_id)
-            return 0
-        if not args.all:
-            raise UblkError("del needs -n ID or -a")
-        for dev_id in device_ids():
-            try:
-                await delete(ctrl, dev_id)
-            except UblkError as e:
-                if "does not exist" not in str(e):
-                    raise
-        return 0
-    return await _with_control(run)
 
 
 def _need_id(args: argparse.Namespace) -> int:
@@ -841,7 +683,7 @@ def _daemon_logs(args: argparse.Namespace) -> tuple[int | None, logging.Handler 
         return None, logs.syslog_handler(), f"syslog ({logs.SYSLOG_IDENT})"
     except logs.LogFileError as e:
         missing = str(e)
-    path = stats.RUN_DIR / FALLBACK_LOG
+    path = os.path.join(stats.RUN_DIR, FALLBACK_LOG)
     try:
         dfd = stats.open_run_dir(create=True)
         try:
@@ -940,13 +782,8 @@ def _run_captive(dev_id: int, command: str) -> int:
         env = {**os.environ, "ublk": f"/dev/ublkb{dev_id}", "ublk_id": str(dev_id)}
         code = subprocess.run(command, shell=True, env=env, check=False).returncode
     finally:
-        run_loop(_with_control(lambda ctrl: _deleted(ctrl, dev_id)))
+        ctl.delete_device(dev_id)
     return 128 - code if code < 0 else code
-
-
-async def _deleted(ctrl: Control, dev_id: int) -> int:
-    await delete(ctrl, dev_id)
-    return 0
 
 
 async def _serve_recorded(target: Target, cfg: DeviceConfig,
@@ -964,8 +801,10 @@ async def _serve_recorded(target: Target, cfg: DeviceConfig,
     try:
         return await run_device(target, cfg, recorded, recover)
     finally:
-        if served and not await _exists(served[0]):
-            stats.remove_record(served[0])
+        failed = stats.remove_record(served[0]) if served and not await _exists(served[0]) \
+            else None
+        if failed:
+            log.warning(failed)
 
 
 async def _exists(dev_id: int) -> bool:
@@ -1014,7 +853,7 @@ async def _with_control_lines(dev_id: int, as_json: bool = False) -> int:
 async def _announce(ctrl: Control, dev_id: int, as_json: bool) -> None:
     """A new device: kublk's lines, or (``add --json``) list --json's list."""
     if as_json:
-        print(json.dumps([await _describe(ctrl, dev_id, False)]), flush=True)
+        print(json.dumps([await ctl.describe(ctrl, dev_id, False)]), flush=True)
     else:
         await print_device(ctrl, dev_id)
 
@@ -1107,14 +946,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("completion", "man"):
             sys.stdout.write(generated(args.cmd, getattr(args, "shell", "")))
             return 0
-        if args.cmd == "udev":
-            if args.udev_cmd == "rules":
-                sys.stdout.write(udev.rules())
-                return 0
-            return udev.main_owner(args.name)
+        if args.cmd in ctl.COMMANDS:
+            return ctl.run(args)
         logs.configure()
-        handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features,
-                   "stop": cmd_stop, "quiesce": cmd_quiesce,
+        handler = {"stop": cmd_stop, "quiesce": cmd_quiesce,
                    "update_size": cmd_update_size, "snapshot": cmd_snapshot}[args.cmd]
         return run_loop(handler(args))
     except ONE_LINE_ERRORS as e:  # as serve() reports them

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 from aioublk.kernel.control import Control, state_name
@@ -17,13 +16,13 @@ from aioublk.kernel.control import Control, state_name
 _CHAR_DEVICE = re.compile(r"ublkc(\d+)")
 
 
-def device_ids(root: Path = Path("/")) -> list[int]:
+def device_ids(root: str | os.PathLike[str] = "/") -> list[int]:
     """The ids of every ublk device, in numeric order, whatever they are
     (ids go up to 2^20, not just kublk's 0..254). Read from sysfs, where the
     driver registers each device's char device whether or not udev made
     its node; ``/dev`` is the fallback for a system without sysfs mounted
     (a container), where a node missing from /dev is missed."""
-    for directory in (root / "sys/class/ublk-char", root / "dev"):
+    for directory in (os.path.join(root, "sys/class/ublk-char"), os.path.join(root, "dev")):
         try:
             names = os.listdir(directory)
         except OSError:

@@ -27,16 +27,14 @@ line saying why not, instead of a rule. The rule runs Python isolated
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import stat
 import sys
-import sysconfig
 
 from aioublk.errors import UblkError
 from aioublk.kernel import uapi
-from aioublk.kernel.control import Control
+from aioublk.kernel.control import Control, run_now
 
 RULES_FILE = "/etc/udev/rules.d/99-aioublk.rules"
 _NODE = re.compile(r"ublk[bc](\d+)(?:p\d+)?")
@@ -62,6 +60,8 @@ def check_trusted(python: str, package: str) -> None:
     # the deepest first: a refusal names the place nearest to what root runs
     places = [*_walked(_path(python, must_exist=True)), *_tree(package)]
     places += _walked(_path(package, must_exist=True))
+    import sysconfig  # (here: ``udev owner``, run for every ublk node, needs none of it)
+
     paths = sysconfig.get_paths()
     for site in dict.fromkeys(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")):
         places += _walked(_path(site))
@@ -163,11 +163,12 @@ def dev_id_of(name: str) -> int:
     return int(m.group(1))
 
 
-async def owner(dev_id: int) -> tuple[int, int] | None:
-    """(uid, gid) of an unprivileged device's owner; None for a privileged one."""
-    ctrl = Control()
+def owner(dev_id: int) -> tuple[int, int] | None:
+    """(uid, gid) of an unprivileged device's owner; None for a privileged
+    one. Blocking, and light: udev runs it for every ublk node."""
+    ctrl = Control(blocking=True)
     try:
-        info = await ctrl.get_info2(dev_id)
+        info = run_now(ctrl.get_info2(dev_id))
     finally:
         ctrl.close()
     if not info.flags & uapi.Feature.UNPRIVILEGED_DEV:
@@ -177,7 +178,7 @@ async def owner(dev_id: int) -> tuple[int, int] | None:
 
 def main_owner(name: str) -> int:
     """``aioublk udev owner NAME``: print ``UID GID``, or exit 1 (no match)."""
-    found = asyncio.run(owner(dev_id_of(name)))
+    found = owner(dev_id_of(name))
     if found is None:
         return 1
     print(*found)

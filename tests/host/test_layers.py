@@ -63,6 +63,8 @@ LAYERS: list[list[str]] = [
      "aioublk.frontend.metrics", "aioublk.frontend.img"],
     # what cli and serve share
     ["aioublk.frontend.kublk_lines", "aioublk.frontend.runner", "aioublk.frontend.livesnap"],
+    # the light commands (list, del, features, udev): cli declares them from here
+    ["aioublk.frontend.ctl"],
     ["aioublk.frontend.serve"],
     ["aioublk.frontend.cli"],
     ["aioublk.__main__", "aioublk"],

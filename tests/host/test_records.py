@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from aioublk.frontend import cli, stats
+from aioublk.frontend import cli, ctl, stats
 from aioublk.frontend.kublk_lines import device_ids, target_line
 from aioublk.queue.options import DeviceConfig
 from aioublk.target import Target
@@ -159,7 +158,7 @@ def test_device_ids_from_sysfs_else_dev(tmp_path: Path) -> None:
 class FakeControl:
     """What ``list`` asks the driver, for devices 0 (kublk's) and 1000 (ours)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, blocking: bool = False) -> None:
         self.pids = {0: 4000, 1000: os.getpid()}
 
     async def get_info(self, dev_id: int) -> SimpleNamespace:
@@ -183,10 +182,9 @@ def test_list_adds_the_target_line_for_recorded_devices(
     recorded_add(["-t", "loop", str(tmp_path / "disk.img")], dev_id=1000)
     # a record left by a dead server of another device 0: not device 0's
     recorded_add(["-t", "null"], dev_id=0)
-    monkeypatch.setattr(cli, "Control", FakeControl)
-    monkeypatch.setattr(cli, "device_ids", lambda: [0, 1000])
-    args = cli._parser().parse_args(["list"])
-    assert asyncio.run(cli.cmd_list(args)) == 0
+    monkeypatch.setattr(ctl, "Control", FakeControl)
+    monkeypatch.setattr(ctl, "device_ids", lambda: [0, 1000])
+    assert ctl.main(["list"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "dev id 0: nr_hw_queues 1 queue_depth 64 block size 512 dev_capacity 2048",
         "\tmax rq size 524288 daemon pid 4000 flags 0x42 state LIVE",

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,9 @@ from typing import Any, TypeVar
 from aioublk.device import Device
 from aioublk.errors import UblkError
 from aioublk.frontend import cli as cli_mod
-from aioublk.kernel.control import Control
+from aioublk.frontend import ctl
+from aioublk.frontend.kublk_lines import device_ids, dump
+from aioublk.kernel.control import Control, run_now
 from aioublk.queue.options import DeviceConfig
 from aioublk.target import Target
 
@@ -190,30 +192,22 @@ def add(*args: str) -> DevListing:
 # emulated guest (seconds over 9p), so only the command under test is run
 # as a process.
 
-def _in_process(coro_fn: Callable[[Control], Awaitable[T]]) -> T:
-    async def run() -> T:
-        ctrl = Control()
-        try:
-            return await coro_fn(ctrl)
-        finally:
-            ctrl.close()
-    return asyncio.run(run())
-
-
 def listing() -> list[DevListing]:
-    async def run(ctrl: Control) -> str:
+    ctrl = Control(blocking=True)
+    try:
         lines: list[str] = []
-        for dev_id in cli_mod.device_ids():  # (every id: a test may add -n 1000)
+        for dev_id in device_ids():  # (every id: a test may add -n 1000)
             try:
-                lines += await cli_mod.dump(ctrl, dev_id)
+                lines += run_now(dump(ctrl, dev_id))
             except UblkError:
                 pass
-        return "\n".join(lines)
-    return parse_list(_in_process(run))
+    finally:
+        ctrl.close()
+    return parse_list("\n".join(lines))
 
 
 def delete(dev_id: int) -> None:
-    _in_process(lambda ctrl: cli_mod.delete(ctrl, dev_id))
+    ctl.delete_device(dev_id)
 
 
 def delete_all() -> None:
