@@ -272,7 +272,7 @@ def find_partition(read: Callable[[int, int], bytes], lbs: int,
     if entry[4] in (0x05, 0x0F, 0x85):
         raise ValueError(f"partition {number} is an extended partition: give one of its "
                          "primary partitions")
-    return start * 512, sectors * 512
+    return start * lbs, sectors * lbs
 
 
 def _gpt_partition(read: Callable[[int, int], bytes], lbs: int,

@@ -28,6 +28,7 @@ from aioublk.targets.filters import (
     LogFilter,
     ProtectFilter,
     RateFilter,
+    find_partition,
 )
 
 MiB = 1 << 20
@@ -309,6 +310,18 @@ def test_partition_reads_an_mbr_parted_made(tmp_path: Path) -> None:
         with pytest.raises(UblkError) as e:
             stacked([f"partition:partition={number}"], Memory(32 * MiB, data=inner.data))
         assert message in str(e.value)
+
+
+def test_an_mbr_counts_in_logical_blocks() -> None:
+    """On a 4K-sector disk an MBR's first sector and length are in 4096-byte
+    units, as Linux reads them (msdos.c scales by the logical block size)."""
+    mbr = bytearray(512)
+    mbr[446 + 4] = 0x83
+    mbr[446 + 8:446 + 16] = (256).to_bytes(4, "little") + (1024).to_bytes(4, "little")
+    mbr[510:512] = b"\x55\xaa"
+    assert find_partition(lambda at, n: bytes(mbr[at:at + n]), 4096, 1) == (1 * MiB, 4 * MiB)
+    assert find_partition(lambda at, n: bytes(mbr[at:at + n]), 512, 1) == (128 << 10,
+                                                                           512 << 10)
 
 
 def test_partition_refuses_a_disk_without_a_table(tmp_path: Path) -> None:
