@@ -214,7 +214,8 @@ FILTERS: dict[str, FilterSpec] = {f.name: f for f in (
                    Option("size", SIZE, "the window's length (default: to the end)", lo=1))),
     FilterSpec("partition", "aioublk.targets.filters:PartitionFilter",
                "one partition of the device's MBR or GPT (C still serves a loop's)", (
-                   Option("partition", INT, "its number, from 1", required=True, lo=1),)),
+                   Option("partition", INT, "its number, from 1 (an MBR's logical ones from 5, "
+                          "as Linux numbers them)", required=True, lo=1),)),
     FilterSpec("truncate", "aioublk.targets.filters:TruncateFilter",
                "the device's first SIZE bytes", (
                    Option("size", SIZE, "bytes to serve", required=True, lo=1),)),

@@ -227,8 +227,8 @@ class OffsetFilter(Filter):
 
 
 class PartitionFilter(OffsetFilter):
-    """Serve partition ``partition`` (from 1) of the inner device's MBR or GPT
-    partition table, as nbdkit's partition filter: an offset window, read
+    """Serve partition ``partition`` (from 1; an MBR's logical ones from 5) of
+    the inner device's MBR or GPT partition table, as nbdkit's partition filter: an offset window, read
     from the table when the stack is built (through the inner target, on a
     ring of its own), so C still serves a loop's requests."""
 
@@ -248,31 +248,79 @@ class PartitionFilter(OffsetFilter):
         return {"partition": self.partition, **super().settings()}
 
 
+#: MBR partition types of an extended partition (DOS, LBA, Linux): a chain of EBRs
+EXTENDED = (0x05, 0x0F, 0x85)
+#: EBRs followed at most (Linux's msdos parser stops sooner)
+MAX_LOGICAL = 256
+
+
 def find_partition(read: Callable[[int, int], bytes], lbs: int,
                    number: int) -> tuple[int, int]:
-    """(first byte, bytes) of primary partition ``number`` (1-4) of an MBR, or
-    of entry ``number`` of a GPT (its protective MBR leads to it), on a disk
-    of ``lbs``-byte sectors read through ``read(offset, length)``; raises
-    ValueError naming what is missing."""
+    """(first byte, bytes) of partition ``number`` of an MBR, numbered as
+    Linux numbers them (1-4 primary, 5 on the logical ones of the extended
+    partition's chain), or of entry ``number`` of a GPT (its protective MBR
+    leads to it), on a disk of ``lbs``-byte sectors read through
+    ``read(offset, length)``; raises ValueError naming what is missing."""
     mbr = read(0, 512)
     if mbr[510:512] != b"\x55\xaa":
         raise ValueError("no partition table (no MBR signature in sector 0): give an offset "
                          "filter instead")
-    entries = [mbr[446 + 16 * i:462 + 16 * i] for i in range(4)]
-    if any(e[4] == 0xEE for e in entries):
+    entries = [_mbr_entry(mbr, i) for i in range(4)]
+    if any(kind == 0xEE for kind, _, _ in entries):
         return _gpt_partition(read, lbs, number)
-    if not 1 <= number <= 4:
-        raise ValueError(f"partition {number}: an MBR holds primary partitions 1-4 (logical "
-                         "ones are not served)")
-    entry = entries[number - 1]
-    start, sectors = (int.from_bytes(entry[8:12], "little"),
-                      int.from_bytes(entry[12:16], "little"))
-    if entry[4] == 0 or not sectors:
+    if number > 4:
+        return _logical_partition(read, lbs, number, entries)
+    if number < 1:
+        raise ValueError(f"partition {number}: MBR partitions count from 1")
+    kind, start, sectors = entries[number - 1]
+    if kind == 0 or not sectors:
         raise ValueError(f"partition {number} is empty in the MBR")
-    if entry[4] in (0x05, 0x0F, 0x85):
+    if kind in EXTENDED:
         raise ValueError(f"partition {number} is an extended partition: give one of its "
-                         "primary partitions")
+                         "logical partitions (5 and on)")
     return start * lbs, sectors * lbs
+
+
+def _mbr_entry(sector: bytes, i: int) -> tuple[int, int, int]:
+    """(type, first sector, sectors) of entry ``i`` of an MBR or EBR."""
+    e = sector[446 + 16 * i:462 + 16 * i]
+    return e[4], int.from_bytes(e[8:12], "little"), int.from_bytes(e[12:16], "little")
+
+
+def _logical_partition(read: Callable[[int, int], bytes], lbs: int, number: int,
+                       primary: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """Logical partition ``number`` (5 and on): the extended partition holds a
+    chain of EBRs, each with its partition (first sector counted from the
+    EBR) and a link to the next EBR (counted from the extended partition)."""
+    extended = [start for kind, start, sectors in primary if kind in EXTENDED and sectors]
+    if not extended:
+        raise ValueError(f"partition {number}: this MBR has no extended partition, so no "
+                         "logical ones (give 1-4)")
+    base = ebr = extended[0]
+    found, seen = 4, set()
+    for _ in range(MAX_LOGICAL):
+        if ebr in seen:
+            raise ValueError(f"partition {number}: the extended partition's chain of EBRs "
+                             f"comes back to sector {ebr} (a loop): check it with fdisk -l")
+        seen.add(ebr)
+        sector = read(ebr * lbs, 512)
+        if sector[510:512] != b"\x55\xaa":
+            raise ValueError(f"partition {number}: no EBR signature at sector {ebr}: the "
+                             "extended partition's chain is damaged (check it with fdisk -l)")
+        kind, start, sectors = _mbr_entry(sector, 0)
+        if kind and sectors:
+            found += 1
+            if found == number:
+                return (ebr + start) * lbs, sectors * lbs
+        link, next_start, next_sectors = _mbr_entry(sector, 1)
+        if not link or not next_sectors:
+            break
+        ebr = base + next_start
+    else:
+        raise ValueError(f"partition {number}: the extended partition's chain of EBRs is "
+                         f"longer than {MAX_LOGICAL}: check it with fdisk -l")
+    have = "none" if found == 4 else f"5-{found}"
+    raise ValueError(f"partition {number}: this MBR's logical partitions are {have}")
 
 
 def _gpt_partition(read: Callable[[int, int], bytes], lbs: int,

@@ -210,6 +210,29 @@ def test_partition_serves_one_gpt_partition(tmp_path: Path) -> None:
     assert _read_synced(str(disk), first + MiB, 8192) == mark
 
 
+def test_partition_serves_a_logical_mbr_partition(tmp_path: Path) -> None:
+    """Partition 6, the second logical one in an extended partition's EBR
+    chain, where the kernel itself finds it on a plain loop of the file."""
+    disk = make_file(tmp_path / "mbr.img", 64 * MiB)
+    run("parted", "-s", str(disk), "mklabel", "msdos", "mkpart", "extended", "1MiB", "60MiB",
+        "mkpart", "logical", "2MiB", "10MiB", "mkpart", "logical", "11MiB", "27MiB")
+    dev = add("-t", "loop", str(disk), "-q", "1", "--filter", "partition:partition=6")
+    assert dev.sectors == 16 * MiB >> 9
+    mark = os.urandom(8192)
+    write_synced(f"/dev/ublkb{dev.dev_id}", mark, MiB)
+    assert _c_served(dev.dev_id) > 0, "the partition filter took the map away"
+    delete(dev.dev_id)
+    # the kernel's own reading of the table: sysfs gives partition 6's first sector
+    run("modprobe", "loop")
+    loop = run("losetup", "--find", "--show", "--partscan", str(disk)).strip()
+    try:
+        start = int(Path(f"/sys/class/block/{Path(loop).name}p6/start").read_text()) * 512
+    finally:
+        run("losetup", "-d", loop)
+    assert start == 11 * MiB
+    assert _read_synced(str(disk), start + MiB, 8192) == mark
+
+
 def test_cache_write_back_verifies_and_loses_nothing_to_kill9(tmp_path: Path) -> None:
     from tests.guest.test_kernel_lifecycle import reap, wait_state
     backing = make_file(tmp_path / "disk.img", 64 * MiB)

@@ -294,22 +294,71 @@ def test_partition_serves_what_sgdisk_made(tmp_path: Path) -> None:
         top.close()
 
 
+def _mbr_disk(path: Path, size: int, *parts: tuple[str, str, str]) -> Path:
+    """A ``size``-byte file with an MBR parted wrote: each part (kind, start, end)."""
+    path.write_bytes(b"")
+    os.truncate(path, size)
+    subprocess.run(["parted", "-s", str(path), "mklabel", "msdos",
+                    *(w for kind, start, end in parts for w in ("mkpart", kind, start, end))],
+                   check=True, capture_output=True)
+    return path
+
+
 def test_partition_reads_an_mbr_parted_made(tmp_path: Path) -> None:
-    disk = tmp_path / "mbr.img"
-    disk.write_bytes(b"")
-    os.truncate(disk, 32 * MiB)
-    subprocess.run(["parted", "-s", str(disk), "mklabel", "msdos", "mkpart", "primary",
-                    "1MiB", "5MiB", "mkpart", "primary", "5MiB", "13MiB"], check=True,
-                   capture_output=True)
+    disk = _mbr_disk(tmp_path / "mbr.img", 32 * MiB, ("primary", "1MiB", "5MiB"),
+                     ("primary", "5MiB", "13MiB"))
     inner = Memory(32 * MiB)
     inner.data[:] = disk.read_bytes()
     top = stacked(["partition:partition=2"], inner)
     assert (top.offset, top.geometry.size) == (5 * MiB, 8 * MiB)  # type: ignore[attr-defined]
     for number, message in ((3, "partition 3 is empty in the MBR"),
-                            (5, "an MBR holds primary partitions 1-4")):
+                            (5, "this MBR has no extended partition, so no logical ones")):
         with pytest.raises(UblkError) as e:
             stacked([f"partition:partition={number}"], Memory(32 * MiB, data=inner.data))
         assert message in str(e.value)
+
+
+def _parted_extents(path: Path) -> dict[int, tuple[int, int]]:
+    """parted's own reading of the table: number -> (first byte, bytes)."""
+    out = subprocess.run(["parted", "-s", "-m", str(path), "unit", "B", "print"], check=True,
+                         capture_output=True, text=True).stdout
+    found = {}
+    for line in out.splitlines()[2:]:
+        number, start, _end, size = line.split(":")[:4]
+        found[int(number)] = (int(start.rstrip("B")), int(size.rstrip("B")))
+    return found
+
+
+def test_partition_serves_logical_partitions_as_linux_numbers_them(tmp_path: Path) -> None:
+    """An extended partition's chain of EBRs: logical partitions are 5 and
+    on, each where parted (and the kernel) put it."""
+    disk = _mbr_disk(tmp_path / "ext.img", 64 * MiB, ("primary", "1MiB", "5MiB"),
+                     ("extended", "5MiB", "60MiB"), ("logical", "6MiB", "10MiB"),
+                     ("logical", "11MiB", "20MiB"), ("logical", "21MiB", "59MiB"))
+    parted = _parted_extents(disk)
+    assert sorted(parted) == [1, 2, 5, 6, 7]
+    inner = Memory(64 * MiB, data=bytearray(disk.read_bytes()))
+    for number in (1, 5, 6, 7):
+        top = stacked([f"partition:partition={number}"], inner)
+        assert (top.offset, top.geometry.size) == parted[number]  # type: ignore[attr-defined]
+    for number, message in ((2, "partition 2 is an extended partition: give one of its "
+                                "logical partitions (5 and on)"),
+                            (8, "partition 8: this MBR's logical partitions are 5-7")):
+        with pytest.raises(UblkError) as e:
+            stacked([f"partition:partition={number}"], inner)
+        assert message in str(e.value)
+
+
+def test_a_looping_ebr_chain_is_refused(tmp_path: Path) -> None:
+    disk = _mbr_disk(tmp_path / "ext.img", 64 * MiB, ("extended", "1MiB", "60MiB"),
+                     ("logical", "2MiB", "10MiB"))
+    data = bytearray(disk.read_bytes())
+    ebr = 1 * MiB  # the first EBR, at the extended partition's start
+    data[ebr + 462:ebr + 478] = bytes([0, 0, 0, 0, 5, 0, 0, 0]) + (0).to_bytes(4, "little") \
+        + (2048).to_bytes(4, "little")  # its link: back to itself
+    with pytest.raises(UblkError) as e:
+        stacked(["partition:partition=9"], Memory(64 * MiB, data=data))
+    assert "chain of EBRs comes back to sector 2048 (a loop)" in str(e.value)
 
 
 def test_an_mbr_counts_in_logical_blocks() -> None:
