@@ -19,7 +19,7 @@ import sys
 from typing import Any, NoReturn
 
 from aioublk.errors import Error, UblkError
-from aioublk.frontend import stats, udev
+from aioublk.frontend import stats
 from aioublk.frontend.kublk_lines import device_ids, dump, target_line
 from aioublk.kernel import uapi
 from aioublk.kernel.control import Control, run_now, state_name
@@ -105,6 +105,8 @@ def add_features(sub: Any) -> None:
 
 
 def add_udev(sub: Any) -> None:
+    from aioublk.frontend import udev
+
     ud = sub.add_parser("udev", help="the udev rule that gives users their unprivileged "
                         "devices")
     uds = ud.add_subparsers(dest="udev_cmd", required=True, parser_class=Parser)
@@ -248,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
     """One of ``COMMANDS``, parsed (by this module's parser or the full one)."""
     try:
         if args.cmd == "udev":
+            from aioublk.frontend import udev  # (only here: list and del need none of it)
+
             if args.udev_cmd == "rules":
                 sys.stdout.write(udev.rules())
                 return 0
@@ -269,6 +273,8 @@ def main(argv: list[str]) -> int:
     """``aioublk list|del|features|udev ...`` without the full command line."""
     p = Parser(prog="aioublk")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
-    for declare in (add_del, add_list, add_features, add_udev):
-        declare(sub)
+    declare = {"list": add_list, "del": add_del, "features": add_features, "udev": add_udev}
+    # (the one asked for: udev's declaration imports its module)
+    for name in [argv[0]] if argv and argv[0] in declare else COMMANDS:
+        declare[name](sub)
     return run(p.parse_args(argv))
