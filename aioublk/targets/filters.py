@@ -228,9 +228,10 @@ class OffsetFilter(Filter):
 
 class PartitionFilter(OffsetFilter):
     """Serve partition ``partition`` (from 1; an MBR's logical ones from 5) of
-    the inner device's MBR or GPT partition table, as nbdkit's partition filter: an offset window, read
-    from the table when the stack is built (through the inner target, on a
-    ring of its own), so C still serves a loop's requests."""
+    the inner device's MBR or GPT partition table, as nbdkit's partition
+    filter: an offset window, read from the table when the stack is built
+    (through the inner target, on a ring of its own), so C still serves a
+    loop's requests."""
 
     name = "partition"
 
