@@ -654,10 +654,12 @@ class CowFilter(Filter):
     """Copy on write, as ``qemu-nbd -s`` and nbdkit's cow filter: writes go to an
     overlay (in memory, or in ``file``, a sparse file made anew) in ``block``
     -byte blocks, reads take each block from the overlay if written, else
-    from the inner device, which is never written. The overlay lives as long
-    as the server: it is a scratch layer, not a store, unless ``commit``:
-    then when the device stops, the overlay's blocks are written to the inner
-    device and flushed (qemu-img commit's effect, at the end)."""
+    from the inner device, which is never written but on request. The
+    overlay lives as long as the server: a scratch layer, not a store.
+    ``commit_now`` (``aioublk commit -n ID``, a signal to the server) writes
+    what it holds that the inner device has not, and flushes it, while the
+    device serves (qemu-img commit's effect); ``commit`` does so when the
+    device stops too."""
 
     name = "cow"
 
@@ -679,29 +681,63 @@ class CowFilter(Filter):
                 raise ValueError(f"cannot create {self.file}: {e.strerror}: fix the path") \
                     from None
         self.lock = threading.Lock()  # the overlay's blocks, shared by the queue threads
+        #: blocks the inner device does not have yet: block -> the write's number
+        #: (a block written again while a commit copies it is owed again)
+        self.owed: dict[int, int] = {}
+        self._writes = 0
         self.commit = commit
+        #: the first queue loop's handle: commits run there, on its ring
+        self._owner: crossloop.LoopHandle | None = None
         super().__init__(inner)
 
     def shape(self, geometry: Any) -> Any:
         return replace(geometry, discard=True, write_zeroes=True)
 
+    async def queue_setup(self, q: QueueContext) -> None:
+        if self._owner is None:
+            self._owner = crossloop.current()
+        await super().queue_setup(q)
+
     async def drain(self) -> None:
-        """With ``commit``: the overlay's blocks to the inner device, once (the
-        first queue to drain takes them all), then the inner flush."""
+        """With ``commit``: what the inner device is owed, before it drains."""
         if self.commit:
-            with self.lock:
-                blocks = [b for b, here in enumerate(self.present) if here]
-                taken = [(b, self._get(b)) for b in blocks]
-                for b in blocks:
-                    self.present[b] = 0
-                self.mem.clear()
-            out = memoryview(mmap.mmap(-1, self.block))  # page aligned: O_DIRECT
-            for b, data in taken:
-                out[:] = data
-                await self.inner.write(b * self.block, out)
-            if taken:
-                await self.inner.flush()
+            await self._commit()
         await super().drain()
+
+    async def commit_now(self) -> int:
+        """Write to the inner device every block of the overlay it does not
+        have, then flush it; the device serves meanwhile (a block written
+        again during the commit is owed again). Returns the blocks written.
+        Runs on the first queue's loop, from any loop."""
+        here, owner = crossloop.current(), self._owner
+        if owner is None or here is owner:
+            return await self._commit()
+        temporary = here is None
+        if here is None:  # (a loop without a handle: the server's control loop)
+            here = crossloop.LoopHandle.new(asyncio.get_running_loop())
+        try:
+            return await crossloop.call_on(owner, here, self._commit)
+        finally:
+            if temporary:
+                here.close()
+
+    async def _commit(self) -> int:
+        with self.lock:  # taken: a commit running beside this one finds none of them
+            owed, self.owed = sorted(self.owed.items()), {}
+        out = memoryview(mmap.mmap(-1, self.block))  # page aligned: O_DIRECT
+        try:
+            for b, _ in owed:
+                with self.lock:
+                    out[:] = self._get(b)
+                await self.inner.write(b * self.block, out)
+            if owed:
+                await self.inner.flush()
+        except BaseException:
+            with self.lock:  # still owed (a block written since has its newer entry)
+                for b, n in owed:
+                    self.owed.setdefault(b, n)
+            raise
+        return len(owed)
 
     def _get(self, b: int) -> bytes:
         if self.fd >= 0:
@@ -714,6 +750,8 @@ class CowFilter(Filter):
         else:
             self.mem[b] = data
         self.present[b] = 1
+        self._writes += 1
+        self.owed[b] = self._writes
 
     async def read(self, offset: int, buf: memoryview) -> None:
         first, last = offset // self.block, (offset + len(buf) - 1) // self.block

@@ -62,6 +62,9 @@ class Memory(Target):
         self.calls.append(("discard", offset, length))
         self.data[offset:offset + length] = bytes(length)
 
+    async def flush(self) -> None:
+        self.calls.append(("flush", 0, 0))
+
     def close(self) -> None:
         self.closed = True
 
@@ -711,3 +714,43 @@ def test_cache_loses_nothing_to_two_threads_interleaving(mode: str) -> None:
     asyncio.run(top.flush())
     assert inner.data == model
     assert len(top.blocks) <= top.slots
+
+
+def test_cow_commit_now_writes_what_is_owed_while_serving() -> None:
+    """A commit on request: the inner device gets the overlay's blocks and a
+    flush; blocks written again during the commit are owed to the next one,
+    and a block committed is not written twice."""
+    inner = Memory()
+    top = CowFilter(inner, block=4096)
+
+    async def scenario() -> None:
+        await top.write(0, memoryview(b"a" * 4096))
+        await top.write(8192, memoryview(b"b" * 100))
+        assert await top.commit_now() == 2
+        assert inner.data[:4096] == b"a" * 4096 and inner.data[8192:8292] == b"b" * 100
+        assert ("flush", 0, 0) in inner.calls
+        assert await top.commit_now() == 0  # nothing owed
+        # a write while the commit's inner write is in flight: owed again
+        entered, gate = asyncio.Event(), asyncio.Event()
+        inner_write = inner.write
+
+        async def slow_write(offset: int, buf: memoryview, fua: bool = False) -> None:
+            entered.set()
+            await gate.wait()
+            await inner_write(offset, buf, fua)
+        inner.write = slow_write  # type: ignore[method-assign]
+        await top.write(0, memoryview(b"c" * 4096))
+        commit = asyncio.ensure_future(top.commit_now())
+        await entered.wait()  # the commit holds block 0's copy
+        await top.write(0, memoryview(b"d" * 4096))
+        gate.set()
+        assert await commit == 1
+        assert top.owed.keys() == {0}
+        inner.write = inner_write  # type: ignore[method-assign]
+        assert await top.commit_now() == 1
+        assert inner.data[:4096] == b"d" * 4096
+        buf = bytearray(4096)
+        await top.read(0, memoryview(buf))
+        assert buf == b"d" * 4096
+    asyncio.run(scenario())
+    top.close()
