@@ -25,6 +25,7 @@ from aioublk.frontend import stats
 from aioublk.kernel import uapi
 from aioublk.queue.options import DeviceConfig
 from aioublk.target import Target
+from aioublk.targets.filters import CowFilter
 
 log = logs.get_logger("aioublk.runner")
 
@@ -53,18 +54,56 @@ def stop_or_exit(stop: asyncio.Event) -> None:
 
 
 @contextmanager
-def until_signal() -> Iterator[asyncio.Event]:
+def until_signal(devices: Callable[[], list[Device]]) -> Iterator[asyncio.Event]:
     """An event the first SIGTERM/SIGINT sets, on the running loop's signal
-    handlers while the block runs (see ``stop_or_exit``)."""
+    handlers while the block runs (see ``stop_or_exit``); SIGUSR1 commits
+    the cow overlays of ``devices()`` (``commit -n ID`` sends it)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    commits: set[asyncio.Future[None]] = set()
+
+    def commit() -> None:
+        task = asyncio.ensure_future(commit_overlays(devices()))
+        commits.add(task)
+        task.add_done_callback(commits.discard)
     for sig in SIGNALS:
         loop.add_signal_handler(sig, stop_or_exit, stop)
+    loop.add_signal_handler(signal.SIGUSR1, commit)
     try:
         yield stop
     finally:
-        for sig in SIGNALS:
+        for sig in (*SIGNALS, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
+
+
+async def commit_overlays(devices: list[Device]) -> None:
+    """Each served device's outermost cow overlay to the device under it,
+    its result (blocks written, or the error in one line) for ``commit``."""
+    for dev in devices:
+        if dev.info is None:
+            continue
+        try:
+            overlay = cow_overlay(dev.target)
+            if overlay is None:
+                raise Error(f"device {dev.id} has no cow filter: nothing to commit")
+            result: dict[str, object] = {"blocks": await overlay.commit_now(),
+                                         "block": overlay.block}
+        except ONE_LINE_ERRORS as e:
+            result = {"error": str(e)}
+        except RuntimeError as e:  # (its queue loop has ended: the device is stopping)
+            result = {"error": f"device {dev.id} is stopping: {e}"}
+        log.info("commit", dev=dev.id, **result)
+        stats.write_commit(dev.id, result)
+
+
+def cow_overlay(target: Target) -> CowFilter | None:
+    """The outermost cow filter of a target's stack, if any."""
+    layer: Target | None = target
+    while layer is not None:
+        if isinstance(layer, CowFilter):
+            return layer
+        layer = getattr(layer, "inner", None)
+    return None
 
 
 async def run_device(target: Target, cfg: DeviceConfig,
@@ -74,8 +113,8 @@ async def run_device(target: Target, cfg: DeviceConfig,
     or quiesced from outside. On a signal a device with user recovery is
     quiesced (it waits for ``recover``, as a killed kublk's does); any other
     is deleted."""
-    with until_signal() as stop:
-        dev = Device(target, cfg)
+    dev = Device(target, cfg)
+    with until_signal(lambda: [dev]) as stop:
         try:
             await dev.start(recover=recover)
             if on_live is not None:

@@ -77,14 +77,14 @@ def main(path: str, *, verbose: bool = False) -> int:
 async def serve(cfg: ServeConfig) -> int:
     """Serve every device of ``cfg`` on the running loop until SIGTERM/SIGINT
     or until all have ended; returns the exit status."""
-    with until_signal() as stop, notify.Service() as systemd:
+    held: list[_Served] = []
+    with until_signal(lambda: [s.dev for s in held]) as stop, notify.Service() as systemd:
         systemd.starting(len(cfg.devices))
         try:
             ctrl = Control()
         except UblkError as e:
             _report(str(e))
             return 1
-        held: list[_Served] = []
         try:
             # before the devices: it turns on the timing their queues read at start
             stop_metrics = _start_metrics(cfg, lambda: [s.dev for s in held])

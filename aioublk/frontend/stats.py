@@ -11,6 +11,8 @@ A server started by ``add`` also writes ``ID.add.json`` once the device is
 live (its target, files and options, as rublk records them): ``recover -n
 ID`` alone takes them again, ``list`` shows the target. It stays while the
 device waits QUIESCED for a new server, and goes when the device is deleted.
+A server asked to commit a device's cow overlay (``commit -n ID``, a
+SIGUSR1) writes what it did to ``ID.commit.json``.
 
 Servers run as root, so the directory is a place where a planted symlink
 would make root write a file of someone else's choosing. It is used only if
@@ -68,6 +70,10 @@ class RunDirError(Error, OSError):
 
 def _name(dev_id: int) -> str:
     return f"{dev_id}.json"
+
+
+def _commit_name(dev_id: int) -> str:
+    return f"{dev_id}.commit.json"
 
 
 def _record_name(dev_id: int) -> str:
@@ -174,15 +180,31 @@ def read_at(dev_id: int, pid: int) -> tuple[float, list[dict[str, int]]] | None:
 def write_record(dev_id: int, record: dict[str, Any]) -> None:
     """Record how device ``dev_id`` was added (by this server: its pid is
     kept); a failure is logged, the device served all the same."""
+    _save(dev_id, _record_name(dev_id), record, "cannot record the device's options")
+
+
+def write_commit(dev_id: int, result: dict[str, Any]) -> None:
+    """What a commit of device ``dev_id``'s overlay did (``blocks``, or
+    ``error``), for the ``commit`` command that asked (it knows our pid)."""
+    _save(dev_id, _commit_name(dev_id), result, "cannot tell the commit's result")
+
+
+def read_commit(dev_id: int, pid: int) -> dict[str, Any] | None:
+    """The last commit result server ``pid`` wrote for ``dev_id``, with its
+    ``time``; None if it wrote none."""
+    data = _read(_commit_name(dev_id))
+    return data if data is not None and data.get("pid") == pid else None
+
+
+def _save(dev_id: int, name: str, content: dict[str, Any], failed: str) -> None:
     try:
         dfd = open_run_dir(create=True)
         try:
-            _write(dfd, _record_name(dev_id), record)
+            _write(dfd, name, content)
         finally:
             os.close(dfd)
     except OSError as e:
-        _log().warning("cannot record the device's options", dev=dev_id, dir=str(RUN_DIR),
-                    error=str(e))
+        _log().warning(failed, dev=dev_id, dir=str(RUN_DIR), error=str(e))
 
 
 def read_record(dev_id: int) -> dict[str, Any] | None:
@@ -203,9 +225,11 @@ def remove_record(dev_id: int) -> str | None:
     except OSError:
         return None
     try:
-        os.unlink(_record_name(dev_id), dir_fd=dfd)
-    except FileNotFoundError:
-        pass
+        for name in (_record_name(dev_id), _commit_name(dev_id)):
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
     except OSError as e:
         return f"cannot remove device {dev_id}'s record in {RUN_DIR}: {e.strerror}"
     finally:
