@@ -1,8 +1,8 @@
 """``python -m aioublk`` (and the ``aioublk`` script): the kublk-compatible
 command line. ``--version`` answers before the command line's modules load,
 so a script asking it pays for the interpreter alone; ``list``, ``del``,
-``features`` and ``udev`` (polled by scripts, run by udev for every node)
-load only theirs (``frontend.ctl``)."""
+``features``, ``udev`` and ``commit`` (polled by scripts, run by udev for
+every node) load only theirs (``frontend.ctl``)."""
 
 import sys
 
@@ -13,9 +13,9 @@ def entry() -> int:
 
         print(f"aioublk {__version__}")
         return 0
-    if sys.argv[1:2] and sys.argv[1] in ("list", "del", "features", "udev"):
-        from aioublk.frontend import ctl
+    from aioublk.frontend import ctl
 
+    if sys.argv[1:2] and sys.argv[1] in ctl.COMMANDS:
         return ctl.main(sys.argv[1:])
     from aioublk.frontend.cli import main
 

@@ -285,6 +285,7 @@ def _parser() -> argparse.ArgumentParser:
     ctl.add_list(sub)
     ctl.add_features(sub)
     ctl.add_udev(sub)
+    ctl.add_commit(sub)
 
     sv = sub.add_parser("serve", help="serve the devices of a TOML config file (foreground)")
     sv.add_argument("config", help="the TOML config file (see README)")

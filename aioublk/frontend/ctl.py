@@ -1,5 +1,5 @@
-"""The commands that only talk to /dev/ublk-control: ``list``, ``del``,
-``features`` and ``udev``.
+"""The commands that only talk to /dev/ublk-control (and to a server by
+signal): ``list``, ``del``, ``features``, ``udev`` and ``commit``.
 
 Scripts written for kublk poll ``list``, and udev runs ``udev owner`` for
 every ublk node, so these start as fast as Python can: a blocking
@@ -15,7 +15,9 @@ import argparse
 import errno
 import os
 import select
+import signal
 import sys
+import time
 from typing import Any, NoReturn
 
 from aioublk.errors import Error, UblkError
@@ -25,7 +27,7 @@ from aioublk.kernel import uapi
 from aioublk.kernel.control import Control, run_now, state_name
 
 #: the subcommands this module serves
-COMMANDS = ("list", "del", "features", "udev")
+COMMANDS = ("list", "del", "features", "udev", "commit")
 
 
 def _columns() -> int:
@@ -114,6 +116,14 @@ def add_udev(sub: Any) -> None:
     uo = uds.add_parser("owner", help="run by the rule: print an unprivileged device's "
                         "owner as UID GID (exit 1 for a privileged device)")
     uo.add_argument("name", help="the node's kernel name: ublkcN, ublkbN or ublkbNpM")
+
+
+def add_commit(sub: Any) -> None:
+    c = sub.add_parser("commit", help="write a served device's cow overlay to the device "
+                       "under it, and flush it (the server goes on serving)")
+    add_dev_id(c, "device whose overlay to commit")
+    c.add_argument("--timeout", type=float, default=COMMIT_TIMEOUT, metavar="SECONDS",
+                   help=f"how long to wait for the server (default {COMMIT_TIMEOUT:g})")
 
 
 # ------------------------------------------------------------------ output --
@@ -235,6 +245,42 @@ def cmd_del(ctrl: Control, args: argparse.Namespace) -> int:
     return 0
 
 
+#: seconds ``commit`` waits for the server by default (it writes every
+#: block the overlay holds that the device under it lacks)
+COMMIT_TIMEOUT = 600.0
+
+
+def cmd_commit(ctrl: Control, args: argparse.Namespace) -> int:
+    """Ask device ``-n``'s server (SIGUSR1) to commit its cow overlay, and
+    wait for its answer in the run directory."""
+    if args.dev_id < 0:
+        raise UblkError("commit needs a device id (-n ID)")
+    dev_id = args.dev_id
+    info = run_now(ctrl.get_info(dev_id))
+    pid = info.ublksrv_pid
+    if info.state != uapi.State.LIVE or pid <= 0:
+        raise UblkError(f"device {dev_id} is {state_name(info.state)}: only a live device's "
+                        "server holds an overlay")
+    if stats.read_at(dev_id, pid) is None:  # (SIGUSR1 would kill kublk's)
+        raise UblkError(f"device {dev_id}'s server (pid {pid}) publishes no aioublk stats: "
+                        "it is not an aioublk server, or not one that may be signalled")
+    asked = time.time()
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + args.timeout
+    while (got := stats.read_commit(dev_id, pid)) is None or got.get("time", 0) < asked:
+        if time.monotonic() > deadline:
+            raise UblkError(f"device {dev_id}: no answer from server pid {pid} in "
+                            f"{args.timeout:g} s (is it still committing? see its log)")
+        if not os.path.exists(f"/proc/{pid}"):
+            raise UblkError(f"device {dev_id}: server pid {pid} exited before it answered")
+        time.sleep(0.02)
+    if "error" in got:
+        raise UblkError(str(got["error"]))
+    n = got["blocks"]
+    print(f"device {dev_id}: {n} block{'' if n == 1 else 's'} of {got['block']} bytes committed")
+    return 0
+
+
 def delete_device(dev_id: int) -> None:
     """``delete`` on a Control of its own."""
     ctrl = Control(blocking=True)
@@ -256,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(udev.rules())
                 return 0
             return udev.main_owner(args.name)
-        handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features}[args.cmd]
+        handler = {"list": cmd_list, "del": cmd_del, "features": cmd_features,
+                   "commit": cmd_commit}[args.cmd]
         ctrl = Control(blocking=True)
         try:
             return handler(ctrl, args)
@@ -273,7 +320,8 @@ def main(argv: list[str]) -> int:
     """``aioublk list|del|features|udev ...`` without the full command line."""
     p = Parser(prog="aioublk")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
-    declare = {"list": add_list, "del": add_del, "features": add_features, "udev": add_udev}
+    declare = {"list": add_list, "del": add_del, "features": add_features, "udev": add_udev,
+               "commit": add_commit}
     # (the one asked for: udev's declaration imports its module)
     for name in [argv[0]] if argv and argv[0] in declare else COMMANDS:
         declare[name](sub)

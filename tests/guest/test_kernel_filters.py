@@ -147,6 +147,33 @@ def test_cow_verifies_and_leaves_the_backing_file_unwritten(tmp_path: Path) -> N
     assert _read_synced(str(backing), 5 * MiB + 512, 12288) == mark
 
 
+def test_cow_commits_on_a_command_while_serving(tmp_path: Path) -> None:
+    """``aioublk commit -n ID``: the overlay's blocks reach the backing file
+    (flushed) while the device serves on, a write after the commit stays in
+    the overlay, and a device without a cow filter is refused in one line."""
+    backing = make_file(tmp_path / "disk.img", 32 * MiB)
+    before = backing.read_bytes()
+    dev = add("-t", "loop", str(backing), "-q", "2", "--filter", "cow")
+    blk = f"/dev/ublkb{dev.dev_id}"
+    mark, later = os.urandom(12288), os.urandom(4096)
+    write_synced(blk, mark, 5 * MiB + 512)
+    assert backing.read_bytes() == before
+    out = cli("commit", "-n", str(dev.dev_id)).stdout
+    assert out == f"device {dev.dev_id}: 4 blocks of 4096 bytes committed\n"
+    assert _read_synced(str(backing), 5 * MiB + 512, 12288) == mark
+    write_synced(blk, later, 9 * MiB)
+    assert _read_synced(blk, 5 * MiB + 512, 12288) == mark  # still serving
+    assert cli("commit", "-n", str(dev.dev_id)).stdout.startswith(
+        f"device {dev.dev_id}: 1 block of")
+    assert _read_synced(str(backing), 9 * MiB, 4096) == later
+    delete(dev.dev_id)
+    plain = add("-t", "null", "-q", "1")
+    refused = cli("commit", "-n", str(plain.dev_id), check=False)
+    assert (refused.returncode, refused.stderr) == (
+        1, f"aioublk: device {plain.dev_id} has no cow filter: nothing to commit\n")
+    delete(plain.dev_id)
+
+
 def _read_synced(path: str, offset: int, n: int) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:

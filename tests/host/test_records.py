@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ from aioublk.frontend import cli, ctl, stats
 from aioublk.frontend.kublk_lines import device_ids, target_line
 from aioublk.queue.options import DeviceConfig
 from aioublk.target import Target
+from tests.host.test_filters import Memory
 
 
 @pytest.fixture(autouse=True)
@@ -200,3 +202,51 @@ def test_target_line_names_every_file() -> None:
     assert target_line({"target": "null", "files": []}) == "\ttarget: null"
     assert target_line({"target": "stripe", "files": ["/a", "/b"]}) == \
         "\ttarget: stripe files /a /b"
+
+
+class CommitControl(FakeControl):
+    """A live device whose server is this process."""
+
+    def __init__(self, *, blocking: bool = False) -> None:
+        super().__init__()
+        self.pids = {5: os.getpid()}
+
+
+def test_commit_asks_the_server_and_prints_its_answer(
+        run_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``commit -n ID`` signals the device's server (here this process,
+    whose SIGUSR1 handler commits as the server's does) and prints what
+    the server wrote back; a server that publishes no stats (kublk's,
+    which SIGUSR1 would kill) is never signalled."""
+    import signal
+
+    from aioublk.frontend import runner
+    from aioublk.targets.filters import CowFilter
+
+    monkeypatch.setattr(ctl, "Control", CommitControl)
+    assert ctl.main(["commit", "-n", "5"]) == 1
+    assert "publishes no aioublk stats" in capsys.readouterr().err
+    dfd = stats.open_run_dir(create=True)
+    stats._write(dfd, stats._name(5), {"queues": []})
+    os.close(dfd)
+    inner = Memory()
+    top = CowFilter(inner, block=4096)
+    dev = SimpleNamespace(id=5, info=object(), target=top)
+    asyncio.run(top.write(4096, memoryview(b"x" * 8192)))
+
+    def commit_answered(dev: SimpleNamespace) -> int:
+        """``commit -n 5``, this process answering SIGUSR1 as a server does."""
+        previous = signal.signal(signal.SIGUSR1, lambda *_: asyncio.run(
+            runner.commit_overlays([dev])))  # type: ignore[list-item]
+        try:
+            return ctl.main(["commit", "-n", "5"])
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+    assert commit_answered(dev) == 0
+    assert capsys.readouterr().out == "device 5: 2 blocks of 4096 bytes committed\n"
+    assert inner.data[4096:12288] == b"x" * 8192
+    dev.target = Memory()  # no cow filter: the server says so, the command fails
+    assert commit_answered(dev) == 1
+    assert capsys.readouterr().err == "aioublk: device 5 has no cow filter: nothing to commit\n"
+    top.close()
