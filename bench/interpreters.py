@@ -65,7 +65,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
-from bench.common import ROOT, load, median, parser, publish
+from bench.common import ROOT, grouped_bars, load, median, parser, publish
 from bench.common import paired as paired_runs
 
 CACHE = Path(os.environ.get("AIOUBLK_CACHE", Path.home() / ".cache" / "aioublk"))
@@ -485,6 +485,19 @@ def _table(data: dict[str, Any], key: str, build: bool) -> list[str]:
     return lines
 
 
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Requests per CPU second under each interpreter over the baseline's, per
+    workload the baseline ran too (paired within rounds; 1: as fast)."""
+    names = list(data["interpreters"])
+    done = dict.fromkeys(str(x["workload"]) for x in data["runs"])
+    values = {(w, n): paired(data, "cpu_ops", (n, w), (data["baseline"], w))
+              for w in done for n in names}
+    shown = [w for w in done if any(values[(w, n)] is not None for n in names)]
+    grouped_bars(path, shown, names, values, f"per CPU second / {data['baseline']}",
+                 "Which interpreter: the per-request Python cost", per_group=1.6,
+                 fontsize=7)
+
+
 def report(data: dict[str, Any], command: str) -> str:
     interps: dict[str, dict[str, Any]] = data["interpreters"]
     base = data["baseline"]
@@ -568,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.report:
         data = load(ns.report)
-        return publish("interpreters", data, report(data, data["command"]), out=ns.out)
+        return publish("interpreters", data, report(data, data["command"]), plot, out=ns.out)
     pythons = dict(p.split("=", 1) for p in ns.python) if ns.python else candidates()
     baseline = ns.baseline
     if baseline is None:
@@ -584,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.dir != "/var/tmp":
         command += f" --dir {ns.dir}"
     data["command"] = command
-    return publish("interpreters", data, report(data, command), out=ns.out,
+    return publish("interpreters", data, report(data, command), plot, out=ns.out,
                    ok=not any(x.get("error") for x in data["runs"]))
 
 

@@ -32,7 +32,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, fmt, load, median, parser, publish, ratio, run_guest, swapped, table
+from bench.common import (
+    ROOT,
+    fmt,
+    load,
+    median,
+    parser,
+    publish,
+    ratio,
+    ratio_bars,
+    run_guest,
+    swapped,
+    table,
+)
 from bench.modes import _fio
 
 BASELINE = "2169c59"
@@ -173,6 +185,15 @@ def report(data: dict[str, object], baseline: str, command: str) -> str:
     return "\n".join([*lines, "", f"Reproduce: `{command}` from the repository root.", ""])
 
 
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Today's IOPS over before's, per workload (the goal: 1)."""
+    runs = data["runs"]
+    ratio_bars(path, [(w, ratio(median(runs, server="today", workload=w),
+                                median(runs, server="before", workload=w)), 1.0)
+                      for w in WORKLOADS],
+               "today / before IOPS", "A target with no map: today over before the data plane")
+
+
 def command(data: dict[str, Any]) -> str:
     """The command a report names: the run's own, else the one its settings give."""
     baseline = data.get("baseline", BASELINE)
@@ -207,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.baseline != BASELINE:
             data["baseline"] = ns.baseline
     return publish("nomap", data, report(data, data.get("baseline", BASELINE), command(data)),
-                   code=code, out=ns.out, ok=bool(data.get("complete")))
+                   plot, code=code, out=ns.out, ok=bool(data.get("complete")))
 
 
 if __name__ == "__main__":

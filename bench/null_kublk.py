@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import load, parser, publish, run_guest, table
+from bench.common import load, parser, publish, ratio_bars, run_guest, table
 
 
 def _sh(cmd: list[str], timeout: float = 120) -> str:
@@ -86,13 +86,24 @@ def report(data: dict[str, object]) -> str:
     ])
 
 
+def plot(data: dict[str, object], path: Path) -> None:
+    """aioublk's IOPS over kublk's, per round and of the medians."""
+    iops = data["iops"]
+    assert isinstance(iops, dict)
+    per_round = [(f"round {i + 1}", a / k, None)
+                 for i, (a, k) in enumerate(zip(iops["aioublk"], iops["kublk"], strict=True))]
+    medians = statistics.median(iops["aioublk"]) / statistics.median(iops["kublk"])
+    ratio_bars(path, [*per_round, ("medians", medians, 1.0)], "aioublk / kublk IOPS",
+               "null target, 4k randread qd64: aioublk over kublk")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, runtime=10, rounds=2)
     ns = ap.parse_args(argv)
     runtime = ns.runtime or 10
     if ns.report:
         data = load(ns.report)
-        return publish("null_kublk", data, report(data), out=ns.out)
+        return publish("null_kublk", data, report(data), plot, out=ns.out)
     if ns.inner:
         inner(ns.inner[0], runtime, ns.rounds, Path(ns.inner[1]))
         return 0
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 str(ns.rounds)], timeout=40 * 60.0)
     if data is None:
         return 1
-    return publish("null_kublk", data, report(data), code=code, out=ns.out)
+    return publish("null_kublk", data, report(data), plot, code=code, out=ns.out)
 
 
 if __name__ == "__main__":

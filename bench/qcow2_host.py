@@ -40,10 +40,11 @@ import re
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.common import fmt as _fmt
-from bench.common import load, median, parser, publish
+from bench.common import grouped_bars, load, median, parser, publish
 from bench.common import run as _sh  # (stdout, error or None); a failed step never ends a run
 
 IMAGE_SIZE = 1 << 30
@@ -265,6 +266,16 @@ def rows(data: dict[str, object]) -> list[dict[str, object]]:
     return table
 
 
+def plot(data: dict[str, object], path: Path) -> None:
+    """Each workload's engine IOPS over the fastest qemu-img bench setting's,
+    for both ways of calling it (goal: 1)."""
+    table = rows(data)
+    groups = [str(r["workload"]) for r in table]
+    values = {(str(r["workload"]), k): r[f"{k}_ratio"] for r in table for k in RINGS}
+    grouped_bars(path, groups, list(RINGS), values,  # type: ignore[arg-type]
+                 "aioublk / best qemu-img IOPS", "qcow2 engine without ublk vs qemu-img bench")
+
+
 def report(data: dict[str, object], command: str) -> str:
     runs = data["runs"]
     image = data["image"]
@@ -340,13 +351,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.report:
         data = load(ns.report)
-        return publish("qcow2_host", data, report(data, command(data)), out=ns.out)
+        return publish("qcow2_host", data, report(data, command(data)), plot, out=ns.out)
     rounds = ns.rounds or (1 if ns.quick else 3)
     with tempfile.TemporaryDirectory(dir=ns.dir or "/var/tmp", prefix="qcow2bench.") as folder:
         data = run(folder, rounds, ns.quick, IMAGE_SIZE, ns.step)
     data["command"] = (command(data) + (f" --rounds {rounds}" if ns.rounds else "")
                        + (f" --step {ns.step}" if ns.step != STEP else ""))
-    return publish("qcow2_host", data, report(data, command(data)), out=ns.out,
+    return publish("qcow2_host", data, report(data, command(data)), plot, out=ns.out,
                    ok=not any(x.get("error") for x in data["runs"]))
 
 

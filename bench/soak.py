@@ -36,7 +36,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import load, parser, publish, run_guest, table
+from bench.common import grouped_bars, load, parser, publish, run_guest, table
 
 SIZE = 32 << 20
 CASES = [(t, p) for t in ("loop", "qcow2", "stripe") for p in ("-b", "--no-batch")]
@@ -153,6 +153,22 @@ def report(data: dict[str, object]) -> str:
     return "\n".join(lines + ["", "Reproduce: `python -m bench.soak --minutes 60`.", ""])
 
 
+def plot(data: dict[str, object], path: Path) -> None:
+    """Per target and queue path: rounds, hand-overs and GiB verified."""
+    rounds = data["rounds"]
+    assert isinstance(rounds, list)
+    ok = [r for r in rounds if not r.get("failed")]
+    groups = [f"{t} {p}" for t, p in CASES]
+    values: dict[tuple[str, str], float | None] = {}
+    for (target, qpath), group in zip(CASES, groups, strict=True):
+        mine = [r for r in ok if (r["target"], r["path"]) == (target, qpath)]
+        values[(group, "rounds")] = len(mine)
+        values[(group, "hand-overs")] = sum(len(r["handovers"]) for r in mine)
+        values[(group, "GiB verified")] = sum(int(r["verified"]) for r in mine) / (1 << 30)
+    grouped_bars(path, groups, ["rounds", "hand-overs", "GiB verified"], values, "count",
+                 "Soak: verified rounds across hand-overs, no errors expected", lines=())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, rounds=False, inner=("OUT",))
     ap.prog = "python -m bench.soak"
@@ -160,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     if ns.report:
         data = load(ns.report)
-        return publish("soak", data, report(data), out=ns.out)
+        return publish("soak", data, report(data), plot, out=ns.out)
     if ns.inner:
         return inner(ns.minutes, Path(ns.inner[0]))
     # a round that hangs is bounded by the test helpers' own timeouts
@@ -168,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                            timeout=ns.minutes * 60 + 1800, kublk=False)
     if data is None:
         return 1
-    return publish("soak", data, report(data), code=code, out=ns.out)
+    return publish("soak", data, report(data), plot, code=code, out=ns.out)
 
 
 if __name__ == "__main__":
