@@ -29,7 +29,7 @@ from aioublk.errors import UblkError
 from aioublk.kernel import uapi
 from aioublk.kernel.control import Control, char_path, command_failed, settled_info, state_name
 from aioublk.queue.driver import QueueMem, WorkerSpec
-from aioublk.queue.options import CopyMode, DeviceConfig, DeviceOptions, layout
+from aioublk.queue.options import CopyMode, DeviceConfig, DeviceOptions, layout, placement
 from aioublk.queue.worker import Worker
 from aioublk.ring import buffer_address
 from aioublk.target import QueueSetupError, Target
@@ -85,6 +85,16 @@ async def _open_char(path: str, unprivileged: bool = False) -> int:
                     if unprivileged and e.errno == errno.EACCES else ""
                 raise UblkError(f"cannot open {path}: {e.strerror}{hint}") from None
             await asyncio.sleep(0.05)
+
+
+async def _queue_cpus(ctrl: Control, info: uapi.DevInfo) -> list[list[int]]:
+    """Each queue's CPUs as the kernel maps them (for ``placement``); none
+    where the driver will not say, and the workers go unpinned."""
+    try:
+        return [await ctrl.queue_affinity(info.dev_id, q) for q in range(info.nr_hw_queues)]
+    except UblkError as e:
+        log.debug("no queue affinity: workers not pinned", error=str(e))
+        return []
 
 
 async def _until_ours(path: str) -> None:
@@ -201,7 +211,7 @@ class Device:
                 params = self.target.geometry.params(info.max_io_buf_bytes)
                 await ctrl.set_params(info.dev_id, params)
             self.target.configure(info.flags)
-            self._start_workers(info)
+            self._start_workers(info, await _queue_cpus(ctrl, info))
             loop = asyncio.get_running_loop()
             for w in self.workers:
                 await loop.run_in_executor(None, w.ready.wait)
@@ -327,7 +337,7 @@ class Device:
                 pass  # a straggling view; the mapping goes with the process
         self._shared_maps = []
 
-    def _start_workers(self, info: uapi.DevInfo) -> None:
+    def _start_workers(self, info: uapi.DevInfo, queue_cpus: list[list[int]]) -> None:
         cfg = self.config
         # what the kernel granted (queues are capped at the CPU count)
         wcfg = replace(cfg, dev_id=info.dev_id, queues=info.nr_hw_queues,
@@ -340,12 +350,14 @@ class Device:
             m.shared = self._shared
         plan = layout(info.nr_hw_queues, info.queue_depth, nthreads, batch=self.batch,
                       per_io_tasks=spread)
+        cpus = placement(plan, queue_cpus, os.sched_getaffinity(0), info.dev_id)
         prepared: set[int] = set()
         for i, work in enumerate(plan):
             prep = {q for q, _tags in work} - prepared
             prepared |= prep
             spec = WorkerSpec(i, [(self.mems[q], tags) for q, tags in work], prep)
-            self.workers.append(Worker(wcfg, spec, self._char_fd, self.target, self.batch))
+            self.workers.append(Worker(wcfg, spec, self._char_fd, self.target, self.batch,
+                                       cpu=cpus[i]))
         for w in self.workers:
             w.siblings = self.workers
             w.start()

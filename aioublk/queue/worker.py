@@ -30,8 +30,9 @@ class Worker:
     """One thread, one uvloop loop, one Ring: serves its share of the queues."""
 
     def __init__(self, cfg: DeviceConfig, spec: WorkerSpec, char_fd: int, target: Target,
-                 batch: bool) -> None:
+                 batch: bool, cpu: int | None = None) -> None:
         self.cfg = cfg
+        self.cpu = cpu  # the CPU the thread is pinned to (options.placement)
         self.spec = spec
         self.char_fd = char_fd
         self.target = target
@@ -60,6 +61,12 @@ class Worker:
 
     def _run(self) -> None:
         import uvloop
+
+        if self.cpu is not None:  # first: what the thread allocates stays near it
+            try:
+                os.sched_setaffinity(0, {self.cpu})  # (0: this thread alone)
+            except OSError as e:
+                self.log.debug("not pinned", cpu=self.cpu, error=str(e))
 
         # every log line of this thread's tasks names the device and worker
         structlog.contextvars.bind_contextvars(dev=self.cfg.dev_id, worker=self.spec.index)

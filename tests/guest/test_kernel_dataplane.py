@@ -9,6 +9,7 @@ stripe."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -141,3 +142,26 @@ def test_o_direct_refusing_a_request_sends_it_to_python(batch: bool, tmp_path: P
         assert calls[0] >= 1, "no request came back to Python"
         assert not target.backing.direct, "the loop target did not go buffered"
         subprocess.run(["sync"], check=False)
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "per-io"])
+def test_each_queue_worker_is_pinned_to_one_cpu_of_its_queue(batch: bool) -> None:
+    """As kublk places its threads: a worker serving one queue runs on one
+    CPU of that queue's affinity (the kernel's map), set before its ring."""
+    from aioublk.kernel.control import Control, run_now
+    from aioublk.targets import NullTarget
+
+    queues = min(2, len(os.sched_getaffinity(0)))
+    with served(NullTarget(size=64 * MiB), queues=queues, batch=batch) as dev:
+        ctrl = Control(blocking=True)
+        try:
+            masks = [run_now(ctrl.queue_affinity(dev.id, q)) for q in range(queues)]
+        finally:
+            ctrl.close()
+        for w in dev.workers:
+            (q,) = [qm.q_id for qm, _tags in w.spec.work]
+            tid = w.thread.native_id
+            assert tid is not None
+            pinned = os.sched_getaffinity(tid)
+            assert len(pinned) == 1 and pinned <= set(masks[q]), (q, pinned, masks)
+        assert len({w.thread.native_id for w in dev.workers}) == queues

@@ -50,6 +50,32 @@ def test_layout_one_worker_per_queue_by_default() -> None:
     assert plan == [[(0, [0, 1, 2, 3])], [(1, [0, 1, 2, 3])]]
 
 
+def test_placement_pins_one_queue_workers_as_kublk_does() -> None:
+    from aioublk.queue.options import layout, placement
+
+    plan = layout(2, 4, 2, batch=False, per_io_tasks=False)
+    # one CPU of each queue's own mask; the device id picks which
+    assert placement(plan, [[0, 1], [2, 3]], {0, 1, 2, 3}, dev_id=0) == [0, 2]
+    assert placement(plan, [[0, 1], [2, 3]], {0, 1, 2, 3}, dev_id=1) == [1, 3]
+    # only CPUs this process may run on count (taskset, a cpuset)
+    assert placement(plan, [[0, 1], [2, 3]], {1, 2}, dev_id=0) == [1, 2]
+    assert placement(plan, [[0, 1], [2, 3]], {1}, dev_id=0) == [1, None]
+    # the driver gave no masks: nobody is pinned
+    assert placement(plan, [], {0, 1}, dev_id=0) == [None, None]
+
+
+def test_placement_leaves_shared_workers_to_the_scheduler() -> None:
+    from aioublk.queue.options import layout, placement
+
+    cpus = [[0], [1], [2], [3]]
+    one_loop = layout(4, 2, 1, batch=True, per_io_tasks=False)  # one worker, 4 queues
+    assert placement(one_loop, cpus, {0, 1, 2, 3}, dev_id=0) == [None]
+    four_loops = layout(1, 2, 4, batch=True, per_io_tasks=False)  # 4 workers, 1 queue
+    assert placement(four_loops, cpus, {0, 1, 2, 3}, dev_id=0) == [None] * 4
+    spread = layout(2, 4, 2, batch=False, per_io_tasks=True)  # tags of both queues each
+    assert placement(spread, cpus, {0, 1, 2, 3}, dev_id=0) == [None, None]
+
+
 def test_layout_batch_maps_n_workers_onto_m_queues() -> None:
     from aioublk.queue.options import layout
 
