@@ -4,8 +4,6 @@ Every name an application needs is here: the device and its options, the
 target base class and its buffers, the data-plane maps, the ring, the
 built-in targets, the qcow2 engine, and ``Error`` with its subclasses."""
 
-from typing import TYPE_CHECKING
-
 from aioublk._lazy import exports
 from aioublk._version import __version__ as __version__
 
@@ -61,6 +59,9 @@ _WHERE = {
 
 __getattr__, __dir__ = exports(__name__, _WHERE)
 
+# (not typing's: importing typing brings re, collections and functools into
+# every command, ``--version`` included; mypy reads any TYPE_CHECKING as true)
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from aioublk.device import Device as Device
     from aioublk.errors import Error as Error
