@@ -6,10 +6,12 @@ devices and parse kublk's lines to find them, run fio, and delete them.
 
 ``test_generic_06.sh`` is not among them here: it kills a server whose
 request is held for 2 s and needs the writer's error within that window,
-after two ``list`` calls; in this emulated guest one ``aioublk list``
-takes about 1.7 s (1.1 s of it the interpreter and an editable install's
-finder), so the request completes first. kublk passes it here; on real
-hardware ``list`` takes about 60 ms (``bench/results/startup.md``).
+after two ``list -n`` calls, and dd's exit within 5 s after a third.
+In this emulated guest one ``aioublk list -n ID`` takes 1.6-1.9 s (the
+bare interpreter 0.5-0.6 s of it, the rest about 45 imports over 9p),
+kublk's 0.2 s; so the script fails with aioublk here ("dd took 7
+seconds"), though it passes with kublk. On real hardware ``list`` takes
+about 60 ms (``bench/results/startup.md``).
 
 The scripts come from Debian sid's linux-source, which ``scripts/setup``
 fetches into the cache (``python -m tools.kublk``, which also builds the
