@@ -577,8 +577,6 @@ def layout(queues: int, depth: int, nthreads: int, *, batch: bool,
     return [[(q, list(range(depth)))] for q in range(queues)]
 
 
-
-
 def placement(plan: list[list[tuple[int, list[int]]]], queue_cpus: list[list[int]],
               allowed: set[int], dev_id: int) -> list[int | None]:
     """The CPU each worker of ``plan`` (``layout``'s) is pinned to, or None.
