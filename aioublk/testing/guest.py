@@ -319,6 +319,17 @@ def _guest_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     return env | dict(extra or {})
 
 
+def _compile_package() -> None:
+    """Write aioublk's bytecode on the host before a boot. The guest cannot
+    write it (the checkout is read-only there), so without it every process
+    the guest starts compiles each aioublk module it imports from source:
+    under emulation that is a tenth of a second more for each ``aioublk``
+    command a test or script runs."""
+    import compileall
+
+    compileall.compile_dir(Path(__file__).resolve().parents[1], quiet=1)
+
+
 def _script(argv: Sequence[str], env: Mapping[str, str], cwd: Path, ctl: Path) -> str:
     """The guest side: load drivers, run argv, leave its output and status in `ctl`."""
     q = shlex.quote
@@ -418,6 +429,7 @@ def run_in_guest(
         _link_modules(kernel.release, kernel.modules)
     kvm = use_kvm(accel)
     vng = _vng()
+    _compile_package()
     ctl = scratch_dir("runs")
     workdir = Path(cwd or Path.cwd()).absolute()
     script, output, status, log = (ctl / n for n in ("run.sh", "output", "status", "vng.log"))

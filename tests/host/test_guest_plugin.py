@@ -378,6 +378,21 @@ def run_with_stand_in(vng: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert code == 0 and (out / "ran").read_text() == "ran\n"
 
 
+def test_a_boot_finds_aioublk_compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guest cannot write bytecode: each module it imports must have a
+    current one from the host, or every command there compiles it again."""
+    import importlib.util
+
+    import aioublk.kernel.uapi as module
+
+    pyc = Path(importlib.util.cache_from_source(module.__file__))
+    pyc.unlink(missing_ok=True)
+    vng = tmp_path / "vng"
+    vng.write_text('#!/bin/sh\nfor a; do case "$a" in --exec=*) eval "${a#--exec=}";; esac; done\n')
+    run_with_stand_in(vng, tmp_path, monkeypatch, "tcg")
+    assert pyc.stat().st_mtime >= Path(module.__file__).stat().st_mtime
+
+
 def test_a_boot_that_hangs_before_the_script_is_booted_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
