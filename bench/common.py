@@ -160,6 +160,22 @@ def paired(records: Iterable[Mapping[str, Any]], num: Mapping[str, object],
     return statistics.median(ratios) if ratios else None
 
 
+def best_per_round(records: Iterable[Mapping[str, Any]], settings: Mapping[str, str],
+                   value: str = "iops", **match: object) -> dict[Any, tuple[float, str]]:
+    """The peer's best setting in each round, for the row ``match`` names: (value, its
+    label). ``settings`` maps each of the peer's server names to its label."""
+    best: dict[Any, tuple[float, str]] = {}
+    for x in records:
+        label = settings.get(str(x.get("server")))
+        if label is None or x.get(value) is None or \
+                any(x.get(k) != v for k, v in match.items()):
+            continue
+        got = float(x[value])
+        if x["round"] not in best or got > best[x["round"]][0]:
+            best[x["round"]] = (got, label)
+    return best
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 

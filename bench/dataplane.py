@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bench.common import (
+    best_per_round,
     fmt,
     footer,
     load,
@@ -171,21 +172,6 @@ class GoalRow(NamedTuple):
     setting: str  # which kublk setting was the better one, round by round
 
 
-def best_kublk(runs: list[dict[str, object]], device: str, workload: str) -> \
-        dict[object, tuple[float, str]]:
-    """Each round's better kublk run of the row: (IOPS, "-b" or "per-io")."""
-    best: dict[object, tuple[float, str]] = {}
-    for x in runs:
-        if (x["device"], x["workload"]) != (device, workload) or x.get("iops") is None:
-            continue
-        name = {"kublk": "-b", PER_IO: "per-io"}.get(str(x["server"]))
-        if name is not None:
-            iops = float(x["iops"])  # type: ignore[arg-type]
-            if x["round"] not in best or iops > best[x["round"]][0]:
-                best[x["round"]] = (iops, name)
-    return best
-
-
 def goal_rows(data: dict[str, object]) -> list[GoalRow]:
     """The issue's numbers that this run measured (all but in a --quick run)."""
     runs = data["runs"]
@@ -194,7 +180,8 @@ def goal_rows(data: dict[str, object]) -> list[GoalRow]:
     for g in GOALS:
         if not _ran(runs, g.device, g.workload):
             continue
-        best = best_kublk(runs, g.device, g.workload)
+        best = best_per_round(runs, {"kublk": "-b", PER_IO: "per-io"},
+                              device=g.device, workload=g.workload)
         mine = {x["round"]: float(x["iops"]) for x in runs
                 if (x["device"], x["workload"], x["server"]) == (g.device, g.workload, "aioublk")
                 and x.get("iops") is not None}
