@@ -89,18 +89,25 @@ def _start_daemon(transport: str, exp: Export, disk: str) -> tuple[subprocess.Po
     accepts connections, else (None, error)."""
     addr = (f"addr.type=unix,addr.path={exp.address}" if transport == "unix"
             else f"addr.type=inet,addr.host=127.0.0.1,addr.port={PORT}")
-    log = Path(disk).with_suffix(".log")
+    return start_listening(
+        ["qemu-storage-daemon", "--blockdev", f"driver=file,node-name=disk,filename={disk}",
+         "--nbd-server", addr, "--export", "type=nbd,id=exp,node-name=disk,name=disk,writable=on"],
+        exp, Path(disk).with_suffix(".log"))
+
+
+def start_listening(argv: list[str], exp: Export,
+                    log: Path) -> tuple[subprocess.Popen[bytes] | None, str | None]:
+    """Start the NBD server ``argv`` (its stderr to ``log``); (process, None) once
+    ``exp``'s address accepts connections, else (None, error). bench.nbdkit's too."""
+    name = os.path.basename(argv[0])
     with open(log, "wb") as err_file:  # (a pipe nobody reads could fill and stall it)
-        proc = subprocess.Popen(
-            ["qemu-storage-daemon", "--blockdev", f"driver=file,node-name=disk,filename={disk}",
-             "--nbd-server", addr,
-             "--export", "type=nbd,id=exp,node-name=disk,name=disk,writable=on"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err_file)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             err = log.read_text(errors="replace").strip()[-300:]
-            return None, f"qemu-storage-daemon exit {proc.returncode}: {err}"
+            return None, f"{name} exit {proc.returncode}: {err}"
         with socket.socket(exp.family) as s:
             try:
                 s.connect(exp.address)
@@ -109,10 +116,10 @@ def _start_daemon(transport: str, exp: Export, disk: str) -> tuple[subprocess.Po
                 time.sleep(0.1)
     proc.kill()
     proc.wait()
-    return None, "qemu-storage-daemon: not listening after 60 s"
+    return None, f"{name}: not listening after 60 s"
 
 
-def _stop_daemon(proc: subprocess.Popen[bytes]) -> None:
+def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -229,7 +236,7 @@ def inner(runtime: int, rounds: int, quick: bool, out: Path) -> None:
                 done = (_client_runs(client, exp, workloads, runtime) if proc is not None
                         else [(w, None, err) for w in workloads])
                 if proc is not None:
-                    _stop_daemon(proc)
+                    stop_daemon(proc)
                 for w, iops, e in done:
                     record(runs, start, r + 1, f"{transport:4} {w:17} {client:7}", iops, e,
                            device=transport, workload=w, server=client)
