@@ -151,6 +151,14 @@ class KernelClient(NbdServer):
         self.dev = dev
         return dev, None
 
+    def detach(self) -> str | None:
+        if self.tool != "nbd-client":
+            return super().detach()
+        assert self.dev is not None
+        _, err = run(["nbd-client", "-d", self.dev], timeout=120)
+        self.dev = None
+        return err
+
 
 def _no_scheduler(dev: str) -> None:
     """Both devices without an I/O scheduler: nbd.ko and ublk may differ in their default."""
