@@ -436,6 +436,7 @@ class Device:
         if not flags & uapi.Feature.USER_RECOVERY:
             raise UblkError(f"device {dev_id} cannot be quiesced: it was added without user "
                             "recovery (-r 1)")
+        self.target.stopping()
         if not self.batch and flags & uapi.Feature.QUIESCE:
             res = await self._ctrl.quiesce_dev(dev_id)
             if res < 0:  # e.g. EBUSY: a request held past the timeout; detach
@@ -454,6 +455,7 @@ class Device:
         if ctrl is None or self.info is None:
             return
         dev_id = self.info.dev_id
+        self.target.stopping()
         if stop:
             res = await ctrl.stop_dev(dev_id)
             if res < 0 and res != -errno.ENODEV:

@@ -442,6 +442,12 @@ class Target:
         """On each queue loop, once its requests are done and before its ring
         closes: write back what the target caches (its I/O still works)."""
 
+    def stopping(self) -> None:
+        """Called as the server starts to stop or hand the device over (from
+        any thread, maybe more than once), before it waits for the requests
+        in flight: answer any the target holds back on purpose (the ``error``
+        filter's ``hang``), or that wait never ends."""
+
     def close(self) -> None:
         """Release resources; called once, after every queue has stopped."""
 

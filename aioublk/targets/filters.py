@@ -151,6 +151,9 @@ class Filter(Target):
     async def drain(self) -> None:
         await self.inner.drain()
 
+    def stopping(self) -> None:
+        self.inner.stopping()
+
     def close(self) -> None:
         self.inner.close()
 
