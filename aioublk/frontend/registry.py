@@ -234,7 +234,11 @@ FILTERS: dict[str, FilterSpec] = {f.name: f for f in (
                    Option("offset", SIZE, "fail requests touching bytes from here", default=0,
                           lo=0),
                    Option("length", SIZE, "... this many (default: to the end)", lo=1),
-                   Option("seed", INT, "the random sequence's seed (default: random)"))),
+                   Option("seed", INT, "the random sequence's seed (default: random)"),
+                   Option("hang", BOOL, "never answer a matching request instead (an "
+                          "unprivileged device's io_timeout then kills the server; a "
+                          "privileged one's waits until the server stops, which fails it)",
+                          default=False))),
     FilterSpec("rate", "aioublk.targets.filters:RateFilter",
                "limit requests and bytes a second, token buckets with a second's burst "
                "(Python serves every request)", (

@@ -39,6 +39,7 @@ RAM, ``cow``, an overlay that keeps the inner device unwritten, and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -467,52 +468,88 @@ class ErrorFilter(Filter):
     """Fail requests with ``errno`` (a name, e.g. "EIO"): those of the operations
     in ``ops`` ("+"-separated, default all of ``OPS``) that touch
     ``[offset, offset + length)`` (default: the whole device), each with
-    probability ``rate``, as nbdkit's error filter. Zone operations pass."""
+    probability ``rate``, as nbdkit's error filter. Zone operations pass.
+
+    With ``hang`` such a request is never answered, to see what the kernel
+    does with one: on an unprivileged device its request timeout kills the
+    server (``/sys/block/ublkbN/queue/io_timeout``); on a privileged one the
+    request waits until the server stops, which fails it with ``errno``."""
 
     name = "error"
 
     def __init__(self, inner: Target, rate: float = 1.0, ops: str = "+".join(OPS),
                  errno: str = "EIO", offset: int = 0, length: int | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, hang: bool = False) -> None:
         self.ops = _ops(ops.split("+"))
         if not 0 <= rate <= 1:
             raise ValueError(f"rate {rate} is not between 0 and 1: give e.g. 0.1")
-        self.rate, self.errno_name = rate, errno
+        self.rate, self.errno_name, self.hang = rate, errno, hang
         self.code = _errno(errno)
         self.start = offset
         self.end = offset + length if length is not None else 1 << 64
         self.random = random.Random(seed)
+        # the requests ``hang`` holds, each on its queue's loop; none once stopping
+        self._held: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] | None = set()
+        self._lock = threading.Lock()
         super().__init__(inner)
 
-    def _fail(self, op: str, offset: int = 0, length: int = 1 << 64) -> None:
-        if op in self.ops and offset < self.end and offset + length > self.start and (
-                self.rate >= 1 or self.random.random() < self.rate):
-            raise OSError(self.code, f"error filter: {op} fails with {self.errno_name}")
+    async def _fail(self, op: str, offset: int = 0, length: int = 1 << 64) -> None:
+        if op not in self.ops or offset >= self.end or offset + length <= self.start or (
+                self.rate < 1 and self.random.random() >= self.rate):
+            return
+        if self.hang:
+            loop = asyncio.get_running_loop()
+            this = (loop, loop.create_future())
+            with self._lock:
+                held = self._held
+                if held is not None:
+                    held.add(this)
+            if held is not None:  # (else the server is stopping: fail it now)
+                try:
+                    await this[1]
+                finally:
+                    with self._lock:
+                        held.discard(this)
+        raise OSError(self.code, f"error filter: {op} fails with {self.errno_name}")
+
+    def stopping(self) -> None:
+        with self._lock:
+            held, self._held = list(self._held or ()), None
+        for loop, fut in held:
+            with contextlib.suppress(RuntimeError):  # (its loop has closed)
+                loop.call_soon_threadsafe(_answer, fut)
+        super().stopping()
 
     async def read(self, offset: int, buf: memoryview) -> None:
-        self._fail("read", offset, len(buf))
+        await self._fail("read", offset, len(buf))
         await super().read(offset, buf)
 
     async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
-        self._fail("write", offset, len(buf))
+        await self._fail("write", offset, len(buf))
         await super().write(offset, buf, fua)
 
     async def flush(self) -> None:
-        self._fail("flush")
+        await self._fail("flush")
         await super().flush()
 
     async def discard(self, offset: int, length: int) -> None:
-        self._fail("discard", offset, length)
+        await self._fail("discard", offset, length)
         await super().discard(offset, length)
 
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
-        self._fail("write_zeroes", offset, length)
+        await self._fail("write_zeroes", offset, length)
         await super().write_zeroes(offset, length, unmap)
 
     def settings(self) -> dict[str, object]:
         return {"rate": self.rate, "ops": "+".join(sorted(self.ops)), "errno": self.errno_name,
                 "offset": self.start,
-                "length": None if self.end == 1 << 64 else self.end - self.start}
+                "length": None if self.end == 1 << 64 else self.end - self.start,
+                **({"hang": True} if self.hang else {})}
+
+
+def _answer(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _ops(names: Iterable[str]) -> frozenset[str]:

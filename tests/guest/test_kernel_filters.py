@@ -9,6 +9,7 @@ import json
 import mmap
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from tests.support.kernel import (
     parse_list,
     run,
     start_server,
+    tail,
+    wait_exit,
     write_synced,
 )
 
@@ -102,6 +105,43 @@ def test_delay_error_and_readonly_are_seen_from_outside(tmp_path: Path) -> None:
         os.close(fd)
     assert e.value.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
     delete(dev.dev_id)
+
+
+def _inflight(dev_id: int, n: int, timeout: float = 60) -> None:
+    """Wait until the server says ``n`` requests are in flight."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = json.loads(cli("list", "-n", str(dev_id), "--stats", "--json").stdout)[0]["stats"]
+        if rows and sum(r["inflight"] for r in rows) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"device {dev_id}: never {n} request(s) in flight in {timeout} s")
+
+
+def test_error_hang_holds_a_read_until_the_server_stops(tmp_path: Path) -> None:
+    """``hang``: the read is not answered while the server serves (the
+    kernel would wait forever on a privileged device); the server's own stop
+    (SIGTERM, as Ctrl-C or systemd's) fails it and still removes the device.
+    The range spares the blocks the kernel's partition scan reads."""
+    log = tmp_path / "server.log"
+    dev = start_server(["-t", "null", "-q", "1", "--filter",
+                        "error:ops=read,offset=1M,length=1M,hang=true"], log)
+    reader = subprocess.Popen(["dd", f"if=/dev/ublkb{dev.dev_id}", "of=/dev/null", "bs=4k",
+                               "count=1", "skip=256", "iflag=direct"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        _inflight(dev.dev_id, 1)
+        assert reader.poll() is None, reader.stderr
+        assert _direct_read(f"/dev/ublkb{dev.dev_id}", 0) == bytes(4096)  # the rest serves
+        os.kill(dev.pid, signal.SIGTERM)
+        assert wait_exit(dev.pid, 120) == 0, tail(log)
+        _, err = reader.communicate(timeout=60)
+    finally:
+        reader.kill()
+        reader.wait()
+    assert reader.returncode != 0 and "Input/output error" in err, err
+    assert not Path(f"/dev/ublkc{dev.dev_id}").exists()
 
 
 def test_run_serves_for_the_commands_lifetime(tmp_path: Path) -> None:

@@ -157,6 +157,34 @@ def test_a_user_creates_uses_and_deletes_a_device_of_its_own(udevd: None) -> Non
     assert all(d.dev_id != n for d in kernel.listing())
 
 
+def test_the_kernels_request_timeout_kills_a_server_that_never_answers(udevd: None) -> None:
+    """A request of an unprivileged device that is never answered (the
+    error filter's ``hang``): at the queue's io_timeout ublk_drv's timeout
+    handler kills the server (it does so for unprivileged devices only), so
+    the reader gets an I/O error instead of waiting forever. The range
+    spares the blocks the kernel's partition scan reads."""
+    work = Path(tempfile.mkdtemp(prefix="aioublk-user-"))
+    os.chown(work, USER, USER)
+    p = as_user(USER, *kernel.CLI, "add", "-t", "null", "--unprivileged", "-q", "1",
+                "--filter", "error:ops=read,offset=1M,length=1M,hang=true",
+                "--log-file", str(work / "server.log"), cwd=work)
+    assert p.returncode == 0, (p.stderr, (work / "server.log").read_text())
+    (dev,) = kernel.parse_list(p.stdout)
+    n = dev.dev_id
+    Path(f"/sys/block/ublkb{n}/queue/io_timeout").write_text("2000")  # ms
+    t0 = time.monotonic()
+    dd = as_user(USER, "dd", f"if=/dev/ublkb{n}", "of=/dev/null", "bs=4k", "count=1",
+                 "skip=256", "iflag=direct", timeout=120)
+    assert dd.returncode != 0 and "Input/output error" in dd.stderr, dd.stderr
+    assert time.monotonic() - t0 >= 2.0  # held until the timeout, not refused
+    kernel.wait_gone(dev.pid, 60)
+    listed = as_user(USER, *kernel.CLI, "list", "-n", str(n), cwd=work)
+    (after,) = kernel.parse_list(listed.stdout)
+    assert after.state == "DEAD", listed.stdout
+    gone = as_user(USER, *kernel.CLI, "del", "-n", str(n), cwd=work)
+    assert gone.returncode == 0, gone.stderr
+
+
 def test_what_needs_root_is_refused_in_one_line(udevd: None) -> None:
     work = Path(tempfile.mkdtemp(prefix="aioublk-user-"))
     os.chown(work, USER, USER)

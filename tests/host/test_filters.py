@@ -156,6 +156,31 @@ def test_error_rate_fails_about_that_share() -> None:
     assert 400 < failed < 600
 
 
+def test_error_hang_holds_requests_until_the_server_stops() -> None:
+    """``hang`` answers nothing it matches until ``stopping`` (called from
+    another thread, as a device's stop is); then those fail with ``errno``,
+    and so does any that comes after."""
+    inner = Memory()
+    top = ErrorFilter(inner, ops="read", errno="EIO", hang=True)
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        held = asyncio.ensure_future(top.read(0, memoryview(bytearray(4096))))
+        await top.write(0, memoryview(bytes(4096)))  # (not an op named: answered)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not held.done() and ("read", 0, 4096) not in inner.calls
+        await asyncio.to_thread(top.stopping)
+        first = await asyncio.gather(held, return_exceptions=True)
+        later = await asyncio.gather(top.read(0, memoryview(bytearray(4096))),
+                                     return_exceptions=True)
+        return first[0], later[0]
+
+    first, later = asyncio.run(scenario())
+    for e in (first, later):
+        assert isinstance(e, OSError) and e.errno == errno.EIO
+    assert [c[0] for c in inner.calls] == ["write"]
+
+
 @pytest.mark.parametrize("where", ["memory", "file"])
 def test_cow_keeps_the_inner_device_unwritten(where: str, tmp_path: Path) -> None:
     inner = Memory()
