@@ -129,7 +129,7 @@ def command(data: Mapping[str, Any], name: str) -> str:
          f"--rounds={data['rounds']}", *(["--quick"] if data["quick"] else [])]))
 
 
-def median(records: Iterable[Mapping[str, Any]], value: str = "iops",
+def median(records: Iterable[Mapping[str, Any]], value: str = "iops", /,
            **match: object) -> float | None:
     """The median of `value` over the records whose fields equal `match` (records
     without a number, failed runs, are left out)."""
@@ -353,8 +353,8 @@ def serve_main(name: str, ns: argparse.Namespace, cpus: int, extra: Sequence[str
     runtime = ns.runtime or (2 if ns.quick else 5)
     rounds = 1 if ns.quick and ns.rounds == 3 else ns.rounds
     if ns.report:
-        data = load(ns.report)
-        return publish(name, data, report(data, command(data, name)), plot, out=ns.out)
+        saved = load(ns.report)
+        return publish(name, saved, report(saved, command(saved, name)), plot, out=ns.out)
     if ns.inner:
         inner(runtime, rounds)
         return 0
@@ -380,8 +380,8 @@ def guest_main(name: str, doc: str | None, argv: list[str] | None, *, rounds: in
     ns = parser(doc, runtime=runtime, rounds=rounds, quick=quick).parse_args(argv)
     seconds = ns.runtime or (2 if ns.quick else runtime)
     if ns.report:
-        data = load(ns.report)
-        return publish(name, data, report(data, command(data, name)), plot, out=ns.out)
+        saved = load(ns.report)
+        return publish(name, saved, report(saved, command(saved, name)), plot, out=ns.out)
     if ns.inner:
         inner(seconds, ns.rounds, ns.quick, Path(ns.inner[1]))
         return 0

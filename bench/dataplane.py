@@ -320,10 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     runtime = ns.runtime or (2 if ns.quick else 5)
     if ns.report:
-        data = load(ns.report)
-        command = data.get("command") or (".venv/bin/python -m bench.dataplane --runtime "
-                                          f"{data['runtime']} --rounds {data['rounds']}")
-        return publish("dataplane", data, report(data, command), plot, out=ns.out)
+        saved = load(ns.report)
+        command = saved.get("command") or (".venv/bin/python -m bench.dataplane --runtime "
+                                           f"{saved['runtime']} --rounds {saved['rounds']}")
+        return publish("dataplane", saved, report(saved, command), plot, out=ns.out)
     if ns.inner:
         inner(ns.inner[0], runtime, ns.rounds, ns.quick, shlex.split(ns.aioublk_args),
               Path(ns.inner[1]))

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.common import (
     fmt,
@@ -179,8 +180,8 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, out: Path) -> None
         out.write_text(json.dumps(data))
 
     def log(what: str, iops: float | None, err: str | None) -> None:
-        shown = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {err}"
-        print(f"[{time.monotonic() - start:4.0f} s] {what} {shown}", flush=True)
+        saved = f"{iops:,.0f} IOPS" if iops is not None else f"ERROR {err}"
+        print(f"[{time.monotonic() - start:4.0f} s] {what} {saved}", flush=True)
 
     for r in range(rounds):
         for target in targets:
@@ -213,7 +214,7 @@ def _keys(records: list[dict[str, object]], *fields: str) -> list[tuple[object, 
     return list(dict.fromkeys(tuple(x[f] for f in fields) for x in records))
 
 
-def rows(data: dict[str, object]) -> list[dict[str, object]]:
+def rows(data: dict[str, object]) -> list[dict[str, Any]]:
     """One row per (target, mode, workload): median IOPS of each server and their ratio."""
     runs = data["runs"]
     assert isinstance(runs, list)
@@ -271,7 +272,7 @@ def plot(data: dict[str, object], path: Path) -> None:
     where = "QEMU TCG" if data["guest"] else "host"
     grouped_bars(
         path, list(dict.fromkeys(str(r["workload"]) for r in table)), series,
-        {(str(r["workload"]), f"{r['target']} {r['mode']}"): r["ratio"]  # type: ignore[misc]
+        {(str(r["workload"]), f"{r['target']} {r['mode']}"): r["ratio"]
          for r in table},
         "aioublk IOPS / kublk IOPS",
         f"aioublk / kublk IOPS\n{where}, {data['cpus']} CPUs, Linux {data['kernel']}, "
@@ -299,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                 quick="null target, per-io and batch, 4k randread qd64, 1 round of 2 s")
     ns = ap.parse_args(argv)
     if ns.report:
-        data = load(ns.report)
-        return publish("modes", data, report(data, command(data)), plot, out=ns.out)
+        saved = load(ns.report)
+        return publish("modes", saved, report(saved, command(saved)), plot, out=ns.out)
     runtime = ns.runtime or (2 if ns.quick else 5)
     rounds = ns.rounds or 1
     if ns.inner:

@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     runtime = ns.runtime or 10
     if ns.report:
-        data = load(ns.report)
-        return publish("null_kublk", data, report(data), plot, out=ns.out)
+        saved = load(ns.report)
+        return publish("null_kublk", saved, report(saved), plot, out=ns.out)
     if ns.inner:
         inner(ns.inner[0], runtime, ns.rounds, Path(ns.inner[1]))
         return 0

@@ -912,8 +912,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="guest vCPUs (default 4: the driver caps queues at the CPU count)")
     ns = ap.parse_args(argv)
     if ns.report:
-        data = load(ns.report)
-        return publish("qcow2", data, report(data, command(data)), plot, out=ns.out)
+        saved = load(ns.report)
+        return publish("qcow2", saved, report(saved, command(saved)), plot, out=ns.out)
     runtime = ns.runtime or (2 if ns.quick else 5)
     nbd_aio = list(NBD_AIO) if ns.nbd_aio == "both" else [ns.nbd_aio]
     if ns.inner:

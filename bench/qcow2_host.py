@@ -206,10 +206,10 @@ def engine_bench(image: str, write: bool, depth: int, count: int, step: int,
     except (ValueError, IndexError) as e:
         return {"error": f"driver output unreadable: {e!r}: {out[-300:]!r}"}
     r["iops"] = count / r["seconds"] if r["seconds"] else None
-    return r
+    return dict(r)
 
 
-def run(folder: str, rounds: int, quick: bool, size: int, step: int) -> dict[str, object]:
+def run(folder: str, rounds: int, quick: bool, size: int, step: int) -> dict[str, Any]:
     image = os.path.join(folder, "bench.qcow2")
     _, err = _sh(["qemu-img", "create", "-q", "-f", "qcow2", "-o", "preallocation=full",
                   image, str(size)], timeout=600)

@@ -49,7 +49,6 @@ def _round(target: str, path: str, work: Path) -> dict[str, object]:
         fio_result,
         reap,
         start_fio_verify,
-        start_server,
         wait_state,
     )
     from tests.support import kernel
@@ -64,7 +63,7 @@ def _round(target: str, path: str, work: Path) -> dict[str, object]:
     else:
         files = [str(kernel.make_file(work / "disk.img", SIZE))]
     args = ["-t", target, "-q", "2", "-d", "32", path, "-r", "1", "-i", "1", *files]
-    dev = start_server(args, work / "server-0.log")
+    dev = kernel.start_server(args, work / "server-0.log")
     fio = start_fio_verify(dev.dev_id, work, SIZE)
     handovers = []
     for n, how in enumerate(["kill", "quiesce" if path == "--no-batch" else "sigterm"], 1):
@@ -78,12 +77,12 @@ def _round(target: str, path: str, work: Path) -> dict[str, object]:
             assert cli_mod.main(["quiesce", "-n", str(dev.dev_id)]) == 0
             assert reap(dev.pid) == 0, kernel.tail(work / f"server-{n - 1}.log")
         wait_state(dev.dev_id, "QUIESCED")
-        dev = start_server(["-n", str(dev.dev_id), *args], work / f"server-{n}.log",
-                           cmd="recover")
+        dev = kernel.start_server(["-n", str(dev.dev_id), *args], work / f"server-{n}.log",
+                                  cmd="recover")
         handovers.append(how)
     job = fio_result(fio, timeout=600)
     verified = job["read"]["io_bytes"]  # type: ignore[index]
-    assert verified == SIZE, job["read"]  # type: ignore[index]
+    assert verified == SIZE, job["read"]
     kernel.delete(dev.dev_id)
     assert reap(dev.pid) == 0, kernel.tail(work / f"server-{len(handovers)}.log")
     check = ""
@@ -175,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=60.0)
     ns = ap.parse_args(argv)
     if ns.report:
-        data = load(ns.report)
-        return publish("soak", data, report(data), plot, out=ns.out)
+        saved = load(ns.report)
+        return publish("soak", saved, report(saved), plot, out=ns.out)
     if ns.inner:
         return inner(ns.minutes, Path(ns.inner[0]))
     # a round that hangs is bounded by the test helpers' own timeouts

@@ -114,11 +114,11 @@ def _best_qemu(runs: list[dict[str, Any]], workload: str, layout: str) -> list[d
 
 def rows(data: Data) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = data["runs"]
-    out = []
+    out: list[dict[str, Any]] = []
     for workload in WORKLOADS:
         for layout in LAYOUTS:
             recs = runs + _best_qemu(runs, workload, layout)
-            match = {"workload": workload, "layout": layout}
+            match: dict[str, object] = {"workload": workload, "layout": layout}
             out.append({
                 **match,
                 "aioublk": median(recs, **match, who="aioublk start"),
