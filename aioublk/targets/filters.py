@@ -512,6 +512,12 @@ class ErrorFilter(Filter):
                         held.discard(this)
         raise OSError(self.code, f"error filter: {op} fails with {self.errno_name}")
 
+    def configure(self, device_flags: int) -> None:
+        with self._lock:  # (served again, e.g. recovered: hold again)
+            if self._held is None:
+                self._held = set()
+        super().configure(device_flags)
+
     def stopping(self) -> None:
         with self._lock:
             held, self._held = list(self._held or ()), None

@@ -180,6 +180,18 @@ def test_error_hang_holds_requests_until_the_server_stops() -> None:
         assert isinstance(e, OSError) and e.errno == errno.EIO
     assert [c[0] for c in inner.calls] == ["write"]
 
+    async def served_again() -> bool:
+        top.configure(0)  # (a new start of the same target, as a recovery's)
+        held = asyncio.ensure_future(top.read(0, memoryview(bytearray(4096))))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        waiting = not held.done()
+        top.stopping()
+        await asyncio.gather(held, return_exceptions=True)
+        return waiting
+
+    assert asyncio.run(served_again())
+
 
 @pytest.mark.parametrize("where", ["memory", "file"])
 def test_cow_keeps_the_inner_device_unwritten(where: str, tmp_path: Path) -> None:
