@@ -83,6 +83,32 @@ def test_placement_filters_keep_c_serving_and_move_the_data(tmp_path: Path) -> N
         assert f.read(4096) == mark
 
 
+def test_fio_verifies_through_a_stack_of_the_python_filters(tmp_path: Path) -> None:
+    """fio's verify through one stack of every filter that hands data on
+    (encrypt changed and back), outermost first; the ones that refuse or
+    fail guard ranges fio does not write, so they pass its requests on."""
+    backing = make_file(tmp_path / "disk.img", 40 * MiB)
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(64))
+    log = tmp_path / "requests.log"
+    dev = add("-t", "loop", str(backing), "-q", "1", "--filter", f"log:file={log}",
+              "--filter", "rate:iops=100000", "--filter", "delay:write=1ms",
+              "--filter", "error:ops=write,offset=30M", "--filter", "protect:ranges=31M-32M",
+              "--filter", f"encrypt:keyfile={key}", "--filter", "offset:offset=1M",
+              "--filter", "truncate:size=36M")
+    assert dev.sectors == 35 * MiB >> 9  # (truncate, inner, first; then the offset)
+    job = fio(f"/dev/ublkb{dev.dev_id}", tmp_path, "--rw=randwrite", "--bs=8k",
+              "--iodepth=16", "--size=16M", "--verify=crc32c", "--verify_fatal=1",
+              "--do_verify=1")
+    assert job["write"]["io_bytes"] == 16 * MiB  # type: ignore[index]
+    delete(dev.dev_id)
+    ops = {json.loads(line)["op"] for line in log.read_text().splitlines()}
+    assert {"read", "write"} <= ops
+    with open(backing, "rb") as f:
+        assert f.read(MiB) == bytes(MiB)  # before the offset: never written
+        assert f.read(16 * MiB).count(0) < 8 * MiB  # fio's blocks, encrypted
+
+
 def test_delay_error_and_readonly_are_seen_from_outside(tmp_path: Path) -> None:
     backing = make_file(tmp_path / "disk.img", 16 * MiB)
     dev = add("-t", "loop", str(backing), "-q", "1", "--filter",
