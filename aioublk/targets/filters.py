@@ -39,7 +39,6 @@ RAM, ``cow``, an overlay that keeps the inner device unwritten, and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import json
 import logging
@@ -488,28 +487,29 @@ class ErrorFilter(Filter):
         self.start = offset
         self.end = offset + length if length is not None else 1 << 64
         self.random = random.Random(seed)
-        # the requests ``hang`` holds, each on its queue's loop; none once stopping
-        self._held: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] | None = set()
+        # wakes of the requests ``hang`` holds, on their queues' loops; None: stopping
+        self._held: set[Callable[[], None]] | None = set()
         self._lock = threading.Lock()
         super().__init__(inner)
 
-    async def _fail(self, op: str, offset: int = 0, length: int = 1 << 64) -> None:
-        if op not in self.ops or offset >= self.end or offset + length <= self.start or (
-                self.rate < 1 and self.random.random() >= self.rate):
-            return
+    def _matches(self, op: str, offset: int = 0, length: int = 1 << 64) -> bool:
+        return op in self.ops and offset < self.end and offset + length > self.start and (
+            self.rate >= 1 or self.random.random() < self.rate)
+
+    async def _fail(self, op: str) -> None:
+        """Fail a matching request, with ``hang`` once the server stops."""
         if self.hang:
-            loop = asyncio.get_running_loop()
-            this = (loop, loop.create_future())
+            held_until, wake = crossloop.waiter()
             with self._lock:
                 held = self._held
                 if held is not None:
-                    held.add(this)
+                    held.add(wake)
             if held is not None:  # (else the server is stopping: fail it now)
                 try:
-                    await this[1]
+                    await held_until
                 finally:
                     with self._lock:
-                        held.discard(this)
+                        held.discard(wake)
         raise OSError(self.code, f"error filter: {op} fails with {self.errno_name}")
 
     def configure(self, device_flags: int) -> None:
@@ -521,29 +521,33 @@ class ErrorFilter(Filter):
     def stopping(self) -> None:
         with self._lock:
             held, self._held = list(self._held or ()), None
-        for loop, fut in held:
-            with contextlib.suppress(RuntimeError):  # (its loop has closed)
-                loop.call_soon_threadsafe(_answer, fut)
+        for wake in held:
+            wake()
         super().stopping()
 
     async def read(self, offset: int, buf: memoryview) -> None:
-        await self._fail("read", offset, len(buf))
+        if self._matches("read", offset, len(buf)):
+            await self._fail("read")
         await super().read(offset, buf)
 
     async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
-        await self._fail("write", offset, len(buf))
+        if self._matches("write", offset, len(buf)):
+            await self._fail("write")
         await super().write(offset, buf, fua)
 
     async def flush(self) -> None:
-        await self._fail("flush")
+        if self._matches("flush"):
+            await self._fail("flush")
         await super().flush()
 
     async def discard(self, offset: int, length: int) -> None:
-        await self._fail("discard", offset, length)
+        if self._matches("discard", offset, length):
+            await self._fail("discard")
         await super().discard(offset, length)
 
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
-        await self._fail("write_zeroes", offset, length)
+        if self._matches("write_zeroes", offset, length):
+            await self._fail("write_zeroes")
         await super().write_zeroes(offset, length, unmap)
 
     def settings(self) -> dict[str, object]:
@@ -551,11 +555,6 @@ class ErrorFilter(Filter):
                 "offset": self.start,
                 "length": None if self.end == 1 << 64 else self.end - self.start,
                 **({"hang": True} if self.hang else {})}
-
-
-def _answer(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _ops(names: Iterable[str]) -> frozenset[str]:
