@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -160,20 +160,34 @@ def paired(records: Iterable[Mapping[str, Any]], num: Mapping[str, object],
     return statistics.median(ratios) if ratios else None
 
 
-def best_per_round(records: Iterable[Mapping[str, Any]], settings: Mapping[str, str],
-                   value: str = "iops", **match: object) -> dict[Any, tuple[float, str]]:
-    """The peer's best setting in each round, for the row ``match`` names: (value, its
-    label). ``settings`` maps each of the peer's server names to its label."""
+class AgainstBest(NamedTuple):
+    """One row of ours against the peer's best setting in each round."""
+
+    peer: float | None  # the median over rounds of the peer's best
+    ours: float | None  # the median of ours
+    ratios: list[float]  # each round's ours / the peer's best, in round order
+    settings: str  # the peer's settings that were its best, joined by " / ", or "—"
+
+
+def against_best(records: Iterable[Mapping[str, Any]], ours: str,
+                 settings: Mapping[str, str], **match: object) -> AgainstBest:
+    """Server ``ours`` against the peer's best setting in each round, on the row
+    ``match`` names; ``settings`` maps each of the peer's server names to its label."""
     best: dict[Any, tuple[float, str]] = {}
+    mine: dict[Any, float] = {}
     for x in records:
-        label = settings.get(str(x.get("server")))
-        if label is None or x.get(value) is None or \
-                any(x.get(k) != v for k, v in match.items()):
+        if x.get("iops") is None or any(x.get(k) != v for k, v in match.items()):
             continue
-        got = float(x[value])
-        if x["round"] not in best or got > best[x["round"]][0]:
+        got, label = float(x["iops"]), settings.get(str(x.get("server")))
+        if x.get("server") == ours:
+            mine[x["round"]] = got
+        elif label is not None and (x["round"] not in best or got > best[x["round"]][0]):
             best[x["round"]] = (got, label)
-    return best
+    return AgainstBest(
+        statistics.median(v for v, _ in best.values()) if best else None,
+        statistics.median(mine.values()) if mine else None,
+        [mine[r] / best[r][0] for r in sorted(mine) if r in best and best[r][0]],
+        " / ".join(sorted({n for _, n in best.values()})) or "—")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bench.common import (
-    best_per_round,
+    against_best,
     fmt,
     footer,
     load,
@@ -180,18 +180,11 @@ def goal_rows(data: dict[str, object]) -> list[GoalRow]:
     for g in GOALS:
         if not _ran(runs, g.device, g.workload):
             continue
-        best = best_per_round(runs, {"kublk": "-b", PER_IO: "per-io"},
-                              device=g.device, workload=g.workload)
-        mine = {x["round"]: float(x["iops"]) for x in runs
-                if (x["device"], x["workload"], x["server"]) == (g.device, g.workload, "aioublk")
-                and x.get("iops") is not None}
-        k = statistics.median(v for v, _ in best.values()) if best else None
-        a = median(runs, server="aioublk", device=g.device, workload=g.workload)
-        rounds = [mine[r] / best[r][0] for r in sorted(mine) if r in best and best[r][0]]
-        settings = sorted({n for _, n in best.values()})
-        out.append(GoalRow(g.label, k, a, ratio(a, k),
-                           statistics.median(rounds) if rounds else None, g.target,
-                           " / ".join(settings) or "—"))
+        b = against_best(runs, "aioublk", {"kublk": "-b", PER_IO: "per-io"},
+                         device=g.device, workload=g.workload)
+        out.append(GoalRow(g.label, b.peer, b.ours, ratio(b.ours, b.peer),
+                           statistics.median(b.ratios) if b.ratios else None, g.target,
+                           b.settings))
     return out
 
 

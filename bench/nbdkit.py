@@ -38,11 +38,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bench.common import (
-    best_per_round,
+    against_best,
     fmt,
     footer,
     guest_main,
-    median,
     notes,
     ratio,
     ratio_bars,
@@ -180,15 +179,10 @@ def rows(data: dict[str, object]) -> list[Row]:
     assert isinstance(runs, list)
     out = []
     for w in WORKLOADS:
-        best = best_per_round(runs, {f"nbdkit {t}": t for t in THREAD_MODELS}, workload=w)
-        mine = {x["round"]: float(x["iops"]) for x in runs
-                if (x["server"], x["workload"]) == ("aioublk", w) and x["iops"] is not None}
-        if not best and not mine:
-            continue
-        out.append(Row(w, statistics.median(v for v, _ in best.values()) if best else None,
-                       median(runs, server="aioublk", workload=w),
-                       [mine[r] / best[r][0] for r in sorted(mine) if r in best and best[r][0]],
-                       " / ".join(sorted({t for _, t in best.values()})) or "—"))
+        b = against_best(runs, "aioublk", {f"nbdkit {t}": t for t in THREAD_MODELS},
+                         workload=w)
+        if b.peer is not None or b.ours is not None:
+            out.append(Row(w, b.peer, b.ours, b.ratios, b.settings))
     return out
 
 
