@@ -612,11 +612,14 @@ static int dp_flush_queue(struct aur_dp *dp, unsigned local)
     return 0;
 }
 
+static void dp_ext_flush(struct aur_dp *dp);
+
 int aur_dp_flush(struct aur_dp *dp)
 {
     unsigned i;
     int ret, first = 0;
 
+    dp_ext_flush(dp);
     for (i = 0; i < dp->s.nr_queues; i++) {
         dp_send_held(dp, i);
         if (!dp->s.batch)
@@ -1094,6 +1097,18 @@ static int dp_ext_watch(struct aur_dp *dp, struct dp_out *o)
         }
     }
     return queued;
+}
+
+/* The pass handed the plug-in what it had: it sends it (and says what it
+   waits for: a socket that took only part). */
+static void dp_ext_flush(struct aur_dp *dp)
+{
+    struct dp_ext *e = dp->ext_map;
+
+    if (e && e->ops->flush) {
+        e->ops->flush(e->ctx);
+        dp_ext_watch(dp, NULL);
+    }
 }
 
 /* The plug-in's answer to (local, tag): the CQE it stands for, next pass. */

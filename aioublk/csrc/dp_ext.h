@@ -24,6 +24,8 @@
  *   submit and every ready, and by kick.
  * - ready(ctx, revents): the watched fd's poll result (poll(2) bits, or
  *   -errno when the poll itself failed).
+ * - flush(ctx), optional: the pass handed over what it had; send it now
+ *   (a plug-in may gather a pass's requests into one send).
  * - kick(dp): from the plug-in, outside the data plane's pass (Python did
  *   something on the connection): ask wants() again. Returns nonzero when
  *   the ring has work queued (Python ends its loop turn with a submit).
@@ -54,6 +56,7 @@ struct aur_dp_ext {
                   uint32_t len, void *buf);
     unsigned (*wants)(void *ctx, int *fd);
     void (*ready)(void *ctx, int revents);
+    void (*flush)(void *ctx);
 };
 
 #endif
