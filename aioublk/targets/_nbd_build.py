@@ -12,8 +12,9 @@ CQEs are, rather than calling into Python once per completion.
 
 The data plane's plug-in (``anbd_ext``, ``csrc/nbd.c``) sends the reads and
 writes the worker's data plane hands it, on the connection Python made,
-with no Python per request; its table reaches ``aioublk._uring`` as an
-address, once (``dataplane.External``). Its C is ``csrc/nbd.c``.
+with no Python per request (itself, or through libnbd over TLS); its table
+reaches ``aioublk._uring`` as an address, once (``dataplane.External``).
+Its C is ``csrc/nbd.c``.
 
 Supported: libnbd >= 1.14 (Debian 12).
 """

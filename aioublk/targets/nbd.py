@@ -1,28 +1,33 @@
 """The nbd target: the device's bytes live on an NBD server (qemu-nbd,
 qemu-storage-daemon, nbdkit and its plugins), reached through libnbd.
 
-Why libnbd rather than the protocol over the queue's ring: it is the NBD
-project's maintained client (handshake, structured replies, block-size
-constraints, TLS through gnutls), and its asynchronous API fits a queue's
-loop as it is: one socket fd, a readiness direction, and commands pipelined
-on it with no thread.
+libnbd connects: it is the NBD project's maintained client (handshake,
+structured replies, block-size constraints, TLS through gnutls), and its
+asynchronous API fits a queue's loop as it is: one socket fd, a readiness
+direction, and commands pipelined on it with no thread.
 
 Reads and writes go in C: the target's map is the nbd extension's plug-in
 (``csrc/nbd.c``, ``dataplane.External``). Once a queue's data plane has
-taken it and Python has connected, the handle is plugged in: the data plane
-hands the plug-in every READ and non-FUA WRITE, which it sends with libnbd
-on the worker's thread into or from the tag's buffer; the socket is watched
-by polls on the queue's ring, and each completion commits its request, all
-without Python. Python keeps the rest on the same handle (flush, trim,
-zeroes, FUA writes, and every request C hands back: one answered with an
-error, or lost with its connection), and everything while no handle is
-plugged (connecting, reconnecting, other copy modes): there each request is
-a coroutine awaiting a future (or the task-free ``start_read``), the fd is
-watched with ``add_reader`` (always) and ``add_writer`` (while libnbd has
-bytes to send), and after each ``nbd_aio_notify_*`` the completions the C
-side recorded are reaped in bulk and resolve their futures. When C sees
-the handle die it lets go of it at once and tells Python (``EV_EXT``),
-which reconnects as below and plugs the new handle in.
+taken it and Python has connected, the handle is plugged in, and the data
+plane hands the plug-in every READ and non-FUA WRITE. Without TLS the
+plug-in then owns the socket (the transmission phase in C): it writes each
+pass's requests in one ``sendmsg`` from the tag buffers and parses the
+replies, simple or structured, from large reads straight into them, where
+libnbd would read each reply in pieces (four reads for a structured one).
+Over TLS, libnbd keeps sending and parsing on the worker's thread. Either
+way the socket is watched by polls on the queue's ring, and each completion
+commits its request, all without Python. Python keeps the rest on the same
+connection (flush, trim, zeroes, FUA writes, and every request C hands
+back: one answered with an error, or lost with its connection), sent
+through the plug-in while it owns the socket, and everything while no
+handle is plugged (connecting, reconnecting, other copy modes): there each
+request is a coroutine awaiting a future (or the task-free
+``start_read``), the fd is watched with ``add_reader`` (always) and
+``add_writer`` (while libnbd has bytes to send), and after each
+``nbd_aio_notify_*`` the completions the C side recorded are reaped in
+bulk and resolve their futures. When C sees the connection die (or a
+reply break the protocol) it lets go of it at once and tells Python
+(``EV_EXT``), which reconnects as below and plugs the new handle in.
 
 Connections: one per queue loop when the server advertises multi-conn (its
 connections then share one consistent cache, so a flush on one covers
@@ -87,8 +92,6 @@ _FIRST_DELAY, _MAX_DELAY = 0.1, 5.0
 CONNECT_TIMEOUT = 10.0
 _REAP = 64
 
-#: sends one command: (handle, completion queue, request id) -> cookie, or -1
-Issue = Callable[[Any, Any, int], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,18 +169,20 @@ def _why(ffi: Any, lib: Any) -> str:
 
 
 class _Cmd:
-    """One command, sent again after a reconnection until it is answered:
-    a coroutine's (``fut``) or a fast-path request's (``done`` gets ``n``
-    or -errno, once). ``buf`` (the request's buffer as cffi holds it) is
-    released when it is answered: a cffi buffer view left to the garbage
-    collector in a cycle with what it views can be freed after it, and
-    crashes the interpreter."""
+    """One NBD command (``kind``: the C side's ANBD_*), sent again after a
+    reconnection until it is answered: a coroutine's (``fut``) or a
+    fast-path request's (``done`` gets ``n`` or -errno, once). ``buf`` (the
+    request's buffer as cffi holds it) is released when it is answered: a
+    cffi buffer view left to the garbage collector in a cycle with what it
+    views can be freed after it, and crashes the interpreter."""
 
-    __slots__ = ("issue", "buf", "fut", "done", "n")
+    __slots__ = ("kind", "buf", "count", "offset", "flags", "fut", "done", "n")
 
-    def __init__(self, issue: Issue, buf: Any, fut: asyncio.Future[None] | None = None,
-                 done: Done | None = None, n: int = 0) -> None:
-        self.issue, self.buf, self.fut, self.done, self.n = issue, buf, fut, done, n
+    def __init__(self, kind: int, buf: Any, count: int, offset: int, flags: int = 0, *,
+                 fut: asyncio.Future[None] | None = None, done: Done | None = None,
+                 n: int = 0) -> None:
+        self.kind, self.buf, self.count, self.offset, self.flags = kind, buf, count, offset, flags
+        self.fut, self.done, self.n = fut, done, n
 
     @property
     def abandoned(self) -> bool:
@@ -276,7 +281,8 @@ class _Link:
         lib, h = self.lib, self.h
         if self.plugged:  # (C lets go of a dead handle here)
             self._kicked(lib.anbd_ext_kick(self.ext))
-        dead = bool(lib.nbd_aio_is_dead(h) or lib.nbd_aio_is_closed(h))
+        dead = bool(lib.nbd_aio_is_dead(h) or lib.nbd_aio_is_closed(h)
+                    or (self.plugged and lib.anbd_ext_handle(self.ext) == self.ffi.NULL))
         self._reap(dead)
         if dead:
             if self.plugged and not self.why:
@@ -405,15 +411,17 @@ class _Link:
 
     # --------------------------------------------------- requests -------
 
-    async def run(self, issue: Issue, buf: Any = None) -> None:
+    async def run(self, kind: int, buf: Any = None, count: int = 0, offset: int = 0,
+                  flags: int = 0) -> None:
         """Send one command and wait for its answer (holding it while down)."""
         fut = self.loop.create_future()
-        self._submit(_Cmd(issue, buf, fut))
+        self._submit(_Cmd(kind, buf, count, offset, flags, fut=fut))
         await fut
 
-    def start(self, issue: Issue, buf: Any, n: int, done: Done) -> None:
-        """Send one command of the fast path: ``done(n)`` when answered."""
-        self._submit(_Cmd(issue, buf, done=done, n=n))
+    def start(self, kind: int, buf: Any, offset: int, done: Done) -> None:
+        """Send a read or write of the fast path: ``done(len)`` when answered."""
+        n = len(buf)
+        self._submit(_Cmd(kind, buf, n, offset, done=done, n=n))
 
     def _submit(self, cmd: _Cmd) -> None:
         if not self.up:
@@ -422,7 +430,10 @@ class _Link:
             return
         rid = next(self.ids)
         self.pending[rid] = cmd
-        if cmd.issue(self.h, self.q, rid) == -1:
+        ext = self.ext if self.plugged else self.ffi.NULL  # (C's own transmission, if any)
+        buf = cmd.buf if cmd.buf is not None else self.ffi.NULL
+        if self.lib.anbd_cmd(self.h, self.q, ext, cmd.kind, buf, cmd.count, cmd.offset, rid,
+                             cmd.flags) == -1:
             self.pending.pop(rid, None)
             err = self.lib.nbd_get_errno() or errno.EIO
             if self.lib.nbd_aio_is_ready(self.h) or self.lib.nbd_aio_is_processing(self.h):
@@ -608,48 +619,43 @@ class NbdTarget(Target):
     # ------------------------------------------------------- requests ---
 
     def start_read(self, offset: int, buf: memoryview, done: Done) -> bool:
-        b, n, lib = self.ffi.from_buffer(buf), len(buf), self.lib
-        self._link().start(lambda h, q, i: lib.anbd_pread(h, q, b, n, offset, i, 0), b, n, done)
+        self._link().start(self.lib.ANBD_READ, self.ffi.from_buffer(buf), offset, done)
         return True
 
     def start_write(self, offset: int, buf: memoryview, done: Done) -> bool:
         if self.read_only:
             return False  # the coroutine refuses it
-        b, n, lib = self.ffi.from_buffer(buf), len(buf), self.lib
-        self._link().start(lambda h, q, i: lib.anbd_pwrite(h, q, b, n, offset, i, 0), b, n,
-                           done)
+        self._link().start(self.lib.ANBD_WRITE, self.ffi.from_buffer(buf), offset, done)
         return True
 
     async def read(self, offset: int, buf: memoryview) -> None:
-        b, n, lib = self.ffi.from_buffer(buf), len(buf), self.lib
-        await self._link().run(lambda h, q, i: lib.anbd_pread(h, q, b, n, offset, i, 0), b)
+        await self._link().run(self.lib.ANBD_READ, self.ffi.from_buffer(buf), len(buf), offset)
 
     async def write(self, offset: int, buf: memoryview, fua: bool = False) -> None:
         if self.read_only:
             raise OSError(errno.EROFS, f"NBD export {self.uri} is read-only")
-        b, n, lib = self.ffi.from_buffer(buf), len(buf), self.lib
+        lib = self.lib
         flags = lib.LIBNBD_CMD_FLAG_FUA if fua and self.can_fua else 0
-        await self._link().run(lambda h, q, i: lib.anbd_pwrite(h, q, b, n, offset, i, flags), b)
+        await self._link().run(lib.ANBD_WRITE, self.ffi.from_buffer(buf), len(buf), offset,
+                               flags)
         if fua and not self.can_fua:
             await self.flush()
 
     async def flush(self) -> None:
         if self.can_flush:
-            lib = self.lib
-            await self._link().run(lambda h, q, i: lib.anbd_flush(h, q, i, 0))
+            await self._link().run(self.lib.ANBD_FLUSH)
 
     async def discard(self, offset: int, length: int) -> None:
         if not self.can_trim or self.read_only:
             raise OSError(errno.EOPNOTSUPP, f"NBD export {self.uri} cannot trim")
-        lib = self.lib
-        await self._link().run(lambda h, q, i: lib.anbd_trim(h, q, length, offset, i, 0))
+        await self._link().run(self.lib.ANBD_TRIM, None, length, offset)
 
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
         if not self.can_zero or self.read_only:
             raise OSError(errno.EOPNOTSUPP, f"NBD export {self.uri} cannot write zeroes")
         lib = self.lib
         flags = 0 if unmap else lib.LIBNBD_CMD_FLAG_NO_HOLE
-        await self._link().run(lambda h, q, i: lib.anbd_zero(h, q, length, offset, i, flags))
+        await self._link().run(lib.ANBD_ZERO, None, length, offset, flags)
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "uri": self.uri, "multi_conn": self.multi_conn}

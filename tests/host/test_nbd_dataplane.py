@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import shutil
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -129,14 +130,103 @@ async def test_reads_and_writes_are_served_in_c(qemu_nbd: Server, disk: Path) ->
             assert bytes(p.buf(tag + 2)[:n]) == datas[tag]
         assert (p.counts.c_served, p.counts.py_handed) == (4, 0)
         assert rig.t.lib.anbd_ext_sent(rig.link.ext) == 4
+        assert rig.t.lib.anbd_ext_own(rig.link.ext) == 1  # C's own transmission, not libnbd
+
+
+async def _batch(rig: Rig, op: int, n: int, length: int) -> None:
+    """n requests of length bytes fetched together, at n consecutive offsets,
+    each committed by C."""
+    p = rig.plane
+    p.events.clear()
+    for tag in range(n):
+        p.fetch(tag, op, length >> 9, tag * (length >> 9))
+    await p.wait_for(lambda: len(p.events) == n)
+    assert all(_io_done(e) for e in p.events)
+
+
+@pytest.mark.asyncio
+async def test_a_pass_sends_its_requests_in_one_sendmsg(qemu_nbd: Server, disk: Path) -> None:
+    """DEPTH writes fetched together go to the socket in one sendmsg from
+    the tag buffers (header, data, header, data...), and the reads that
+    follow are parsed out of few large reads, each into its own buffer."""
+    async with rig_of(qemu_nbd.uri()) as rig:
+        p, lib, ext = rig.plane, rig.t.lib, rig.link.ext
+        datas = [os.urandom(4096) for _ in range(DEPTH)]
+        for tag, data in enumerate(datas):
+            p.buf(tag)[:4096] = data
+        sends = lib.anbd_ext_sends(ext)
+        await _batch(rig, uapi.Op.WRITE, DEPTH, 4096)
+        assert lib.anbd_ext_sends(ext) - sends == 1
+        assert disk.read_bytes()[:DEPTH * 4096] == b"".join(datas)
+        for tag in range(DEPTH):
+            p.buf(tag)[:4096] = bytes(4096)
+        reads = lib.anbd_ext_reads(ext)
+        await _batch(rig, uapi.Op.READ, DEPTH, 4096)
+        assert [bytes(p.buf(tag)[:4096]) for tag in range(DEPTH)] == datas
+        # (a read per reply would be 2 * DEPTH: header, then data)
+        assert lib.anbd_ext_reads(ext) - reads <= DEPTH
+
+
+@pytest.mark.asyncio
+async def test_simple_replies_are_parsed_in_c(tmp_path: Path) -> None:
+    """A server that does not speak structured replies (nbdkit --no-sr):
+    C reads each simple reply's data into its tag buffer, 4k and 128k, and
+    a write then read of the same bytes round-trips."""
+    sock = tmp_path / "kit.sock"
+    kit = Server(["nbdkit", "-f", "--no-sr", "-U", str(sock), "memory", f"size={SIZE}"],
+                 sock).start()
+    try:
+        async with rig_of(kit.uri("")) as rig:
+            lib, p = rig.t.lib, rig.plane
+            assert lib.nbd_get_structured_replies_negotiated(rig.link.h) == 0
+            assert lib.anbd_ext_own(rig.link.ext) == 1
+            for n, off in ((4096, 1 << 20), (MAX_IO, 3 << 20)):
+                data = os.urandom(n)
+                p.buf(0)[:n] = data
+                assert _io_done(await rig.rw(0, uapi.Op.WRITE, off, n))
+                p.buf(1)[:n] = bytes(n)
+                assert _io_done(await rig.rw(1, uapi.Op.READ, off, n))
+                assert bytes(p.buf(1)[:n]) == data
+            p.buf(2)[:MAX_IO] = b"\xa5" * MAX_IO  # never written: the server's zeroes
+            assert _io_done(await rig.rw(2, uapi.Op.READ, SIZE - MAX_IO, MAX_IO))
+            assert bytes(p.buf(2)[:MAX_IO]) == bytes(MAX_IO)
+            assert p.counts.c_served == 5
+            # an error's simple reply carries no data: the next reply parses after it
+            assert (await rig.rw(3, uapi.Op.READ, SIZE, 4096))[::3] == (EV_RETRY, -errno.EINVAL)
+            assert _io_done(await rig.rw(1, uapi.Op.READ, 1 << 20, 4096))
+            assert lib.anbd_ext_own(rig.link.ext) == 1
+    finally:
+        kit.kill()
+
+
+@pytest.mark.skipif(shutil.which("certtool") is None, reason="needs certtool (gnutls-bin)")
+@pytest.mark.asyncio
+async def test_tls_stays_with_libnbd(tmp_path: Path) -> None:
+    """Over TLS the socket carries gnutls's records, not NBD: libnbd keeps
+    sending and parsing, plugged into the data plane as before."""
+    certs = test_nbd_host._certificates(tmp_path / "certs", server=True)
+    kit, uri = test_nbd_host._tls_nbdkit(certs, None)
+    try:
+        async with rig_of(uri, tls_certificates=str(certs)) as rig:
+            p = rig.plane
+            assert rig.t.lib.anbd_ext_own(rig.link.ext) == 0
+            data = os.urandom(4096)
+            p.buf(0)[:4096] = data
+            assert _io_done(await rig.rw(0, uapi.Op.WRITE, 0, 4096))
+            assert _io_done(await rig.rw(1, uapi.Op.READ, 0, 4096))
+            assert bytes(p.buf(1)[:4096]) == data
+            assert p.counts.c_served == 2
+    finally:
+        kit.kill()
+        kit.wait()
 
 
 @pytest.mark.asyncio
 async def test_structured_replies_with_holes_fill_the_buffer(qemu_nbd: Server,
                                                              disk: Path) -> None:
     """qemu-nbd answers a read over a hole with structured reply chunks
-    (OFFSET_HOLE): libnbd zeroes those parts of the tag buffer, which held
-    garbage, and C commits the read whole."""
+    (OFFSET_HOLE): C zeroes those parts of the tag buffer, which held
+    garbage, and commits the read whole."""
     async with rig_of(qemu_nbd.uri()) as rig:
         assert rig.t.lib.nbd_get_structured_replies_negotiated(rig.link.h) == 1
         p = rig.plane

@@ -8,10 +8,11 @@
  *
  * The plug-in (anbd_ext, dp_ext.h): once Python has connected a handle it
  * plugs it in, and the worker's data plane hands it every READ and WRITE
- * it fetches; it sends them with nbd_aio_pread/pwrite, the request's tag
- * buffer as the data, and libnbd parses the replies (simple or
- * structured) into it. Each completion callback answers the data plane
- * (done), which commits on its next pass. The socket's readiness comes
+ * it fetches, the request's tag buffer as the data. Without TLS the
+ * plug-in speaks the transmission phase itself (below: "own"); over TLS
+ * it sends them with nbd_aio_pread/pwrite and libnbd parses the replies
+ * (simple or structured) into the buffer. Each answer goes to the data
+ * plane (done), which commits on its next pass. The socket's readiness comes
  * from polls on the queue's ring (wants/ready): nbd_aio_notify_read and
  * _write run on the worker's thread, inside the data plane's pass, and
  * Python's own commands on the same handle complete there too.
@@ -19,8 +20,9 @@
  * C never decides what a failure means: a command answered with an error
  * goes back to the data plane as that error, which hands the request to
  * Python (the target retries it, holds it while it reconnects, or fails
- * it). When the handle dies (libnbd fails what was in flight), the
- * plug-in lets go of it at once, so that new requests go to Python, which
+ * it). When the connection dies (libnbd fails what was in flight, or the
+ * socket C owns closes, fails, or carries a reply that breaks the
+ * protocol), the plug-in lets go of it at once, so that new requests go to Python, which
  * holds them, and asks Python to look (AUR_EXT_PY): Python closes the
  * handle, reconnects, and plugs the new one in.
  *
@@ -31,6 +33,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 #include "nbd.h"
 
@@ -122,44 +127,92 @@ static nbd_completion_callback anbd_cb(struct anbd_q *q, uint64_t id, int *ok)
     return cb;
 }
 
-#define ANBD_CALL(call) do { \
-        int ok; \
-        nbd_completion_callback cb = anbd_cb(q, id, &ok); \
-        if (!ok) \
-            return -1; \
-        return call; \
-    } while (0)
-
-int64_t anbd_pread(struct nbd_handle *h, struct anbd_q *q, void *buf, size_t count,
-                   uint64_t offset, uint64_t id, uint32_t flags)
+/* One command of Python's, as libnbd sends it (kind: ANBD_READ...). */
+static int64_t anbd_libnbd_cmd(struct nbd_handle *h, struct anbd_q *q, unsigned kind,
+                               void *buf, uint64_t count, uint64_t offset, uint64_t id,
+                               uint32_t flags)
 {
-    ANBD_CALL(nbd_aio_pread(h, buf, count, offset, cb, flags));
-}
+    int ok;
+    nbd_completion_callback cb = anbd_cb(q, id, &ok);
 
-int64_t anbd_pwrite(struct nbd_handle *h, struct anbd_q *q, const void *buf, size_t count,
-                    uint64_t offset, uint64_t id, uint32_t flags)
-{
-    ANBD_CALL(nbd_aio_pwrite(h, buf, count, offset, cb, flags));
-}
-
-int64_t anbd_flush(struct nbd_handle *h, struct anbd_q *q, uint64_t id, uint32_t flags)
-{
-    ANBD_CALL(nbd_aio_flush(h, cb, flags));
-}
-
-int64_t anbd_trim(struct nbd_handle *h, struct anbd_q *q, uint64_t count, uint64_t offset,
-                  uint64_t id, uint32_t flags)
-{
-    ANBD_CALL(nbd_aio_trim(h, count, offset, cb, flags));
-}
-
-int64_t anbd_zero(struct nbd_handle *h, struct anbd_q *q, uint64_t count, uint64_t offset,
-                  uint64_t id, uint32_t flags)
-{
-    ANBD_CALL(nbd_aio_zero(h, count, offset, cb, flags));
+    if (!ok)
+        return -1;
+    switch (kind) {
+    case ANBD_READ:
+        return nbd_aio_pread(h, buf, count, offset, cb, flags);
+    case ANBD_WRITE:
+        return nbd_aio_pwrite(h, buf, count, offset, cb, flags);
+    case ANBD_FLUSH:
+        return nbd_aio_flush(h, cb, flags);
+    case ANBD_TRIM:
+        return nbd_aio_trim(h, count, offset, cb, flags);
+    case ANBD_ZERO:
+        return nbd_aio_zero(h, count, offset, cb, flags);
+    }
+    free(cb.user_data);
+    return -1;
 }
 
 /* -- the data plane's plug-in ----------------------------------------------- */
+
+/*
+ * Two ways to move the bytes, chosen when Python plugs a handle in:
+ *
+ * - own (the transmission phase in C): libnbd negotiated, TLS is off and
+ *   nothing is in flight, so the socket is plain NBD from here on. The
+ *   plug-in writes the requests itself (each pass's requests in one
+ *   sendmsg, from the tag buffers) and parses the replies, simple or
+ *   structured, from large reads straight into the tag buffers. Python's
+ *   commands on the connection go the same way (anbd_cmd), since a second
+ *   writer on the socket would interleave. libnbd's handle sits idle and
+ *   takes the socket back when unplugged clean (the goodbye, nbd_shutdown).
+ * - libnbd: for TLS (the bytes on the socket are gnutls's), and a handle
+ *   with commands still in flight. nbd_aio_* send, libnbd parses.
+ */
+
+#define NBD_REQUEST_MAGIC 0x25609513u
+#define NBD_SIMPLE_REPLY_MAGIC 0x67446698u
+#define NBD_STRUCTURED_REPLY_MAGIC 0x668e33efu
+#define NBD_REPLY_FLAG_DONE 1
+#define NBD_REPLY_TYPE_NONE 0
+#define NBD_REPLY_TYPE_OFFSET_DATA 1
+#define NBD_REPLY_TYPE_OFFSET_HOLE 2
+#define NBD_REPLY_TYPE_ERROR_BIT 0x8000
+#define ANBD_PY_COOKIE (1ULL << 63)
+#define ANBD_STAGE (256 << 10)
+#define ANBD_IOV 64
+
+_Static_assert(LIBNBD_CMD_FLAG_FUA == 1 && LIBNBD_CMD_FLAG_NO_HOLE == 2,
+               "libnbd's command flags are the protocol's");
+
+/* A command sent by the plug-in itself: a request's (slots) or Python's. */
+struct anbd_rcmd {
+    uint8_t hdr[28];               /* the request on the wire */
+    uint16_t kind, local, tag;
+    uint8_t py;                    /* Python's: its answer goes to q under id */
+    uint8_t live;                  /* sent (or to be) and not answered yet */
+    int err;                       /* a structured reply's first error (errno) */
+    uint32_t covered;              /* a structured read's bytes of data and holes */
+    uint64_t id, off;
+    uint32_t len;
+    char *buf;                     /* a read's destination, a write's source */
+    struct anbd_rcmd *next;        /* Python's, in flight */
+};
+
+/* where the reply being read is, byte by byte across reads */
+enum { RX_HDR, RX_OFFSET, RX_HOLE, RX_ERROR, RX_DATA };
+
+struct anbd_rx {
+    int state;
+    uint8_t small[4096 + 8];       /* a header, an offset, a hole or an error chunk */
+    unsigned have, need;
+    struct anbd_rcmd *c;           /* the reply's command */
+    int structured;                /* the header's kind */
+    uint16_t flags, type;
+    uint32_t length;               /* a structured chunk's payload */
+    char *dst;                     /* RX_DATA: where the rest goes */
+    uint32_t left;
+};
 
 /* a request's callback data, one per (local, tag): no allocation per command */
 struct anbd_slot { struct anbd_ext *x; uint16_t local, tag; };
@@ -176,6 +229,18 @@ struct anbd_ext {
     uint64_t sent, failed;
     char why[256];
     struct anbd_slot *slots;       /* nr_queues * depth */
+    /* own transmission (own: the socket is ours) */
+    int own, fd, structured, blocked;
+    struct anbd_rcmd *cmds;        /* nr_queues * depth: the requests' */
+    struct anbd_rcmd *pys;         /* Python's in flight */
+    struct anbd_rcmd **out;        /* to send, in order: out[head..tail) */
+    unsigned head, tail, cap;
+    uint32_t out_done;             /* bytes of out[head] already sent */
+    struct anbd_rx rx;
+    char *stage;                   /* bytes read and not yet parsed */
+    unsigned stage_len;
+    uint64_t reads;                /* read(2) calls, and sendmsg calls */
+    uint64_t sends;
 };
 
 struct anbd_ext *anbd_ext_new(int read_only, struct anbd_q *q)
@@ -186,12 +251,16 @@ struct anbd_ext *anbd_ext_new(int read_only, struct anbd_q *q)
         return NULL;
     x->q = q;
     x->read_only = read_only;
+    x->fd = -1;
     return x;
 }
 
 void anbd_ext_free(struct anbd_ext *x)
 {
     free(x->slots);
+    free(x->cmds);
+    free(x->out);
+    free(x->stage);
     free(x);
 }
 
@@ -203,10 +272,18 @@ static int anbd_ext_bind(void *ctx, struct aur_dp *dp, unsigned nr_queues, unsig
 
     if (x->dp || !n)
         return -EINVAL;
-    if (!(x->slots = malloc(n * sizeof(*x->slots))))
-        return -ENOMEM;
-    for (i = 0; i < n; i++)
+    x->slots = malloc(n * sizeof(*x->slots));
+    x->cmds = calloc(n, sizeof(*x->cmds));
+    x->out = malloc((n + 16) * sizeof(*x->out));
+    x->stage = malloc(ANBD_STAGE);
+    if (!x->slots || !x->cmds || !x->out || !x->stage)
+        return -ENOMEM;  /* (freed with x) */
+    x->cap = (unsigned)n + 16;
+    for (i = 0; i < n; i++) {
         x->slots[i] = (struct anbd_slot){ x, (uint16_t)(i / depth), (uint16_t)(i % depth) };
+        x->cmds[i].local = (uint16_t)(i / depth);
+        x->cmds[i].tag = (uint16_t)(i % depth);
+    }
     x->nr_queues = nr_queues;
     x->depth = depth;
     x->dp = dp;
@@ -223,18 +300,13 @@ int anbd_ext_kick(struct anbd_ext *x)
     return x->dp ? x->kick(x->dp) : 0;
 }
 
-int anbd_ext_plug(struct anbd_ext *x, struct nbd_handle *h)
-{
-    x->h = h;
-    if (h)
-        x->why[0] = 0;
-    return anbd_ext_kick(x);
-}
-
 struct nbd_handle *anbd_ext_handle(struct anbd_ext *x) { return x->h; }
 const char *anbd_ext_why(struct anbd_ext *x) { return x->why; }
 uint64_t anbd_ext_sent(struct anbd_ext *x) { return x->sent; }
 uint64_t anbd_ext_failed(struct anbd_ext *x) { return x->failed; }
+int anbd_ext_own(struct anbd_ext *x) { return x->own; }
+uint64_t anbd_ext_reads(struct anbd_ext *x) { return x->reads; }
+uint64_t anbd_ext_sends(struct anbd_ext *x) { return x->sends; }
 
 /* libnbd's error on this thread, kept for Python's log line */
 static void anbd_ext_note(struct anbd_ext *x)
@@ -244,10 +316,487 @@ static void anbd_ext_note(struct anbd_ext *x)
     snprintf(x->why, sizeof(x->why), "%s", why ? why : "connection closed");
 }
 
+/* -- own transmission -- */
+
+static void put16(uint8_t *p, uint16_t v) { p[0] = v >> 8; p[1] = v & 0xff; }
+static void put32(uint8_t *p, uint32_t v) { put16(p, v >> 16); put16(p + 2, v & 0xffff); }
+static void put64(uint8_t *p, uint64_t v) { put32(p, v >> 32); put32(p + 4, v & 0xffffffffu); }
+static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+static uint32_t get32(const uint8_t *p) { return (uint32_t)get16(p) << 16 | get16(p + 2); }
+static uint64_t get64(const uint8_t *p) { return (uint64_t)get32(p) << 32 | get32(p + 4); }
+
+static uint64_t anbd_cookie(const struct anbd_ext *x, const struct anbd_rcmd *c)
+{
+    return c->py ? ANBD_PY_COOKIE | c->id : (uint64_t)c->local * x->depth + c->tag;
+}
+
+/* the errno of an NBD error: the protocol's values are Linux's; others EINVAL */
+static int anbd_errno(uint32_t e)
+{
+    switch (e) {
+    case EPERM: case EIO: case ENOMEM: case EINVAL: case ENOSPC: case EOVERFLOW:
+    case ENOTSUP: case ESHUTDOWN:
+        return (int)e;
+    }
+    return EINVAL;
+}
+
+/* Python's answer (errno or 0), reaped with the rest of q */
+static void anbd_py_answer(struct anbd_ext *x, struct anbd_rcmd *c, int err)
+{
+    struct anbd_cmd cmd = { x->q, c->id };
+    struct anbd_rcmd **p;
+
+    c->live = 0;
+    for (p = &x->pys; *p; p = &(*p)->next)
+        if (*p == c) {
+            *p = c->next;
+            break;
+        }
+    anbd_completed(&cmd, &err);
+    free(c);
+}
+
+static void anbd_answer(struct anbd_ext *x, struct anbd_rcmd *c, int err)
+{
+    if (c->py) {
+        anbd_py_answer(x, c, err);
+        return;
+    }
+    c->live = 0;  /* (a reply for it again is the server's error) */
+    if (err)
+        x->failed++;
+    x->done(x->dp, c->local, c->tag, err ? -err : 0);
+}
+
+/* The socket is no use any more (closed, failed, or the server broke the
+   protocol): what was in flight goes back (C's to Python as retries,
+   Python's as lost), and the handle with it: Python closes and reconnects. */
+static void anbd_own_die(struct anbd_ext *x, const char *why)
+{
+    size_t i, n = (size_t)x->nr_queues * x->depth;
+
+    if (!x->why[0])
+        snprintf(x->why, sizeof(x->why), "%s", why);
+    shutdown(x->fd, SHUT_RDWR);  /* libnbd finds it dead too */
+    x->own = 0;
+    x->fd = -1;
+    x->h = NULL;
+    x->py = 1;
+    x->head = x->tail = 0;
+    x->out_done = 0;
+    x->stage_len = 0;
+    memset(&x->rx, 0, sizeof(x->rx));
+    for (i = 0; i < n; i++)
+        if (x->cmds[i].live)
+            anbd_answer(x, &x->cmds[i], ENOTCONN);
+    while (x->pys)
+        anbd_py_answer(x, x->pys, ENOTCONN);
+}
+
+/* Queue c's request (its header written now) for the next send. */
+static int anbd_own_queue(struct anbd_ext *x, struct anbd_rcmd *c, unsigned kind,
+                          uint32_t flags, uint64_t off, uint32_t len, void *buf)
+{
+    if (x->tail == x->cap) {
+        if (x->head) {
+            memmove(x->out, x->out + x->head, (x->tail - x->head) * sizeof(*x->out));
+            x->tail -= x->head;
+            x->head = 0;
+        } else {
+            struct anbd_rcmd **out = realloc(x->out, 2 * x->cap * sizeof(*out));
+
+            if (!out)
+                return -ENOMEM;
+            x->out = out;
+            x->cap *= 2;
+        }
+    }
+    c->kind = (uint16_t)kind;
+    c->off = off;
+    c->len = len;
+    c->buf = buf;
+    c->err = 0;
+    c->covered = 0;
+    c->live = 1;
+    put32(c->hdr, NBD_REQUEST_MAGIC);
+    put16(c->hdr + 4, (uint16_t)flags);
+    put16(c->hdr + 6, (uint16_t)kind);
+    put64(c->hdr + 8, anbd_cookie(x, c));
+    put64(c->hdr + 16, off);
+    put32(c->hdr + 24, len);
+    x->out[x->tail++] = c;
+    return 0;
+}
+
+/* bytes of c on the wire: the header, and a write's data */
+static uint32_t anbd_wire(const struct anbd_rcmd *c)
+{
+    return 28 + (c->kind == ANBD_WRITE ? c->len : 0);
+}
+
+/* Send what is queued, as much as the socket takes, in few sendmsg calls. */
+static void anbd_own_send(struct anbd_ext *x)
+{
+    struct iovec iov[ANBD_IOV];
+
+    x->blocked = 0;
+    while (x->own && x->head < x->tail) {
+        unsigned i, n = 0, skip = x->out_done;
+        struct msghdr msg = { .msg_iov = iov };
+        ssize_t sent;
+
+        for (i = x->head; i < x->tail && n + 2 <= ANBD_IOV; i++, skip = 0) {
+            struct anbd_rcmd *c = x->out[i];
+
+            if (skip < 28)
+                iov[n++] = (struct iovec){ c->hdr + skip, 28 - skip };
+            if (c->kind == ANBD_WRITE && c->len) {
+                uint32_t from = skip > 28 ? skip - 28 : 0;
+
+                iov[n++] = (struct iovec){ c->buf + from, c->len - from };
+            }
+        }
+        msg.msg_iovlen = n;
+        sent = sendmsg(x->fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        x->sends++;
+        if (sent < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                x->blocked = 1;
+                return;
+            }
+            anbd_own_die(x, strerror(errno));
+            return;
+        }
+        while (sent > 0) {
+            uint32_t rest = anbd_wire(x->out[x->head]) - x->out_done;
+
+            if ((size_t)sent < rest) {
+                x->out_done += (uint32_t)sent;
+                break;
+            }
+            sent -= rest;
+            x->out_done = 0;
+            x->head++;
+        }
+        if (x->head == x->tail)
+            x->head = x->tail = 0;
+    }
+}
+
+/* the command a reply names, or NULL (not one in flight: the server's error) */
+static struct anbd_rcmd *anbd_own_find(struct anbd_ext *x, uint64_t cookie)
+{
+    struct anbd_rcmd *c;
+
+    if (cookie & ANBD_PY_COOKIE) {
+        for (c = x->pys; c; c = c->next)
+            if ((ANBD_PY_COOKIE | c->id) == cookie)
+                return c;
+        return NULL;
+    }
+    if (cookie >= (uint64_t)x->nr_queues * x->depth || !x->cmds[cookie].live)
+        return NULL;
+    return &x->cmds[cookie];
+}
+
+static void anbd_rx_expect(struct anbd_rx *rx, int state, unsigned need)
+{
+    rx->state = state;
+    rx->have = 0;
+    rx->need = need;
+}
+
+/* A structured chunk ended: the reply too if it said so. */
+static void anbd_rx_chunk_end(struct anbd_ext *x)
+{
+    struct anbd_rx *rx = &x->rx;
+
+    struct anbd_rcmd *c = rx->c;
+
+    if (rx->flags & NBD_REPLY_FLAG_DONE) {
+        if (!c->err && c->kind == ANBD_READ && c->covered != c->len)
+            c->err = EIO;  /* (chunks never overlap: short means a part never came) */
+        anbd_answer(x, c, c->err);
+    }
+    anbd_rx_expect(rx, RX_HDR, 4);
+}
+
+/* The range [off, off+n) of a read's reply: inside the read, or NULL. */
+static char *anbd_rx_range(struct anbd_rcmd *c, uint64_t off, uint64_t n)
+{
+    if (c->kind != ANBD_READ || off < c->off || off - c->off > c->len ||
+        n > c->len - (off - c->off))
+        return NULL;
+    return c->buf + (off - c->off);
+}
+
+/* rx->small holds what the state needed: act on it. 0, or why the reply
+   breaks the protocol. */
+static const char *anbd_rx_step(struct anbd_ext *x)
+{
+    struct anbd_rx *rx = &x->rx;
+    uint32_t magic;
+    char *dst;
+
+    switch (rx->state) {
+    case RX_HDR:
+        magic = get32(rx->small);
+        if (rx->need == 4) {  /* the magic says how long the header is */
+            if (magic == NBD_SIMPLE_REPLY_MAGIC)
+                rx->need = 16;
+            else if (magic == NBD_STRUCTURED_REPLY_MAGIC && x->structured)
+                rx->need = 20;
+            else
+                return "a reply with a bad magic";
+            return NULL;
+        }
+        rx->structured = magic == NBD_STRUCTURED_REPLY_MAGIC;
+        if (!rx->structured) {
+            uint32_t err = get32(rx->small + 4);
+
+            if (!(rx->c = anbd_own_find(x, get64(rx->small + 8))))
+                return "a reply to no request in flight";
+            if (err || rx->c->kind != ANBD_READ || !rx->c->len) {
+                anbd_answer(x, rx->c, err ? anbd_errno(err) : 0);
+                anbd_rx_expect(rx, RX_HDR, 4);
+                return NULL;
+            }
+            rx->dst = rx->c->buf;
+            rx->left = rx->c->len;
+            rx->state = RX_DATA;
+            return NULL;
+        }
+        rx->flags = get16(rx->small + 4);
+        rx->type = get16(rx->small + 6);
+        rx->length = get32(rx->small + 16);
+        if (!(rx->c = anbd_own_find(x, get64(rx->small + 8))))
+            return "a reply to no request in flight";
+        if (rx->type == NBD_REPLY_TYPE_NONE) {
+            if (rx->length || !(rx->flags & NBD_REPLY_FLAG_DONE))
+                return "a bad NONE chunk";
+            anbd_rx_chunk_end(x);
+        } else if (rx->type == NBD_REPLY_TYPE_OFFSET_DATA) {
+            if (rx->length <= 8)
+                return "a bad OFFSET_DATA chunk";
+            anbd_rx_expect(rx, RX_OFFSET, 8);
+        } else if (rx->type == NBD_REPLY_TYPE_OFFSET_HOLE) {
+            if (rx->length != 12)
+                return "a bad OFFSET_HOLE chunk";
+            anbd_rx_expect(rx, RX_HOLE, 12);
+        } else if (rx->type & NBD_REPLY_TYPE_ERROR_BIT) {
+            if (rx->length < 6 || rx->length > sizeof(rx->small))
+                return "a bad error chunk";
+            anbd_rx_expect(rx, RX_ERROR, rx->length);
+        } else {
+            return "a reply chunk of a type not asked for";
+        }
+        return NULL;
+    case RX_OFFSET:
+        if (!(dst = anbd_rx_range(rx->c, get64(rx->small), rx->length - 8)))
+            return "data outside its read";
+        rx->dst = dst;
+        rx->left = rx->length - 8;
+        rx->c->covered += rx->left;
+        rx->state = RX_DATA;
+        return NULL;
+    case RX_HOLE:
+        if (!(dst = anbd_rx_range(rx->c, get64(rx->small), get32(rx->small + 8))))
+            return "a hole outside its read";
+        memset(dst, 0, get32(rx->small + 8));
+        rx->c->covered += get32(rx->small + 8);
+        anbd_rx_chunk_end(x);
+        return NULL;
+    case RX_ERROR:
+        if (!rx->c->err)
+            rx->c->err = anbd_errno(get32(rx->small));
+        if (!rx->c->err)
+            rx->c->err = EINVAL;
+        anbd_rx_chunk_end(x);
+        return NULL;
+    }
+    return "a lost reply";
+}
+
+/* The data of a reply arrived whole. */
+static void anbd_rx_data_end(struct anbd_ext *x)
+{
+    if (x->rx.structured)
+        anbd_rx_chunk_end(x);
+    else {
+        anbd_answer(x, x->rx.c, 0);
+        anbd_rx_expect(&x->rx, RX_HDR, 4);
+    }
+}
+
+/* Parse the staged bytes; 0, or why the connection is to be dropped. */
+static const char *anbd_rx_parse(struct anbd_ext *x, const char *p, unsigned n)
+{
+    struct anbd_rx *rx = &x->rx;
+    const char *why;
+
+    while (n) {
+        if (rx->state == RX_DATA) {
+            unsigned k = n < rx->left ? n : rx->left;
+
+            memcpy(rx->dst, p, k);
+            rx->dst += k;
+            rx->left -= k;
+            p += k;
+            n -= k;
+            if (!rx->left)
+                anbd_rx_data_end(x);
+            continue;
+        }
+        {
+            unsigned k = rx->need - rx->have;
+
+            if (k > n)
+                k = n;
+            memcpy(rx->small + rx->have, p, k);
+            rx->have += k;
+            p += k;
+            n -= k;
+            if (rx->have == rx->need && (why = anbd_rx_step(x)))
+                return why;
+        }
+    }
+    return NULL;
+}
+
+/* Read what the socket has: a reply's data straight into its buffer, the
+   rest staged and parsed. */
+static void anbd_own_recv(struct anbd_ext *x)
+{
+    int rounds;
+
+    for (rounds = 0; x->own && rounds < 64; rounds++) {
+        struct iovec iov[2];
+        int n = 0;
+        ssize_t got;
+        size_t room = ANBD_STAGE, total;
+        const char *why;
+
+        if (x->rx.state == RX_DATA && x->rx.left) {
+            iov[n++] = (struct iovec){ x->rx.dst, x->rx.left };
+            room += x->rx.left;
+        }
+        iov[n++] = (struct iovec){ x->stage, ANBD_STAGE };
+        got = readv(x->fd, iov, n);
+        x->reads++;
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK)
+                anbd_own_die(x, strerror(errno));
+            return;
+        }
+        if (got == 0) {
+            anbd_own_die(x, "the server closed the connection");
+            return;
+        }
+        total = (size_t)got;
+        if (n == 2) {  /* the data's part first */
+            uint32_t k = (size_t)got < x->rx.left ? (uint32_t)got : x->rx.left;
+
+            x->rx.dst += k;
+            x->rx.left -= k;
+            got -= k;
+            if (!x->rx.left)
+                anbd_rx_data_end(x);
+        }
+        if (got && (why = anbd_rx_parse(x, x->stage, (unsigned)got))) {
+            anbd_own_die(x, why);
+            return;
+        }
+        if (total < room)
+            return;  /* (the socket is drained) */
+    }
+}
+
+/* Take h's socket for C's own transmission, if the bytes on it are plain NBD
+   and nothing of libnbd's is in flight. */
+static void anbd_own_take(struct anbd_ext *x, struct nbd_handle *h)
+{
+    int fd;
+
+    if (getenv("AIOUBLK_NBD_LIBNBD") || nbd_get_tls_negotiated(h) == 1 ||
+        nbd_aio_in_flight(h) != 0 || !nbd_aio_is_ready(h))
+        return;
+#ifdef LIBNBD_HAVE_NBD_GET_EXTENDED_HEADERS_NEGOTIATED
+    if (nbd_get_extended_headers_negotiated(h) == 1)
+        return;
+#endif
+    if ((fd = nbd_aio_get_fd(h)) < 0)
+        return;
+    x->own = 1;
+    x->fd = fd;
+    x->structured = nbd_get_structured_replies_negotiated(h) == 1;
+    x->blocked = 0;
+    x->head = x->tail = 0;
+    x->out_done = 0;
+    memset(&x->rx, 0, sizeof(x->rx));
+    anbd_rx_expect(&x->rx, RX_HDR, 4);
+}
+
+/* Give the socket back to libnbd: clean (nothing in flight, no request or
+   reply cut in half) or shut down, so that libnbd never reads the middle
+   of a reply. */
+static void anbd_own_release(struct anbd_ext *x)
+{
+    size_t i, n = (size_t)x->nr_queues * x->depth;
+    int clean = x->head == x->tail && x->rx.state == RX_HDR && x->rx.have == 0 && !x->pys;
+
+    for (i = 0; i < n; i++)
+        clean &= !x->cmds[i].live;
+    if (!clean)
+        anbd_own_die(x, "the connection was unplugged with requests in flight");
+    x->own = 0;
+    x->fd = -1;
+}
+
+/* -- both ways -- */
+
+int anbd_ext_plug(struct anbd_ext *x, struct nbd_handle *h)
+{
+    if (x->own)
+        anbd_own_release(x);
+    x->h = h;
+    if (h) {
+        x->why[0] = 0;
+        if (x->dp)
+            anbd_own_take(x, h);
+    }
+    return anbd_ext_kick(x);
+}
+
+int64_t anbd_cmd(struct nbd_handle *h, struct anbd_q *q, struct anbd_ext *x, unsigned kind,
+                 void *buf, uint64_t count, uint64_t offset, uint64_t id, uint32_t flags)
+{
+    struct anbd_rcmd *c;
+
+    if (!x || !x->own || x->h != h)
+        return anbd_libnbd_cmd(h, q, kind, buf, count, offset, id, flags);
+    if (count > UINT32_MAX || !(c = calloc(1, sizeof(*c))))
+        return -1;
+    c->py = 1;
+    c->id = id;
+    if (anbd_own_queue(x, c, kind, flags, offset, (uint32_t)count, buf) < 0) {
+        free(c);
+        return -1;
+    }
+    c->next = x->pys;
+    x->pys = c;
+    anbd_own_send(x);
+    return (int64_t)id;
+}
+
 /* The handle died or closed: let go of it (Python closes it and reconnects). */
 static void anbd_ext_check(struct anbd_ext *x)
 {
-    if (x->h && (nbd_aio_is_dead(x->h) || nbd_aio_is_closed(x->h))) {
+    if (x->h && !x->own && (nbd_aio_is_dead(x->h) || nbd_aio_is_closed(x->h))) {
         if (!x->why[0])
             anbd_ext_note(x);
         x->h = NULL;
@@ -277,20 +826,35 @@ static int anbd_ext_submit(void *ctx, unsigned local, uint16_t tag, unsigned op,
 
     if (!x->h || local >= x->nr_queues || tag >= x->depth)
         return -ENOTCONN;
+    if (op != AUR_EXT_READ && (op != AUR_EXT_WRITE || x->read_only))
+        return -EOPNOTSUPP;
+    if (x->own) {
+        if (anbd_own_queue(x, &x->cmds[(size_t)local * x->depth + tag],
+                           op == AUR_EXT_READ ? ANBD_READ : ANBD_WRITE, 0, off, len, buf) < 0)
+            return -ENOMEM;
+        x->sent++;
+        return 0;  /* sent by the pass's flush, with the others */
+    }
     s = &x->slots[(size_t)local * x->depth + tag];
     cb.user_data = s;
     if (op == AUR_EXT_READ)
         cookie = nbd_aio_pread(x->h, buf, len, off, cb, 0);
-    else if (op == AUR_EXT_WRITE && !x->read_only)
-        cookie = nbd_aio_pwrite(x->h, buf, len, off, cb, 0);
     else
-        return -EOPNOTSUPP;
+        cookie = nbd_aio_pwrite(x->h, buf, len, off, cb, 0);
     if (cookie == -1) {  /* not sent, no callback: Python serves it */
         anbd_ext_check(x);
         return -EIO;
     }
     x->sent++;
     return 0;
+}
+
+static void anbd_ext_flush(void *ctx)
+{
+    struct anbd_ext *x = ctx;
+
+    if (x->own && !x->blocked)
+        anbd_own_send(x);
 }
 
 static unsigned anbd_ext_wants(void *ctx, int *fd)
@@ -300,7 +864,10 @@ static unsigned anbd_ext_wants(void *ctx, int *fd)
 
     *fd = -1;
     anbd_ext_check(x);
-    if (x->h) {
+    if (x->own) {
+        *fd = x->fd;
+        want = AUR_EXT_IN | (x->blocked ? AUR_EXT_OUT : 0);
+    } else if (x->h) {
         *fd = nbd_aio_get_fd(x->h);
         dir = nbd_aio_get_direction(x->h);
         want = (dir & LIBNBD_AIO_DIRECTION_READ ? AUR_EXT_IN : 0) |
@@ -321,8 +888,15 @@ static void anbd_ext_ready(void *ctx, int revents)
 
     if (!x->h)
         return;
-    if (revents < 0)  /* the poll failed: let libnbd find out what the socket says */
+    if (revents < 0)  /* the poll failed: let the socket say what is wrong */
         revents = POLLIN | POLLOUT;
+    if (x->own) {
+        if (revents & (POLLOUT | POLLHUP | POLLERR))
+            anbd_own_send(x);
+        if (revents & (POLLIN | POLLHUP | POLLERR))
+            anbd_own_recv(x);
+        return;
+    }
     if ((revents & (POLLIN | POLLHUP | POLLERR)) &&
         (nbd_aio_get_direction(x->h) & LIBNBD_AIO_DIRECTION_READ) &&
         nbd_aio_notify_read(x->h) == -1)
@@ -340,6 +914,7 @@ static const struct aur_dp_ext anbd_ext_table = {
     .submit = anbd_ext_submit,
     .wants = anbd_ext_wants,
     .ready = anbd_ext_ready,
+    .flush = anbd_ext_flush,
 };
 
 const struct aur_dp_ext *anbd_ext_ops(void)

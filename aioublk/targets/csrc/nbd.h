@@ -21,15 +21,16 @@ int anbd_set_tls_hostname(struct nbd_handle *h, const char *hostname);
 struct anbd_q *anbd_q_new(void);
 void anbd_q_free(struct anbd_q *q);
 unsigned anbd_reap(struct anbd_q *q, struct anbd_done *out, unsigned max);
-int64_t anbd_pread(struct nbd_handle *h, struct anbd_q *q, void *buf, size_t count,
-                   uint64_t offset, uint64_t id, uint32_t flags);
-int64_t anbd_pwrite(struct nbd_handle *h, struct anbd_q *q, const void *buf, size_t count,
-                    uint64_t offset, uint64_t id, uint32_t flags);
-int64_t anbd_flush(struct nbd_handle *h, struct anbd_q *q, uint64_t id, uint32_t flags);
-int64_t anbd_trim(struct nbd_handle *h, struct anbd_q *q, uint64_t count, uint64_t offset,
-                  uint64_t id, uint32_t flags);
-int64_t anbd_zero(struct nbd_handle *h, struct anbd_q *q, uint64_t count, uint64_t offset,
-                  uint64_t id, uint32_t flags);
+/* kind: the NBD command (ANBD_*); flags: LIBNBD_CMD_FLAG_*; x: the plug-in
+   h is plugged into, if any (its own transmission then sends it), or NULL */
+#define ANBD_READ 0
+#define ANBD_WRITE 1
+#define ANBD_FLUSH 3
+#define ANBD_TRIM 4
+#define ANBD_ZERO 6
+struct anbd_ext;
+int64_t anbd_cmd(struct nbd_handle *h, struct anbd_q *q, struct anbd_ext *x, unsigned kind,
+                 void *buf, uint64_t count, uint64_t offset, uint64_t id, uint32_t flags);
 
 /* The data plane's plug-in (dp_ext.h): one per worker, over its connection */
 struct aur_dp_ext;
@@ -49,6 +50,11 @@ struct nbd_handle *anbd_ext_handle(struct anbd_ext *x);
 int anbd_ext_kick(struct anbd_ext *x);
 /* libnbd's error when C saw the connection fail ("" if none) */
 const char *anbd_ext_why(struct anbd_ext *x);
+/* C moves the bytes itself (no TLS): 1; through libnbd: 0 */
+int anbd_ext_own(struct anbd_ext *x);
+/* its read(2) and sendmsg(2) calls */
+uint64_t anbd_ext_reads(struct anbd_ext *x);
+uint64_t anbd_ext_sends(struct anbd_ext *x);
 /* commands C sent, and those answered with an error */
 uint64_t anbd_ext_sent(struct anbd_ext *x);
 uint64_t anbd_ext_failed(struct anbd_ext *x);
