@@ -299,7 +299,7 @@ class _Link:
             return
         if self.up and self.ext is not None and lib.anbd_ext_bound(self.ext):
             self._unwatch()  # the ring watches it from now on
-            self.plugged = True
+            self.plugged, self.why = True, ""  # (C says why, if it lets go of it)
             self._kicked(lib.anbd_ext_plug(self.ext, h))
             return
         fd = lib.nbd_aio_get_fd(h)
