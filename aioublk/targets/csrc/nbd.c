@@ -257,6 +257,12 @@ struct anbd_ext *anbd_ext_new(int read_only, struct anbd_q *q)
 
 void anbd_ext_free(struct anbd_ext *x)
 {
+    while (x->pys) {  /* (Python's, never answered: the connection went first) */
+        struct anbd_rcmd *c = x->pys;
+
+        x->pys = c->next;
+        free(c);
+    }
     free(x->slots);
     free(x->cmds);
     free(x->out);
