@@ -1033,6 +1033,8 @@ static unsigned dp_fill_zeros(struct aur_dp *dp, unsigned local, uint16_t tag,
  * makes more records than dp->room allows.
  */
 #define DP_EXT_NOP 4
+#define DP_EXT_RECV 5
+#define DP_EXT_SEND 6
 #define DP_EXT_GEN_MASK 0x1fff
 /* CQEs kept for the plug-in's own: two polls, a NOP, removes and the
    polls of an old fd completing late */
@@ -1048,6 +1050,8 @@ struct dp_ext {
     unsigned gen;      /* fd's generation */
     unsigned armed;    /* AUR_EXT_IN, AUR_EXT_OUT: its polls in flight */
     int nop;           /* a NOP is in flight */
+    int reading;       /* a READV is in flight (of fd, or of an fd let go of) */
+    int sending;       /* a SENDMSG is in flight (the same) */
     int py;            /* Python is to be told (by the NOP's completion) */
 };
 
@@ -1066,11 +1070,16 @@ static int dp_ext_watch(struct aur_dp *dp, struct dp_out *o)
 
     want = e->ops->wants(e->ctx, &fd);
     if (fd != e->fd) {
-        for (bit = AUR_EXT_IN; bit <= AUR_EXT_OUT; bit <<= 1)
-            if ((e->armed & bit) && aur_prep(dp->r, IORING_OP_POLL_REMOVE, -1,
-                                             dp_ext_ud(e->gen, bit), 0, 0, 0, 0, 0,
+        for (bit = AUR_EXT_IN; bit <= AUR_EXT_OUT; bit <<= 1) {
+            /* (a bit's is a READV or SENDMSG while one is in flight) */
+            unsigned what = bit == AUR_EXT_IN && e->reading ? DP_EXT_RECV :
+                bit == AUR_EXT_OUT && e->sending ? DP_EXT_SEND : bit;
+
+            if ((e->armed & bit) && aur_prep(dp->r, IORING_OP_ASYNC_CANCEL, -1,
+                                             dp_ext_ud(e->gen, what), 0, 0, 0, 0, 0,
                                              dp_ext_ud(e->gen, 0)) == 0)
                 queued = 1;
+        }
         e->armed = 0;
         e->gen = (e->gen + 1) & DP_EXT_GEN_MASK;
         e->fd = fd;
@@ -1078,6 +1087,37 @@ static int dp_ext_watch(struct aur_dp *dp, struct dp_out *o)
     for (bit = AUR_EXT_IN; fd >= 0 && bit <= AUR_EXT_OUT; bit <<= 1) {
         if (!(want & bit) || (e->armed & bit))
             continue;
+        if (bit == AUR_EXT_IN && e->ops->recv) {
+            struct iovec *iov;
+            int n;
+
+            if (e->reading)
+                continue;  /* (an old fd's read still has the buffers) */
+            if ((n = e->ops->recv(e->ctx, &iov)) > 0) {
+                if (aur_prep(dp->r, IORING_OP_READV, fd, (uintptr_t)iov, (uint32_t)n, 0, 0,
+                             0, 0, dp_ext_ud(e->gen, DP_EXT_RECV)) == 0) {
+                    e->armed |= bit;
+                    e->reading = 1;
+                    queued = 1;
+                }
+                continue;
+            }
+        }
+        if (bit == AUR_EXT_OUT && e->ops->send) {
+            struct msghdr *msg;
+
+            if (e->sending)
+                continue;
+            if (e->ops->send(e->ctx, &msg) > 0) {
+                if (aur_prep(dp->r, IORING_OP_SENDMSG, fd, (uintptr_t)msg, 1, 0, MSG_NOSIGNAL,
+                             0, 0, dp_ext_ud(e->gen, DP_EXT_SEND)) == 0) {
+                    e->armed |= bit;
+                    e->sending = 1;
+                    queued = 1;
+                }
+                continue;
+            }
+        }
         if (aur_prep(dp->r, IORING_OP_POLL_ADD, fd, 0, 0, 0,
                      bit == AUR_EXT_IN ? POLLIN : POLLOUT, 0, 0, dp_ext_ud(e->gen, bit)) == 0) {
             e->armed |= bit;
@@ -1207,6 +1247,18 @@ static void dp_ext_cqe(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
         return;
     if (what == DP_EXT_NOP) {
         e->nop = 0;
+    } else if (what == DP_EXT_RECV) {
+        e->reading = 0;  /* the buffers are the plug-in's again */
+        if (gen == e->gen) {
+            e->armed &= ~AUR_EXT_IN;
+            e->ops->received(e->ctx, res);
+        }
+    } else if (what == DP_EXT_SEND) {
+        e->sending = 0;
+        if (gen == e->gen) {
+            e->armed &= ~AUR_EXT_OUT;
+            e->ops->sent(e->ctx, res);
+        }
     } else if (what == AUR_EXT_IN || what == AUR_EXT_OUT) {
         if (gen != e->gen)
             return;  /* a poll of an fd no longer watched */

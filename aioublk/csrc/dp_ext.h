@@ -26,6 +26,19 @@
  *   -errno when the poll itself failed).
  * - flush(ctx), optional: the pass handed over what it had; send it now
  *   (a plug-in may gather a pass's requests into one send).
+ * - recv(ctx, &iov) and received(ctx, res), optional: while the plug-in
+ *   wants AUR_EXT_IN, a READV of the fd on the ring instead of a poll:
+ *   recv gives the buffers (their count; 0: poll instead), and received
+ *   the read's result (bytes, 0 at end of file, or -errno). One read is in
+ *   flight at a time, and the buffers stay the plug-in's own memory: a read
+ *   of an fd let go of may still complete into them, and the next read is
+ *   asked for only after it has (its result is never handed over).
+ * - send(ctx, &msg) and sent(ctx, res), optional: while the plug-in wants
+ *   AUR_EXT_OUT, a SENDMSG of msg on the ring instead of a poll: send
+ *   gives the message (1; 0: poll instead), sent its result. One at a time;
+ *   msg and what it points to stay valid until sent, or until the fd is
+ *   let go of (the plug-in shuts the socket down first, so that a send
+ *   cancelled late reads nothing).
  * - kick(dp): from the plug-in, outside the data plane's pass (Python did
  *   something on the connection): ask wants() again. Returns nonzero when
  *   the ring has work queued (Python ends its loop turn with a submit).
@@ -34,6 +47,8 @@
 #define AIOUBLK_DP_EXT_H
 
 #include <stdint.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 
 struct aur_dp;
 
@@ -57,6 +72,10 @@ struct aur_dp_ext {
     unsigned (*wants)(void *ctx, int *fd);
     void (*ready)(void *ctx, int revents);
     void (*flush)(void *ctx);
+    int (*recv)(void *ctx, struct iovec **iov);
+    void (*received)(void *ctx, int res);
+    int (*send)(void *ctx, struct msghdr **msg);
+    void (*sent)(void *ctx, int res);
 };
 
 #endif
