@@ -10,13 +10,14 @@ Reads and writes go in C: the target's map is the nbd extension's plug-in
 (``csrc/nbd.c``, ``dataplane.External``). Once a queue's data plane has
 taken it and Python has connected, the handle is plugged in, and the data
 plane hands the plug-in every READ and non-FUA WRITE. Without TLS the
-plug-in then owns the socket (the transmission phase in C): it writes each
-pass's requests in one ``sendmsg`` from the tag buffers and parses the
-replies, simple or structured, from large reads straight into them, where
-libnbd would read each reply in pieces (four reads for a structured one).
-Over TLS, libnbd keeps sending and parsing on the worker's thread. Either
-way the socket is watched by polls on the queue's ring, and each completion
-commits its request, all without Python. Python keeps the rest on the same
+plug-in then owns the socket (the transmission phase in C): each pass's
+requests go in one SENDMSG on the queue's ring, from the tag buffers, and a
+READV kept in flight on the ring brings the replies (simple or structured),
+which C parses into the tag buffers; libnbd would make a syscall per send
+and read each reply in pieces (four reads for a structured one). Over TLS,
+libnbd keeps sending and parsing on the worker's thread, its socket watched
+by polls on the ring. Either way each completion commits its request, all
+without Python. Python keeps the rest on the same
 connection (flush, trim, zeroes, FUA writes, and every request C hands
 back: one answered with an error, or lost with its connection), sent
 through the plug-in while it owns the socket, and everything while no

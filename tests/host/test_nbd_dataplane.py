@@ -149,9 +149,10 @@ async def _batch(rig: Rig, op: int, n: int, length: int) -> None:
 
 @pytest.mark.asyncio
 async def test_a_pass_sends_its_requests_in_one_sendmsg(qemu_nbd: Server, disk: Path) -> None:
-    """DEPTH writes fetched together go to the socket in one sendmsg from
-    the tag buffers (header, data, header, data...), and the reads that
-    follow are parsed out of few large reads, each into its own buffer."""
+    """DEPTH writes fetched together go to the socket in one SENDMSG on the
+    ring from the tag buffers (header, data, header, data...), and the
+    reads that follow are parsed out of few large reads, each into its own
+    buffer."""
     async with rig_of(qemu_nbd.uri()) as rig:
         p, lib, ext = rig.plane, rig.t.lib, rig.link.ext
         datas = [os.urandom(4096) for _ in range(DEPTH)]

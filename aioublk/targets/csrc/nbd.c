@@ -160,9 +160,11 @@ static int64_t anbd_libnbd_cmd(struct nbd_handle *h, struct anbd_q *q, unsigned 
  *
  * - own (the transmission phase in C): libnbd negotiated, TLS is off and
  *   nothing is in flight, so the socket is plain NBD from here on. The
- *   plug-in writes the requests itself (each pass's requests in one
- *   sendmsg, from the tag buffers) and parses the replies, simple or
- *   structured, from large reads straight into the tag buffers. Python's
+ *   plug-in writes the requests itself and parses the replies, simple or
+ *   structured, and the queue's ring moves the bytes: each pass's requests
+ *   in one SENDMSG from the tag buffers (flush, send), the replies by a
+ *   READV kept in flight into a large stage (recv), from which they are
+ *   copied into the tag buffers: no syscall of its own per request. Python's
  *   commands on the connection go the same way (anbd_cmd), since a second
  *   writer on the socket would interleave. libnbd's handle sits idle and
  *   takes the socket back when unplugged clean (the goodbye, nbd_shutdown).
@@ -214,6 +216,12 @@ struct anbd_rx {
     uint32_t left;
 };
 
+/* One command queued to send, and its bytes on the wire (the header, and a
+   write's data). The length is kept here: a command may be answered, and
+   freed or reused, before the ring says that the send that carried it is
+   done (its reply came first), and only its length is needed then. */
+struct anbd_out { struct anbd_rcmd *c; uint32_t wire; };
+
 /* a request's callback data, one per (local, tag): no allocation per command */
 struct anbd_slot { struct anbd_ext *x; uint16_t local, tag; };
 
@@ -230,16 +238,20 @@ struct anbd_ext {
     char why[256];
     struct anbd_slot *slots;       /* nr_queues * depth */
     /* own transmission (own: the socket is ours) */
-    int own, fd, structured, blocked;
+    int own, fd, structured;
+    int go;                        /* the queue may be sent: the pass is over (flush) */
     struct anbd_rcmd *cmds;        /* nr_queues * depth: the requests' */
     struct anbd_rcmd *pys;         /* Python's in flight */
-    struct anbd_rcmd **out;        /* to send, in order: out[head..tail) */
+    struct anbd_out *out;          /* to send, in order: out[head..tail) */
     unsigned head, tail, cap;
     uint32_t out_done;             /* bytes of out[head] already sent */
     struct anbd_rx rx;
     char *stage;                   /* bytes read and not yet parsed */
+    struct iovec stage_iov;        /* the ring's reads go there (recv) */
+    struct iovec siov[ANBD_IOV];   /* the ring's send in flight (send) */
+    struct msghdr smsg;
     unsigned stage_len;
-    uint64_t reads;                /* read(2) calls, and sendmsg calls */
+    uint64_t reads;                /* the ring's reads of the socket, and its sends */
     uint64_t sends;
 };
 
@@ -410,7 +422,7 @@ static int anbd_own_queue(struct anbd_ext *x, struct anbd_rcmd *c, unsigned kind
             x->tail -= x->head;
             x->head = 0;
         } else {
-            struct anbd_rcmd **out = realloc(x->out, 2 * x->cap * sizeof(*out));
+            struct anbd_out *out = realloc(x->out, 2 * x->cap * sizeof(*out));
 
             if (!out)
                 return -ENOMEM;
@@ -431,65 +443,52 @@ static int anbd_own_queue(struct anbd_ext *x, struct anbd_rcmd *c, unsigned kind
     put64(c->hdr + 8, anbd_cookie(x, c));
     put64(c->hdr + 16, off);
     put32(c->hdr + 24, len);
-    x->out[x->tail++] = c;
+    x->out[x->tail++] = (struct anbd_out){ c, 28 + (kind == ANBD_WRITE ? len : 0) };
     return 0;
 }
 
-/* bytes of c on the wire: the header, and a write's data */
-static uint32_t anbd_wire(const struct anbd_rcmd *c)
+/* The next send: what is queued, from out[head] on (its first out_done bytes
+   already sent), headers and write data in one message. 0: nothing queued. */
+static int anbd_own_msg(struct anbd_ext *x, struct msghdr **msg)
 {
-    return 28 + (c->kind == ANBD_WRITE ? c->len : 0);
+    unsigned i, n = 0, skip = x->out_done;
+
+    for (i = x->head; i < x->tail && n + 2 <= ANBD_IOV; i++, skip = 0) {
+        struct anbd_rcmd *c = x->out[i].c;
+
+        if (skip < 28)
+            x->siov[n++] = (struct iovec){ c->hdr + skip, 28 - skip };
+        if (c->kind == ANBD_WRITE && c->len) {
+            uint32_t from = skip > 28 ? skip - 28 : 0;
+
+            x->siov[n++] = (struct iovec){ c->buf + from, c->len - from };
+        }
+    }
+    x->go = 0;  /* (until the next pass ends, or this send comes back short) */
+    if (!n)
+        return 0;
+    x->smsg = (struct msghdr){ .msg_iov = x->siov, .msg_iovlen = n };
+    *msg = &x->smsg;
+    x->sends++;
+    return 1;
 }
 
-/* Send what is queued, as much as the socket takes, in few sendmsg calls. */
-static void anbd_own_send(struct anbd_ext *x)
+/* sent bytes of the queue are done with */
+static void anbd_own_advance(struct anbd_ext *x, size_t sent)
 {
-    struct iovec iov[ANBD_IOV];
+    while (sent > 0 && x->head < x->tail) {
+        uint32_t rest = x->out[x->head].wire - x->out_done;
 
-    x->blocked = 0;
-    while (x->own && x->head < x->tail) {
-        unsigned i, n = 0, skip = x->out_done;
-        struct msghdr msg = { .msg_iov = iov };
-        ssize_t sent;
-
-        for (i = x->head; i < x->tail && n + 2 <= ANBD_IOV; i++, skip = 0) {
-            struct anbd_rcmd *c = x->out[i];
-
-            if (skip < 28)
-                iov[n++] = (struct iovec){ c->hdr + skip, 28 - skip };
-            if (c->kind == ANBD_WRITE && c->len) {
-                uint32_t from = skip > 28 ? skip - 28 : 0;
-
-                iov[n++] = (struct iovec){ c->buf + from, c->len - from };
-            }
+        if (sent < rest) {
+            x->out_done += (uint32_t)sent;
+            break;
         }
-        msg.msg_iovlen = n;
-        sent = sendmsg(x->fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-        x->sends++;
-        if (sent < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                x->blocked = 1;
-                return;
-            }
-            anbd_own_die(x, strerror(errno));
-            return;
-        }
-        while (sent > 0) {
-            uint32_t rest = anbd_wire(x->out[x->head]) - x->out_done;
-
-            if ((size_t)sent < rest) {
-                x->out_done += (uint32_t)sent;
-                break;
-            }
-            sent -= rest;
-            x->out_done = 0;
-            x->head++;
-        }
-        if (x->head == x->tail)
-            x->head = x->tail = 0;
+        sent -= rest;
+        x->out_done = 0;
+        x->head++;
     }
+    if (x->head == x->tail)
+        x->head = x->tail = 0;
 }
 
 /* the command a reply names, or NULL (not one in flight: the server's error) */
@@ -672,56 +671,6 @@ static const char *anbd_rx_parse(struct anbd_ext *x, const char *p, unsigned n)
     return NULL;
 }
 
-/* Read what the socket has: a reply's data straight into its buffer, the
-   rest staged and parsed. */
-static void anbd_own_recv(struct anbd_ext *x)
-{
-    int rounds;
-
-    for (rounds = 0; x->own && rounds < 64; rounds++) {
-        struct iovec iov[2];
-        int n = 0;
-        ssize_t got;
-        size_t room = ANBD_STAGE, total;
-        const char *why;
-
-        if (x->rx.state == RX_DATA && x->rx.left) {
-            iov[n++] = (struct iovec){ x->rx.dst, x->rx.left };
-            room += x->rx.left;
-        }
-        iov[n++] = (struct iovec){ x->stage, ANBD_STAGE };
-        got = readv(x->fd, iov, n);
-        x->reads++;
-        if (got < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK)
-                anbd_own_die(x, strerror(errno));
-            return;
-        }
-        if (got == 0) {
-            anbd_own_die(x, "the server closed the connection");
-            return;
-        }
-        total = (size_t)got;
-        if (n == 2) {  /* the data's part first */
-            uint32_t k = (size_t)got < x->rx.left ? (uint32_t)got : x->rx.left;
-
-            x->rx.dst += k;
-            x->rx.left -= k;
-            got -= k;
-            if (!x->rx.left)
-                anbd_rx_data_end(x);
-        }
-        if (got && (why = anbd_rx_parse(x, x->stage, (unsigned)got))) {
-            anbd_own_die(x, why);
-            return;
-        }
-        if (total < room)
-            return;  /* (the socket is drained) */
-    }
-}
-
 /* Take h's socket for C's own transmission, if the bytes on it are plain NBD
    and nothing of libnbd's is in flight. */
 static void anbd_own_take(struct anbd_ext *x, struct nbd_handle *h)
@@ -740,7 +689,6 @@ static void anbd_own_take(struct anbd_ext *x, struct nbd_handle *h)
     x->own = 1;
     x->fd = fd;
     x->structured = nbd_get_structured_replies_negotiated(h) == 1;
-    x->blocked = 0;
     x->head = x->tail = 0;
     x->out_done = 0;
     memset(&x->rx, 0, sizeof(x->rx));
@@ -795,8 +743,8 @@ int64_t anbd_cmd(struct nbd_handle *h, struct anbd_q *q, struct anbd_ext *x, uns
     }
     c->next = x->pys;
     x->pys = c;
-    anbd_own_send(x);
-    return (int64_t)id;
+    x->go = 1;
+    return (int64_t)id;  /* (sent by the ring: Python kicks the plug-in next) */
 }
 
 /* The handle died or closed: let go of it (Python closes it and reconnects). */
@@ -855,12 +803,12 @@ static int anbd_ext_submit(void *ctx, unsigned local, uint16_t tag, unsigned op,
     return 0;
 }
 
+/* The pass handed over all it had: its requests go in one send. */
 static void anbd_ext_flush(void *ctx)
 {
     struct anbd_ext *x = ctx;
 
-    if (x->own && !x->blocked)
-        anbd_own_send(x);
+    x->go = x->head < x->tail;
 }
 
 static unsigned anbd_ext_wants(void *ctx, int *fd)
@@ -872,7 +820,7 @@ static unsigned anbd_ext_wants(void *ctx, int *fd)
     anbd_ext_check(x);
     if (x->own) {
         *fd = x->fd;
-        want = AUR_EXT_IN | (x->blocked ? AUR_EXT_OUT : 0);
+        want = AUR_EXT_IN | (x->go && x->head < x->tail ? AUR_EXT_OUT : 0);
     } else if (x->h) {
         *fd = nbd_aio_get_fd(x->h);
         dir = nbd_aio_get_direction(x->h);
@@ -896,13 +844,8 @@ static void anbd_ext_ready(void *ctx, int revents)
         return;
     if (revents < 0)  /* the poll failed: let the socket say what is wrong */
         revents = POLLIN | POLLOUT;
-    if (x->own) {
-        if (revents & (POLLOUT | POLLHUP | POLLERR))
-            anbd_own_send(x);
-        if (revents & (POLLIN | POLLHUP | POLLERR))
-            anbd_own_recv(x);
-        return;
-    }
+    if (x->own)
+        return;  /* (its socket is read and written by the ring, not polled) */
     if ((revents & (POLLIN | POLLHUP | POLLERR)) &&
         (nbd_aio_get_direction(x->h) & LIBNBD_AIO_DIRECTION_READ) &&
         nbd_aio_notify_read(x->h) == -1)
@@ -915,12 +858,68 @@ static void anbd_ext_ready(void *ctx, int revents)
     anbd_ext_check(x);
 }
 
+/* The ring reads the socket C owns into the stage; libnbd's is polled. */
+static int anbd_ext_recv(void *ctx, struct iovec **iov)
+{
+    struct anbd_ext *x = ctx;
+
+    if (!x->own)
+        return 0;
+    x->stage_iov = (struct iovec){ x->stage, ANBD_STAGE };
+    *iov = &x->stage_iov;
+    return 1;
+}
+
+static void anbd_ext_received(void *ctx, int res)
+{
+    struct anbd_ext *x = ctx;
+    const char *why;
+
+    x->reads++;
+    if (!x->own)
+        return;
+    if (res == -EAGAIN || res == -EINTR)
+        return;  /* (asked again by the next watch) */
+    if (res <= 0) {
+        anbd_own_die(x, res ? strerror(-res) : "the server closed the connection");
+        return;
+    }
+    if ((why = anbd_rx_parse(x, x->stage, (unsigned)res)))
+        anbd_own_die(x, why);
+}
+
+static int anbd_ext_sendmsg(void *ctx, struct msghdr **msg)
+{
+    struct anbd_ext *x = ctx;
+
+    return x->own ? anbd_own_msg(x, msg) : 0;
+}
+
+static void anbd_ext_sendmsg_done(void *ctx, int res)
+{
+    struct anbd_ext *x = ctx;
+
+    if (!x->own)
+        return;
+    if (res < 0 && res != -EAGAIN && res != -EINTR) {
+        anbd_own_die(x, strerror(-res));
+        return;
+    }
+    if (res > 0)
+        anbd_own_advance(x, (size_t)res);
+    x->go = x->head < x->tail;  /* (what is left goes with the next watch) */
+}
+
 static const struct aur_dp_ext anbd_ext_table = {
     .bind = anbd_ext_bind,
     .submit = anbd_ext_submit,
     .wants = anbd_ext_wants,
     .ready = anbd_ext_ready,
     .flush = anbd_ext_flush,
+    .recv = anbd_ext_recv,
+    .received = anbd_ext_received,
+    .send = anbd_ext_sendmsg,
+    .sent = anbd_ext_sendmsg_done,
 };
 
 const struct aur_dp_ext *anbd_ext_ops(void)

@@ -52,7 +52,7 @@ int anbd_ext_kick(struct anbd_ext *x);
 const char *anbd_ext_why(struct anbd_ext *x);
 /* C moves the bytes itself (no TLS): 1; through libnbd: 0 */
 int anbd_ext_own(struct anbd_ext *x);
-/* its read(2) and sendmsg(2) calls */
+/* the reads and the sends of its socket the ring made */
 uint64_t anbd_ext_reads(struct anbd_ext *x);
 uint64_t anbd_ext_sends(struct anbd_ext *x);
 /* commands C sent, and those answered with an error */
