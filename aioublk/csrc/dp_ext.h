@@ -30,9 +30,10 @@
  *   wants AUR_EXT_IN, a READV of the fd on the ring instead of a poll:
  *   recv gives the buffers (their count; 0: poll instead), and received
  *   the read's result (bytes, 0 at end of file, or -errno). One read is in
- *   flight at a time, and the buffers stay the plug-in's own memory: a read
- *   of an fd let go of may still complete into them, and the next read is
- *   asked for only after it has (its result is never handed over).
+ *   flight at a time. When the plug-in lets go of the fd, the read is
+ *   cancelled by the submit that ends that pass, before Python sees what
+ *   the pass answered; one that completed before is ignored (its result is
+ *   never handed over), and the next read is asked for only after it has.
  * - send(ctx, &msg) and sent(ctx, res), optional: while the plug-in wants
  *   AUR_EXT_OUT, a SENDMSG of msg on the ring instead of a poll: send
  *   gives the message (1; 0: poll instead), sent its result. One at a time;

@@ -163,8 +163,9 @@ static int64_t anbd_libnbd_cmd(struct nbd_handle *h, struct anbd_q *q, unsigned 
  *   plug-in writes the requests itself and parses the replies, simple or
  *   structured, and the queue's ring moves the bytes: each pass's requests
  *   in one SENDMSG from the tag buffers (flush, send), the replies by a
- *   READV kept in flight into a large stage (recv), from which they are
- *   copied into the tag buffers: no syscall of its own per request. Python's
+ *   READV kept in flight (recv): into the tag buffer whose data comes
+ *   next, then a large stage, from which the rest is parsed and copied.
+ *   No syscall of its own per request. Python's
  *   commands on the connection go the same way (anbd_cmd), since a second
  *   writer on the socket would interleave. libnbd's handle sits idle and
  *   takes the socket back when unplugged clean (the goodbye, nbd_shutdown).
@@ -247,7 +248,9 @@ struct anbd_ext {
     uint32_t out_done;             /* bytes of out[head] already sent */
     struct anbd_rx rx;
     char *stage;                   /* bytes read and not yet parsed */
-    struct iovec stage_iov;        /* the ring's reads go there (recv) */
+    struct iovec riov[2];          /* the ring's read in flight (recv): a reply's
+                                      data straight to its buffer, then the stage */
+    uint32_t rdirect;              /* riov[0]'s length when it is the data's */
     struct iovec siov[ANBD_IOV];   /* the ring's send in flight (send) */
     struct msghdr smsg;
     unsigned stage_len;
@@ -863,11 +866,18 @@ static int anbd_ext_recv(void *ctx, struct iovec **iov)
 {
     struct anbd_ext *x = ctx;
 
+    int n = 0;
+
     if (!x->own)
         return 0;
-    x->stage_iov = (struct iovec){ x->stage, ANBD_STAGE };
-    *iov = &x->stage_iov;
-    return 1;
+    x->rdirect = 0;
+    if (x->rx.state == RX_DATA && x->rx.left) {
+        x->rdirect = x->rx.left;
+        x->riov[n++] = (struct iovec){ x->rx.dst, x->rx.left };
+    }
+    x->riov[n++] = (struct iovec){ x->stage, ANBD_STAGE };
+    *iov = x->riov;
+    return n;
 }
 
 static void anbd_ext_received(void *ctx, int res)
@@ -884,7 +894,16 @@ static void anbd_ext_received(void *ctx, int res)
         anbd_own_die(x, res ? strerror(-res) : "the server closed the connection");
         return;
     }
-    if ((why = anbd_rx_parse(x, x->stage, (unsigned)res)))
+    if (x->rdirect) {  /* the data's part came first, in place */
+        uint32_t k = (uint32_t)res < x->rdirect ? (uint32_t)res : x->rdirect;
+
+        x->rx.dst += k;
+        x->rx.left -= k;
+        res -= (int)k;
+        if (!x->rx.left)
+            anbd_rx_data_end(x);
+    }
+    if (res && (why = anbd_rx_parse(x, x->stage, (unsigned)res)))
         anbd_own_die(x, why);
 }
 
