@@ -9,7 +9,8 @@ with data first so reads do not hit holes), over a unix socket and over TCP
 Two clients, each with one connection and depth 128 (nbd.ko's own), the I/O
 scheduler set to ``none`` on both devices:
 
-1. ``aioublk add -t nbd URI -q 1 -d 128``: ublk, then libnbd on the queue's loop;
+1. ``aioublk add -t nbd URI -q 1 -d 128``: ublk, then the queue's data plane, which
+   speaks NBD's transmission phase itself once libnbd has connected;
 2. the kernel's nbd.ko: through ``nbd-client`` where the guest has it (it hands
    nbd.ko a socket connected to the daemon), else ``qemu-nbd -c /dev/nbdN URI``,
    where qemu-nbd is itself an NBD client of the daemon and serves nbd.ko over a
