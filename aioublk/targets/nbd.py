@@ -17,18 +17,18 @@ which C parses into the tag buffers; libnbd would make a syscall per send
 and read each reply in pieces (four reads for a structured one). Over TLS,
 libnbd keeps sending and parsing on the worker's thread, its socket watched
 by polls on the ring. Either way each completion commits its request, all
-without Python. Python keeps the rest on the same
-connection (flush, trim, zeroes, FUA writes, and every request C hands
-back: one answered with an error, or lost with its connection), sent
-through the plug-in while it owns the socket, and everything while no
-handle is plugged (connecting, reconnecting, other copy modes): there each
-request is a coroutine awaiting a future (or the task-free
-``start_read``), the fd is watched with ``add_reader`` (always) and
-``add_writer`` (while libnbd has bytes to send), and after each
-``nbd_aio_notify_*`` the completions the C side recorded are reaped in
-bulk and resolve their futures. When C sees the connection die (or a
-reply break the protocol) it lets go of it at once and tells Python
-(``EV_EXT``), which reconnects as below and plugs the new handle in.
+without Python. Python keeps the rest on the same connection (flush, trim,
+zeroes, FUA writes, and every request C hands back: one answered with an
+error, or lost with its connection), sent through the plug-in while it
+owns the socket, and everything while no handle is plugged (connecting,
+reconnecting, other copy modes): there each request is a coroutine awaiting
+a future (or the task-free ``start_read``), the fd is watched with
+``add_reader`` (always) and ``add_writer`` (while libnbd has bytes to
+send), and after each ``nbd_aio_notify_*`` the completions the C side
+recorded are reaped in bulk and resolve their futures. When C sees the
+connection die (or a reply break the protocol) it lets go of it at once and
+tells Python (``EV_EXT``), which reconnects as below and plugs the new
+handle in.
 
 Connections: one per queue loop when the server advertises multi-conn (its
 connections then share one consistent cache, so a flush on one covers
@@ -92,7 +92,6 @@ _FIRST_DELAY, _MAX_DELAY = 0.1, 5.0
 #: seconds a connection (TCP or unix, TLS, NBD handshake) may take
 CONNECT_TIMEOUT = 10.0
 _REAP = 64
-
 
 
 @dataclasses.dataclass(frozen=True)

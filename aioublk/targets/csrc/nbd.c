@@ -247,13 +247,12 @@ struct anbd_ext {
     unsigned head, tail, cap;
     uint32_t out_done;             /* bytes of out[head] already sent */
     struct anbd_rx rx;
-    char *stage;                   /* bytes read and not yet parsed */
+    char *stage;                   /* where the ring reads what is not a reply's data */
     struct iovec riov[2];          /* the ring's read in flight (recv): a reply's
                                       data straight to its buffer, then the stage */
     uint32_t rdirect;              /* riov[0]'s length when it is the data's */
     struct iovec siov[ANBD_IOV];   /* the ring's send in flight (send) */
     struct msghdr smsg;
-    unsigned stage_len;
     uint64_t reads;                /* the ring's reads of the socket, and its sends */
     uint64_t sends;
 };
@@ -406,7 +405,6 @@ static void anbd_own_die(struct anbd_ext *x, const char *why)
     x->py = 1;
     x->head = x->tail = 0;
     x->out_done = 0;
-    x->stage_len = 0;
     memset(&x->rx, 0, sizeof(x->rx));
     for (i = 0; i < n; i++)
         if (x->cmds[i].live)
