@@ -327,6 +327,32 @@ def test_the_vng_command_adds_an_nvme_controller(tmp_path: Path) -> None:
                           "format=raw' -device nvme,serial=aioublk0,drive=nvm")
 
 
+
+def test_our_virtme_run_caches_the_guests_root_with_the_installed_virtme() -> None:
+    from virtme import mkinitramfs
+
+    from aioublk.testing import virtme_run
+
+    cached = virtme_run.cache_root_mount(mkinitramfs._MOUNT_ROOT_HOST)
+    assert cached is not None, "virtme's 9p root mount changed: update aioublk.testing.virtme_run"
+    mounts = [ln for ln in cached.splitlines() if "-t 9p" in ln]
+    assert len(mounts) == 1 and "cache=loose" in mounts[0]
+    # only that line changed
+    assert cached.replace(",cache=loose", "") == mkinitramfs._MOUNT_ROOT_HOST
+    assert virtme_run.cache_root_mount("mount -t 9p /dev/root /newroot/") is None
+
+
+def test_vng_finds_our_virtme_run_first(tmp_path: Path) -> None:
+    helpers = guest._helpers(tmp_path / "bin")
+    env = guest._host_env("/opt/venv/bin/vng", helpers)
+    assert env["PATH"].split(":")[:2] == [str(helpers), "/opt/venv/bin"]
+    # run from elsewhere, as vng does, it is virtme-run with the root cached
+    p = subprocess.run(["virtme-run", "--help"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "usage: virtme-run" in p.stdout
+    assert "not the one we know" not in p.stderr
+
 FAKE_VNG = """
 from pathlib import Path
 from aioublk.testing import guest, pytest_plugin

@@ -159,9 +159,10 @@ def test_every_error_class_of_the_library_is_exported() -> None:
         assert issubclass(getattr(aioublk, name), aioublk.Error)
 
 
-#: what aioublk.testing ships: the guest harness a user's tests run under, and the
-#: Debian sid kernel fetcher its default (`--guest-kernel` unset) needs at run time
-SHIPPED_TESTING = {"__init__", "guest", "pytest_plugin", "sid"}
+#: what aioublk.testing ships: the guest harness a user's tests run under, the
+#: virtme-run it boots through (the guest's root cached), and the Debian sid
+#: kernel fetcher its default (`--guest-kernel` unset) needs at run time
+SHIPPED_TESTING = {"__init__", "guest", "pytest_plugin", "sid", "virtme_run"}
 
 
 def test_the_wheel_carries_no_development_tooling() -> None:
