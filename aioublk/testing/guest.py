@@ -454,7 +454,7 @@ def run_in_guest(
     script, output, status, log = (ctl / n for n in ("run.sh", "output", "status", "vng.log"))
     script.write_text(_script(argv, _guest_env(env), workdir, ctl))
     output.touch()
-    helpers = _helpers(ctl / "bin")
+    host_env = _host_env(vng, _helpers(ctl / "bin"))
     nvme = ctl / "nvme.img"
     with open(nvme, "wb") as f:
         f.truncate(NVME_BYTES)
@@ -480,8 +480,7 @@ def run_in_guest(
     while True:
         boot += 1
         boot_deadline = time.monotonic() + BOOT_TIMEOUT
-        timed_out, returncode = _boot(cmd, workdir, _host_env(vng, helpers), log, output,
-                                      stop_why, on_output)
+        timed_out, returncode = _boot(cmd, workdir, host_env, log, output, stop_why, on_output)
         booted = status.exists() or (ctl / "booted").exists()
         if kvm and accel == "auto" and not booted and \
                 KVM_FAILED in log.read_text(errors="replace"):
