@@ -327,7 +327,6 @@ def test_the_vng_command_adds_an_nvme_controller(tmp_path: Path) -> None:
                           "format=raw' -device nvme,serial=aioublk0,drive=nvm")
 
 
-
 def test_our_virtme_run_caches_the_guests_root_with_the_installed_virtme() -> None:
     from virtme import mkinitramfs
 
@@ -352,6 +351,7 @@ def test_vng_finds_our_virtme_run_first(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert "usage: virtme-run" in p.stdout
     assert "not the one we know" not in p.stderr
+
 
 FAKE_VNG = """
 from pathlib import Path
