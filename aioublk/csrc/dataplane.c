@@ -1108,8 +1108,11 @@ static int dp_ext_watch(struct aur_dp *dp, struct dp_out *o)
 
             if (e->sending)
                 continue;
+            /* MSG_WAITALL: what the socket cannot take at once the ring
+               sends as it drains, with no CQE (and pass) per part */
             if (e->ops->send(e->ctx, &msg) > 0) {
-                if (aur_prep(dp->r, IORING_OP_SENDMSG, fd, (uintptr_t)msg, 1, 0, MSG_NOSIGNAL,
+                if (aur_prep(dp->r, IORING_OP_SENDMSG, fd, (uintptr_t)msg, 1, 0,
+                             MSG_NOSIGNAL | MSG_WAITALL,
                              0, 0, dp_ext_ud(e->gen, DP_EXT_SEND)) == 0) {
                     e->armed |= bit;
                     e->sending = 1;

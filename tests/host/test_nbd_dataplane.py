@@ -147,6 +147,24 @@ async def _batch(rig: Rig, op: int, n: int, length: int) -> None:
     assert all(_io_done(e) for e in p.events)
 
 
+def _fill(p: NbdPlane, length: int) -> list[bytes]:
+    """The first length bytes of each of the DEPTH tag buffers made random:
+    what each holds."""
+    datas = [os.urandom(length) for _ in range(DEPTH)]
+    for tag, data in enumerate(datas):
+        p.buf(tag)[:length] = data
+    return datas
+
+
+def _clear(p: NbdPlane, length: int) -> None:
+    for tag in range(DEPTH):
+        p.buf(tag)[:length] = bytes(length)
+
+
+def _held(p: NbdPlane, length: int) -> list[bytes]:
+    return [bytes(p.buf(tag)[:length]) for tag in range(DEPTH)]
+
+
 @pytest.mark.asyncio
 async def test_a_pass_sends_its_requests_in_one_sendmsg(qemu_nbd: Server, disk: Path) -> None:
     """DEPTH writes fetched together go to the socket in one SENDMSG on the
@@ -155,30 +173,43 @@ async def test_a_pass_sends_its_requests_in_one_sendmsg(qemu_nbd: Server, disk: 
     buffer."""
     async with rig_of(qemu_nbd.uri()) as rig:
         p, lib, ext = rig.plane, rig.t.lib, rig.link.ext
-        datas = [os.urandom(4096) for _ in range(DEPTH)]
-        for tag, data in enumerate(datas):
-            p.buf(tag)[:4096] = data
+        datas = _fill(p, 4096)
         sends = lib.anbd_ext_sends(ext)
         await _batch(rig, uapi.Op.WRITE, DEPTH, 4096)
         assert lib.anbd_ext_sends(ext) - sends == 1
         assert disk.read_bytes()[:DEPTH * 4096] == b"".join(datas)
-        for tag in range(DEPTH):
-            p.buf(tag)[:4096] = bytes(4096)
+        _clear(p, 4096)
         reads = lib.anbd_ext_reads(ext)
         await _batch(rig, uapi.Op.READ, DEPTH, 4096)
-        assert [bytes(p.buf(tag)[:4096]) for tag in range(DEPTH)] == datas
+        assert _held(p, 4096) == datas
         # (a read per reply would be 2 * DEPTH: header, then data)
         assert lib.anbd_ext_reads(ext) - reads <= DEPTH
         # DEPTH 128k reads at once: more than the stage holds, so a reply's
         # data that spans a read goes on straight into its own buffer
-        big = [os.urandom(MAX_IO) for _ in range(DEPTH)]
-        for tag, data in enumerate(big):
-            p.buf(tag)[:MAX_IO] = data
+        big = _fill(p, MAX_IO)
         await _batch(rig, uapi.Op.WRITE, DEPTH, MAX_IO)
-        for tag in range(DEPTH):
-            p.buf(tag)[:MAX_IO] = bytes(MAX_IO)
+        _clear(p, MAX_IO)
         await _batch(rig, uapi.Op.READ, DEPTH, MAX_IO)
-        assert [bytes(p.buf(tag)[:MAX_IO]) for tag in range(DEPTH)] == big
+        assert _held(p, MAX_IO) == big
+
+
+@pytest.mark.asyncio
+async def test_a_send_larger_than_the_socket_takes_is_one_sendmsg(qemu_nbd: Server,
+                                                                   disk: Path) -> None:
+    """DEPTH 128k writes fetched together are more than the socket's send
+    buffer takes at once: the ring goes on sending them (MSG_WAITALL), so
+    they still cost C one SENDMSG, not one per part the socket took."""
+    async with rig_of(qemu_nbd.uri()) as rig:
+        p, lib, ext = rig.plane, rig.t.lib, rig.link.ext
+        sock = socket.socket(fileno=os.dup(lib.nbd_aio_get_fd(lib.anbd_ext_handle(ext))))
+        with sock:
+            sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        assert sndbuf < DEPTH * MAX_IO  # (else this would prove nothing)
+        big = _fill(p, MAX_IO)
+        sends = lib.anbd_ext_sends(ext)
+        await _batch(rig, uapi.Op.WRITE, DEPTH, MAX_IO)
+        assert lib.anbd_ext_sends(ext) - sends == 1
+        assert disk.read_bytes()[:DEPTH * MAX_IO] == b"".join(big)
 
 
 @pytest.mark.asyncio
