@@ -164,11 +164,13 @@ static int64_t anbd_libnbd_cmd(struct nbd_handle *h, struct anbd_q *q, unsigned 
  *   structured, and the queue's ring moves the bytes: each pass's requests
  *   in one SENDMSG from the tag buffers (flush, send), the replies by a
  *   READV kept in flight (recv): into the tag buffer whose data comes
- *   next, then a large stage, from which the rest is parsed and copied.
- *   No syscall of its own per request. Python's
- *   commands on the connection go the same way (anbd_cmd), since a second
- *   writer on the socket would interleave. libnbd's handle sits idle and
- *   takes the socket back when unplugged clean (the goodbye, nbd_shutdown).
+ *   next, then a large stage, from which the rest is parsed and copied
+ *   (a header at a time while large reads are about, so that their data
+ *   goes from the socket straight to its buffer). No syscall of its own
+ *   per request. Python's commands on the connection go the same way
+ *   (anbd_cmd), since a second writer on the socket would interleave.
+ *   libnbd's handle sits idle and takes the socket back when unplugged
+ *   clean (the goodbye, nbd_shutdown).
  * - libnbd: for TLS (the bytes on the socket are gnutls's), and a handle
  *   with commands still in flight. nbd_aio_* send, libnbd parses.
  */
@@ -183,6 +185,9 @@ static int64_t anbd_libnbd_cmd(struct nbd_handle *h, struct anbd_q *q, unsigned 
 #define NBD_REPLY_TYPE_ERROR_BIT 0x8000
 #define ANBD_PY_COOKIE (1ULL << 63)
 #define ANBD_STAGE (256 << 10)
+/* A read this long or longer has its reply's data read straight into its
+   buffer (anbd_ext_recv). */
+#define ANBD_DIRECT_MIN (32 << 10)
 #define ANBD_IOV 64
 
 _Static_assert(LIBNBD_CMD_FLAG_FUA == 1 && LIBNBD_CMD_FLAG_NO_HOLE == 2,
@@ -194,6 +199,7 @@ struct anbd_rcmd {
     uint16_t kind, local, tag;
     uint8_t py;                    /* Python's: its answer goes to q under id */
     uint8_t live;                  /* sent (or to be) and not answered yet */
+    uint8_t big;                   /* a live read of ANBD_DIRECT_MIN or more */
     int err;                       /* a structured reply's first error (errno) */
     uint32_t covered;              /* a structured read's bytes of data and holes */
     uint64_t id, off;
@@ -251,10 +257,13 @@ struct anbd_ext {
     struct iovec riov[2];          /* the ring's read in flight (recv): a reply's
                                       data straight to its buffer, then the stage */
     uint32_t rdirect;              /* riov[0]'s length when it is the data's */
+    unsigned live, big;            /* live commands, and reads of ANBD_DIRECT_MIN or more */
+    int last_big;                  /* the last read answered was one */
     struct iovec siov[ANBD_IOV];   /* the ring's send in flight (send) */
     struct msghdr smsg;
     uint64_t reads;                /* the ring's reads of the socket, and its sends */
     uint64_t sends;
+    uint64_t staged;               /* bytes of replies' data copied out of the stage */
 };
 
 struct anbd_ext *anbd_ext_new(int read_only, struct anbd_q *q)
@@ -327,6 +336,20 @@ uint64_t anbd_ext_failed(struct anbd_ext *x) { return x->failed; }
 int anbd_ext_own(struct anbd_ext *x) { return x->own; }
 uint64_t anbd_ext_reads(struct anbd_ext *x) { return x->reads; }
 uint64_t anbd_ext_sends(struct anbd_ext *x) { return x->sends; }
+uint64_t anbd_ext_staged(struct anbd_ext *x) { return x->staged; }
+
+/* c is answered: no reply may come for it any more */
+static void anbd_settle(struct anbd_ext *x, struct anbd_rcmd *c)
+{
+    c->live = 0;
+    x->live--;
+    if (c->kind == ANBD_READ)
+        x->last_big = c->big;
+    if (c->big) {
+        c->big = 0;
+        x->big--;
+    }
+}
 
 /* libnbd's error on this thread, kept for Python's log line */
 static void anbd_ext_note(struct anbd_ext *x)
@@ -367,7 +390,7 @@ static void anbd_py_answer(struct anbd_ext *x, struct anbd_rcmd *c, int err)
     struct anbd_cmd cmd = { x->q, c->id };
     struct anbd_rcmd **p;
 
-    c->live = 0;
+    anbd_settle(x, c);
     for (p = &x->pys; *p; p = &(*p)->next)
         if (*p == c) {
             *p = c->next;
@@ -383,7 +406,7 @@ static void anbd_answer(struct anbd_ext *x, struct anbd_rcmd *c, int err)
         anbd_py_answer(x, c, err);
         return;
     }
-    c->live = 0;  /* (a reply for it again is the server's error) */
+    anbd_settle(x, c);  /* (a reply for it again is the server's error) */
     if (err)
         x->failed++;
     x->done(x->dp, c->local, c->tag, err ? -err : 0);
@@ -438,6 +461,9 @@ static int anbd_own_queue(struct anbd_ext *x, struct anbd_rcmd *c, unsigned kind
     c->err = 0;
     c->covered = 0;
     c->live = 1;
+    c->big = kind == ANBD_READ && len >= ANBD_DIRECT_MIN;
+    x->big += c->big;
+    x->live++;
     put32(c->hdr, NBD_REQUEST_MAGIC);
     put16(c->hdr + 4, (uint16_t)flags);
     put16(c->hdr + 6, (uint16_t)kind);
@@ -648,6 +674,7 @@ static const char *anbd_rx_parse(struct anbd_ext *x, const char *p, unsigned n)
             unsigned k = n < rx->left ? n : rx->left;
 
             memcpy(rx->dst, p, k);
+            x->staged += k;
             rx->dst += k;
             rx->left -= k;
             p += k;
@@ -859,11 +886,19 @@ static void anbd_ext_ready(void *ctx, int revents)
     anbd_ext_check(x);
 }
 
-/* The ring reads the socket C owns into the stage; libnbd's is polled. */
+/* The ring reads the socket C owns into the stage; libnbd's is polled.
+   While large reads are the order of the day (half or more of what is in
+   flight; with nothing in flight, the last read answered: the read kept
+   in flight between bursts is posted then), the stage takes one header at
+   a time (a structured reply's with its data's offset), so that the next
+   read puts the data straight into its buffer: through the stage, every
+   byte of it would be copied once more. Otherwise replies come many to a
+   read, at the cost of copying the data of the few large ones. */
 static int anbd_ext_recv(void *ctx, struct iovec **iov)
 {
     struct anbd_ext *x = ctx;
-
+    int direct = x->live ? 2 * x->big >= x->live : x->last_big;
+    size_t stage = !direct ? ANBD_STAGE : x->structured ? 20 + 8 : 16;
     int n = 0;
 
     if (!x->own)
@@ -873,7 +908,7 @@ static int anbd_ext_recv(void *ctx, struct iovec **iov)
         x->rdirect = x->rx.left;
         x->riov[n++] = (struct iovec){ x->rx.dst, x->rx.left };
     }
-    x->riov[n++] = (struct iovec){ x->stage, ANBD_STAGE };
+    x->riov[n++] = (struct iovec){ x->stage, stage };
     *iov = x->riov;
     return n;
 }

@@ -55,6 +55,8 @@ int anbd_ext_own(struct anbd_ext *x);
 /* the reads and the sends of its socket the ring made */
 uint64_t anbd_ext_reads(struct anbd_ext *x);
 uint64_t anbd_ext_sends(struct anbd_ext *x);
+/* bytes of replies' data the plug-in copied out of its stage, not read in place */
+uint64_t anbd_ext_staged(struct anbd_ext *x);
 /* commands C sent, and those answered with an error */
 uint64_t anbd_ext_sent(struct anbd_ext *x);
 uint64_t anbd_ext_failed(struct anbd_ext *x);
