@@ -183,6 +183,9 @@ static int64_t anbd_libnbd_cmd(struct nbd_handle *h, struct anbd_q *q, unsigned 
 #define NBD_REPLY_TYPE_OFFSET_DATA 1
 #define NBD_REPLY_TYPE_OFFSET_HOLE 2
 #define NBD_REPLY_TYPE_ERROR_BIT 0x8000
+/* bytes of a simple reply's header, and of a structured chunk's */
+#define NBD_SIMPLE_REPLY_BYTES 16
+#define NBD_CHUNK_HEADER_BYTES 20
 #define ANBD_PY_COOKIE (1ULL << 63)
 #define ANBD_STAGE (256 << 10)
 /* A read this long or longer has its reply's data read straight into its
@@ -578,9 +581,9 @@ static const char *anbd_rx_step(struct anbd_ext *x)
         magic = get32(rx->small);
         if (rx->need == 4) {  /* the magic says how long the header is */
             if (magic == NBD_SIMPLE_REPLY_MAGIC)
-                rx->need = 16;
+                rx->need = NBD_SIMPLE_REPLY_BYTES;
             else if (magic == NBD_STRUCTURED_REPLY_MAGIC && x->structured)
-                rx->need = 20;
+                rx->need = NBD_CHUNK_HEADER_BYTES;
             else
                 return "a reply with a bad magic";
             return NULL;
@@ -898,7 +901,8 @@ static int anbd_ext_recv(void *ctx, struct iovec **iov)
 {
     struct anbd_ext *x = ctx;
     int direct = x->live ? 2 * x->big >= x->live : x->last_big;
-    size_t stage = !direct ? ANBD_STAGE : x->structured ? 20 + 8 : 16;
+    size_t stage = !direct ? ANBD_STAGE :
+        x->structured ? NBD_CHUNK_HEADER_BYTES + 8 : NBD_SIMPLE_REPLY_BYTES;
     int n = 0;
 
     if (!x->own)
