@@ -43,7 +43,7 @@ from bench.common import (
     table,
 )
 
-SERVERS = ("kublk", "aioublk")  # kublk first in every pair, as in null_kublk
+SERVERS = ("kublk", "aioublk")
 TARGETS = ("null", "loop")
 # Mode flags per server: aioublk picks batch by itself unless told, kublk is per-I/O by default.
 MODES: dict[str, dict[str, list[str]]] = {
