@@ -1,15 +1,17 @@
 """aioublk beside kublk across I/O modes, targets and workloads, in one guest run.
 
-    python -m bench.modes [--runtime 5] [--rounds 1] [--quick]
+    python -m bench.modes [--runtime 5] [--rounds 3] [--quick]
 
 For the null and loop targets and each mode (per-I/O, batch, batch with
 auto buffer registration, batch with zero copy) each server adds one device
 (1 queue, depth 128) and fio runs five workloads on it (4k random read and
 write at iodepth 1 and 64, 128k sequential read at iodepth 16; io_uring,
-O_DIRECT). kublk and aioublk alternate for every target/mode so that drift in
-the emulated guest hits both. A second part compares 1 and 2 queues (batch
-mode, null target, two fio jobs). A server that cannot add a device in some
-mode gets its error recorded and the run goes on.
+O_DIRECT). kublk and aioublk alternate for every target/mode, the first of
+them swapping every round, so that drift in the emulated guest hits both; a
+row's **paired** ratio is the median of each round's own aioublk / kublk. A
+second part compares 1 and 2 queues (batch mode, null target, two fio jobs).
+A server that cannot add a device in some mode gets its error recorded and
+the run goes on.
 
 The guest only writes JSON; the host turns it into ``bench/results/modes.md``
 and ``modes.png`` (matplotlib: ``pip install -e .[bench]``). Absolute numbers
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -34,12 +37,16 @@ from bench.common import (
     load,
     median,
     notes,
+    paired,
+    paired_ratios,
     parser,
     publish,
     ratio,
     run,
     run_guest,
     setup_line,
+    spread,
+    swapped,
     table,
 )
 
@@ -187,7 +194,7 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, out: Path) -> None
         for target in targets:
             files = [str(backing["path"])] if backing and target == "loop" else []
             for mode in modes:
-                for server in SERVERS:
+                for server in swapped(SERVERS, r):
                     add_args = ["-t", target, "-q", "1", "-d", "128", *MODES[mode][server], *files]
                     for w, iops, err in _device_runs(servers[server], add_args, workloads,
                                                      runtime, []):
@@ -197,7 +204,7 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, out: Path) -> None
                         log(f"round {r + 1}: {target:4} {mode:13} {w:17} {server:7}", iops, err)
                     save()
         for queues in ([] if quick else [1, 2]):
-            for server in SERVERS:
+            for server in swapped(SERVERS, r):
                 add_args = ["-t", "null", "-q", str(queues), "-d", "128", "-b"]
                 for w, iops, err in _device_runs(servers[server], add_args, [SCALING_WORKLOAD],
                                                  runtime, SCALING_FIO):
@@ -215,7 +222,9 @@ def _keys(records: list[dict[str, object]], *fields: str) -> list[tuple[object, 
 
 
 def rows(data: dict[str, object]) -> list[dict[str, Any]]:
-    """One row per (target, mode, workload): median IOPS of each server and their ratio."""
+    """One row per (target, mode, workload): median IOPS of each server, the ratio of
+    those medians and the paired ratio (the median of each round's own, and the
+    cell that shows their range)."""
     runs = data["runs"]
     assert isinstance(runs, list)
     out = []
@@ -223,7 +232,10 @@ def rows(data: dict[str, object]) -> list[dict[str, Any]]:
         key = {"target": target, "mode": mode, "workload": workload}
         k = median(runs, server="kublk", **key)
         a = median(runs, server="aioublk", **key)
-        out.append({**key, "kublk": k, "aioublk": a, "ratio": ratio(a, k)})
+        pairs = paired_ratios(runs, {**key, "server": "aioublk"}, {**key, "server": "kublk"})
+        out.append({**key, "kublk": k, "aioublk": a, "ratio": ratio(a, k),
+                    "paired": statistics.median(pairs) if pairs else None,
+                    "spread": spread(pairs)})
     return out
 
 
@@ -236,16 +248,25 @@ def report(data: dict[str, object], command: str) -> str:
         f"{setup_line(data)}, {data['cpus']} CPUs, Linux {data['kernel']}. fio with io_uring, "
         f"O_DIRECT, {data['runtime']} s per workload after {data['ramp']} s ramp; median "
         f"of {data['rounds']} round(s). Each device has 1 queue of depth 128 unless stated; "
-        "kublk and aioublk alternate for every target/mode; copy mode unless the mode says "
-        "otherwise. Under emulation the absolute IOPS mean little: **the aioublk/kublk "
-        "ratios are the result**.",
+        "kublk and aioublk alternate device by device, kublk first in odd rounds and "
+        "aioublk first in even ones; copy mode unless the mode says otherwise. Under "
+        "emulation the absolute IOPS mean little: **the aioublk/kublk ratios are the "
+        "result**.",
+        "",
+        "IOPS are medians over the rounds. **aioublk / kublk** divides those medians; "
+        "**paired** is the median over the rounds of each round's own aioublk / kublk "
+        "(the two ran back to back), which drift between rounds does not move, and "
+        "the range of those. Each row compares the two servers in the same "
+        "mode; `bench.dataplane` compares aioublk's defaults with kublk's better mode.",
     ]
     lines += notes(data, "null target, two modes, one workload, one round")
     lines += ["", *table(
-        ["target", "mode", "workload", "kublk IOPS", "aioublk IOPS", "aioublk / kublk"],
-        "lllrrr",
+        ["target", "mode", "workload", "kublk IOPS", "aioublk IOPS", "aioublk / kublk",
+         "paired (min – max)"],
+        "lllrrrr",
         ([r["target"], r["mode"], r["workload"], fmt(r["kublk"]), fmt(r["aioublk"]),
-          fmt(r["ratio"], ".2f")] for r in rows(data)))]
+          fmt(r["ratio"], ".2f"), r["spread"]]
+         for r in rows(data)))]
     if scaling:
         lines += ["", "## Queue scaling", "",
                   "null target, batch mode (`-b`), depth 128; fio 4k randread iodepth 64 with "
@@ -254,9 +275,12 @@ def report(data: dict[str, object], command: str) -> str:
         for (queues,) in _keys(scaling, "queues"):
             k = median(scaling, server="kublk", queues=queues)
             a = median(scaling, server="aioublk", queues=queues)
-            cells.append([queues, fmt(k), fmt(a), fmt(ratio(a, k), ".2f")])
-        lines += table(["queues", "kublk IOPS", "aioublk IOPS", "aioublk / kublk"], "rrrr",
-                       cells)
+            key = {"queues": queues}
+            cells.append([queues, fmt(k), fmt(a), fmt(ratio(a, k), ".2f"),
+                          fmt(paired(scaling, {**key, "server": "aioublk"},
+                                     {**key, "server": "kublk"}), ".2f")])
+        lines += table(["queues", "kublk IOPS", "aioublk IOPS", "aioublk / kublk", "paired"],
+                       "rrrrr", cells)
     errors: dict[str, str] = {}
     for x in [*runs, *scaling]:
         if x["error"]:
@@ -272,9 +296,9 @@ def plot(data: dict[str, object], path: Path) -> None:
     where = "QEMU TCG" if data["guest"] else "host"
     grouped_bars(
         path, list(dict.fromkeys(str(r["workload"]) for r in table)), series,
-        {(str(r["workload"]), f"{r['target']} {r['mode']}"): r["ratio"]
+        {(str(r["workload"]), f"{r['target']} {r['mode']}"): r["paired"]
          for r in table},
-        "aioublk IOPS / kublk IOPS",
+        "aioublk IOPS / kublk IOPS, paired by round",
         f"aioublk / kublk IOPS\n{where}, {data['cpus']} CPUs, Linux {data['kernel']}, "
         f"median of {data['rounds']} round(s)",
         lines=[(1.0, "black", "-"), (0.5, "grey", "--")], height=5.5, per_group=2.2,
@@ -296,14 +320,14 @@ def command(data: dict[str, object]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, runtime=5, rounds=None, rounds_help="default 1",
+    ap = parser(__doc__, runtime=5, rounds=None, rounds_help="default 3",
                 quick="null target, per-io and batch, 4k randread qd64, 1 round of 2 s")
     ns = ap.parse_args(argv)
     if ns.report:
         saved = load(ns.report)
         return publish("modes", saved, report(saved, command(saved)), plot, out=ns.out)
     runtime = ns.runtime or (2 if ns.quick else 5)
-    rounds = ns.rounds or 1
+    rounds = ns.rounds or (1 if ns.quick else 3)
     if ns.inner:
         inner(ns.inner[0], runtime, rounds, ns.quick, Path(ns.inner[1]))
         return 0
