@@ -399,9 +399,11 @@ def vng_command(
     cpus: int,
     kvm: bool,
     nvme: Path | None = None,
+    qemu_opts: Sequence[str] = (),
 ) -> list[str]:
     """vng's argv: boot `kernel`, run `script` with `rwdirs` writable, and
-    an NVMe controller whose namespace is the file `nvme`."""
+    an NVMe controller whose namespace is the file `nvme`; `qemu_opts` go to
+    QEMU as they are (vng runs them through a shell: quote them)."""
     drive = shlex.quote(f"file={Path(nvme).absolute()},if=none,id=nvm,format=raw") \
         if nvme is not None else ""
     return [
@@ -416,6 +418,7 @@ def vng_command(
         f"--exec=sh {shlex.quote(str(script))}",
         *([f"--qemu-opts=-drive {drive} -device nvme,serial=aioublk0,drive=nvm"]
           if nvme is not None else []),
+        *([f"--qemu-opts={' '.join(qemu_opts)}"] if qemu_opts else []),
     ]
 
 
@@ -431,6 +434,7 @@ def run_in_guest(
     kernel: Kernel | None = None,
     accel: str = "auto",
     watchdog: Callable[[], str | None] | None = None,
+    qemu_opts: Sequence[str] = (),
 ) -> int:
     """Boot the guest, run argv in `cwd` (default: ours), return argv's exit status.
 
@@ -440,6 +444,7 @@ def run_in_guest(
     STATUS_TIMEOUT or STATUS_NO_RESULT. `kernel` defaults to `guest_kernel()`;
     `accel` is auto, kvm or tcg (see `use_kvm`). `watchdog`, asked every poll,
     stops the guest early by returning why (the result is then STATUS_TIMEOUT).
+    `qemu_opts` are more of QEMU's options (a TCG plugin, say).
     """
     if not argv:
         raise ValueError("run_in_guest needs a command")
@@ -459,7 +464,7 @@ def run_in_guest(
     with open(nvme, "wb") as f:
         f.truncate(NVME_BYTES)
     cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus, kvm=kvm,
-                      nvme=nvme)
+                      nvme=nvme, qemu_opts=qemu_opts)
     deadline = time.monotonic() + timeout
     hung = f"the guest kernel did not reach our script in {BOOT_TIMEOUT:.0f} s"
     boot_deadline = 0.0
@@ -490,7 +495,7 @@ def run_in_guest(
             kvm = False
             boot -= 1
             cmd = vng_command(vng, kernel, script, [ctl, *rwdirs], memory=memory, cpus=cpus,
-                              kvm=False, nvme=nvme)
+                              kvm=False, nvme=nvme, qemu_opts=qemu_opts)
             progress("KVM cannot run the guest here: booting again under TCG emulation "
                      "(slower); AIOUBLK_GUEST_ACCEL=tcg skips the attempt")
             continue

@@ -327,6 +327,15 @@ def test_the_vng_command_adds_an_nvme_controller(tmp_path: Path) -> None:
                           "format=raw' -device nvme,serial=aioublk0,drive=nvm")
 
 
+def test_the_vng_command_passes_more_qemu_options_last(tmp_path: Path) -> None:
+    kernel = guest.Kernel("6.20.0-mine", tmp_path / "bzImage")
+    script = tmp_path / "run.sh"
+    plain = guest.vng_command("vng", kernel, script, [], memory="2G", cpus=4, kvm=False)
+    argv = guest.vng_command("vng", kernel, script, [], memory="2G", cpus=4, kvm=False,
+                             qemu_opts=["-plugin", "/x/count.so,dir=/y"])
+    assert argv == [*plain, "--qemu-opts=-plugin /x/count.so,dir=/y"]
+
+
 def test_our_virtme_run_caches_the_guests_root_with_the_installed_virtme() -> None:
     from virtme import mkinitramfs
 
