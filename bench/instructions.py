@@ -1,0 +1,493 @@
+"""The work each I/O costs: guest instructions per request, aioublk beside kublk.
+
+    python -m bench.instructions [--runtime 3] [--rounds 3] [--quick]
+
+Under TCG emulation IOPS move by 10-20% between two runs of the same
+server, more at queue depth 1, where a request's time is mostly vCPUs
+waking each other. That hides differences of a few percent. The
+instructions the guest executes per request repeat far better, so this
+bench counts them.
+
+A QEMU TCG plugin (``bench/tcg_count.c``, built here with ``cc``) counts
+every translated block's executions. The guest asks for the counts at the
+start and end of a window in the middle of a fio run, and reads the
+requests the block layer completed in that window from
+``/sys/block/ublkbN/stat``. Each instruction is put in one of three parts
+by its address:
+
+- **kernel**: all of the guest kernel's work (fio's submissions, ublk_drv,
+  io_uring, the server's syscalls, interrupts, idle);
+- **server**: the server process's user space (for aioublk: its C data
+  plane, liburing, Python);
+- **rest**: all other user space, which is fio.
+
+The rows are kublk per-I/O, kublk ``-b`` (batch I/O), aioublk (its
+default: batch I/O where the driver has it) and aioublk ``--no-batch``, on
+null and loop devices (1 queue, depth 128) and null with 2 queues. They
+alternate device by device, and the first of them swaps every round. A
+row's ratio is aioublk's total instructions per I/O over kublk's, paired
+by round. It is taken against kublk's best (fewest instructions) setting
+of that round, and mode against mode. Below 1.0, aioublk does less work
+per request.
+
+Fewer instructions is not more IOPS: TCG's cost per instruction varies
+(memory access, atomics, interrupts), and at queue depth 1 waiting
+dominates. What this shows is whether a gap in IOPS comes from work
+aioublk does.
+
+The guest only writes JSON; the host turns it into
+``bench/results/instructions.md``, ``.json`` and ``.png``. TCG only (the
+plugin needs it). ``--quick`` is a smoke test of this script.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from bench.common import (
+    ROOT,
+    Data,
+    against_best,
+    errors_section,
+    fmt,
+    grouped_bars,
+    load,
+    median,
+    notes,
+    paired_ratios,
+    parser,
+    publish,
+    run,
+    setup_line,
+    spread,
+    swapped,
+    table,
+)
+
+PLUGIN_SOURCE = ROOT / "bench" / "tcg_count.c"
+KERNEL_BASE = 1 << 63  # x86-64: the kernel's half of the address space
+ENTER = "__x64_sys_io_uring_enter"
+
+
+class Setting(NamedTuple):
+    server: str  # kublk or aioublk
+    flags: list[str]
+
+
+SETTINGS = {
+    "kublk": Setting("kublk", []),
+    "kublk -b": Setting("kublk", ["-b"]),
+    "aioublk": Setting("aioublk", []),
+    "aioublk --no-batch": Setting("aioublk", ["--no-batch"]),
+}
+#: which of kublk's settings aioublk's each is the same mode as
+SAME_MODE = {"aioublk": "kublk -b", "aioublk --no-batch": "kublk"}
+
+
+class Device(NamedTuple):
+    target: str
+    queues: int
+    workloads: list[str]
+
+
+WORKLOADS = {
+    "4k randread qd1": ["--rw=randread", "--bs=4k", "--iodepth=1"],
+    "4k randread qd64": ["--rw=randread", "--bs=4k", "--iodepth=64"],
+    "4k randwrite qd64": ["--rw=randwrite", "--bs=4k", "--iodepth=64"],
+}
+DEVICES = {
+    "null": Device("null", 1, list(WORKLOADS)),
+    "loop": Device("loop", 1, list(WORKLOADS)),
+    "null -q 2": Device("null", 2, ["4k randread qd64"]),
+}
+QUICK = {"null": ["4k randread qd64"]}
+WARMUP = 1.0  # seconds of fio before the window opens
+BACKING_SIZE = 1 << 30
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+# -- the plugin, on the host --------------------------------------------------------------
+
+
+def build_plugin() -> Path:
+    """The plugin built from its source, cached by the source's hash."""
+    source = PLUGIN_SOURCE.read_bytes()
+    cache = Path.home() / ".cache" / "aioublk" / "tcg_count"
+    built = cache / f"tcg_count-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if built.exists():
+        return built
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("no C compiler (cc) to build bench/tcg_count.c: apt install gcc")
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = built.with_suffix(".tmp")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Werror",
+                    "-o", str(tmp), str(PLUGIN_SOURCE), "-lpthread"], check=True)
+    tmp.replace(built)
+    return built
+
+
+# -- in the guest -------------------------------------------------------------------------
+
+
+class Window:
+    """Asks the plugin (through the shared folder) for what ran since its last answer."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.n = 0
+
+    def take(self, timeout: float = 120) -> Path:
+        out = self.folder / f"{self.n}.out"
+        (self.folder / f"{self.n}.req").touch()
+        self.n += 1
+        deadline = time.monotonic() + timeout
+        while not out.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the TCG plugin did not answer in {timeout:.0f} s: "
+                                 "was the guest started with it (bench.instructions does)?")
+            time.sleep(0.01)
+        return out
+
+
+def _completed(dev_id: str) -> int:
+    """Requests the block layer completed on the device: reads plus writes."""
+    fields = Path(f"/sys/block/ublkb{dev_id}/stat").read_text().split()
+    return int(fields[0]) + int(fields[4])
+
+
+def _exec_maps(pid: int) -> list[tuple[int, int, str]]:
+    """The process's executable mappings: (start, end, file), sorted."""
+    maps = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and "x" in parts[1]:
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            maps.append((start, end, parts[5] if len(parts) > 5 else "[anon]"))
+    return sorted(maps)
+
+
+def _kernel_symbol(name: str) -> int | None:
+    for line in Path("/proc/kallsyms").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] == name:
+            return int(parts[0], 16) or None
+    return None
+
+
+def split(counts: Path, maps: list[tuple[int, int, str]], enter: int | None) -> dict[str, Any]:
+    """One window's instructions by part, the server's by file, and io_uring_enter calls."""
+    starts = [m[0] for m in maps]
+    parts: Counter[str] = Counter()
+    files: Counter[str] = Counter()
+    enters = 0
+    for line in counts.read_text().splitlines():
+        addr_s, insns_s, runs_s = line.split()
+        addr, runs = int(addr_s, 16), int(runs_s)
+        insns = int(insns_s) * runs
+        if addr >= KERNEL_BASE:
+            parts["kernel"] += insns
+            enters += runs if addr == enter else 0
+            continue
+        i = bisect.bisect_right(starts, addr) - 1
+        if i >= 0 and addr < maps[i][1]:
+            parts["server"] += insns
+            files[os.path.basename(maps[i][2])] += insns
+        else:
+            parts["rest"] += insns
+    return {**{k: parts[k] for k in ("kernel", "server", "rest")},
+            "server_files": dict(files.most_common(8)), "enters": enters}
+
+
+def _add(cmd: list[str], args: list[str]) -> tuple[str, int]:
+    """(device id, server pid) of a new device; RuntimeError saying why not."""
+    out, err = run([*cmd, "add", *args], timeout=180)
+    if err:
+        raise RuntimeError(f"add {err}")
+    try:
+        dev_id = out.split("dev id ")[1].split(":")[0]
+        pid = int(out.split("daemon pid ")[1].split()[0])
+    except (IndexError, ValueError):
+        raise RuntimeError(f"add printed no device id and pid: {out.strip()!r}") from None
+    deadline = time.monotonic() + 30
+    while not os.path.exists(f"/dev/ublkb{dev_id}") and time.monotonic() < deadline:
+        time.sleep(0.05)  # devtmpfs makes the node shortly after START_DEV
+    return dev_id, pid
+
+
+def measure(window: Window, dev_id: str, pid: int, workload: str, runtime: int,
+            fio_extra: list[str], enter: int | None) -> dict[str, Any]:
+    """fio for WARMUP + runtime + 1 s; the window is the runtime in its middle."""
+    fio = subprocess.Popen(
+        ["fio", "--name=w", f"--filename=/dev/ublkb{dev_id}", "--ioengine=io_uring",
+         "--direct=1", "--thread", *WORKLOADS[workload], *fio_extra, "--time_based",
+         f"--runtime={runtime + WARMUP + 1:.0f}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(WARMUP)
+
+        def mark() -> tuple[Path, float]:
+            before = _completed(dev_id)
+            got = window.take()
+            return got, (before + _completed(dev_id)) / 2
+
+        _, start = mark()
+        time.sleep(runtime)
+        counts, end = mark()
+        maps = _exec_maps(pid)
+    finally:
+        _, err = fio.communicate(timeout=runtime + 300)
+    if fio.returncode != 0:
+        raise RuntimeError(f"fio exited {fio.returncode}: {err.strip()[-300:]}")
+    ios = end - start
+    if ios <= 0:
+        raise RuntimeError("no request completed in the window")
+    got = split(counts, maps, enter)
+    return {"ios": ios, "per_io": {k: got[k] / ios for k in ("kernel", "server", "rest")},
+            "server_files": {k: v / ios for k, v in got["server_files"].items()},
+            "enters": got["enters"] / ios}
+
+
+def _backing_file() -> str:
+    """A 1 GiB file in guest RAM, written whole so reads hit pages, not holes."""
+    path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "loop.img")
+    block = b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(BACKING_SIZE >> 20):
+            f.write(block)
+    return path
+
+
+def _no_huge_pages() -> bool:
+    """Stop khugepaged's collapses, which clear 2 MiB at a time whenever they come and
+    land in whichever window is open; True if THP is now off."""
+    try:
+        Path(THP).write_text("never")
+    except OSError:
+        return False
+    return "[never]" in Path(THP).read_text()
+
+
+def inner(kublk: str, folder: Path, runtime: int, rounds: int, quick: bool, out: Path) -> None:
+    """Runs in the guest; rewrites `out` after every device so a crash keeps what was done."""
+    commands = {"kublk": [kublk], "aioublk": [sys.executable, "-m", "aioublk"]}
+    devices = {d: QUICK[d] for d in QUICK} if quick else \
+        {d: DEVICES[d].workloads for d in DEVICES}
+    release, _ = run(["uname", "-r"], timeout=10)
+    data: Data = {"kernel": release.strip(), "cpus": os.cpu_count(),
+                  "guest": os.environ.get("AIOUBLK_IN_GUEST") == "1", "runtime": runtime,
+                  "rounds": rounds, "quick": quick, "complete": False, "runs": [],
+                  "thp_off": _no_huge_pages()}
+    backing = _backing_file() if "loop" in devices else None
+    enter = _kernel_symbol(ENTER)
+    window = Window(folder)
+    start = time.monotonic()
+
+    def save() -> None:
+        out.write_text(json.dumps(data))
+
+    for r in range(1, rounds + 1):
+        for name, workloads in devices.items():
+            dev = DEVICES[name]
+            for label in swapped(list(SETTINGS), r - 1):
+                setting = SETTINGS[label]
+                add = ["-t", dev.target, "-q", str(dev.queues), "-d", "128", *setting.flags,
+                       *([backing] if dev.target == "loop" and backing else [])]
+                jobs = [f"--numjobs={dev.queues}"] if dev.queues > 1 else []
+                try:
+                    dev_id, pid = _add(commands[setting.server], add)
+                except RuntimeError as e:
+                    for w in workloads:
+                        data["runs"].append({"round": r, "device": name, "workload": w,
+                                             "server": label, "error": str(e)})
+                    continue
+                try:
+                    for w in workloads:
+                        rec: dict[str, Any] = {"round": r, "device": name, "workload": w,
+                                               "server": label, "error": None}
+                        try:
+                            rec |= measure(window, dev_id, pid, w, runtime, jobs, enter)
+                            rec["total"] = sum(rec["per_io"].values())
+                            shown = (f"{rec['total']:,.0f} instructions per I/O "
+                                     f"({rec['per_io']['server']:,.0f} in the server)")
+                        except RuntimeError as e:
+                            rec["error"] = shown = str(e)
+                        data["runs"].append(rec)
+                        print(f"[{time.monotonic() - start:4.0f} s] round {r}: {name} {w} "
+                              f"{label}: {shown}", flush=True)
+                finally:
+                    run([*commands[setting.server], "del", "-n", dev_id], timeout=180)
+                save()
+    data["complete"] = True
+    save()
+
+
+# -- the report ---------------------------------------------------------------------------
+
+KUBLK_SETTINGS = {k: k for k, s in SETTINGS.items() if s.server == "kublk"}
+
+
+def _fewest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """against_best picks the most; here fewer is better: invert, so it picks the fewest."""
+    return [{**x, "iops": 1 / x["total"]} if x.get("total") else {**x, "iops": None}
+            for x in records]
+
+
+def rows(data: Data) -> list[dict[str, Any]]:
+    runs = data["runs"]
+    keys = list(dict.fromkeys((x["device"], x["workload"]) for x in runs))
+    out = []
+    for device, workload in keys:
+        key = {"device": device, "workload": workload}
+        best = against_best(_fewest(runs), "aioublk", KUBLK_SETTINGS, **key)
+        row: dict[str, Any] = {**key, "kublk_best": best.settings,
+                               "vs_best": [1 / x for x in best.ratios], "settings": {}}
+        for label in SETTINGS:
+            per = {p: median([{"v": x["per_io"][p], **x} for x in runs if x.get("per_io")],
+                             "v", server=label, **key)
+                   for p in ("kernel", "server", "rest")}
+            row["settings"][label] = {
+                "total": median(runs, "total", server=label, **key), **per,
+                "enters": median(runs, "enters", server=label, **key)}
+        row["same_mode"] = {ours: paired_ratios(runs, {**key, "server": ours},
+                                                {**key, "server": peer}, "total")
+                            for ours, peer in SAME_MODE.items()}
+        out.append(row)
+    return out
+
+
+def report(data: Data, command: str) -> str:
+    lines = [
+        "# Instructions per I/O: aioublk vs kublk",
+        "",
+        f"{setup_line(data)}, {data['cpus']} CPUs, Linux {data['kernel']}. fio with "
+        f"io_uring, O_DIRECT; each window is {data['runtime']} s in the middle of a fio "
+        f"run; median of {data['rounds']} round(s). A QEMU TCG plugin counts the "
+        "instructions the whole guest executed in the window; they are divided by the "
+        "requests the block layer completed in it. Servers alternate device by device, "
+        "the first swapping every round. **Fewer is less work**: a ratio below 1.0 "
+        "means aioublk's requests cost fewer instructions than kublk's.",
+        "",
+        "**kernel** is all the guest kernel's work (fio's, ublk_drv's, the server's "
+        "syscalls, interrupts); **server** is the server's user space; **rest** is the "
+        "other user space (fio). **aioublk / kublk's fewest** pairs each round's aioublk "
+        "(default: batch I/O) with kublk's setting of fewer instructions in that round; "
+        "**same mode** pairs aioublk with kublk `-b` and aioublk `--no-batch` with kublk "
+        "per-I/O. Ratios are the median of the rounds' own (min – max).",
+    ]
+    if data.get("thp_off"):
+        lines += ["", "Transparent huge pages were off in the guest: khugepaged's background "
+                      "page clearing otherwise lands in whichever window is open."]
+    lines += notes(data, "null, 4k randread qd64, one round")
+    table_rows = rows(data)
+    lines += ["", *table(
+        ["device", "workload", "aioublk / kublk's fewest", "kublk's fewest",
+         "aioublk / kublk -b", "aioublk --no-batch / kublk"], "llrlrr",
+        ([r["device"], r["workload"], spread(r["vs_best"]), r["kublk_best"],
+          spread(r["same_mode"]["aioublk"]), spread(r["same_mode"]["aioublk --no-batch"])]
+         for r in table_rows))]
+    lines += ["", "## Where the instructions go", "",
+              "Instructions per I/O (medians over the rounds), and io_uring_enter calls per "
+              "I/O (all processes).", ""]
+    cells = []
+    for r in table_rows:
+        for label, s in r["settings"].items():
+            cells.append([r["device"], r["workload"], label, fmt(s["total"]), fmt(s["kernel"]),
+                          fmt(s["server"]), fmt(s["rest"]), fmt(s["enters"], ".2f")])
+    lines += table(["device", "workload", "server", "total", "kernel", "server", "rest",
+                    "enters"], "lllrrrrr", cells)
+    files: dict[str, Counter[str]] = {}
+    for x in data["runs"]:
+        if x.get("server_files"):
+            files.setdefault(x["server"], Counter()).update(x["server_files"])
+    if files:
+        n = Counter(x["server"] for x in data["runs"] if x.get("server_files"))
+        lines += ["", "The server's user-space instructions per I/O by file, averaged over "
+                      "every row:", ""]
+        for label, c in files.items():
+            parts = ", ".join(f"{f} {v / n[label]:,.0f}" for f, v in c.most_common(4))
+            lines.append(f"- {label}: {parts}")
+    errors = {f"{x['server']} {x['device']}": str(x["error"])
+              for x in data["runs"] if x.get("error")}
+    lines += errors_section(errors, "server/device")
+    lines += ["", f"Chart: `instructions.png`. Reproduce: `{command}` from the repository "
+                  "root (boots the guest under TCG with the plugin; builds kublk from "
+                  "Debian sid's linux-source).", ""]
+    return "\n".join(lines)
+
+
+def plot(data: Data, path: Path) -> None:
+    table_rows = rows(data)
+    groups = [f"{r['device']}\n{r['workload']}" for r in table_rows]
+    series = ["aioublk / kublk's fewest", "aioublk / kublk -b", "aioublk --no-batch / kublk"]
+    values: dict[tuple[str, str], float | None] = {}
+    for g, r in zip(groups, table_rows, strict=True):
+        for s, ratios in zip(series, (r["vs_best"], r["same_mode"]["aioublk"],
+                                      r["same_mode"]["aioublk --no-batch"]), strict=True):
+            values[(g, s)] = statistics.median(ratios) if ratios else None
+    where = "QEMU TCG" if data["guest"] else "host"
+    grouped_bars(path, groups, series, values,
+                 "guest instructions per I/O, aioublk / kublk (paired by round)",
+                 f"instructions per I/O, aioublk / kublk (below 1: less work)\n{where}, "
+                 f"{data['cpus']} CPUs, Linux {data['kernel']}, median of {data['rounds']} "
+                 "round(s)", lines=[(1.0, "black", "-")], height=5.0, per_group=1.6,
+                 fontsize=9, legend={"ncol": 3, "loc": "upper center",
+                                     "bbox_to_anchor": (0.5, -0.15)})
+
+
+def _timeout(runtime: int, rounds: int, quick: bool) -> float:
+    """Generous: an aioublk add takes seconds under TCG, a busy host more."""
+    runs = 4 if quick else sum(len(d.workloads) for d in DEVICES.values()) * len(SETTINGS)
+    adds = 4 if quick else len(DEVICES) * len(SETTINGS)
+    return 900 + rounds * (adds * 120 + runs * (runtime + WARMUP + 60))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, runtime=3, rounds=3, quick="null, 4k randread qd64, one round",
+                inner=("KUBLK", "FOLDER", "OUT"))
+    ns = ap.parse_args(argv)
+    runtime = ns.runtime or (2 if ns.quick else 3)
+    rounds = 1 if ns.quick and ns.rounds == 3 else ns.rounds
+    name = "instructions"
+    if ns.report:
+        saved = load(ns.report)
+        return publish(name, saved, report(saved, str(saved["command"])), plot, out=ns.out)
+    if ns.inner:
+        inner(ns.inner[0], Path(ns.inner[1]), runtime, rounds, ns.quick, Path(ns.inner[2]))
+        return 0
+    from aioublk.testing.guest import run_in_guest
+    from tools.kublk import ensure_kublk
+
+    plugin = build_plugin()
+    kublk = ensure_kublk()
+    options = [f"--runtime={runtime}", f"--rounds={rounds}", *(["--quick"] if ns.quick else [])]
+    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
+        folder, out = Path(rw) / "counts", Path(rw) / "result.json"
+        folder.mkdir()
+        argv_ = [sys.executable, "-m", "bench.instructions", *options, "--inner", str(kublk),
+                 str(folder), str(out)]
+        code = run_in_guest(argv_, [rw], cpus=2, timeout=_timeout(runtime, rounds, ns.quick),
+                            cwd=ROOT, accel="tcg",
+                            qemu_opts=["-plugin", f"{plugin},dir={folder}"])
+        if not out.exists():
+            print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
+            return 1
+        data = load(out)
+    data["command"] = " ".join([".venv/bin/python", "-m", "bench.instructions", *options])
+    return publish(name, data, report(data, data["command"]), plot, code, ns.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
