@@ -83,11 +83,14 @@ def swapped(items: Sequence[T], round_index: int) -> Sequence[T]:
 
 def run_guest(module: str, args: list[str], timeout: float, cpus: int = 2,
               kublk: bool = True, memory: str = "4G", inner: Sequence[str] = (),
-              here: bool = True) -> tuple[int, Data | None]:
+              here: bool = True, shared: Sequence[Path] = (), accel: str | None = None,
+              qemu_opts: Sequence[str] = ()) -> tuple[int, Data | None]:
     """Run ``python -m MODULE ARGS --inner [KUBLK] [INNER...] OUT`` in the guest (or here
     when this host has ublk_drv and `here`), building kublk first if `kublk`: (exit
     status, the JSON it left in OUT or None). ``AIOUBLK_GUEST_ACCEL`` picks the
-    accelerator, as for the tests (tcg where a KVM probe passes but guests fail)."""
+    accelerator unless `accel` does, as for the tests (tcg where a KVM probe passes
+    but guests fail); `shared` folders are writable in the guest too, and
+    `qemu_opts` go to QEMU."""
     from aioublk.testing.guest import default_accel, run_in_guest
 
     peer: list[str] = []
@@ -101,8 +104,9 @@ def run_guest(module: str, args: list[str], timeout: float, cpus: int = 2,
         if here and Path("/dev/ublk-control").exists():
             code = subprocess.run(argv, cwd=ROOT).returncode
         else:
-            code = run_in_guest(argv, [rw], memory=memory, cpus=cpus, timeout=timeout,
-                                cwd=ROOT, accel=default_accel())
+            code = run_in_guest(argv, [rw, *shared], memory=memory, cpus=cpus,
+                                timeout=timeout, cwd=ROOT, accel=accel or default_accel(),
+                                qemu_opts=qemu_opts)
         if not out.exists():
             print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
             return code, None

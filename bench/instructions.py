@@ -70,6 +70,7 @@ from bench.common import (
     parser,
     publish,
     run,
+    run_guest,
     setup_line,
     spread,
     swapped,
@@ -467,24 +468,14 @@ def main(argv: list[str] | None = None) -> int:
     if ns.inner:
         inner(ns.inner[0], Path(ns.inner[1]), runtime, rounds, ns.quick, Path(ns.inner[2]))
         return 0
-    from aioublk.testing.guest import run_in_guest
-    from tools.kublk import ensure_kublk
-
     plugin = build_plugin()
-    kublk = ensure_kublk()
     options = [f"--runtime={runtime}", f"--rounds={rounds}", *(["--quick"] if ns.quick else [])]
-    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as rw:
-        folder, out = Path(rw) / "counts", Path(rw) / "result.json"
-        folder.mkdir()
-        argv_ = [sys.executable, "-m", "bench.instructions", *options, "--inner", str(kublk),
-                 str(folder), str(out)]
-        code = run_in_guest(argv_, [rw], cpus=2, timeout=_timeout(runtime, rounds, ns.quick),
-                            cwd=ROOT, accel="tcg",
-                            qemu_opts=["-plugin", f"{plugin},dir={folder}"])
-        if not out.exists():
-            print(f"benchmark failed (exit {code}), no results", file=sys.stderr)
-            return 1
-        data = load(out)
+    with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as folder:
+        code, data = run_guest("bench.instructions", options, _timeout(runtime, rounds, ns.quick),
+                               inner=[folder], here=False, shared=[Path(folder)],
+                               accel="tcg", qemu_opts=["-plugin", f"{plugin},dir={folder}"])
+    if data is None:
+        return 1
     data["command"] = " ".join([".venv/bin/python", "-m", "bench.instructions", *options])
     return publish(name, data, report(data, data["command"]), plot, code, ns.out)
 
