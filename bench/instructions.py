@@ -76,6 +76,7 @@ from bench.common import (
     swapped,
     table,
 )
+from bench.modes import _add, _backing_file
 
 PLUGIN_SOURCE = ROOT / "bench" / "tcg_count.c"
 KERNEL_BASE = 1 << 63  # x86-64: the kernel's half of the address space
@@ -115,7 +116,6 @@ DEVICES = {
 }
 QUICK = {"null": ["4k randread qd64"]}
 WARMUP = 1.0  # seconds of fio before the window opens
-BACKING_SIZE = 1 << 30
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -212,20 +212,14 @@ def split(counts: Path, maps: list[tuple[int, int, str]], enter: int | None) -> 
             "server_files": dict(files.most_common(8)), "enters": enters}
 
 
-def _add(cmd: list[str], args: list[str]) -> tuple[str, int]:
-    """(device id, server pid) of a new device; RuntimeError saying why not."""
-    out, err = run([*cmd, "add", *args], timeout=180)
-    if err:
-        raise RuntimeError(f"add {err}")
+def _server_pid(cmd: list[str], dev_id: str) -> int:
+    """The pid serving the device, from the kublk-style ``list -n`` line."""
+    out, err = run([*cmd, "list", "-n", dev_id], timeout=60)
     try:
-        dev_id = out.split("dev id ")[1].split(":")[0]
-        pid = int(out.split("daemon pid ")[1].split()[0])
+        return int(out.split("daemon pid ")[1].split()[0])
     except (IndexError, ValueError):
-        raise RuntimeError(f"add printed no device id and pid: {out.strip()!r}") from None
-    deadline = time.monotonic() + 30
-    while not os.path.exists(f"/dev/ublkb{dev_id}") and time.monotonic() < deadline:
-        time.sleep(0.05)  # devtmpfs makes the node shortly after START_DEV
-    return dev_id, pid
+        raise RuntimeError(f"list -n {dev_id} gave no daemon pid: {err or out.strip()!r}") \
+            from None
 
 
 def measure(window: Window, dev_id: str, pid: int, workload: str, runtime: int,
@@ -261,16 +255,6 @@ def measure(window: Window, dev_id: str, pid: int, workload: str, runtime: int,
             "enters": got["enters"] / ios}
 
 
-def _backing_file() -> str:
-    """A 1 GiB file in guest RAM, written whole so reads hit pages, not holes."""
-    path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "loop.img")
-    block = b"\0" * (1 << 20)
-    with open(path, "wb") as f:
-        for _ in range(BACKING_SIZE >> 20):
-            f.write(block)
-    return path
-
-
 def _no_huge_pages() -> bool:
     """Stop khugepaged's collapses, which clear 2 MiB at a time whenever they come and
     land in whichever window is open; True if THP is now off."""
@@ -292,6 +276,8 @@ def inner(kublk: str, folder: Path, runtime: int, rounds: int, quick: bool, out:
                   "rounds": rounds, "quick": quick, "complete": False, "runs": [],
                   "thp_off": _no_huge_pages()}
     backing = _backing_file() if "loop" in devices else None
+    if backing:
+        data["backing"] = backing
     enter = _kernel_symbol(ENTER)
     window = Window(folder)
     start = time.monotonic()
@@ -305,19 +291,22 @@ def inner(kublk: str, folder: Path, runtime: int, rounds: int, quick: bool, out:
             for label in swapped(list(SETTINGS), r - 1):
                 setting = SETTINGS[label]
                 add = ["-t", dev.target, "-q", str(dev.queues), "-d", "128", *setting.flags,
-                       *([backing] if dev.target == "loop" and backing else [])]
+                       *([str(backing["path"])] if dev.target == "loop" and backing else [])]
                 jobs = [f"--numjobs={dev.queues}"] if dev.queues > 1 else []
-                try:
-                    dev_id, pid = _add(commands[setting.server], add)
-                except RuntimeError as e:
-                    for w in workloads:
-                        data["runs"].append({"round": r, "device": name, "workload": w,
-                                             "server": label, "error": str(e)})
-                    continue
+                dev_id, err = _add(commands[setting.server], add)
+                pid = None
+                if dev_id is not None:
+                    try:
+                        pid = _server_pid(commands[setting.server], dev_id)
+                    except RuntimeError as e:
+                        err = str(e)
                 try:
                     for w in workloads:
                         rec: dict[str, Any] = {"round": r, "device": name, "workload": w,
-                                               "server": label, "error": None}
+                                               "server": label, "error": err}
+                        if dev_id is None or pid is None:
+                            data["runs"].append(rec)
+                            continue
                         try:
                             rec |= measure(window, dev_id, pid, w, runtime, jobs, enter)
                             rec["total"] = sum(rec["per_io"].values())
@@ -329,7 +318,8 @@ def inner(kublk: str, folder: Path, runtime: int, rounds: int, quick: bool, out:
                         print(f"[{time.monotonic() - start:4.0f} s] round {r}: {name} {w} "
                               f"{label}: {shown}", flush=True)
                 finally:
-                    run([*commands[setting.server], "del", "-n", dev_id], timeout=180)
+                    if dev_id is not None:
+                        run([*commands[setting.server], "del", "-n", dev_id], timeout=180)
                 save()
     data["complete"] = True
     save()
