@@ -35,6 +35,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+@pytest.fixture(autouse=True)
+def _structlog_as_it_was() -> Iterator[None]:
+    """Each test gets structlog's configuration back as it found it. structlog's
+    own ``capture_logs`` leaves structlog *configured* (with its defaults,
+    printing to stdout) when it restores, and aioublk's loggers then stop
+    reaching logging: a later test's ``caplog`` saw nothing, depending on
+    which tests ran before it."""
+    import structlog
+
+    was = structlog.get_config() if structlog.is_configured() else None
+    yield
+    if was is None:
+        structlog.reset_defaults()
+    else:
+        structlog.configure(**was)
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
