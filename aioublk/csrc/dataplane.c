@@ -140,10 +140,17 @@ struct dp_tag {
     uint32_t dsm[4];
 };
 
+/* A COMMIT_IO_CMDS's elements. Its buffer stays with the slot once the
+   kernel is done with it, and the slot's next commit reuses it when it
+   fits: no malloc and free per commit. One over DP_COMMIT_KEEP bytes is
+   freed, so a queue keeps at most that per slot it ever had in flight. */
 struct dp_commit {
     unsigned nr;         /* elements */
+    unsigned cap;        /* bytes elems can hold */
     char elems[];
 };
+
+#define DP_COMMIT_KEEP 4096u
 
 struct dp_queue {
     uint16_t q_id;
@@ -157,7 +164,7 @@ struct dp_queue {
     int withdrawn;          /* br is no longer the kernel's (aur_dp_withdraw) */
     char *elems;            /* answered, for the next COMMIT_IO_CMDS */
     unsigned nr_elems;
-    struct dp_commit **commits;  /* COMMIT_IO_CMDS in flight, by slot */
+    struct dp_commit **commits;  /* COMMIT_IO_CMDS by slot: in flight, or kept */
     uint16_t *free_slots;
     unsigned nr_free;
     /* answers the SQ could not take, sent again by the next flush: per-I/O
@@ -597,18 +604,33 @@ static int dp_flush_queue(struct aur_dp *dp, unsigned local)
     struct dp_queue *q = &dp->q[local];
     struct dp_commit *c;
     size_t bytes = (size_t)q->nr_elems * dp->elem_bytes;
+    uint16_t slot;
 
     if (!q->nr_elems)
         return 0;
     if (!q->nr_free)
         return -EBUSY;  /* cannot happen: each commit in flight holds a tag */
-    c = malloc(sizeof(*c) + bytes);
-    if (!c)
-        return -ENOMEM;
+    slot = q->free_slots[q->nr_free - 1];
+    c = q->commits[slot];
+    if (!c || c->cap < bytes) {
+        /* room for a whole queue's answers, up to what is kept */
+        size_t cap = (size_t)dp->s.depth * dp->elem_bytes;
+
+        if (cap > DP_COMMIT_KEEP)
+            cap = DP_COMMIT_KEEP;
+        if (cap < bytes)
+            cap = bytes;
+        free(c);
+        q->commits[slot] = NULL;
+        if (!(c = malloc(sizeof(*c) + cap)))
+            return -ENOMEM;
+        c->cap = (unsigned)cap;
+    }
+    q->nr_free--;
     c->nr = q->nr_elems;
     memcpy(c->elems, q->elems, bytes);
     q->nr_elems = 0;
-    dp_send_commit(dp, local, c, q->free_slots[--q->nr_free]);
+    dp_send_commit(dp, local, c, slot);
     return 0;
 }
 
@@ -1563,8 +1585,10 @@ static void dp_commit_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int
         dp_send_commit(dp, local, c, slot);
         return;
     }
-    free(c);
-    q->commits[slot] = NULL;
+    if (c->cap > DP_COMMIT_KEEP) {
+        free(c);
+        q->commits[slot] = NULL;
+    }
     q->free_slots[q->nr_free++] = slot;
 }
 
