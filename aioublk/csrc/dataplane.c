@@ -1874,6 +1874,28 @@ static void dp_loop_ready(struct aur_dp *dp)
     }
 }
 
+/* The SQEs the next io_uring_enter submits whose CQEs it posts before it
+   waits: COMMIT_IO_CMDS completes in its issue. The wait asks for one CQE
+   beyond them, or a commit's own CQE would end it at once and each request
+   at QD1 would cost a second io_uring_enter (kublk -b pays it). Counting one
+   that is not submitted would sleep through a real CQE, so this reads the
+   SQ itself; one that completes later still comes, and ends no wait early. */
+static unsigned dp_inline_cqes(struct aur_dp *dp)
+{
+    struct io_uring *ring = &dp->r->ring;
+    unsigned shift = (ring->flags & IORING_SETUP_SQE128) ? 1 : 0, i, n = 0;
+    const struct io_uring_sqe *sqe;
+
+    if (!dp->s.batch)
+        return 0;
+    for (i = io_uring_smp_load_acquire(ring->sq.khead); i != ring->sq.sqe_tail; i++) {
+        sqe = &ring->sq.sqes[(i & ring->sq.ring_mask) << shift];
+        if (sqe->opcode == IORING_OP_URING_CMD && sqe->cmd_op == dp->s.op_commit_io_cmds)
+            n++;
+    }
+    return n;
+}
+
 /* Serve and wait until Python has work or ms pass (-1: no timer is due). */
 static void dp_own_wait(struct aur_dp *dp, int ms)
 {
@@ -1918,9 +1940,11 @@ static void dp_own_wait(struct aur_dp *dp, int ms)
             ns = deadline - now;
             ts.tv_sec = (long long)(ns / 1000000000ULL);
             ts.tv_nsec = (long long)(ns % 1000000000ULL);
-            ret = io_uring_submit_and_wait_timeout(ring, &cqe, 1, &ts, NULL);
+            ret = io_uring_submit_and_wait_timeout(ring, &cqe, 1 + dp_inline_cqes(dp), &ts,
+                                                   NULL);
         } else {
-            ret = io_uring_submit_and_wait_timeout(ring, &cqe, 1, NULL, NULL);
+            ret = io_uring_submit_and_wait_timeout(ring, &cqe, 1 + dp_inline_cqes(dp), NULL,
+                                                   NULL);
         }
         if (ret == -ETIME)
             break;  /* a timer is due */

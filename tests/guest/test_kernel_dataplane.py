@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from aioublk.kernel import uapi
 from aioublk.queue.options import CopyMode
 from aioublk.target import Target
 from aioublk.targets import LoopTarget, StripeTarget
@@ -165,3 +167,51 @@ def test_each_queue_worker_is_pinned_to_one_cpu_of_its_queue(batch: bool) -> Non
             pinned = os.sched_getaffinity(tid)
             assert len(pinned) == 1 and pinned <= set(masks[q]), (q, pinned, masks)
         assert len({w.thread.native_id for w in dev.workers}) == queues
+
+
+def _io_uring_enters(tid: int, work: Callable[[], object], tmp_path: Path) -> int:
+    """The io_uring_enter calls thread ``tid`` makes while ``work`` runs,
+    as strace counts them (attached before ``work`` starts)."""
+    out = tmp_path / "strace.out"
+    p = subprocess.Popen(["strace", "-c", "-e", "trace=io_uring_enter", "-o", str(out),
+                          "-p", str(tid)], stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        line = p.stderr.readline()  # "strace: Process N attached", or why not
+        assert "attached" in line, f"strace did not attach to {tid}: {line.strip()}"
+        work()
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    calls = [ln.split() for ln in out.read_text().splitlines() if ln.endswith("io_uring_enter")]
+    assert calls, f"strace counted no io_uring_enter: {out.read_text()}"
+    return int(calls[0][3])
+
+
+def _reads_done(dev_id: int) -> int:
+    return int(Path(f"/sys/block/ublkb{dev_id}/stat").read_text().split()[0])
+
+
+def test_a_batch_worker_enters_io_uring_once_per_request_at_qd1(tmp_path: Path) -> None:
+    """At QD1 in batch mode, a worker submits a request's COMMIT_IO_CMDS and
+    waits for the next request in one io_uring_enter. The commit's own CQE,
+    posted while it is submitted, must not end that wait. It did: whenever
+    the next request was not there yet, the worker entered twice per request
+    (as kublk -b does). fio runs under strace too, slowed so that the next
+    request is never there yet."""
+    from aioublk.targets import NullTarget
+
+    n = 300
+    with served(NullTarget(size=64 * MiB), batch=True) as dev:
+        assert dev.info is not None and dev.info.flags & uapi.Feature.BATCH_IO
+        tid = dev.workers[0].thread.native_id
+        assert tid is not None
+        before = _reads_done(dev.id)
+        enters = _io_uring_enters(tid, lambda: run(
+            "strace", "-f", "-o", os.devnull, "fio", "--name=qd1", f"--filename={dev.path}",
+            "--rw=randread", "--bs=4k", "--iodepth=1", "--ioengine=io_uring", "--direct=1",
+            f"--number_ios={n}", "--size=64M"), tmp_path)
+        requests = _reads_done(dev.id) - before
+    assert requests >= n
+    # one per request, and a few for the loop's own timers and wake-ups
+    assert enters <= 1.25 * requests, (enters, requests)
