@@ -1906,6 +1906,7 @@ static void dp_own_wait(struct aur_dp *dp, int ms)
     uint64_t deadline = ms < 0 ? 0 : dp_now_ns() + 1000000ULL * (uint64_t)ms;
     unsigned served = dp->served, completed = dp->completed;
     uint64_t count;
+    unsigned want;
     int full = 0, quiet, ret;
 
     /* C takes the CQ from here: a signal of the ring's eventfd still unread
@@ -1931,6 +1932,7 @@ static void dp_own_wait(struct aur_dp *dp, int ms)
             io_uring_submit(ring);
             continue;
         }
+        want = 1 + dp_inline_cqes(dp);
         if (deadline) {
             uint64_t now = dp_now_ns(), ns;
             struct __kernel_timespec ts;
@@ -1940,11 +1942,9 @@ static void dp_own_wait(struct aur_dp *dp, int ms)
             ns = deadline - now;
             ts.tv_sec = (long long)(ns / 1000000000ULL);
             ts.tv_nsec = (long long)(ns % 1000000000ULL);
-            ret = io_uring_submit_and_wait_timeout(ring, &cqe, 1 + dp_inline_cqes(dp), &ts,
-                                                   NULL);
+            ret = io_uring_submit_and_wait_timeout(ring, &cqe, want, &ts, NULL);
         } else {
-            ret = io_uring_submit_and_wait_timeout(ring, &cqe, 1 + dp_inline_cqes(dp), NULL,
-                                                   NULL);
+            ret = io_uring_submit_and_wait_timeout(ring, &cqe, want, NULL, NULL);
         }
         if (ret == -ETIME)
             break;  /* a timer is due */
