@@ -25,6 +25,7 @@ from aioublk.queue.options import CopyMode
 from aioublk.target import Target
 from aioublk.targets import LoopTarget, StripeTarget
 from aioublk.targets.nvme import NvmeTarget
+from tests.guest.test_kernel_lifecycle import reads_done
 from tests.guest.test_kernel_targets import sectors_4k
 from tests.support.kernel import fio, make_file, run, served
 
@@ -188,10 +189,6 @@ def _io_uring_enters(tid: int, work: Callable[[], object], tmp_path: Path) -> in
     return int(calls[0][3])
 
 
-def _reads_done(dev_id: int) -> int:
-    return int(Path(f"/sys/block/ublkb{dev_id}/stat").read_text().split()[0])
-
-
 def test_a_batch_worker_enters_io_uring_once_per_request_at_qd1(tmp_path: Path) -> None:
     """At QD1 in batch mode, a worker submits a request's COMMIT_IO_CMDS and
     waits for the next request in one io_uring_enter. The commit's own CQE,
@@ -206,12 +203,12 @@ def test_a_batch_worker_enters_io_uring_once_per_request_at_qd1(tmp_path: Path) 
         assert dev.info is not None and dev.info.flags & uapi.Feature.BATCH_IO
         tid = dev.workers[0].thread.native_id
         assert tid is not None
-        before = _reads_done(dev.id)
+        before = reads_done(dev.id)
         enters = _io_uring_enters(tid, lambda: run(
             "strace", "-f", "-o", os.devnull, "fio", "--name=qd1", f"--filename={dev.path}",
             "--rw=randread", "--bs=4k", "--iodepth=1", "--ioengine=io_uring", "--direct=1",
             f"--number_ios={n}", "--size=64M"), tmp_path)
-        requests = _reads_done(dev.id) - before
+        requests = reads_done(dev.id) - before
     assert requests >= n
     # one per request, and a few for the loop's own timers and wake-ups
     assert enters <= 1.25 * requests, (enters, requests)
