@@ -42,6 +42,7 @@ plugin needs it). ``--quick`` is a smoke test of this script.
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import hashlib
 import json
@@ -53,6 +54,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -117,6 +119,10 @@ DEVICES = {
 QUICK = {"null": ["4k randread qd64"]}
 WARMUP = 1.0  # seconds of fio before the window opens
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+TOP_FUNCTIONS = 200  # kernel functions kept per window (by instructions), with symbols
+#: kernel functions whose calls a window counts, with symbols: a switch of task, and of
+#: address space (under TCG the latter empties the vCPU's software TLB)
+CALLS = ("__schedule", "switch_mm_irqs_off")
 
 
 # -- the plugin, on the host --------------------------------------------------------------
@@ -163,9 +169,9 @@ class Window:
         return out
 
 
-def _completed(dev_id: str) -> int:
-    """Requests the block layer completed on the device: reads plus writes."""
-    fields = Path(f"/sys/block/ublkb{dev_id}/stat").read_text().split()
+def _completed(block: str) -> int:
+    """Requests the block layer completed on ``block`` (ublkb0, nbd0): reads plus writes."""
+    fields = Path(f"/sys/block/{block}/stat").read_text().split()
     return int(fields[0]) + int(fields[4])
 
 
@@ -188,11 +194,36 @@ def _kernel_symbol(name: str) -> int | None:
     return None
 
 
-def split(counts: Path, maps: list[tuple[int, int, str]], enter: int | None) -> dict[str, Any]:
-    """One window's instructions by part, the server's by file, and io_uring_enter calls."""
+class KernelSymbols:
+    """The guest kernel's functions by address, to name where kernel instructions ran."""
+
+    def __init__(self, kallsyms: Path = Path("/proc/kallsyms")) -> None:
+        funcs = []
+        for line in kallsyms.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[1] in "tTwW":
+                funcs.append((int(parts[0], 16), parts[2]))
+        funcs.sort()
+        self.starts = [a for a, _ in funcs]
+        self.names = [n for _, n in funcs]
+
+    def locate(self, addr: int) -> tuple[str, bool]:
+        """The function ``addr`` is in, and whether it is the function's first
+        instruction (a block starting there is a call)."""
+        i = bisect.bisect_right(self.starts, addr) - 1
+        return (self.names[i], self.starts[i] == addr) if i >= 0 else ("?", False)
+
+
+def split(counts: Path, maps: list[tuple[int, int, str]], enter: int | None,
+          symbols: KernelSymbols | None = None) -> dict[str, Any]:
+    """One window's instructions by part, the server's by file, io_uring_enter calls,
+    and with ``symbols`` the kernel's by function (the TOP_FUNCTIONS busiest) and the
+    calls of each function in CALLS."""
     starts = [m[0] for m in maps]
     parts: Counter[str] = Counter()
     files: Counter[str] = Counter()
+    functions: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
     enters = 0
     for line in counts.read_text().splitlines():
         addr_s, insns_s, runs_s = line.split()
@@ -201,6 +232,11 @@ def split(counts: Path, maps: list[tuple[int, int, str]], enter: int | None) -> 
         if addr >= KERNEL_BASE:
             parts["kernel"] += insns
             enters += runs if addr == enter else 0
+            if symbols is not None:
+                name, entry = symbols.locate(addr)
+                functions[name] += insns
+                if entry and name in CALLS:
+                    calls[name] += runs
             continue
         i = bisect.bisect_right(starts, addr) - 1
         if i >= 0 and addr < maps[i][1]:
@@ -209,7 +245,8 @@ def split(counts: Path, maps: list[tuple[int, int, str]], enter: int | None) -> 
         else:
             parts["rest"] += insns
     return {**{k: parts[k] for k in ("kernel", "server", "rest")},
-            "server_files": dict(files.most_common(8)), "enters": enters}
+            "server_files": dict(files.most_common(8)), "enters": enters,
+            "functions": dict(functions.most_common(TOP_FUNCTIONS)), "calls": dict(calls)}
 
 
 def _server_pid(cmd: list[str], dev_id: str) -> int:
@@ -222,11 +259,13 @@ def _server_pid(cmd: list[str], dev_id: str) -> int:
             from None
 
 
-def measure(window: Window, dev_id: str, pid: int, workload: str, runtime: int,
-            fio_extra: list[str], enter: int | None) -> dict[str, Any]:
-    """fio for WARMUP + runtime + 1 s; the window is the runtime in its middle."""
+def measure(window: Window, block: str, pid: int | None, workload: str, runtime: int,
+            fio_extra: list[str], enter: int | None,
+            symbols: KernelSymbols | None = None) -> dict[str, Any]:
+    """fio on /dev/BLOCK for WARMUP + runtime + 1 s; the window is the runtime in its
+    middle. ``pid``: the server process (None: no server, its part stays 0)."""
     fio = subprocess.Popen(
-        ["fio", "--name=w", f"--filename=/dev/ublkb{dev_id}", "--ioengine=io_uring",
+        ["fio", "--name=w", f"--filename=/dev/{block}", "--ioengine=io_uring",
          "--direct=1", "--thread", *WORKLOADS[workload], *fio_extra, "--time_based",
          f"--runtime={runtime + WARMUP + 1:.0f}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -234,14 +273,16 @@ def measure(window: Window, dev_id: str, pid: int, workload: str, runtime: int,
         time.sleep(WARMUP)
 
         def mark() -> tuple[Path, float]:
-            before = _completed(dev_id)
+            before = _completed(block)
             got = window.take()
-            return got, (before + _completed(dev_id)) / 2
+            return got, (before + _completed(block)) / 2
 
         _, start = mark()
+        opened = time.monotonic()
         time.sleep(runtime)
         counts, end = mark()
-        maps = _exec_maps(pid)
+        seconds = time.monotonic() - opened
+        maps = _exec_maps(pid) if pid is not None else []
     finally:
         _, err = fio.communicate(timeout=runtime + 300)
     if fio.returncode != 0:
@@ -249,10 +290,14 @@ def measure(window: Window, dev_id: str, pid: int, workload: str, runtime: int,
     ios = end - start
     if ios <= 0:
         raise RuntimeError("no request completed in the window")
-    got = split(counts, maps, enter)
-    return {"ios": ios, "per_io": {k: got[k] / ios for k in ("kernel", "server", "rest")},
+    got = split(counts, maps, enter, symbols)
+    return {"ios": ios, "iops": ios / seconds,
+            "per_io": {k: got[k] / ios for k in ("kernel", "server", "rest")},
             "server_files": {k: v / ios for k, v in got["server_files"].items()},
-            "enters": got["enters"] / ios}
+            "enters": got["enters"] / ios,
+            **({"functions": {k: v / ios for k, v in got["functions"].items()},
+                "calls": {k: v / ios for k, v in got["calls"].items()}}
+               if symbols is not None else {})}
 
 
 def _no_huge_pages() -> bool:
@@ -308,7 +353,7 @@ def inner(kublk: str, folder: Path, runtime: int, rounds: int, quick: bool, out:
                             data["runs"].append(rec)
                             continue
                         try:
-                            rec |= measure(window, dev_id, pid, w, runtime, jobs, enter)
+                            rec |= measure(window, f"ublkb{dev_id}", pid, w, runtime, jobs, enter)
                             rec["total"] = sum(rec["per_io"].values())
                             shown = (f"{rec['total']:,.0f} instructions per I/O "
                                      f"({rec['per_io']['server']:,.0f} in the server)")
@@ -445,29 +490,43 @@ def _timeout(runtime: int, rounds: int, quick: bool) -> float:
     return 900 + rounds * (adds * 120 + runs * (runtime + WARMUP + 60))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, runtime=3, rounds=3, quick="null, 4k randread qd64, one round",
-                inner=("KUBLK", "FOLDER", "OUT"))
+def counting_main(name: str, ap: argparse.ArgumentParser, argv: list[str] | None,
+                  report: Callable[[Data, str], str], plot: Callable[[Data, Path], None],
+                  inner: Callable[[list[str], int, int, bool], None],
+                  timeout: Callable[[int, int, bool], float], kublk: bool) -> int:
+    """main() of a bench that counts instructions (this one, bench.nbd_instructions):
+    ``--report``, the guest's side (``inner(ns.inner, runtime, rounds, quick)``), or the
+    guest run under TCG with the plugin, whose shared folder is the first of --inner's
+    arguments after KUBLK (with `kublk`)."""
     ns = ap.parse_args(argv)
     runtime = ns.runtime or (2 if ns.quick else 3)
     rounds = 1 if ns.quick and ns.rounds == 3 else ns.rounds
-    name = "instructions"
     if ns.report:
         saved = load(ns.report)
         return publish(name, saved, report(saved, str(saved["command"])), plot, out=ns.out)
     if ns.inner:
-        inner(ns.inner[0], Path(ns.inner[1]), runtime, rounds, ns.quick, Path(ns.inner[2]))
+        inner(ns.inner, runtime, rounds, ns.quick)
         return 0
     plugin = build_plugin()
     options = [f"--runtime={runtime}", f"--rounds={rounds}", *(["--quick"] if ns.quick else [])]
     with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as folder:
-        code, data = run_guest("bench.instructions", options, _timeout(runtime, rounds, ns.quick),
-                               inner=[folder], here=False, shared=[Path(folder)],
+        code, data = run_guest(f"bench.{name}", options, timeout(runtime, rounds, ns.quick),
+                               kublk=kublk, inner=[folder], here=False, shared=[Path(folder)],
                                accel="tcg", qemu_opts=["-plugin", f"{plugin},dir={folder}"])
     if data is None:
         return 1
-    data["command"] = " ".join([".venv/bin/python", "-m", "bench.instructions", *options])
+    data["command"] = " ".join([".venv/bin/python", "-m", f"bench.{name}", *options])
     return publish(name, data, report(data, data["command"]), plot, code, ns.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, runtime=3, rounds=3, quick="null, 4k randread qd64, one round",
+                inner=("KUBLK", "FOLDER", "OUT"))
+    return counting_main(
+        "instructions", ap, argv, report, plot,
+        lambda args, runtime, rounds, quick: inner(args[0], Path(args[1]), runtime, rounds,
+                                                   quick, Path(args[2])),
+        _timeout, kublk=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,29 @@ def test_a_window_splits_into_kernel_server_and_the_rest(tmp_path: Path) -> None
     assert got["server_files"] == {"liburing.so.2": 15}
 
 
+
+def test_kernel_instructions_and_calls_are_named_by_their_function(tmp_path: Path) -> None:
+    kallsyms = tmp_path / "kallsyms"
+    kallsyms.write_text("ffffffff80000000 T __schedule\n"
+                        "ffffffff81000000 T first\n"
+                        "ffffffff81000100 d some_data\n"     # data: not a function
+                        "ffffffff81000200 t second\n"
+                        "ffffffffc0000000 t third\t[nbd]\n")  # a module's
+    counts = tmp_path / "1.out"
+    counts.write_text("ffffffff80000000 6 5\n"               # 5 calls
+                      "ffffffff80000010 2 9\n"               # (inside it: no call)
+                      "ffffffff81000000 10 3\n"
+                      "ffffffff81000150 5 2\n"               # still in first
+                      "ffffffff81000200 1 7\n"
+                      "ffffffffc0000010 4 1\n"
+                      "400000 2 3\n")                        # user space: no function
+    symbols = instructions.KernelSymbols(kallsyms)
+    got = instructions.split(counts, [], None, symbols)
+    assert got["functions"] == {"__schedule": 48, "first": 40, "second": 7, "third": 4}
+    assert got["kernel"] == 99
+    assert got["calls"] == {"__schedule": 5}
+    assert instructions.split(counts, [], None)["functions"] == {}
+
 def _run(r: int, server: str, total: float) -> dict[str, Any]:
     return {"round": r, "device": "null", "workload": "4k randread qd1", "server": server,
             "error": None, "total": total, "enters": 1.0,
