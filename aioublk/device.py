@@ -350,7 +350,8 @@ class Device:
             m.shared = self._shared
         plan = layout(info.nr_hw_queues, info.queue_depth, nthreads, batch=self.batch,
                       per_io_tasks=spread)
-        cpus = placement(plan, queue_cpus, os.sched_getaffinity(0), info.dev_id)
+        cpus = placement(plan, queue_cpus, os.sched_getaffinity(0), info.dev_id,
+                         pin=self.target.pin_workers)
         prepared: set[int] = set()
         for i, work in enumerate(plan):
             prep = {q for q, _tags in work} - prepared

@@ -333,6 +333,11 @@ class Target:
     #: True: the target keeps integrity metadata: ``read``/``write`` take
     #: ``meta=`` (see the module's notes)
     metadata = False
+    #: False: leave the workers to the scheduler rather than pin each one that
+    #: serves one queue to one CPU (kublk's way, ``placement``): for a target
+    #: whose backend is another process on this machine, which needs the CPUs
+    #: as much as the workers do
+    pin_workers = True
 
     async def read(self, offset: int, buf: memoryview) -> None:
         """Fill all of ``buf`` with the device's bytes at ``offset`` (and,

@@ -578,7 +578,7 @@ def layout(queues: int, depth: int, nthreads: int, *, batch: bool,
 
 
 def placement(plan: list[list[tuple[int, list[int]]]], queue_cpus: list[list[int]],
-              allowed: set[int], dev_id: int) -> list[int | None]:
+              allowed: set[int], dev_id: int, pin: bool = True) -> list[int | None]:
     """The CPU each worker of ``plan`` (``layout``'s) is pinned to, or None.
 
     kublk pins a thread that serves exactly one queue to one CPU of that
@@ -588,9 +588,11 @@ def placement(plan: list[list[tuple[int, list[int]]]], queue_cpus: list[list[int
     takes the mask's first CPU; here the device id picks among the mask's
     CPUs this process may use (``allowed``), so that several one-queue
     devices are not all pinned to CPU 0. A worker serving several queues,
-    or a queue served by several workers, is left to the scheduler."""
+    or a queue served by several workers, is left to the scheduler, and so
+    is every worker of a target that says not to pin them (``pin``:
+    ``Target.pin_workers``)."""
     queues = [work[0][0] for work in plan if len(work) == 1]
-    if len(queues) != len(plan) or len(set(queues)) != len(queues):
+    if not pin or len(queues) != len(plan) or len(set(queues)) != len(queues):
         return [None] * len(plan)
     cpus = []
     for q in queues:

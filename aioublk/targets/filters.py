@@ -76,6 +76,7 @@ class Filter(Target):
         # what the inner layer can do, unless this filter says otherwise
         self.fixed_buffers = inner.fixed_buffers and self.placement
         self.one_loop = inner.one_loop
+        self.pin_workers = inner.pin_workers
         self.c_idle = inner.c_idle and self.placement
         self.big_ring_entries = inner.big_ring_entries
         self.metadata = False  # (no filter passes integrity metadata on)

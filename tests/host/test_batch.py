@@ -64,6 +64,14 @@ def test_placement_pins_one_queue_workers_as_kublk_does() -> None:
     assert placement(plan, [], {0, 1}, dev_id=0) == [None, None]
 
 
+def test_placement_pins_nothing_for_a_target_that_says_not_to() -> None:
+    from aioublk.queue.options import layout, placement
+
+    plan = layout(2, 4, 2, batch=False, per_io_tasks=False)
+    assert placement(plan, [[0, 1], [2, 3]], {0, 1, 2, 3}, dev_id=0) == [0, 2]
+    assert placement(plan, [[0, 1], [2, 3]], {0, 1, 2, 3}, dev_id=0, pin=False) == [None, None]
+
+
 def test_placement_leaves_shared_workers_to_the_scheduler() -> None:
     from aioublk.queue.options import layout, placement
 

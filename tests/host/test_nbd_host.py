@@ -118,6 +118,7 @@ async def _round_trip(t: NbdTarget, disk: Path) -> None:
 async def test_qemu_nbd_unix_round_trip(qemu_nbd: Server, disk: Path) -> None:
     t = NbdTarget(qemu_nbd.uri())
     assert t.geometry.size == SIZE and t.geometry.volatile_cache and t.geometry.write_zeroes
+    assert not t.pin_workers  # (its server shares this machine's CPUs)
     q = await _attached(t)
     try:
         await _round_trip(t, disk)
@@ -142,6 +143,7 @@ async def test_qemu_nbd_tcp_round_trip(disk: Path) -> None:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
         t = NbdTarget(f"nbd://127.0.0.1:{port}/exp")
+        assert t.pin_workers  # (a TCP server may be anywhere)
         q = await _attached(t)
         try:
             await _round_trip(t, disk)
