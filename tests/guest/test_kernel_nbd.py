@@ -128,16 +128,17 @@ def test_two_queues_with_multi_conn(tmp_path: Path) -> None:
 
 def test_a_unix_socket_device_leaves_its_workers_to_the_scheduler(tmp_path: Path) -> None:
     """The server behind a unix socket runs here: no worker is pinned to one
-    CPU, where a null device's would be (test_kernel_dataplane)."""
+    CPU, where a null device's would be (test_kernel_dataplane). One queue:
+    its worker serves exactly that queue, the case that is pinned otherwise."""
     s, _disk = _server("qemu-storage-daemon", tmp_path)
     s.start()
     try:
-        dev = add("-t", "nbd", s.uri, "-q", "2")
+        dev = add("-t", "nbd", s.uri, "-q", "1")
         try:
             allowed = os.sched_getaffinity(dev.pid)
             assert len(allowed) > 1, "the guest needs 2 CPUs for this test"
             tasks = list(Path(f"/proc/{dev.pid}/task").iterdir())
-            assert len(tasks) > dev.queues  # (the main thread and a worker per queue)
+            assert len(tasks) >= 2  # (the main thread and the queue's worker at least)
             assert {t.name: os.sched_getaffinity(int(t.name)) for t in tasks} == \
                 {t.name: allowed for t in tasks}
         finally:

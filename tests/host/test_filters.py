@@ -103,6 +103,13 @@ def test_placement_filters_stack_and_keep_the_map() -> None:
         "readonly", "truncate", "offset"]
 
 
+def test_filters_pass_on_whether_to_pin_the_workers() -> None:
+    local = Memory()
+    local.pin_workers = False  # (as -t nbd over a unix socket says)
+    assert not stacked(["readonly", "delay:read=1ms", "error:rate=0"], local).pin_workers
+    assert stacked(["readonly", "delay:read=1ms"]).pin_workers
+
+
 def test_data_filters_take_the_map_away() -> None:
     for spec in ("delay:read=1ms", "error:rate=0"):
         top = stacked([spec], Memory(the_map=Linear(3)))
