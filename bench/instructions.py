@@ -119,7 +119,10 @@ DEVICES = {
 QUICK = {"null": ["4k randread qd64"]}
 WARMUP = 1.0  # seconds of fio before the window opens
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
-TOP_FUNCTIONS = 200  # kernel functions kept per window (by instructions), with symbols
+#: with symbols, the kernel functions a window keeps: those of at least this many
+#: instructions per I/O (a fixed count of the busiest would make the cut move from window
+#: to window, and a function under it look like 0 in one round and not in another)
+FUNCTION_FLOOR = 5.0
 #: kernel functions whose calls a window counts, with symbols: a switch of task, and of
 #: address space (under TCG the latter empties the vCPU's software TLB)
 CALLS = ("__schedule", "switch_mm_irqs_off")
@@ -217,8 +220,8 @@ class KernelSymbols:
 def split(counts: Path, maps: list[tuple[int, int, str]], enter: int | None,
           symbols: KernelSymbols | None = None) -> dict[str, Any]:
     """One window's instructions by part, the server's by file, io_uring_enter calls,
-    and with ``symbols`` the kernel's by function (the TOP_FUNCTIONS busiest) and the
-    calls of each function in CALLS."""
+    and with ``symbols`` the kernel's by function and the calls of each function in
+    CALLS."""
     starts = [m[0] for m in maps]
     parts: Counter[str] = Counter()
     files: Counter[str] = Counter()
@@ -246,7 +249,7 @@ def split(counts: Path, maps: list[tuple[int, int, str]], enter: int | None,
             parts["rest"] += insns
     return {**{k: parts[k] for k in ("kernel", "server", "rest")},
             "server_files": dict(files.most_common(8)), "enters": enters,
-            "functions": dict(functions.most_common(TOP_FUNCTIONS)), "calls": dict(calls)}
+            "functions": dict(functions), "calls": dict(calls)}
 
 
 def _server_pid(cmd: list[str], dev_id: str) -> int:
@@ -295,7 +298,8 @@ def measure(window: Window, block: str, pid: int | None, workload: str, runtime:
             "per_io": {k: got[k] / ios for k in ("kernel", "server", "rest")},
             "server_files": {k: v / ios for k, v in got["server_files"].items()},
             "enters": got["enters"] / ios,
-            **({"functions": {k: v / ios for k, v in got["functions"].items()},
+            **({"functions": {k: v / ios for k, v in got["functions"].items()
+                              if v / ios >= FUNCTION_FLOOR},
                 "calls": {k: v / ios for k, v in got["calls"].items()}}
                if symbols is not None else {})}
 

@@ -52,6 +52,7 @@ from bench.common import (
 from bench.instructions import (
     CALLS,
     ENTER,
+    FUNCTION_FLOOR,
     KernelSymbols,
     Window,
     _kernel_symbol,
@@ -122,6 +123,9 @@ def inner(folder: Path, runtime: int, rounds: int, quick: bool, out: Path) -> No
                         try:
                             _no_scheduler(f"/dev/{block}")
                             pid = side.pid if isinstance(side, AioublkServer) else None
+                            if isinstance(side, AioublkServer) and pid is None:
+                                raise RuntimeError("list --json gave no daemon pid: its "
+                                                   "user space would count as fio's")
                             rec |= measure(window, block, pid, w, runtime, [], enter, symbols)
                             rec["total"] = sum(rec["per_io"].values())
                             shown = f"{rec['total']:,.0f} instructions per I/O"
@@ -149,7 +153,7 @@ def inner(folder: Path, runtime: int, rounds: int, quick: bool, out: Path) -> No
 
 def _functions(runs: list[dict[str, Any]], client: str, workload: str) -> dict[str, float]:
     """Each kernel function's instructions per I/O, the median over the rounds (a
-    function missing from a round's busiest counts 0 there): a round something
+    function under FUNCTION_FLOOR in a round counts 0 there): a round something
     else ran in moves a mean, not a median."""
     got = [x["functions"] for x in runs
            if x.get("functions") and x["server"] == client and x["workload"] == workload]
@@ -233,20 +237,23 @@ def report(data: Data, command: str) -> str:
                    ([r["workload"], c, *(fmt(s["calls"][f], ".2f") for f in CALLS)]
                     for r in table_rows for c, s in r["clients"].items()))
     lines += ["", "## The kernel functions that differ most", "",
-              "Instructions per I/O in each kernel function (the median over the rounds), "
-              "where aioublk's requests run the most more, and the most fewer, than "
-              "nbd.ko's. `rep_movs_alternative` is the kernel's copy to and from user "
-              "memory: TCG runs its `rep movsb` one byte per iteration, and counts each.", ""]
+              "Instructions per I/O in each kernel function (the median over the rounds; "
+              f"under {FUNCTION_FLOOR:g} in a round counts as 0 there), where aioublk's "
+              "requests run the most more, and the most fewer, than nbd.ko's. "
+              "`rep_movs_alternative` is the kernel's copy to and from user memory: TCG "
+              "runs its `rep movsb` one byte per iteration, and counts each.", ""]
     for r in table_rows:
         cells = [[r["workload"], way, name, fmt(peer), fmt(ours), f"{ours - peer:+,.0f}"]
                  for way, fs in (("more", r["more"]), ("fewer", r["less"]))
                  for name, peer, ours in fs]
         lines += table(["workload", "aioublk runs", "function", "nbd.ko", "aioublk", "difference"],
                        "lllrrr", cells) + [""]
-    errors = {f"{x['server']} {x['workload']}": str(x["error"])
-              for x in data["runs"] if x.get("error")}
+    errors: dict[str, str] = {}
+    for x in data["runs"]:
+        if x.get("error"):
+            errors.setdefault(f"{x['server']} {x['workload']}", str(x["error"]))
     lines += errors_section(errors, "client/workload")
-    lines += [f"Chart: `nbd_instructions.png`. Reproduce: `{command}` from the repository "
+    lines += ["", f"Chart: `nbd_instructions.png`. Reproduce: `{command}` from the repository "
               "root (boots the guest under TCG with the plugin).", ""]
     return "\n".join(lines)
 

@@ -33,7 +33,6 @@ def test_a_window_splits_into_kernel_server_and_the_rest(tmp_path: Path) -> None
     assert got["server_files"] == {"liburing.so.2": 15}
 
 
-
 def test_kernel_instructions_and_calls_are_named_by_their_function(tmp_path: Path) -> None:
     kallsyms = tmp_path / "kallsyms"
     kallsyms.write_text("ffffffff80000000 T __schedule\n"
