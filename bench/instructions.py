@@ -385,6 +385,13 @@ def _fewest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for x in records]
 
 
+def part_medians(runs: list[dict[str, Any]], **match: object) -> dict[str, float | None]:
+    """Each part's instructions per I/O (kernel, server, rest), the median over the
+    runs ``match`` picks (bench.nbd_instructions's too)."""
+    return {p: median([{"v": x["per_io"][p], **x} for x in runs if x.get("per_io")],
+                      "v", **match) for p in ("kernel", "server", "rest")}
+
+
 def rows(data: Data) -> list[dict[str, Any]]:
     runs = data["runs"]
     keys = list(dict.fromkeys((x["device"], x["workload"]) for x in runs))
@@ -395,9 +402,7 @@ def rows(data: Data) -> list[dict[str, Any]]:
         row: dict[str, Any] = {**key, "kublk_best": best.settings,
                                "vs_best": [1 / x for x in best.ratios], "settings": {}}
         for label in SETTINGS:
-            per = {p: median([{"v": x["per_io"][p], **x} for x in runs if x.get("per_io")],
-                             "v", server=label, **key)
-                   for p in ("kernel", "server", "rest")}
+            per = part_medians(runs, server=label, **key)
             row["settings"][label] = {
                 "total": median(runs, "total", server=label, **key), **per,
                 "enters": median(runs, "enters", server=label, **key)}

@@ -171,16 +171,22 @@ def _no_scheduler(dev: str) -> None:
               flush=True)
 
 
+def attach_client(kernel: bool, exp: Export) -> tuple[KernelClient | AioublkServer,
+                                                       tuple[str | None, str | None]]:
+    """nbd.ko (``kernel``) or ``aioublk add -t nbd -d 128`` on the export: the side,
+    and (its device, None) or (None, error). bench.nbd_instructions's too."""
+    side: KernelClient | AioublkServer
+    if kernel:
+        side = KernelClient()
+        return side, side.attach_export(exp)
+    side = AioublkServer("nbd", ["-d", "128"])
+    return side, side.attach(exp.uri)
+
+
 def _client_runs(client: str, exp: Export, workloads: list[str],
                  runtime: int) -> list[tuple[str, float | None, str | None]]:
     """Attach one client to the export, run each workload on it, detach."""
-    side: KernelClient | AioublkServer
-    if client == "kernel":
-        side = KernelClient()
-        attached = side.attach_export(exp)
-    else:
-        side = AioublkServer("nbd", ["-d", "128"])
-        attached = side.attach(exp.uri)
+    side, attached = attach_client(client == "kernel", exp)
     return workload_runs(client, side, attached, workloads, runtime)
 
 

@@ -59,6 +59,7 @@ from bench.instructions import (
     _no_huge_pages,
     counting_main,
     measure,
+    part_medians,
 )
 from bench.modes import BACKING_SIZE
 from bench.nbd import (
@@ -67,6 +68,7 @@ from bench.nbd import (
     _fill,
     _no_scheduler,
     _start_daemon,
+    attach_client,
     stop_daemon,
 )
 from bench.qcow2 import AioublkServer, _image_folder
@@ -75,18 +77,6 @@ CLIENTS = ("nbd.ko", "aioublk")
 WORKLOADS = ["4k randread qd64", "4k randwrite qd64"]
 QUICK = ["4k randread qd64"]
 SHOWN = 8  # kernel functions listed each way per workload
-
-
-def _attach(client: str, uri: str, exp: Any) -> tuple[Any, str | None, str | None]:
-    """(the attached side, its block device's name, error)."""
-    side: KernelClient | AioublkServer
-    if client == "nbd.ko":
-        side = KernelClient()
-        dev, err = side.attach_export(exp)
-    else:
-        side = AioublkServer("nbd", ["-d", "128"])
-        dev, err = side.attach(uri)
-    return side, os.path.basename(dev) if dev else None, err
 
 
 def inner(folder: Path, runtime: int, rounds: int, quick: bool, out: Path) -> None:
@@ -114,7 +104,8 @@ def inner(folder: Path, runtime: int, rounds: int, quick: bool, out: Path) -> No
             proc, err = _start_daemon("unix", exp, disk)
             side, block = None, None
             if proc is not None:
-                side, block, err = _attach(client, exp.uri, exp)
+                side, (dev, err) = attach_client(client == "nbd.ko", exp)
+                block = os.path.basename(dev) if dev else None
             try:
                 for w in workloads:
                     rec: dict[str, Any] = {"round": r, "workload": w, "server": client,
@@ -122,10 +113,12 @@ def inner(folder: Path, runtime: int, rounds: int, quick: bool, out: Path) -> No
                     if block is not None:
                         try:
                             _no_scheduler(f"/dev/{block}")
-                            pid = side.pid if isinstance(side, AioublkServer) else None
-                            if isinstance(side, AioublkServer) and pid is None:
-                                raise RuntimeError("list --json gave no daemon pid: its "
-                                                   "user space would count as fio's")
+                            pid = None
+                            if isinstance(side, AioublkServer):
+                                if side.pid is None:
+                                    raise RuntimeError("list --json gave no daemon pid: its "
+                                                       "user space would count as fio's")
+                                pid = side.pid
                             rec |= measure(window, block, pid, w, runtime, [], enter, symbols)
                             rec["total"] = sum(rec["per_io"].values())
                             shown = f"{rec['total']:,.0f} instructions per I/O"
@@ -167,8 +160,7 @@ def rows(data: Data) -> list[dict[str, Any]]:
     for w in dict.fromkeys(x["workload"] for x in runs):
         row: dict[str, Any] = {"workload": w, "clients": {}}
         for c in CLIENTS:
-            per = {p: median([{"v": x["per_io"][p], **x} for x in runs if x.get("per_io")],
-                             "v", server=c, workload=w) for p in ("kernel", "server", "rest")}
+            per = part_medians(runs, server=c, workload=w)
             calls = {f: median([{"v": x["calls"].get(f, 0), **x} for x in runs
                                 if x.get("calls") is not None], "v", server=c, workload=w)
                      for f in CALLS}
