@@ -168,30 +168,35 @@ class AgainstBest(NamedTuple):
     """One row of ours against the peer's best setting in each round."""
 
     peer: float | None  # the median over rounds of the peer's best
-    ours: float | None  # the median of ours
+    ours: float | None  # the median of ours (of our best setting, where we have several)
     ratios: list[float]  # each round's ours / the peer's best, in round order
     settings: str  # the peer's settings that were its best, joined by " / ", or "—"
+    our_settings: str = "—"  # ours that were our best, the same way
 
 
-def against_best(records: Iterable[Mapping[str, Any]], ours: str,
+def against_best(records: Iterable[Mapping[str, Any]], ours: str | Mapping[str, str],
                  settings: Mapping[str, str], **match: object) -> AgainstBest:
     """Server ``ours`` against the peer's best setting in each round, on the row
-    ``match`` names; ``settings`` maps each of the peer's server names to its label."""
+    ``match`` names; ``settings`` maps each of the peer's server names to its label.
+    ``ours`` may map several server names to labels too: then each round pairs our
+    best with the peer's best, so neither side gains by having more settings."""
+    mine_settings = {ours: ours} if isinstance(ours, str) else ours
     best: dict[Any, tuple[float, str]] = {}
-    mine: dict[Any, float] = {}
+    mine: dict[Any, tuple[float, str]] = {}
     for x in records:
         if x.get("iops") is None or any(x.get(k) != v for k, v in match.items()):
             continue
-        got, label = float(x["iops"]), settings.get(str(x.get("server")))
-        if x.get("server") == ours:
-            mine[x["round"]] = got
-        elif label is not None and (x["round"] not in best or got > best[x["round"]][0]):
-            best[x["round"]] = (got, label)
+        got, server = float(x["iops"]), str(x.get("server"))
+        side, label = ((mine, mine_settings[server]) if server in mine_settings
+                       else (best, settings.get(server)))
+        if label is not None and (x["round"] not in side or got > side[x["round"]][0]):
+            side[x["round"]] = (got, label)
     return AgainstBest(
         statistics.median(v for v, _ in best.values()) if best else None,
-        statistics.median(mine.values()) if mine else None,
-        [mine[r] / best[r][0] for r in sorted(mine) if r in best and best[r][0]],
-        " / ".join(sorted({n for _, n in best.values()})) or "—")
+        statistics.median(v for v, _ in mine.values()) if mine else None,
+        [mine[r][0] / best[r][0] for r in sorted(mine) if r in best and best[r][0]],
+        " / ".join(sorted({n for _, n in best.values()})) or "—",
+        " / ".join(sorted({n for _, n in mine.values()})) or "—")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

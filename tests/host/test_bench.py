@@ -45,3 +45,20 @@ def test_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--report JSON" in out and "--out" in out
+
+
+def test_against_best_pairs_each_sides_best_setting_round_by_round() -> None:
+    from bench.common import against_best
+
+    runs = [{"round": r, "server": s, "iops": v, "workload": "w"} for r, s, v in [
+        (1, "k -b", 100.0), (1, "k", 80.0), (1, "a", 90.0), (1, "a nb", 120.0),
+        (2, "k -b", 70.0), (2, "k", 140.0), (2, "a", 70.0), (2, "a nb", 35.0),
+        (2, "other", 999.0)]]
+    peer = {"k -b": "-b", "k": "per-io"}
+    both = against_best(runs, {"a": "default", "a nb": "--no-batch"}, peer, workload="w")
+    assert both.ratios == [1.2, 0.5]
+    assert (both.settings, both.our_settings) == ("-b / per-io", "--no-batch / default")
+    assert (both.peer, both.ours) == (120.0, 95.0)
+    alone = against_best(runs, "a", peer, workload="w")
+    assert alone.ratios == [0.9, 0.5]
+    assert alone.our_settings == "a"
