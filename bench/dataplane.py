@@ -234,11 +234,11 @@ def report(data: dict[str, object], command: str) -> str:
         "I/O), aioublk with its defaults (no mode flags: batch I/O when the driver has "
         f"UBLK_F_BATCH_IO, and {batch})"
         + (f" plus `{shlex.join(extra)}`" if isinstance(extra, list) and extra else "")
-        + "; on the rows that say so, each also runs with per-I/O commands (kublk without "
-        "`-b`, aioublk `--no-batch`). Copy mode unless stated. The servers alternate "
-        "device by device, kublk first in odd rounds and aioublk first in even ones. Under "
-        "emulation the absolute IOPS mean little: **the ratios are the result**. qcow2 vs "
-        "qemu-nbd is `bench.qcow2`'s.",
+        + "; on the goal table's devices (not the zero-copy ones) each also runs with "
+        "per-I/O commands (kublk without `-b`, aioublk `--no-batch`). Copy mode unless "
+        "stated. The servers alternate device by device, kublk first in odd rounds and "
+        "aioublk first in even ones. Under emulation the absolute IOPS mean little: **the "
+        "ratios are the result**. qcow2 vs qemu-nbd is `bench.qcow2`'s.",
     ]
     lines += notes(data, "four devices, a workload or two each, one round")
     cpus = data["cpus"]
@@ -247,10 +247,11 @@ def report(data: dict[str, object], command: str) -> str:
                       "CPUs, so the rows with more queues ran with fewer."]
     lines += ["", "IOPS are medians over the rounds. **aioublk / kublk** divides those "
               "medians; **paired** is the median over the rounds of each round's own "
-              "aioublk / kublk (the two ran back to back), which drift between rounds does "
-              "not move: the target is judged on it. Where the servers also ran with per-I/O "
-              "commands, each one's better setting of each round is the one compared, "
-              "and **kublk setting** and **aioublk setting** say which won; **paired, "
+              "aioublk / kublk (both ran in that round, a device or two apart), which "
+              "drift between rounds does not move: the target is judged on it. Where the "
+              "servers also ran with per-I/O commands, each one's better setting of each "
+              "round is the one compared, "
+              "and **kublk setting** and **aioublk setting** name each that won a round; **paired, "
               "aioublk defaults** pairs aioublk's defaults with kublk's better setting.", "",
               *table(["row", "kublk setting", "aioublk setting", "kublk IOPS", "aioublk IOPS",
                       "aioublk / kublk", "paired", "paired, aioublk defaults", "target",
@@ -271,7 +272,8 @@ def report(data: dict[str, object], command: str) -> str:
                           fmt(ratio(a, base["aioublk"]), ".2f")])
         lines += ["", "## Queue scaling", "",
                   "null, 4k randread iodepth 64, one fio job per queue (`--numjobs=Q "
-                  "--group_reporting`: IOPS of all jobs together).", "",
+                  "--group_reporting`: IOPS of all jobs together); batch I/O on both sides: "
+                  "kublk `-b` and aioublk's defaults.", "",
                   *table(["queues", "kublk IOPS", "aioublk IOPS", "aioublk / kublk",
                           "kublk vs 1 queue", "aioublk vs 1 queue"], "rrrrrr", cells)]
     zc = zc_rows(data)
