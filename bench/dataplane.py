@@ -122,6 +122,11 @@ ZC_MODES = {"copy": "loop", "-z": "loop -z", "--auto_zc": "loop --auto_zc"}
 ZC_TARGET = 1.0  # zero copy / copy, aioublk, SEQ_READ on loop
 
 
+def _servers(dev: Device) -> list[str]:
+    """The server names (as recorded) that run on ``dev`` each round."""
+    return [*SERVERS, *([PER_IO, NO_BATCH] if dev.per_io else [])]
+
+
 def _fio_jobs(queues: int) -> list[str]:
     return [f"--numjobs={queues}", "--group_reporting"] if queues > 1 else []
 
@@ -148,8 +153,7 @@ def inner(kublk: str, runtime: int, rounds: int, quick: bool, aioublk_args: list
         for name, workloads in plan.items():
             dev = DEVICES[name]
             files = [str(backing["path"])] if dev.target == "loop" else []
-            order = [*SERVERS, *([PER_IO, NO_BATCH] if dev.per_io else [])]
-            for server in swapped(order, r):
+            for server in swapped(_servers(dev), r):
                 flags = {"kublk": dev.kublk, PER_IO: [s for s in dev.kublk if s != "-b"],
                          "aioublk": [*dev.aioublk, *aioublk_args],
                          NO_BATCH: [*dev.aioublk, "--no-batch", *aioublk_args]}[server]
@@ -314,8 +318,8 @@ def _guest_timeout(runtime: int, rounds: int, quick: bool) -> float:
     """Generous (a busy host makes TCG very slow), but a hung guest must not hold the
     machine forever: 150 s per aioublk device, 30 s per kublk one, fio runs with slack."""
     plan = QUICK if quick else {name: d.workloads for name, d in DEVICES.items()}
-    devices = sum(4 if DEVICES[name].per_io else 2 for name in plan)
-    fio_runs = sum((4 if DEVICES[name].per_io else 2) * len(w) for name, w in plan.items())
+    devices = sum(len(_servers(DEVICES[name])) for name in plan)
+    fio_runs = sum(len(_servers(DEVICES[name])) * len(w) for name, w in plan.items())
     return 600 + rounds * (devices * 90 + fio_runs * (runtime + RAMP + 30))
 
 
