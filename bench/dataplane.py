@@ -254,9 +254,9 @@ def report(data: dict[str, object], command: str) -> str:
               "aioublk / kublk (both ran in that round, a device or two apart), which "
               "drift between rounds does not move: the target is judged on it. Where the "
               "servers also ran with per-I/O commands, each one's better setting of each "
-              "round is the one compared, "
-              "and **kublk setting** and **aioublk setting** name each that won a round; **paired, "
-              "aioublk defaults** pairs aioublk's defaults with kublk's better setting.", "",
+              "round is the one compared, and **kublk setting** and **aioublk setting** "
+              "name each that won a round; **paired, aioublk defaults** pairs aioublk's "
+              "defaults with kublk's better setting.", "",
               *table(["row", "kublk setting", "aioublk setting", "kublk IOPS", "aioublk IOPS",
                       "aioublk / kublk", "paired", "paired, aioublk defaults", "target",
                       "met"], "lllrrrrrrl",
