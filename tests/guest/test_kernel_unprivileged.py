@@ -56,7 +56,7 @@ def udevd() -> Iterator[None]:
     env = dict(os.environ, LD_LIBRARY_PATH=str(tree / "usr/lib/x86_64-linux-gnu/systemd"))
     log = open("/tmp/udevd.log", "w")  # noqa: SIM115 - closed below
     # udevadm is udevd when its argv[0] says so
-    proc = subprocess.Popen(["systemd-udevd"], executable=str(udevadm), env=env,
+    proc = subprocess.Popen(["systemd-udevd", "--debug"], executable=str(udevadm), env=env,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 60
@@ -64,10 +64,14 @@ def udevd() -> Iterator[None]:
             assert proc.poll() is None, Path("/tmp/udevd.log").read_text()
             assert time.monotonic() < deadline, "udevd did not start in 60 s"
             time.sleep(0.1)
-        _udevadm("trigger", "--action=add", "--sysname-match=ublk-control")
-        _udevadm("settle", "--timeout=120")
+        # --settle waits for this event's own reply from udevd; a bare settle
+        # may return before udevd has read the event, or at once if udevd died
+        try:
+            _udevadm("trigger", "--settle", "--action=add", "--sysname-match=ublk-control")
+        except subprocess.SubprocessError as e:
+            pytest.fail(_why(f"udevadm trigger: {e}", proc))
         mode = stat.S_IMODE(os.stat("/dev/ublk-control").st_mode)
-        assert mode == 0o666, f"the rule left /dev/ublk-control {mode:o}"
+        assert mode == 0o666, _why(f"the rule left /dev/ublk-control {mode:o}", proc)
         yield
     finally:
         proc.terminate()
@@ -75,6 +79,17 @@ def udevd() -> Iterator[None]:
         log.close()
         RULES.unlink()
         os.chmod("/dev/ublk-control", 0o600)
+
+
+def _why(what: str, udevd: subprocess.Popen[bytes]) -> str:
+    """``what``, with what the guest can tell about udevd's state."""
+    free = {line.split(":")[0]: line.split()[1] for line in
+            Path("/proc/meminfo").read_text().splitlines()[:3]}
+    space = {d: os.statvfs(d) for d in ("/run", "/tmp")}
+    return "\n".join([
+        what, f"udevd exit status: {udevd.poll()}, memory (kB): {free}",
+        *(f"{d}: {s.f_bavail * s.f_frsize >> 20} MiB free" for d, s in space.items()),
+        "udevd's log:", Path("/tmp/udevd.log").read_text()[-4000:]])
 
 
 def _listening(path: str) -> bool:
