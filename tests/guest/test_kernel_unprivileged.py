@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 
 USER, OTHER = 1000, 1001
 RULES = Path("/run/udev/rules.d/99-aioublk.rules")
+UDEVD_LOG = Path("/tmp/udevd.log")
 
 
 def _udevadm(*args: str) -> None:
@@ -54,14 +55,14 @@ def udevd() -> Iterator[None]:
     RULES.parent.mkdir(parents=True, exist_ok=True)
     RULES.write_text(udev.rule_text(sys.executable))
     env = dict(os.environ, LD_LIBRARY_PATH=str(tree / "usr/lib/x86_64-linux-gnu/systemd"))
-    log = open("/tmp/udevd.log", "w")  # noqa: SIM115 - closed below
+    log = UDEVD_LOG.open("w")  # noqa: SIM115 - closed below
     # udevadm is udevd when its argv[0] says so
     proc = subprocess.Popen(["systemd-udevd", "--debug"], executable=str(udevadm), env=env,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 60
         while not _listening("/run/udev/control"):
-            assert proc.poll() is None, Path("/tmp/udevd.log").read_text()
+            assert proc.poll() is None, _why("udevd exited before it listened", proc)
             assert time.monotonic() < deadline, "udevd did not start in 60 s"
             time.sleep(0.1)
         # --settle waits for this event's own reply from udevd; a bare settle
@@ -89,7 +90,7 @@ def _why(what: str, udevd: subprocess.Popen[bytes]) -> str:
     return "\n".join([
         what, f"udevd exit status: {udevd.poll()}, memory (kB): {free}",
         *(f"{d}: {s.f_bavail * s.f_frsize >> 20} MiB free" for d, s in space.items()),
-        "udevd's log:", Path("/tmp/udevd.log").read_text()[-4000:]])
+        "udevd's log:", UDEVD_LOG.read_text()[-4000:]])
 
 
 def _listening(path: str) -> bool:
