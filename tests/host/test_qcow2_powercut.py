@@ -707,7 +707,7 @@ def test_checker_catches_a_mutation(name: str, tmp_path: Path,
     case = WORKLOADS[workload]
     rec = case.record(case.image(tmp_path), seed=3, refusal_ok=True)
     rep = check_recording(rec, tmp_path, name, seed=7, stop_at=caught_as)
-    print(f"\nmutation {name}: {rep.line()}: {rep.corrupt[:1]}"
+    print(f"\nmutation {name}: {rep.line()}: {rep.corrupt[-1:]}"
           + (f"; then the engine refused: {rec.refused}" if rec.refused else ""))
     assert rep.corrupt, f"{name}: the checker found no bad crash image"
     assert caught_as in rep.corrupt[-1], (
