@@ -108,6 +108,8 @@ unsigned anbd_reap(struct anbd_q *q, struct anbd_done *out, unsigned max)
 {
     unsigned n = q->n < max ? q->n : max;
 
+    if (!n)
+        return 0;  /* (q->done may be NULL yet: no copy from it, not even of 0 bytes) */
     memcpy(out, q->done, n * sizeof(*out));
     memmove(q->done, q->done + n, (q->n - n) * sizeof(*out));
     q->n -= n;
