@@ -8,16 +8,22 @@ are not. The test plays the kernel as test_nbd_dataplane's rig does."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from aioublk._uring import lib as ulib
 from aioublk.kernel import uapi
-from tests.host.test_nbd_dataplane import DEPTH, MAX_IO, NbdPlane, _io_done, rig_of
+from aioublk.queue.dataplane import EV_RETRY
+from tests.host.test_nbd_dataplane import DEPTH, MAX_IO, NbdPlane, Rig, _io_done, rig_of
 from tests.host.test_nbd_host import SIZE, pytestmark  # noqa: F401 - its skips
-from tests.support.hostile_nbd import HostileServer
+from tests.support.hostile_nbd import HostileServer, simple
+
+PY_COOKIE = 1 << 63
 
 
 @pytest.fixture
@@ -30,8 +36,55 @@ def hostile(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[HostileS
         server.close()
 
 
+def _retried(p: NbdPlane) -> set[int]:
+    return {e[1] for e in p.events if e[0] == EV_RETRY}
+
+
 def _committed(p: NbdPlane) -> set[int]:
     return {e[1] for e in p.events if _io_done(e)}
+
+
+async def _writes_in_flight(rig: Rig, server: HostileServer) -> list[bytes]:
+    """DEPTH 128k writes fetched while the server reads nothing: more than
+    the socket takes, so C's send of them stays in flight. What each holds."""
+    p, lib, ext = rig.plane, rig.t.lib, rig.link.ext
+    server.hold()
+    datas = [os.urandom(MAX_IO) for _ in range(DEPTH)]
+    sends = lib.anbd_ext_sends(ext)
+    p.events.clear()
+    for tag, data in enumerate(datas):
+        p.buf(tag)[:MAX_IO] = data
+        p.fetch(tag, uapi.Op.WRITE, MAX_IO >> 9, tag * (MAX_IO >> 9))
+    await p.wait_for(lambda: ulib.aur_dp_inflight(p.dp.c) == DEPTH
+                     and lib.anbd_ext_sends(ext) > sends)
+    return datas
+
+
+@pytest.mark.asyncio
+async def test_an_early_reply_to_pythons_command_drops_the_connection(
+        hostile: HostileServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Python's flush queued behind writes the server does not read yet: a
+    reply to its (guessable) cookie before a byte of it left is the
+    server's error. The connection is dropped; the flush is not answered
+    by it, and is sent again, and answered, on the next connection."""
+    async with rig_of(hostile.uri(), reconnect_timeout=20) as rig:
+        p, link = rig.plane, rig.link
+        assert rig.t.lib.anbd_ext_own(link.ext) == 1
+        await _writes_in_flight(rig, hostile)
+        rid = next(copy.copy(link.ids))
+        flush = asyncio.ensure_future(rig.t.flush())
+        await p.wait_for(lambda: rid in link.pending)
+        hostile.inject(simple(PY_COOKIE | rid))
+        await p.wait_for(lambda: flush.done() or len(_retried(p)) == DEPTH, timeout=10)
+        answered_early = flush.done()
+        hostile.release()  # (the send goes on: it must not build on a command answered)
+        await p.wait_for(lambda: len(_retried(p)) + len(_committed(p)) == DEPTH, timeout=20)
+        await p.wait_for(flush.done, timeout=20)
+        assert not answered_early, "the flush was answered by a reply sent before it"
+        assert not _committed(p)
+        await flush
+        assert hostile.connections >= 2
+    assert 'error="a reply to a request not sent yet"' in caplog.text
 
 
 @pytest.mark.parametrize("structured", [True, False])

@@ -198,16 +198,29 @@ static int64_t anbd_libnbd_cmd(struct nbd_handle *h, struct anbd_q *q, unsigned 
 _Static_assert(LIBNBD_CMD_FLAG_FUA == 1 && LIBNBD_CMD_FLAG_NO_HOLE == 2,
                "libnbd's command flags are the protocol's");
 
-/* A command sent by the plug-in itself: a request's (slots) or Python's. */
+/*
+ * A command sent by the plug-in itself: a request's (slots) or Python's.
+ *
+ * Its send and its reply may finish in either order (a server may answer a
+ * read once it has the header, while the rest of the send is still going
+ * out), and the command, its buffer and its place in the send queue stay
+ * alive until both have: a reply that comes first is kept (replied) and
+ * handed on when the send is done with the command's bytes. A reply to a
+ * command not one byte of which was handed to a send yet is the server's
+ * error (it cannot have read the request), and drops the connection.
+ */
 struct anbd_rcmd {
     uint8_t hdr[28];               /* the request on the wire */
     uint16_t kind, local, tag;
     uint8_t py;                    /* Python's: its answer goes to q under id */
-    uint8_t live;                  /* sent (or to be) and not answered yet */
+    uint8_t live;                  /* its reply is awaited: found by its cookie */
+    uint8_t queued;                /* its bytes wait in the send queue, not all sent */
+    uint8_t started;               /* a send was handed some of them */
+    uint8_t replied;               /* its reply came while queued: err waits for the send */
     uint8_t big;                   /* a live read of ANBD_DIRECT_MIN or more */
     int err;                       /* a structured reply's first error (errno) */
     uint32_t covered;              /* a structured read's bytes of data and holes */
-    uint64_t id, off;
+    uint64_t cookie, id, off;
     uint32_t len;
     char *buf;                     /* a read's destination, a write's source */
     struct anbd_rcmd *next;        /* Python's, in flight */
@@ -227,12 +240,6 @@ struct anbd_rx {
     char *dst;                     /* RX_DATA: where the rest goes */
     uint32_t left;
 };
-
-/* One command queued to send, and its bytes on the wire (the header, and a
-   write's data). The length is kept here: a command may be answered, and
-   freed or reused, before the ring says that the send that carried it is
-   done (its reply came first), and only its length is needed then. */
-struct anbd_out { struct anbd_rcmd *c; uint32_t wire; };
 
 /* a request's callback data, one per (local, tag): no allocation per command */
 struct anbd_slot { struct anbd_ext *x; uint16_t local, tag; };
@@ -254,7 +261,7 @@ struct anbd_ext {
     int go;                        /* the queue may be sent: the pass is over (flush) */
     struct anbd_rcmd *cmds;        /* nr_queues * depth: the requests' */
     struct anbd_rcmd *pys;         /* Python's in flight */
-    struct anbd_out *out;          /* to send, in order: out[head..tail) */
+    struct anbd_rcmd **out;        /* to send, in order: out[head..tail) */
     unsigned head, tail, cap;
     uint32_t out_done;             /* bytes of out[head] already sent */
     struct anbd_rx rx;
@@ -343,9 +350,11 @@ uint64_t anbd_ext_reads(struct anbd_ext *x) { return x->reads; }
 uint64_t anbd_ext_sends(struct anbd_ext *x) { return x->sends; }
 uint64_t anbd_ext_staged(struct anbd_ext *x) { return x->staged; }
 
-/* c is answered: no reply may come for it any more */
+/* c's reply came (or never will): no reply may come for it any more */
 static void anbd_settle(struct anbd_ext *x, struct anbd_rcmd *c)
 {
+    if (!c->live)
+        return;
     c->live = 0;
     x->live--;
     if (c->kind == ANBD_READ)
@@ -373,11 +382,6 @@ static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
 static uint32_t get32(const uint8_t *p) { return (uint32_t)get16(p) << 16 | get16(p + 2); }
 static uint64_t get64(const uint8_t *p) { return (uint64_t)get32(p) << 32 | get32(p + 4); }
 
-static uint64_t anbd_cookie(const struct anbd_ext *x, const struct anbd_rcmd *c)
-{
-    return c->py ? ANBD_PY_COOKIE | c->id : (uint64_t)c->local * x->depth + c->tag;
-}
-
 /* the errno of an NBD error: the protocol's values are Linux's; others EINVAL */
 static int anbd_errno(uint32_t e)
 {
@@ -389,32 +393,49 @@ static int anbd_errno(uint32_t e)
     return EINVAL;
 }
 
-/* Python's answer (errno or 0), reaped with the rest of q */
-static void anbd_py_answer(struct anbd_ext *x, struct anbd_rcmd *c, int err)
-{
-    struct anbd_cmd cmd = { x->q, c->id };
-    struct anbd_rcmd **p;
-
-    anbd_settle(x, c);
-    for (p = &x->pys; *p; p = &(*p)->next)
-        if (*p == c) {
-            *p = c->next;
-            break;
-        }
-    anbd_completed(&cmd, &err);
-    free(c);
-}
-
+/* c's answer (errno or 0), its reply and its send both done with it: to
+   Python (reaped with the rest of q; c is freed) or to the data plane */
 static void anbd_answer(struct anbd_ext *x, struct anbd_rcmd *c, int err)
 {
+    c->replied = 0;
     if (c->py) {
-        anbd_py_answer(x, c, err);
+        struct anbd_cmd cmd = { x->q, c->id };
+        struct anbd_rcmd **p;
+
+        for (p = &x->pys; *p; p = &(*p)->next)
+            if (*p == c) {
+                *p = c->next;
+                break;
+            }
+        anbd_completed(&cmd, &err);
+        free(c);
         return;
     }
-    anbd_settle(x, c);  /* (a reply for it again is the server's error) */
     if (err)
         x->failed++;
     x->done(x->dp, c->local, c->tag, err ? -err : 0);
+}
+
+/* c's reply came whole (a reply for it again is the server's error): its
+   answer now, or once the send queue is done with its bytes */
+static void anbd_reply(struct anbd_ext *x, struct anbd_rcmd *c, int err)
+{
+    anbd_settle(x, c);
+    if (c->queued) {
+        c->replied = 1;
+        c->err = err;
+        return;
+    }
+    anbd_answer(x, c, err);
+}
+
+/* c, whatever it waited for, is answered with err now (the connection is
+   gone: no send of it goes on, the socket is shut down) */
+static void anbd_drop(struct anbd_ext *x, struct anbd_rcmd *c, int err)
+{
+    anbd_settle(x, c);
+    c->queued = c->started = 0;
+    anbd_answer(x, c, err);
 }
 
 /* The socket is no use any more (closed, failed, or the server broke the
@@ -435,23 +456,25 @@ static void anbd_own_die(struct anbd_ext *x, const char *why)
     x->out_done = 0;
     memset(&x->rx, 0, sizeof(x->rx));
     for (i = 0; i < n; i++)
-        if (x->cmds[i].live)
-            anbd_answer(x, &x->cmds[i], ENOTCONN);
+        if (x->cmds[i].live || x->cmds[i].queued)
+            anbd_drop(x, &x->cmds[i], ENOTCONN);
     while (x->pys)
-        anbd_py_answer(x, x->pys, ENOTCONN);
+        anbd_drop(x, x->pys, ENOTCONN);
 }
 
 /* Queue c's request (its header written now) for the next send. */
 static int anbd_own_queue(struct anbd_ext *x, struct anbd_rcmd *c, unsigned kind,
                           uint32_t flags, uint64_t off, uint32_t len, void *buf)
 {
+    if (c->live || c->queued)
+        return -EBUSY;  /* (a request handed over again before its answer: never) */
     if (x->tail == x->cap) {
         if (x->head) {
             memmove(x->out, x->out + x->head, (x->tail - x->head) * sizeof(*x->out));
             x->tail -= x->head;
             x->head = 0;
         } else {
-            struct anbd_out *out = realloc(x->out, 2 * x->cap * sizeof(*out));
+            struct anbd_rcmd **out = realloc(x->out, 2 * x->cap * sizeof(*out));
 
             if (!out)
                 return -ENOMEM;
@@ -465,18 +488,26 @@ static int anbd_own_queue(struct anbd_ext *x, struct anbd_rcmd *c, unsigned kind
     c->buf = buf;
     c->err = 0;
     c->covered = 0;
-    c->live = 1;
+    c->live = c->queued = 1;
+    c->started = c->replied = 0;
+    c->cookie = c->py ? ANBD_PY_COOKIE | c->id : (uint64_t)c->local * x->depth + c->tag;
     c->big = kind == ANBD_READ && len >= ANBD_DIRECT_MIN;
     x->big += c->big;
     x->live++;
     put32(c->hdr, NBD_REQUEST_MAGIC);
     put16(c->hdr + 4, (uint16_t)flags);
     put16(c->hdr + 6, (uint16_t)kind);
-    put64(c->hdr + 8, anbd_cookie(x, c));
+    put64(c->hdr + 8, c->cookie);
     put64(c->hdr + 16, off);
     put32(c->hdr + 24, len);
-    x->out[x->tail++] = (struct anbd_out){ c, 28 + (kind == ANBD_WRITE ? len : 0) };
+    x->out[x->tail++] = c;
     return 0;
+}
+
+/* c's bytes on the wire: the header, and a write's data */
+static uint32_t anbd_wire(const struct anbd_rcmd *c)
+{
+    return 28 + (c->kind == ANBD_WRITE ? c->len : 0);
 }
 
 /* The next send: what is queued, from out[head] on (its first out_done bytes
@@ -486,8 +517,9 @@ static int anbd_own_msg(struct anbd_ext *x, struct msghdr **msg)
     unsigned i, n = 0, skip = x->out_done;
 
     for (i = x->head; i < x->tail && n + 2 <= ANBD_IOV; i++, skip = 0) {
-        struct anbd_rcmd *c = x->out[i].c;
+        struct anbd_rcmd *c = x->out[i];
 
+        c->started = 1;
         if (skip < 28)
             x->siov[n++] = (struct iovec){ c->hdr + skip, 28 - skip };
         if (c->kind == ANBD_WRITE && c->len) {
@@ -505,11 +537,13 @@ static int anbd_own_msg(struct anbd_ext *x, struct msghdr **msg)
     return 1;
 }
 
-/* sent bytes of the queue are done with */
+/* sent bytes of the queue are done with: a command whose reply came
+   first is answered now */
 static void anbd_own_advance(struct anbd_ext *x, size_t sent)
 {
     while (sent > 0 && x->head < x->tail) {
-        uint32_t rest = x->out[x->head].wire - x->out_done;
+        struct anbd_rcmd *c = x->out[x->head];
+        uint32_t rest = anbd_wire(c) - x->out_done;
 
         if (sent < rest) {
             x->out_done += (uint32_t)sent;
@@ -518,25 +552,32 @@ static void anbd_own_advance(struct anbd_ext *x, size_t sent)
         sent -= rest;
         x->out_done = 0;
         x->head++;
+        c->queued = 0;
+        if (c->replied)
+            anbd_answer(x, c, c->err);
     }
     if (x->head == x->tail)
         x->head = x->tail = 0;
 }
 
-/* the command a reply names, or NULL (not one in flight: the server's error) */
-static struct anbd_rcmd *anbd_own_find(struct anbd_ext *x, uint64_t cookie)
+/* The command a reply names (rx->c), or why there is none: 0, or the
+   server's error. */
+static const char *anbd_rx_find(struct anbd_ext *x, uint64_t cookie)
 {
-    struct anbd_rcmd *c;
+    struct anbd_rcmd *c = NULL;
 
     if (cookie & ANBD_PY_COOKIE) {
-        for (c = x->pys; c; c = c->next)
-            if ((ANBD_PY_COOKIE | c->id) == cookie)
-                return c;
-        return NULL;
+        for (c = x->pys; c && c->cookie != cookie; c = c->next)
+            ;
+    } else if (cookie < (uint64_t)x->nr_queues * x->depth) {
+        c = &x->cmds[cookie];
     }
-    if (cookie >= (uint64_t)x->nr_queues * x->depth || !x->cmds[cookie].live)
-        return NULL;
-    return &x->cmds[cookie];
+    if (!c || !c->live || c->cookie != cookie)
+        return "a reply to no request in flight";
+    if (!c->started)
+        return "a reply to a request not sent yet";
+    x->rx.c = c;
+    return NULL;
 }
 
 static void anbd_rx_expect(struct anbd_rx *rx, int state, unsigned need)
@@ -556,7 +597,7 @@ static void anbd_rx_chunk_end(struct anbd_ext *x)
     if (rx->flags & NBD_REPLY_FLAG_DONE) {
         if (!c->err && c->kind == ANBD_READ && c->covered != c->len)
             c->err = EIO;  /* (chunks never overlap: short means a part never came) */
-        anbd_answer(x, c, c->err);
+        anbd_reply(x, c, c->err);
     }
     anbd_rx_expect(rx, RX_HDR, 4);
 }
@@ -575,6 +616,7 @@ static char *anbd_rx_range(struct anbd_rcmd *c, uint64_t off, uint64_t n)
 static const char *anbd_rx_step(struct anbd_ext *x)
 {
     struct anbd_rx *rx = &x->rx;
+    const char *why;
     uint32_t magic;
     char *dst;
 
@@ -593,11 +635,12 @@ static const char *anbd_rx_step(struct anbd_ext *x)
         rx->structured = magic == NBD_STRUCTURED_REPLY_MAGIC;
         if (!rx->structured) {
             uint32_t err = get32(rx->small + 4);
+            const char *why = anbd_rx_find(x, get64(rx->small + 8));
 
-            if (!(rx->c = anbd_own_find(x, get64(rx->small + 8))))
-                return "a reply to no request in flight";
+            if (why)
+                return why;
             if (err || rx->c->kind != ANBD_READ || !rx->c->len) {
-                anbd_answer(x, rx->c, err ? anbd_errno(err) : 0);
+                anbd_reply(x, rx->c, err ? anbd_errno(err) : 0);
                 anbd_rx_expect(rx, RX_HDR, 4);
                 return NULL;
             }
@@ -609,8 +652,8 @@ static const char *anbd_rx_step(struct anbd_ext *x)
         rx->flags = get16(rx->small + 4);
         rx->type = get16(rx->small + 6);
         rx->length = get32(rx->small + 16);
-        if (!(rx->c = anbd_own_find(x, get64(rx->small + 8))))
-            return "a reply to no request in flight";
+        if ((why = anbd_rx_find(x, get64(rx->small + 8))))
+            return why;
         if (rx->type == NBD_REPLY_TYPE_NONE) {
             if (rx->length || !(rx->flags & NBD_REPLY_FLAG_DONE))
                 return "a bad NONE chunk";
@@ -663,7 +706,7 @@ static void anbd_rx_data_end(struct anbd_ext *x)
     if (x->rx.structured)
         anbd_rx_chunk_end(x);
     else {
-        anbd_answer(x, x->rx.c, 0);
+        anbd_reply(x, x->rx.c, 0);
         anbd_rx_expect(&x->rx, RX_HDR, 4);
     }
 }
@@ -816,9 +859,11 @@ static int anbd_ext_submit(void *ctx, unsigned local, uint16_t tag, unsigned op,
     if (op != AUR_EXT_READ && (op != AUR_EXT_WRITE || x->read_only))
         return -EOPNOTSUPP;
     if (x->own) {
-        if (anbd_own_queue(x, &x->cmds[(size_t)local * x->depth + tag],
-                           op == AUR_EXT_READ ? ANBD_READ : ANBD_WRITE, 0, off, len, buf) < 0)
-            return -ENOMEM;
+        int err = anbd_own_queue(x, &x->cmds[(size_t)local * x->depth + tag],
+                                 op == AUR_EXT_READ ? ANBD_READ : ANBD_WRITE, 0, off, len, buf);
+
+        if (err < 0)
+            return err;
         x->sent++;
         return 0;  /* sent by the pass's flush, with the others */
     }
