@@ -18,7 +18,7 @@ import pytest
 
 from aioublk._uring import lib as ulib
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import EV_RETRY
+from aioublk.queue.dataplane import EV_IO, EV_RETRY
 from tests.host.test_nbd_dataplane import DEPTH, MAX_IO, NbdPlane, Rig, _io_done, rig_of
 from tests.host.test_nbd_host import SIZE, pytestmark  # noqa: F401 - its skips
 from tests.support.hostile_nbd import HostileServer, simple
@@ -85,6 +85,43 @@ async def test_an_early_reply_to_pythons_command_drops_the_connection(
         await flush
         assert hostile.connections >= 2
     assert 'error="a reply to a request not sent yet"' in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_replies_to_requests_still_being_sent_commit_nothing(
+        hostile: HostileServer) -> None:
+    """Replies, with a careless client's cookies, to writes whose bytes the
+    server has not read (nor could have): not one write is committed by
+    them; the connection is dropped and each goes back to Python."""
+    async with rig_of(hostile.uri(), reconnect_timeout=20) as rig:
+        p = rig.plane
+        await _writes_in_flight(rig, hostile)
+        hostile.inject(b"".join(simple(tag) for tag in range(DEPTH)))
+        await p.wait_for(lambda: len(_retried(p)) + len(_committed(p)) == DEPTH, timeout=10)
+        assert not _committed(p), "writes committed on replies sent before their data"
+        hostile.release()
+
+
+@pytest.mark.parametrize("hostile", [{"mode": "stale", "every": 2, "structured": False}],
+                         indirect=True)
+@pytest.mark.asyncio
+async def test_a_late_duplicate_reply_is_not_the_next_requests(hostile: HostileServer) -> None:
+    """The first read's reply comes again before the second read's, the
+    second on the same tag: it is a reply to a finished request, not to the
+    one that holds the tag now, and never its data. (Simple replies: a
+    structured one names its offset, which gives it away.)"""
+    first, second = os.urandom(4096), os.urandom(4096)
+    hostile.data[:4096], hostile.data[1 << 20:(1 << 20) + 4096] = first, second
+    async with rig_of(hostile.uri(), reconnect_timeout=20) as rig:
+        p = rig.plane
+        assert _io_done(await rig.rw(0, uapi.Op.READ, 0, 4096))
+        assert bytes(p.buf(0)[:4096]) == first
+        ev = await rig.rw(0, uapi.Op.READ, 1 << 20, 4096)
+        assert hostile.misbehaved == 1
+        if ev[0] == EV_IO:
+            assert bytes(p.buf(0)[:4096]) == second, "a stale reply's data was taken"
+        else:
+            assert ev[0] == EV_RETRY
 
 
 @pytest.mark.parametrize("structured", [True, False])

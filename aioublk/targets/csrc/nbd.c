@@ -188,7 +188,16 @@ static int64_t anbd_libnbd_cmd(struct nbd_handle *h, struct anbd_q *q, unsigned 
 /* bytes of a simple reply's header, and of a structured chunk's */
 #define NBD_SIMPLE_REPLY_BYTES 16
 #define NBD_CHUNK_HEADER_BYTES 20
+/*
+ * Cookies. Python's: ANBD_PY_COOKIE | its request id (ids only ever grow).
+ * C's: a sequence number, one per command sent, above the request's index
+ * (local * depth + tag) in the low ANBD_INDEX_BITS: a late or duplicated
+ * reply to a request that is finished names a cookie no command holds any
+ * more, even when the kernel has handed the same tag a new request.
+ */
 #define ANBD_PY_COOKIE (1ULL << 63)
+#define ANBD_INDEX_BITS 24
+#define ANBD_INDEX_MASK ((1ULL << ANBD_INDEX_BITS) - 1)
 #define ANBD_STAGE (256 << 10)
 /* A read this long or longer has its reply's data read straight into its
    buffer (anbd_ext_recv). */
@@ -254,6 +263,7 @@ struct anbd_ext {
     int read_only;
     unsigned nr_queues, depth;
     uint64_t sent, failed;
+    uint64_t seq;                  /* C's commands sent: their cookies' upper part */
     char why[256];
     struct anbd_slot *slots;       /* nr_queues * depth */
     /* own transmission (own: the socket is ours) */
@@ -311,7 +321,7 @@ static int anbd_ext_bind(void *ctx, struct aur_dp *dp, unsigned nr_queues, unsig
     struct anbd_ext *x = ctx;
     size_t n = (size_t)nr_queues * depth, i;
 
-    if (x->dp || !n)
+    if (x->dp || !n || n > ANBD_INDEX_MASK + 1)
         return -EINVAL;
     x->slots = malloc(n * sizeof(*x->slots));
     x->cmds = calloc(n, sizeof(*x->cmds));
@@ -490,7 +500,9 @@ static int anbd_own_queue(struct anbd_ext *x, struct anbd_rcmd *c, unsigned kind
     c->covered = 0;
     c->live = c->queued = 1;
     c->started = c->replied = 0;
-    c->cookie = c->py ? ANBD_PY_COOKIE | c->id : (uint64_t)c->local * x->depth + c->tag;
+    c->cookie = c->py ? ANBD_PY_COOKIE | c->id :
+        (++x->seq << ANBD_INDEX_BITS | ((uint64_t)c->local * x->depth + c->tag)) &
+        ~ANBD_PY_COOKIE;
     c->big = kind == ANBD_READ && len >= ANBD_DIRECT_MIN;
     x->big += c->big;
     x->live++;
@@ -569,8 +581,8 @@ static const char *anbd_rx_find(struct anbd_ext *x, uint64_t cookie)
     if (cookie & ANBD_PY_COOKIE) {
         for (c = x->pys; c && c->cookie != cookie; c = c->next)
             ;
-    } else if (cookie < (uint64_t)x->nr_queues * x->depth) {
-        c = &x->cmds[cookie];
+    } else if ((cookie & ANBD_INDEX_MASK) < (uint64_t)x->nr_queues * x->depth) {
+        c = &x->cmds[cookie & ANBD_INDEX_MASK];
     }
     if (!c || !c->live || c->cookie != cookie)
         return "a reply to no request in flight";
