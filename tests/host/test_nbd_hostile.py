@@ -102,6 +102,21 @@ async def test_replies_to_requests_still_being_sent_commit_nothing(
         hostile.release()
 
 
+@pytest.mark.parametrize("hostile", [{"mode": "overlap", "every": 1}], indirect=True)
+@pytest.mark.asyncio
+async def test_overlapping_chunks_never_complete_a_read(hostile: HostileServer) -> None:
+    """A read answered with its first half twice and its second half never:
+    the halves add up to its length, yet the read is not complete. It is
+    never committed with the bytes an earlier request left in the buffer."""
+    hostile.data[:8192] = os.urandom(8192)
+    async with rig_of(hostile.uri(), reconnect_timeout=20) as rig:
+        p = rig.plane
+        p.buf(0)[:8192] = b"\xa5" * 8192
+        ev = await rig.rw(0, uapi.Op.READ, 0, 8192)
+        assert ev[0] == EV_RETRY, f"committed {bytes(p.buf(0)[4096:4104])!r}..."
+        assert hostile.misbehaved == 1
+
+
 @pytest.mark.parametrize("hostile", [{"mode": "stale", "every": 2, "structured": False}],
                          indirect=True)
 @pytest.mark.asyncio

@@ -198,6 +198,9 @@ static int64_t anbd_libnbd_cmd(struct nbd_handle *h, struct anbd_q *q, unsigned 
 #define ANBD_PY_COOKIE (1ULL << 63)
 #define ANBD_INDEX_BITS 24
 #define ANBD_INDEX_MASK ((1ULL << ANBD_INDEX_BITS) - 1)
+/* the disjoint ranges of a structured read's reply kept apart at most (in
+   order, servers send one) */
+#define ANBD_COV 8
 #define ANBD_STAGE (256 << 10)
 /* A read this long or longer has its reply's data read straight into its
    buffer (anbd_ext_recv). */
@@ -227,10 +230,12 @@ struct anbd_rcmd {
     uint8_t started;               /* a send was handed some of them */
     uint8_t replied;               /* its reply came while queued: err waits for the send */
     uint8_t big;                   /* a live read of ANBD_DIRECT_MIN or more */
+    uint8_t ncov;                  /* a structured read's ranges covered (cov), */
+    uint8_t scattered;             /* or more of them than cov holds */
     int err;                       /* a structured reply's first error (errno) */
-    uint32_t covered;              /* a structured read's bytes of data and holes */
     uint64_t cookie, id, off;
     uint32_t len;
+    struct { uint32_t from, to; } cov[ANBD_COV];  /* relative to off, in order */
     char *buf;                     /* a read's destination, a write's source */
     struct anbd_rcmd *next;        /* Python's, in flight */
 };
@@ -497,7 +502,7 @@ static int anbd_own_queue(struct anbd_ext *x, struct anbd_rcmd *c, unsigned kind
     c->len = len;
     c->buf = buf;
     c->err = 0;
-    c->covered = 0;
+    c->ncov = c->scattered = 0;
     c->live = c->queued = 1;
     c->started = c->replied = 0;
     c->cookie = c->py ? ANBD_PY_COOKIE | c->id :
@@ -592,6 +597,47 @@ static const char *anbd_rx_find(struct anbd_ext *x, uint64_t cookie)
     return NULL;
 }
 
+/* [from, to) of c's read (relative to its offset) came: 0, or why that
+   breaks the protocol (chunks never overlap) */
+static const char *anbd_cover(struct anbd_rcmd *c, uint32_t from, uint32_t to)
+{
+    unsigned i, n = c->ncov;
+    int left, right;
+
+    if (from == to || c->scattered)
+        return NULL;
+    for (i = 0; i < n && c->cov[i].to <= from; i++)
+        ;
+    if (i < n && c->cov[i].from < to)
+        return "overlapping chunks in a read";
+    left = i > 0 && c->cov[i - 1].to == from;
+    right = i < n && c->cov[i].from == to;
+    if (left && right) {
+        c->cov[i - 1].to = c->cov[i].to;
+        memmove(&c->cov[i], &c->cov[i + 1], (n - i - 1) * sizeof(c->cov[0]));
+        c->ncov--;
+    } else if (left) {
+        c->cov[i - 1].to = to;
+    } else if (right) {
+        c->cov[i].from = from;
+    } else if (n == ANBD_COV) {
+        c->scattered = 1;  /* (no longer checked: the read fails, never passes short) */
+    } else {
+        memmove(&c->cov[i + 1], &c->cov[i], (n - i) * sizeof(c->cov[0]));
+        c->cov[i].from = from;
+        c->cov[i].to = to;
+        c->ncov++;
+    }
+    return NULL;
+}
+
+/* every byte of c's read came, once */
+static int anbd_covered(const struct anbd_rcmd *c)
+{
+    return !c->len || (!c->scattered && c->ncov == 1 && c->cov[0].from == 0 &&
+                       c->cov[0].to == c->len);
+}
+
 static void anbd_rx_expect(struct anbd_rx *rx, int state, unsigned need)
 {
     rx->state = state;
@@ -607,8 +653,8 @@ static void anbd_rx_chunk_end(struct anbd_ext *x)
     struct anbd_rcmd *c = rx->c;
 
     if (rx->flags & NBD_REPLY_FLAG_DONE) {
-        if (!c->err && c->kind == ANBD_READ && c->covered != c->len)
-            c->err = EIO;  /* (chunks never overlap: short means a part never came) */
+        if (!c->err && c->kind == ANBD_READ && !anbd_covered(c))
+            c->err = EIO;  /* (a part never came) */
         anbd_reply(x, c, c->err);
     }
     anbd_rx_expect(rx, RX_HDR, 4);
@@ -689,16 +735,20 @@ static const char *anbd_rx_step(struct anbd_ext *x)
     case RX_OFFSET:
         if (!(dst = anbd_rx_range(rx->c, get64(rx->small), rx->length - 8)))
             return "data outside its read";
+        if ((why = anbd_cover(rx->c, (uint32_t)(dst - rx->c->buf),
+                              (uint32_t)(dst - rx->c->buf) + (rx->length - 8))))
+            return why;
         rx->dst = dst;
         rx->left = rx->length - 8;
-        rx->c->covered += rx->left;
         rx->state = RX_DATA;
         return NULL;
     case RX_HOLE:
         if (!(dst = anbd_rx_range(rx->c, get64(rx->small), get32(rx->small + 8))))
             return "a hole outside its read";
+        if ((why = anbd_cover(rx->c, (uint32_t)(dst - rx->c->buf),
+                              (uint32_t)(dst - rx->c->buf) + get32(rx->small + 8))))
+            return why;
         memset(dst, 0, get32(rx->small + 8));
-        rx->c->covered += get32(rx->small + 8);
         anbd_rx_chunk_end(x);
         return NULL;
     case RX_ERROR:
