@@ -57,7 +57,7 @@ class Pools(Refcounts):
 
     def _pools_init(self) -> None:
         self._slots: list[int] = []   # attached pools (appended from any thread)
-        self._attaching = threading.Lock()  # (every queue's map() attaches at once)
+        self._attaching = threading.Lock()  # (every queue's data plane attaches at once)
         self._filling: asyncio.Task[None] | None = None
         cap = POOL_BYTES >> self.cbits
         self.pool_cap = min(1024, max(16, cap))

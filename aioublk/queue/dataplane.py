@@ -10,7 +10,9 @@ A target that knows where a request's bytes are returns a **map** from
   (RAID-0, the stripe target).
 - ``Extents(table)``: an ``ExtentTable`` the target fills and invalidates as
   it learns and changes its mapping (qcow2; any target whose layout is a
-  table). A request the table does not wholly cover is a miss.
+  table). A request the table does not wholly cover is a miss. Its ``pool``
+  gives the data plane that serves it a pool of clusters to allocate from:
+  called only then, so a filter that drops or wraps the map costs no pool.
 - ``Passthrough(fd, nsid, block_size)``: the device is NVMe namespace
   ``nsid`` behind generic char device ``fd``; each request is one
   ``NVME_URING_CMD_IO`` (the nvme target; its ring has 128-byte SQEs).
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aioublk._uring import ffi, lib
@@ -75,10 +77,20 @@ class Extents:
     """Device ranges the target published in ``table``; ``slot`` is this data
     plane's pool in it (``ExtentTable.attach``), from which writes to ALLOC
     granules take their clusters. None: such writes are misses (the target
-    allocates), as a table that never enabled allocation would have them."""
+    allocates), as a table that never enabled allocation would have them.
+    ``pool``: attaches a pool and returns its slot (None: none), called by
+    the data plane that serves this map: a pool is counted clusters a crash
+    leaks, so one is made only where a data plane can take from it."""
 
     table: ExtentTable
     slot: int | None = None
+    pool: Callable[[], int | None] | None = field(default=None, compare=False, repr=False)
+
+    def served(self) -> Extents:
+        """This map as a data plane serves it: with its pool's slot."""
+        if self.pool is None:
+            return self
+        return Extents(self.table, self.pool())
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +195,7 @@ class DataPlane:
             fds = ffi.new("int[]", list(m.fds))
             ret = lib.aur_dp_map_striped(self.c, fds, len(m.fds), m.chunk)
         elif isinstance(m, Extents):
+            m = m.served()
             ret = lib.aur_dp_map_extents(self.c, m.table.cdata,
                                          m.table.granule.bit_length() - 1,
                                          -1 if m.slot is None else m.slot)

@@ -412,6 +412,8 @@ class ReadonlyFilter(Filter):
         return replace(geometry, read_only=True)
 
     def place(self, inner: Map | None) -> Map | None:
+        if isinstance(inner, Extents):  # no write reaches C: no pool to allocate from
+            return Extents(inner.table, inner.slot)
         return inner
 
     async def write(self, offset: int, buf: Buffer, fua: bool = False) -> None:

@@ -77,7 +77,7 @@ class Qcow2Target(Target):
         # made here, before any worker runs: every worker's map() shares it
         table = self.image.extent_table()
         # C asks for the engine through this (its pools at half, its records
-        # to apply), and each worker's map() after attaching a pool
+        # to apply), and each data plane after attaching a pool
         self._notify = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         if table is not None:
             table.set_notify(self._notify)
@@ -116,14 +116,20 @@ class Qcow2Target(Target):
     def map(self) -> Map | None:
         """The image's extent table, shared by every queue: the clusters it
         has published, served in C (see ``aioublk.qcow2.image``, "The data
-        plane")."""
+        plane"). A data plane that serves it attaches its pool (a filter
+        above may drop the map: then no pool is counted for nothing)."""
         table = self.image.extent_table()  # (made already: this only reads, on any thread)
         if table is None:
             return None
+        return Extents(table, pool=self._attach_pool)
+
+    def _attach_pool(self) -> int | None:
+        """A pool for the data plane serving the table (its queue's thread)."""
         slot = self.image.attach_pool()  # (C's, under the table's mutex)
-        if slot >= 0:
-            os.eventfd_write(self._notify, 1)  # the owner fills it
-        return Extents(table, slot=slot if slot >= 0 else None)
+        if slot < 0:
+            return None
+        os.eventfd_write(self._notify, 1)  # the owner fills it
+        return slot
 
     def _away(self) -> crossloop.LoopHandle | None:
         """This thread's handle when it is not the engine's owner, else None

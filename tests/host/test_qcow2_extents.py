@@ -595,7 +595,7 @@ async def test_write_through_keeps_allocation_in_python(tmp_path: Path, ring: Ri
     try:
         t.configure(uapi.Feature.USER_RECOVERY)
         m = t.map()
-        assert isinstance(m, Extents) and m.slot is None
+        assert isinstance(m, Extents) and m.served().slot is None
         await t.write(0, memoryview(bytearray(b"x" * CS)))  # the L2 table, cached
         tables = list(t.image.l2cache.values())
         assert tables and all(ALLOC not in tb.pub for tb in tables)
@@ -605,8 +605,8 @@ async def test_write_through_keeps_allocation_in_python(tmp_path: Path, ring: Ri
         t.close()
     plain = Qcow2Target(str(create(tmp_path / "b.qcow2", 8 * M, cluster_size=CS)))
     try:  # (the same without write-through: a pool, and ALLOC entries)
-        m = plain.map()
-        assert isinstance(m, Extents) and m.slot is not None
+        m = plain.map()  # (served as a data plane serves it: with its pool)
+        assert isinstance(m, Extents) and m.served().slot is not None
         await plain.write(0, memoryview(bytearray(b"x" * CS)))
         assert any(ALLOC in tb.pub for tb in plain.image.l2cache.values())
     finally:

@@ -27,6 +27,7 @@ import pytest
 import uvloop
 
 from aioublk.queue import crossloop
+from aioublk.queue.dataplane import Extents
 from aioublk.ring import Ring
 from aioublk.target import QueueContext, setup_queue, teardown_queue
 from aioublk.targets.qcow2 import Qcow2Target
@@ -92,8 +93,9 @@ class Workers:
             await setup_queue(self.target, q)
             self._set_up[index].set()
             await asyncio.to_thread(self._go.wait)
-            # every worker's driver asks for the map at once, attaching a pool
-            self.maps[index] = self.target.map()
+            # every worker's data plane takes the map at once, attaching a pool
+            m = self.target.map()
+            self.maps[index] = m.served() if isinstance(m, Extents) else m
             try:
                 await work(self.target, index)
             finally:
