@@ -265,39 +265,6 @@ def test_protect_refuses_bad_ranges(ranges: str) -> None:
     assert "protect" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_encrypt_round_trips_and_tweaks_each_sector(tmp_path: Path) -> None:
-    key = tmp_path / "key"
-    key.write_bytes(os.urandom(64))
-    inner = Memory()
-    top = stacked([f"encrypt:keyfile={key}"], inner)
-    plain = b"same" * 256  # 1 KiB: two sectors of the same plaintext
-    asyncio.run(top.write(4096, memoryview(plain)))
-    stored = bytes(inner.data[4096:5120])
-    assert plain not in stored and stored[:512] != stored[512:]  # each sector its own tweak
-    buf = bytearray(1024)
-    asyncio.run(top.read(4096, memoryview(buf)))
-    assert buf == plain
-    buf = bytearray(512)
-    asyncio.run(top.read(4608, memoryview(buf)))  # a sector read alone decrypts alike
-    assert buf == plain[512:]
-    assert not top.geometry.discard and not top.geometry.write_zeroes
-
-
-def test_encrypt_needs_a_64_byte_key(tmp_path: Path) -> None:
-    key = tmp_path / "key"
-    key.write_bytes(os.urandom(32))
-    with pytest.raises(UblkError) as e:
-        stacked([f"encrypt:keyfile={key}"])
-    assert "holds 32 bytes: an AES-XTS key for --key-size 512 is 64" in str(e.value)
-    key.write_bytes(bytes(64))
-    with pytest.raises(UblkError) as e:
-        stacked([f"encrypt:keyfile={key}"])
-    assert "key file" in str(e.value)
-    with pytest.raises(UblkError) as e:
-        config.filter_stack([f"encrypt:keyfile={tmp_path / 'none'}"])
-    assert "does not exist" in str(e.value)
-
-
 def test_cow_commit_writes_the_overlay_back_once_at_stop() -> None:
     inner = Memory()
     top = stacked(["cow:commit=true,block=8K"], inner)
