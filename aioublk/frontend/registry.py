@@ -269,8 +269,10 @@ FILTERS: dict[str, FilterSpec] = {f.name: f for f in (
                "AES-XTS, the bytes dm-crypt's plain mode writes (cryptsetup open --type plain "
                "--cipher aes-xts-plain64 --key-size 512 --key-file KEYFILE); Python serves "
                "every request", (
-                   Option("keyfile", PATH, "the 64-byte key file", required=True,
-                          what="key file"),)),
+                   Option("keyfile", PATH, "the 64-byte key file, that only its owner may "
+                          "read or write", required=True, what="key file"),
+                   Option("allow_insecure_key", BOOL, "use a key file that group or others "
+                          "may read or write (refused otherwise)", default=False))),
     FilterSpec("log", "aioublk.targets.filters:LogFilter",
                "a JSON line per request to FILE (Python serves every request)", (
                    Option("file", STR, "the log file (appended to)", required=True),

@@ -963,17 +963,23 @@ class EncryptFilter(Filter):
     aes-xts-plain64 --key-size 512 --key-file KEYFILE``): each 512-byte
     sector encrypted with its number from the start of the inner device,
     little-endian, as the tweak (plain64). The ``cryptography`` package does
-    the cipher."""
+    the cipher. A key file group or others may read or write is refused
+    (anyone who reads it reads the disk) unless ``allow_insecure_key``."""
 
     name = "encrypt"
 
-    def __init__(self, inner: Target, keyfile: str) -> None:
+    def __init__(self, inner: Target, keyfile: str, allow_insecure_key: bool = False) -> None:
         try:
             from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
         except ImportError:
             raise ValueError("needs the cryptography package: pip install "
                              "'aioublk[encrypt]'") from None
         with open(keyfile, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode & 0o7777  # (the file read, not its name)
+            if mode & 0o066 and not allow_insecure_key:
+                raise ValueError(f"key file {keyfile} has mode {mode:04o}, so others may read "
+                                 f"or write it: chmod 600 {keyfile}, or add "
+                                 "allow_insecure_key=true to the filter to use it anyway")
             key = f.read(KEY_BYTES + 1)
         if len(key) != KEY_BYTES:
             raise ValueError(f"key file {keyfile} holds {len(key)}{'+' * (len(key) > 64)} "

@@ -90,6 +90,7 @@ def test_fio_verifies_through_a_stack_of_the_python_filters(tmp_path: Path) -> N
     backing = make_file(tmp_path / "disk.img", 40 * MiB)
     key = tmp_path / "key"
     key.write_bytes(os.urandom(64))
+    key.chmod(0o600)  # (a key others may read is refused)
     log = tmp_path / "requests.log"
     dev = add("-t", "loop", str(backing), "-q", "1", "--filter", f"log:file={log}",
               "--filter", "rate:iops=100000", "--filter", "delay:write=1ms",
@@ -255,6 +256,7 @@ def test_encrypt_matches_dm_crypt_plain_both_ways(tmp_path: Path,
     run("modprobe", "loop")
     key = tmp_path / "key"
     key.write_bytes(os.urandom(64))
+    key.chmod(0o600)  # (a key others may read is refused)
     backing = make_file(tmp_path / "disk.img", 8 * MiB)
     ours, theirs = os.urandom(MiB), os.urandom(MiB)
     dev = add("-t", "loop", str(backing), "-q", "1", "--filter", f"encrypt:keyfile={key}")

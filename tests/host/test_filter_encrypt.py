@@ -1,16 +1,19 @@
 """The encrypt filter on the host: the cipher against its own reads, and
-the key file it accepts (no kernel)."""
+the key file it accepts (its size, who may read it) through the command
+line and a serve config (no kernel)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend import config
+from aioublk.frontend import cli, config
 from tests.host.test_filters import Memory, stacked
 
 
@@ -52,3 +55,45 @@ def test_encrypt_needs_a_64_byte_key(tmp_path: Path) -> None:
         config.filter_stack([f"encrypt:keyfile={tmp_path / 'none'}"])
     assert "does not exist" in str(e.value)
 
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o620, 0o602])
+def test_a_key_others_may_read_or_write_is_refused_in_one_line(tmp_path: Path,
+                                                               mode: int) -> None:
+    """As cryptsetup warns of such a key file: the line names the file, its
+    mode and both ways out."""
+    key = key_file(tmp_path, mode)
+    proc = subprocess.run([sys.executable, "-m", "aioublk", "add", "-t", "null", "--filter",
+                           f"encrypt:keyfile={key}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for part in (str(key), f"mode {mode:04o}", f"chmod 600 {key}", "allow_insecure_key=true"):
+        assert part in proc.stderr, f"{part!r} not in {proc.stderr!r}"
+
+
+def test_a_serve_config_refuses_it_alike(tmp_path: Path) -> None:
+    key = key_file(tmp_path, 0o644)
+    conf = tmp_path / "serve.toml"
+    conf.write_text(f'[[devices]]\ntarget = "null"\nfilters = ["encrypt:keyfile={key}"]\n')
+    conf.chmod(0o600)
+    [dev] = config.load(str(conf)).devices
+    with pytest.raises(UblkError) as e:
+        dev.build_target()
+    assert "\n" not in str(e.value) and "mode 0644" in str(e.value)
+    conf.write_text(f'[[devices]]\ntarget = "null"\n'
+                    f'filters = ["encrypt:keyfile={key},allow_insecure_key=true"]\n')
+    [dev] = config.load(str(conf)).devices
+    dev.build_target().close()
+
+
+@pytest.mark.parametrize(("mode", "override"), [(0o600, ""), (0o400, ""), (0o700, ""),
+                                                (0o644, ",allow_insecure_key=true")])
+def test_a_private_key_or_the_override_is_accepted(tmp_path: Path, mode: int,
+                                                   override: str) -> None:
+    key = key_file(tmp_path, mode)
+    args = cli._parser().parse_args(["add", "-t", "null", "--filter",
+                                     f"encrypt:keyfile={key}{override}"])
+    target = cli.make_target(args)
+    try:
+        assert target.describe()["filters"][0]["keyfile"] == str(key)  # type: ignore[index]
+    finally:
+        target.close()
