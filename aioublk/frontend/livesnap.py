@@ -14,12 +14,11 @@ an error; nothing acknowledged is lost, since the image is closed
 
 from __future__ import annotations
 
+import asyncio
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 
 from aioublk.errors import UblkError
 from aioublk.frontend import stats
@@ -29,6 +28,8 @@ from aioublk.kernel.control import Control
 #: how long a step may take (a server writes back its caches; under
 #: emulation a recover takes a minute)
 STEP_TIMEOUT = 300.0
+#: how often the device's state is read while waiting for QUIESCED
+QUIESCE_POLL = 0.05
 
 
 def image_of(dev_id: int) -> str:
@@ -43,28 +44,61 @@ def image_of(dev_id: int) -> str:
     return str(record["files"][0])
 
 
-def _wait_exit(pid: int, timeout: float) -> bool:
-    """Wait for process ``pid`` to end (a pidfd: no polling); whether it did."""
+async def _exited(pidfd: int, timeout: float) -> bool:
+    """Wait for the process behind ``pidfd`` to end (it becomes readable),
+    the loop running meanwhile; whether it did."""
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not ended.done():
+            ended.set_result(None)
+    loop.add_reader(pidfd, readable)
     try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
+        await asyncio.wait_for(ended, timeout)
+    except TimeoutError:
+        return False
     finally:
-        os.close(fd)
+        loop.remove_reader(pidfd)
+    return True
 
 
 async def _quiesced(ctrl: Control, dev_id: int, timeout: float) -> bool:
     """Wait for the device to be QUIESCED (the kernel's monitor moves it
-    there once the server's descriptors are closed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if (await ctrl.get_info(dev_id)).state == uapi.State.QUIESCED:
-            return True
-        if time.monotonic() >= deadline:
+    there once the server's descriptors are closed; it tells nobody, so
+    its state is read again every ``QUIESCE_POLL`` seconds)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (await ctrl.get_info(dev_id)).state != uapi.State.QUIESCED:
+        if loop.time() >= deadline:
             return False
-        time.sleep(0.05)
+        await asyncio.sleep(QUIESCE_POLL)
+    return True
+
+
+async def _stop_server(ctrl: Control, dev_id: int, pid: int) -> None:
+    """SIGTERM the server ``pid`` and wait for it to end. Its pidfd is opened
+    first and the signal goes through it, so the process signalled is the
+    one waited for; and it is the server only if the device, read again
+    once the pidfd is held, is still LIVE with it (a server gone before
+    leaves its pid to any new process)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone already
+    try:
+        again = await ctrl.get_info(dev_id)
+        if again.state != uapi.State.LIVE or again.ublksrv_pid != pid:
+            return  # gone before the pidfd was opened: whatever has its pid now is not it
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        except ProcessLookupError:
+            return  # it ended meanwhile
+        if not await _exited(pidfd, STEP_TIMEOUT):
+            raise UblkError(f"the server of device {dev_id} (pid {pid}) did not exit within "
+                            f"{STEP_TIMEOUT:.0f} s of SIGTERM")
+    finally:
+        os.close(pidfd)
 
 
 async def detach(ctrl: Control, dev_id: int) -> None:
@@ -79,13 +113,7 @@ async def detach(ctrl: Control, dev_id: int) -> None:
     if info.state != uapi.State.LIVE or info.ublksrv_pid <= 0:
         raise UblkError(f"device {dev_id} is not served now (state "
                         f"{uapi.State(info.state).name}): recover it first")
-    try:
-        os.kill(info.ublksrv_pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    if not _wait_exit(info.ublksrv_pid, STEP_TIMEOUT):
-        raise UblkError(f"the server of device {dev_id} (pid {info.ublksrv_pid}) did not "
-                        f"exit within {STEP_TIMEOUT:.0f} s of SIGTERM")
+    await _stop_server(ctrl, dev_id, info.ublksrv_pid)
     if not await _quiesced(ctrl, dev_id, STEP_TIMEOUT):
         raise UblkError(f"device {dev_id} did not become QUIESCED after its server exited: "
                         f"serve it again with aioublk recover -n {dev_id}")
