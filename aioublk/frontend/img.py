@@ -393,11 +393,12 @@ def _check(fd: int, args: argparse.Namespace) -> int:
 
     try:
         h, res = chk.scan(read, os.fstat(fd).st_size,
-                          None if args.quiet else terminal_progress())
+                          None if args.quiet else terminal_progress(),
+                          fix_errors=args.repair == "all")
     except fmt.Qcow2Error as e:
         raise Error(f"{args.filename}: {e}") from None
     repair = None
-    if args.repair and (res.leaks or res.corruptions):
+    if args.repair and (res.leaks or res.corruptions or res.zeroed):
         try:
             repair = chk.plan_repair(read, os.fstat(fd).st_size, h, res, args.repair)
         except fmt.Qcow2Error as e:

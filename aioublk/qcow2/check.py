@@ -57,8 +57,12 @@ class Result:
     copied: list[Copied] = field(default_factory=list)
     other: list[str] = field(default_factory=list)  # corruptions no repair here fixes
     bad_refblocks: int = 0  # reftable entries naming no usable block (of ``other``)
+    shared_refblocks: int = 0  # refcount blocks also used as something else (of ``other``)
     far_refblocks: int = 0  # of those, past the end of the file
     refblock_clusters: set[int] = field(default_factory=set)
+    #: L2 entries of zero clusters at a misaligned offset, made plain zero
+    #: clusters by a repair of everything (where they lie, and what they become)
+    zeroed: list[tuple[int, bytes]] = field(default_factory=list)
     check_errors: int = 0
     total_clusters: int = 0
     allocated: int = 0
@@ -70,7 +74,8 @@ class Result:
     def needs_rebuild(self) -> bool:
         """A cluster in use counted free, or a refcount block lost: QEMU then
         builds the refcount structure anew (``-r all``) rather than patch it."""
-        return bool(self.bad_refblocks) or any(have == 0 for have, _ in self.low.values())
+        return bool(self.bad_refblocks or self.shared_refblocks) or \
+            any(have == 0 for have, _ in self.low.values())
 
     @property
     def corruptions(self) -> int:
@@ -98,18 +103,21 @@ def _clusters(offset: int, length: int, bits: int) -> range:
 
 
 class _Scan:
-    """One pass over an image: its references, refcounts and flags."""
+    """One pass over an image: its references, refcounts and flags.
 
-    #: clusters past the end of the file a reference may name and be counted:
-    #: past them a hostile image could make the scan (and a rebuild) unbounded
-    FAR_CLUSTERS = 1 << 16
+    What is corrupt is counted as QEMU counts it, so that a repair frees
+    what ``qemu-img check -r`` frees and nothing more: a table or cluster
+    at a misaligned offset is still counted (the clusters it overlaps) and
+    read there; only a reference a cluster or more past the end of the
+    file is not counted."""
 
-    def __init__(self, read: Read, file_size: int, progress: Progress | None = None) -> None:
+    def __init__(self, read: Read, file_size: int, progress: Progress | None = None,
+                 *, fix_errors: bool = False) -> None:
         self.progress = progress
+        self.fix_errors = fix_errors
         # every read clipped to the file: a table's size never sizes a buffer
         self.read: Read = lambda off, n: read(off, max(0, min(n, file_size - off)))
         self.file_size = file_size
-        self.far = 0
         first = read(0, 1 << 21)
         self.h = h = fmt.parse_header(first, file_size)
         if h.incompatible & fmt.INCOMPAT_DATA_FILE:
@@ -117,13 +125,17 @@ class _Scan:
                              "use qemu-img check")
         self.bits = h.cluster_bits
         self.res = Result(h.cluster_size)
-        self.limit = -(-file_size // h.cluster_size) + self.FAR_CLUSTERS
+        # (no reference is counted past the end of the file's last cluster)
+        self.limit = -(-file_size // h.cluster_size) + 1
 
     def ref(self, offset: int, length: int) -> None:
-        end = min(offset + length, self.limit << self.bits)
-        if end < offset + length:
-            self.far += 1
-        for c in _clusters(offset, end - offset, self.bits):
+        if length <= 0:
+            return
+        if offset + length - self.file_size >= self.h.cluster_size:
+            self.res.other.append(f"a reference to {length:#x} bytes at {offset:#x} lies a "
+                                  "cluster or more past the end of the file")
+            return
+        for c in _clusters(offset, length, self.bits):
             self.res.refs[c] = self.res.refs.get(c, 0) + 1
 
     def run(self) -> Result:
@@ -146,9 +158,6 @@ class _Scan:
         if h.autoclear & AUTOCLEAR_BITMAPS and fmt.EXT_BITMAPS in h.extensions:
             self.bitmaps(h.extensions[fmt.EXT_BITMAPS])
         self.refcounts()
-        if self.far:
-            res.other.append(f"{self.far} references lie far past the end of the file "
-                             f"(more than {self.FAR_CLUSTERS} clusters)")
         self.compare()
         self.check_copied()
         return res
@@ -162,14 +171,15 @@ class _Scan:
         for i, e in enumerate(_table(self.read, offset, size)):
             if active and self.progress is not None and not i % 64:
                 self.progress(i / size)  # (the active tables are most of the work)
-            l2 = e & OFFSET_MASK
-            if not l2:
+            if not e:
                 continue
-            if l2 % cs:
+            if e & fmt.L1_RESERVED:
+                self.res.other.append(f"L1 entry {e:#x} has reserved bits set")
+            l2 = e & OFFSET_MASK
+            self.ref(l2, cs)
+            if l2 % cs:  # (still read there: what QEMU counts, to free no more than it)
                 self.res.other.append(f"L2 table offset {l2:#x} is not cluster aligned; "
                                       "L1 entry corrupted")
-                continue
-            self.ref(l2, cs)
             self.l2(l2, active)
 
     def l2(self, offset: int, active: bool) -> None:
@@ -178,28 +188,37 @@ class _Scan:
         contiguous = 0
         entries, subs = l2_table(self.read, offset, h)
         for k, e in enumerate(entries):
-            if subs is not None and (bad := self.bad_subclusters(e, subs[k])):
-                res.other.append(f"L2 entry {e:#x} has {bad} {subs[k]:#x}")
+            word = subs[k] if subs is not None else 0
+            if subs is not None and (bad := self.bad_subclusters(e, word)):
+                res.other.append(f"L2 entry {e:#x} has {bad} {word:#x}")
             if e & COMPRESSED:
-                for c in fmt.compressed_clusters(e, self.bits):
-                    if c >= self.limit:
-                        self.far += 1
-                        break
-                    res.refs[c] = res.refs.get(c, 0) + 1
+                if e & COPIED:
+                    res.other.append(f"compressed L2 entry {e:#x} has the COPIED flag set")
+                if word:
+                    continue  # (QEMU counts nothing of it)
+                span = fmt.compressed_span(e & ~COPIED, self.bits)
+                self.ref(span.offset, span.length)
                 if active:
                     res.allocated += 1
                     res.compressed += 1
                     res.fragmented += 1  # (compressed clusters are, by nature)
                 continue
             host = e & OFFSET_MASK
+            if e & fmt.L2_RESERVED or host and subs is not None and e & fmt.ZERO:
+                res.other.append(f"L2 entry {e:#x} has reserved bits set")
             if not host:
                 continue
-            if e & (fmt.L2_RESERVED | (fmt.ZERO if subs is not None else 0)):
-                res.other.append(f"L2 entry {e:#x} has reserved bits set")
             if host % cs:
+                no_data = not word & fmt.SUB_ALLOC if subs is not None else e & fmt.ZERO
+                if no_data and self.fix_errors:  # (as QEMU: a plain zero cluster now)
+                    zero = (0, word & fmt.SUB_ZERO | (word & fmt.SUB_ALLOC) << 32) \
+                        if subs is not None else (fmt.ZERO,)
+                    res.zeroed.append((offset + h.l2_entry_bytes * k,
+                                       struct.pack(f">{len(zero)}Q", *zero)))
+                    continue
+                # (still counted where it lies: what QEMU counts, to free no more than it)
                 res.other.append(f"data cluster offset {host:#x} is not cluster aligned; "
                                  "L2 entry corrupted")
-                continue
             self.ref(host, cs)
             if active:
                 res.allocated += 1
@@ -254,6 +273,10 @@ class _Scan:
                 res.far_refblocks += 1
                 continue
             self.ref(off, cs)
+            if (n := res.refs.get(off >> self.bits, 0)) != 1:
+                res.other.append(f"refcount block {i} is also something else "
+                                 f"({n} references)")
+                res.shared_refblocks += 1
             res.refblock_clusters.add(off >> self.bits)
             block = fmt.RefBlock(h.refcount_bits, self.read(off, cs).ljust(cs, b"\0"))
             self.blocks[i] = block
@@ -279,27 +302,38 @@ class _Scan:
         res.image_end = (highest + 1) * res.cluster_size
 
     def check_copied(self) -> None:
-        """The active L1's entries and their L2 tables' (QEMU looks no further)."""
-        h, res = self.h, self.res
-        for i, e in enumerate(_table(self.read, h.l1_table_offset, h.l1_size)):
-            l2 = e & OFFSET_MASK
-            if not l2 or l2 % h.cluster_size:
+        res = self.res
+        res.copied = list(copied_flags(self.read, self.h, lambda c: res.disk.get(c, 0),
+                                       {at for at, _ in res.zeroed}))
+
+
+def copied_flags(read: Read, h: fmt.Header, refcount: Callable[[int], int],
+                 skip: set[int]) -> Iterable[Copied]:
+    """The COPIED flags that disagree with ``refcount`` (a cluster's), in the
+    active L1's entries and their L2 tables' (QEMU looks no further); not
+    the entries at ``skip``."""
+    for i, e in enumerate(_table(read, h.l1_table_offset, h.l1_size)):
+        l2 = e & OFFSET_MASK
+        if not l2:
+            continue
+        rc = refcount(l2 >> h.cluster_bits)
+        if (rc == 1) != bool(e & COPIED):
+            yield Copied(h.l1_table_offset + 8 * i, e, rc, i)
+        for j, d in enumerate(l2_table(read, l2, h)[0]):
+            host, at = d & OFFSET_MASK, l2 + h.l2_entry_bytes * j
+            if d & COMPRESSED or not host or at in skip:
                 continue
-            rc = res.disk.get(l2 >> self.bits, 0)
-            if (rc == 1) != bool(e & COPIED):
-                res.copied.append(Copied(h.l1_table_offset + 8 * i, e, rc, i))
-            for j, d in enumerate(l2_table(self.read, l2, h)[0]):
-                host = d & OFFSET_MASK
-                if d & COMPRESSED or not host or host % h.cluster_size:
-                    continue
-                rc = res.disk.get(host >> self.bits, 0)
-                if (rc == 1) != bool(d & COPIED):
-                    res.copied.append(Copied(l2 + h.l2_entry_bytes * j, d, rc, None))
+            rc = refcount(host >> h.cluster_bits)
+            if (rc == 1) != bool(d & COPIED):
+                yield Copied(at, d, rc, None)
 
 
-def scan(read: Read, file_size: int,
-         progress: Progress | None = None) -> tuple[fmt.Header, Result]:
-    s = _Scan(read, file_size, progress)
+def scan(read: Read, file_size: int, progress: Progress | None = None, *,
+         fix_errors: bool = False) -> tuple[fmt.Header, Result]:
+    """An image's findings; with ``fix_errors`` (a repair of everything to
+    follow), the misaligned zero clusters QEMU makes plain are found as
+    fixes, not counted."""
+    s = _Scan(read, file_size, progress, fix_errors=fix_errors)
     h, res = s.h, s.run()
     if progress is not None:
         progress(1.0)
@@ -333,15 +367,19 @@ def plan_repair(read: Read, file_size: int, h: fmt.Header, res: Result, mode: st
         final = _rebuild(h, res, file_size, out)
     else:
         final = _patch(read, file_size, h, res, mode, out)
+    if mode == "all":
+        for at, zero in res.zeroed:
+            out.lines.append(f"Repairing L2 entry at {at:#x}: a zero cluster at a "
+                             "misaligned offset made a plain zero cluster")
+            out.writes.append((at, zero))
+            out.corruptions_fixed += 1
     # with leaks only, the flags are fixed only where the refcounts now are right
     safe = not (res.check_errors or res.other or res.low) and out.leaks_fixed == len(res.leaks)
     if mode == "all" or safe:
-        for cp in res.copied:
-            host = cp.entry & OFFSET_MASK
-            one = final.get(host >> h.cluster_bits, 0) == 1
-            entry = cp.entry | COPIED if one else cp.entry & ~COPIED
-            if entry == cp.entry:
-                continue
+        # (as the refcounts are once repaired: a refcount set to 2 makes a flag wrong)
+        for cp in copied_flags(read, h, lambda c: final.get(c, 0),
+                               {at for at, _ in res.zeroed} if mode == "all" else set()):
+            entry = cp.entry | COPIED if cp.refcount == 1 else cp.entry & ~COPIED
             what = f"L2 cluster: l1_index={cp.l1_index} l1_entry={cp.entry:x}" \
                 if cp.l1_index is not None else f"data cluster: l2_entry={cp.entry:x}"
             out.lines.append(f"Repairing OFLAG_COPIED {what} refcount={cp.refcount}")
@@ -367,7 +405,8 @@ def _rebuild(h: fmt.Header, res: Result, file_size: int, out: Repair) -> dict[in
     out.lines.append("Rebuilding refcount structure")
     # (qemu-img counts a block past the end twice: it grows the file to take
     # it, which makes its cluster one more in use with refcount 0)
-    out.corruptions_fixed += len(res.low) + res.bad_refblocks + res.far_refblocks
+    out.corruptions_fixed += len(res.low) + res.bad_refblocks + res.far_refblocks + \
+        res.shared_refblocks
     out.leaks_fixed += len(res.leaks)
     return counts
 

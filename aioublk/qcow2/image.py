@@ -363,9 +363,9 @@ class Qcow2Image(Writes):
         """A dirty image (lazy refcounts, left open by a crash): its refcounts
         rebuilt from its tables, as ``img check -r all`` does, before use."""
         try:
-            _h, res = check.scan(f.pread, f.size)
+            _h, res = check.scan(f.pread, f.size, fix_errors=True)
             repair = check.plan_repair(f.pread, f.size, h, res, "all") \
-                if res.leaks or res.corruptions else None
+                if res.leaks or res.corruptions or res.zeroed else None
         except Qcow2Error as e:
             raise Qcow2Error(f"{path} is marked dirty and cannot be repaired here ({e}): "
                              f"try `qemu-img check -r all {path}`") from None
