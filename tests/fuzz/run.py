@@ -1,5 +1,7 @@
 """Run a fuzz target: ``python -m tests.fuzz.run TARGET [options]`` from the
-repository root, TARGET one of header, image, snapshots, config.
+repository root, TARGET one of header, image, snapshots, config, nbd_uri
+(Python, atheris) or nbd_wire, extents, batch (C, libFuzzer: built first,
+see tests/fuzz/cbuild.py).
 
 Bounded (the default; what tests/host/test_fuzz.py runs): ``--runs N --seed S``
 over the kept corpus (``corpus/TARGET``), new inputs in a scratch directory
@@ -8,10 +10,11 @@ kept corpus, then merge what grew into it (``-merge=1``: only inputs that
 add coverage, at most the target's MAX_LEN bytes each).
 
 Each libFuzzer run is a child process (atheris.Fuzz ends its process) with
-its address space limited (``--mem-mb``, RLIMIT_AS, so a runaway allocation
-is a MemoryError, a finding) and a time limit per input (``--timeout``: a
-hang is a finding). A finding's input is written to ``--artifacts`` (a
-scratch directory unless given) and the run exits non-zero. Options
+its address space limited (``--mem-mb``: RLIMIT_AS for Python, so a runaway
+allocation is a MemoryError, a finding; libFuzzer's RSS and malloc limits
+for C) and a time limit per input (``--timeout``: a hang is a finding). A
+finding's input is written to ``--artifacts`` (a scratch directory unless
+given) and the run exits non-zero. Options
 starting with one dash are passed to libFuzzer (``-dict=...``, say).
 
 The summary line: ``TARGET: N execs in T s, cov C ft F, corpus K files (B
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import re
 import resource
 import shutil
@@ -33,9 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.fuzz import cbuild
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-TARGETS = ("header", "image", "snapshots", "config", "nbd_uri")
+PY_TARGETS = ("header", "image", "snapshots", "config", "nbd_uri")
+TARGETS = (*PY_TARGETS, *cbuild.TARGETS)
 #: the code each target measures coverage in (modules and their submodules)
 INSTRUMENT = {"header": ["aioublk.qcow2.format"], "snapshots": ["aioublk.qcow2.format"],
               "config": ["aioublk.frontend.config", "aioublk.queue.options", "tomllib"],
@@ -43,7 +50,7 @@ INSTRUMENT = {"header": ["aioublk.qcow2.format"], "snapshots": ["aioublk.qcow2.f
 #: the longest input each target gets (libFuzzer -max_len): an image's
 #: seeds are up to 81 KiB (extended L2 needs 16 KiB clusters)
 MAX_LEN = {"header": 1 << 16, "snapshots": 1 << 16, "config": 1 << 14, "image": 1 << 17,
-           "nbd_uri": 1 << 12}
+           "nbd_uri": 1 << 12, "nbd_wire": 1 << 12, "extents": 1 << 12, "batch": 1 << 12}
 #: per-input time limits (seconds): the image target does real I/O
 TIMEOUTS = {"image": 20}
 DEFAULT_TIMEOUT = 10
@@ -95,11 +102,16 @@ def _instrument(atheris: Any, names: list[str]) -> None:
 
 
 def _libfuzzer(target: str, mem_mb: int, args: list[str], deadline: float) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "tests.fuzz.run", "--inner", target, "--mem-mb", str(mem_mb),
-           *args]
+    if target in cbuild.TARGETS:
+        cmd = [str(cbuild.build(target)), f"-malloc_limit_mb={mem_mb}", *args]
+        env = {**os.environ, **cbuild.ENV}
+    else:
+        cmd = [sys.executable, "-m", "tests.fuzz.run", "--inner", target, "--mem-mb",
+               str(mem_mb), *args]
+        env = None
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=deadline,
-                           errors="replace")
+                           errors="replace", env=env)
     except subprocess.TimeoutExpired as e:
         out = e.stderr if isinstance(e.stderr, str) else (e.stderr or b"").decode(errors="replace")
         return -1, f"{out}\nthe fuzzer ran past its deadline of {deadline:.0f} s\n"
@@ -142,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in extra if not a.startswith("-") or a.startswith("--")]
     if unknown:
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if ns.target in cbuild.TARGETS:
+        try:
+            cbuild.build(ns.target)
+        except cbuild.BuildError as e:
+            print(f"{ns.target}: {e}", file=sys.stderr)
+            return 2
     max_len = MAX_LEN[ns.target]
     timeout = ns.timeout or TIMEOUTS.get(ns.target, DEFAULT_TIMEOUT)
     kept = corpus(ns.target)

@@ -1,0 +1,334 @@
+/*
+ * UBLK_F_BATCH_IO's COMMIT_IO_CMDS as the data plane (aioublk/csrc/dataplane.c)
+ * builds it and takes the kernel's answer to it. The encoding and the partial
+ * commit's handling are static in dataplane.c, so this file includes it and
+ * stands in for the ring (ring.c): each SQE the data plane prepares is
+ * decoded here as the kernel would (struct ublk_batch_io and its elements),
+ * and the fuzz input chooses the kernel's answers: all of it, part and a
+ * refused element, an error, ENODEV, or an SQ that cannot take the command.
+ *
+ * Checked against a model: elem_bytes and flags as the setup asks (buffer
+ * address in copy mode, zone LBA when zoned), nr_elem within the depth and
+ * the length nr_elem * elem_bytes; each element the answer given for its
+ * tag, in order, with the tag's buffer address or buffer index and zone
+ * LBA; a partial commit sent again from the element after the refused one,
+ * the refused one reported (EV_COMMIT) and a success failed with EIO in the
+ * next commit; nothing answered is dropped; slots are reused.
+ */
+#include "dataplane.c"
+
+#include "input.h"
+
+#define MAXQ 2
+#define MAXDEPTH 64
+#define MAXIO 4096
+
+/* -- the ring, stubbed: SQEs are decoded, never submitted -------------------- */
+
+/* a COMMIT_IO_CMDS's elements, as the model expects them */
+struct cm { unsigned nr; int slot; uint16_t tag[MAXDEPTH]; int32_t res[MAXDEPTH];
+            uint64_t lba[MAXDEPTH]; };
+struct sqe_seen { uint32_t op; struct ublk_batch_io cmd; uint64_t addr; uint32_t len; uint64_t ud; };
+
+static struct {
+    struct aur r;
+    struct aur_dp *dp;
+    struct aur_dp_setup s;
+    int sq_full;             /* the next preps fail (the SQ has no room) */
+    struct sqe_seen seen[256];
+    unsigned nseen, used;
+    /* the model: what each queue answered since its last commit was built */
+    struct cm pend[MAXQ];
+    struct cm held[MAXQ][MAXDEPTH];  /* built, not queued (the SQ was full): in order */
+    unsigned nheld[MAXQ];
+    struct cm fl[MAXQ][MAXDEPTH];    /* in flight, by slot (nr 0: none) */
+    int owned[MAXQ][MAXDEPTH];       /* the tag's request waits for an answer */
+    uint64_t lba[MAXQ][MAXDEPTH];
+    int has_lba[MAXQ][MAXDEPTH];
+    uint16_t q_id[MAXQ], buf_index[MAXQ][MAXDEPTH];
+    char *bufs[MAXQ];
+    struct aur_dp_counts counts[MAXQ];
+} B;
+
+int aur_prep(struct aur *r, uint8_t opcode, int fd, uint64_t addr, uint32_t len,
+             uint64_t off, uint32_t rw_flags, uint16_t buf_index, uint8_t flags,
+             uint64_t user_data)
+{
+    (void)r; (void)opcode; (void)fd; (void)addr; (void)len; (void)off; (void)rw_flags;
+    (void)buf_index; (void)flags; (void)user_data;
+    return -EBUSY;
+}
+
+int aur_prep_cmd(struct aur *r, int fd, uint32_t cmd_op, const void *cmd, unsigned cmd_len,
+                 uint64_t addr, uint32_t len, uint32_t off, uint16_t buf_index, uint8_t flags,
+                 uint64_t user_data)
+{
+    struct sqe_seen *q;
+
+    (void)r; (void)fd; (void)off; (void)buf_index; (void)flags;
+    if (B.sq_full)
+        return -EBUSY;
+    FUZZ_CHECK(cmd_len == sizeof(struct ublk_batch_io), "a command area of %u bytes", cmd_len);
+    FUZZ_CHECK(B.nseen < 256, "too many commands queued");
+    q = &B.seen[B.nseen++];
+    q->op = cmd_op;
+    memcpy(&q->cmd, cmd, sizeof(q->cmd));
+    q->addr = addr;
+    q->len = len;
+    q->ud = user_data;
+    return 0;
+}
+
+int aur_prep_ublk_io(struct aur *r, int fd, uint32_t cmd_op, uint16_t q_id, uint16_t tag,
+                     int32_t result, uint64_t addr, uint64_t sqe_addr, uint8_t flags,
+                     uint64_t user_data)
+{
+    (void)r; (void)fd; (void)cmd_op; (void)q_id; (void)tag; (void)result; (void)addr;
+    (void)sqe_addr; (void)flags; (void)user_data;
+    return -EBUSY;
+}
+
+int aur_fix_file(struct aur *r, int fd) { (void)r; (void)fd; return -1; }
+void aur_unfix_files(struct aur *r, int keep_fd) { (void)r; (void)keep_fd; }
+void *aur_buf_ring_setup(struct aur *r, unsigned entries, int bgid, int *err)
+{ (void)r; (void)entries; (void)bgid; *err = -ENOSYS; return NULL; }
+int aur_buf_ring_free(struct aur *r, void *br, unsigned entries, int bgid)
+{ (void)r; (void)br; (void)entries; (void)bgid; return 0; }
+
+/* -- the kernel's side ------------------------------------------------------ */
+
+static unsigned elem_bytes(void)
+{
+    return 8 + (B.s.mode == AUR_DP_COPY ? 8 : 0) + (B.s.zoned ? 8 : 0);
+}
+
+/* The next command the data plane queued: the commit m of queue `local`,
+   decoded as the kernel would, checked, and put in flight under its slot. */
+static void took(unsigned local, const struct cm *m)
+{
+    struct sqe_seen *q;
+    struct ublk_batch_io *c;
+    unsigned eb = elem_bytes(), k, slot, nr = m->nr;
+    uint16_t flags = (B.s.mode == AUR_DP_COPY ? UBLK_BATCH_F_HAS_BUF_ADDR : 0) |
+        (B.s.zoned ? UBLK_BATCH_F_HAS_ZONE_LBA : 0) |
+        (B.s.mode == AUR_DP_AUTO_ZC && B.s.auto_zc_fallback ? UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK
+                                                             : 0);
+    const char *e;
+
+    FUZZ_CHECK(B.used < B.nseen, "no COMMIT_IO_CMDS queued for %u answers", nr);
+    q = &B.seen[B.used++];
+    c = &q->cmd;
+    e = (const char *)(uintptr_t)q->addr;
+    FUZZ_CHECK(q->op == B.s.op_commit_io_cmds, "a command %#x, not COMMIT_IO_CMDS", q->op);
+    FUZZ_CHECK(c->q_id == B.q_id[local], "q_id %u, not %u", c->q_id, B.q_id[local]);
+    FUZZ_CHECK(c->flags == flags, "flags %#x, not %#x", c->flags, flags);
+    FUZZ_CHECK(c->elem_bytes == eb, "elem_bytes %u, not %u", c->elem_bytes, eb);
+    FUZZ_CHECK(c->nr_elem == nr && nr <= B.s.depth, "nr_elem %u, not %u (depth %u)",
+               c->nr_elem, nr, B.s.depth);
+    FUZZ_CHECK(q->len == nr * eb, "%u bytes of elements for %u", q->len, nr);
+    FUZZ_CHECK(DP_KIND(q->ud) == DP_K_COMMIT && DP_LOCAL(q->ud) == local,
+               "user_data %#llx", (unsigned long long)q->ud);
+    slot = DP_TAG(q->ud);
+    FUZZ_CHECK(slot < B.s.depth, "slot %u", slot);
+    FUZZ_CHECK(m->slot < 0 || (unsigned)m->slot == slot, "resent from slot %u, not %d", slot,
+               m->slot);
+    FUZZ_CHECK(!B.fl[local][slot].nr, "slot %u in flight twice", slot);
+    for (k = 0; k < nr; k++, e += eb) {
+        struct ublk_elem_header h;
+        uint64_t v;
+
+        memcpy(&h, e, sizeof(h));
+        FUZZ_CHECK(h.tag == m->tag[k] && h.result == m->res[k], "element %u is (%u, %d), not "
+                   "(%u, %d)", k, h.tag, h.result, m->tag[k], m->res[k]);
+        FUZZ_CHECK(h.buf_index == (B.s.mode == AUR_DP_AUTO_ZC ? B.buf_index[local][h.tag] : 0),
+                   "element %u: buf_index %u", k, h.buf_index);
+        if (B.s.mode == AUR_DP_COPY) {
+            memcpy(&v, e + 8, 8);
+            FUZZ_CHECK(v == (uint64_t)(uintptr_t)(B.bufs[local] + (size_t)h.tag * MAXIO),
+                       "element %u: a buffer address not its tag's", k);
+        }
+        if (B.s.zoned) {
+            memcpy(&v, e + eb - 8, 8);
+            FUZZ_CHECK(v == m->lba[k], "element %u: zone LBA %llu, not %llu", k,
+                       (unsigned long long)v, (unsigned long long)m->lba[k]);
+        }
+    }
+    B.fl[local][slot] = *m;
+    B.fl[local][slot].slot = (int)slot;
+}
+
+static void answer(unsigned local, uint16_t tag, int32_t res)
+{
+    struct cm *p = &B.pend[local];
+
+    FUZZ_CHECK(p->nr < B.s.depth, "more answers than the depth");
+    p->tag[p->nr] = tag;
+    p->res[p->nr] = res;
+    p->lba[p->nr] = B.has_lba[local][tag] ? B.lba[local][tag] : 0;
+    p->nr++;
+    B.has_lba[local][tag] = 0;
+}
+
+static void op_answer(struct in *in)
+{
+    unsigned local = in_u8(in) % B.s.nr_queues;
+    uint16_t tag = in_u16(in) % B.s.depth;
+    uint8_t how = in_u8(in);
+    int32_t res = how & 1 ? -(int32_t)(in_u8(in) % 64) : (int32_t)(in_u16(in) % (MAXIO + 1));
+
+    if (!B.owned[local][tag])
+        return;  /* (only a request the kernel handed over is answered) */
+    if (B.s.zoned && how & 2) {
+        B.lba[local][tag] = in_u64(in);
+        B.has_lba[local][tag] = 1;
+        aur_dp_zone_lba(B.dp, local, tag, B.lba[local][tag]);
+    }
+    B.owned[local][tag] = 0;
+    FUZZ_CHECK(aur_dp_answer(B.dp, local, tag, res) == 0, "aur_dp_answer failed");
+    answer(local, tag, res);
+}
+
+/* aur_dp_flush: per queue, what the SQ refused before (in order), then what
+   was answered since; with the SQ full, all of it held. */
+static void op_flush(struct in *in)
+{
+    unsigned local, k, full = in_u8(in) % 4 == 0;
+    int ret;
+
+    B.sq_full = (int)full;
+    B.nseen = B.used = 0;
+    ret = aur_dp_flush(B.dp);
+    B.sq_full = 0;
+    FUZZ_CHECK(ret == 0, "aur_dp_flush: %d", ret);
+    for (local = 0; local < B.s.nr_queues; local++) {
+        if (full) {
+            if (B.pend[local].nr) {
+                B.held[local][B.nheld[local]++] = B.pend[local];
+                B.held[local][B.nheld[local] - 1].slot = -1;
+            }
+        } else {
+            for (k = 0; k < B.nheld[local]; k++)
+                took(local, &B.held[local][k]);
+            B.nheld[local] = 0;
+            B.pend[local].slot = -1;  /* (a new commit: any free slot) */
+            if (B.pend[local].nr)
+                took(local, &B.pend[local]);
+        }
+        B.pend[local].nr = 0;
+    }
+    FUZZ_CHECK(B.used == B.nseen, "%u commands queued, the model says %u", B.nseen, B.used);
+}
+
+/* The kernel's answer to a commit in flight. */
+static void op_complete(struct in *in)
+{
+    unsigned local = in_u8(in) % B.s.nr_queues, slot = in_u8(in) % B.s.depth;
+    uint8_t how = in_u8(in);
+    unsigned eb = elem_bytes(), nr, acc, k;
+    char recs[16 * 8];
+    struct dp_out o = { recs, 0 };
+    struct cm m = B.fl[local][slot], rest;
+    int32_t res;
+
+    if (!m.nr)
+        return;
+    nr = m.nr;
+    switch (how % 5) {
+    case 0: res = (int32_t)(nr * eb); break;                     /* all of it */
+    case 1: res = (int32_t)((in_u8(in) % nr) * eb); break;       /* up to a refused one */
+    case 2: res = -EBUSY; break;                                 /* the first refused */
+    case 3: res = -ENODEV; break;                                /* the device is gone */
+    default: res = -(int32_t)(1 + in_u8(in) % 64); break;
+    }
+    B.fl[local][slot].nr = 0;
+    B.sq_full = how & 8 ? 1 : 0;  /* a resend the SQ cannot take: held */
+    B.nseen = B.used = 0;
+    dp_commit_done(B.dp, &o, DP_UD(DP_K_COMMIT, local, slot, 0), res);
+    B.sq_full = 0;
+    acc = res == -ENODEV ? nr : res >= 0 ? (unsigned)res / eb : 0;
+    for (k = 0; k < acc && k < nr; k++)
+        B.owned[local][m.tag[k]] = 1;  /* the kernel hands the tag out again */
+    if (acc >= nr) {
+        FUZZ_CHECK(o.n == 0 && !B.nseen, "a commit taken whole: %u records, %u commands",
+                   o.n, B.nseen);
+        return;
+    }
+    {
+        uint16_t t = m.tag[acc];
+        int32_t r = m.res[acc], rr;
+        uint64_t ud;
+
+        FUZZ_CHECK(o.n == 1, "%u records for a refused element", o.n);
+        memcpy(&ud, recs, 8);
+        memcpy(&rr, recs + 8, 4);
+        FUZZ_CHECK(DP_KIND(ud) == AUR_DP_EV_COMMIT && DP_TAG(ud) == t &&
+                   DP_AUX(ud) == (r >= 0 ? 0u : 1u) && rr == (res < 0 ? res : 0),
+                   "the refused element's record");
+        if (r >= 0)
+            answer(local, t, -EIO);  /* its request fails, in the next commit */
+        else
+            B.owned[local][t] = 1;   /* (lost: the model lets the tag come again) */
+    }
+    if (acc + 1 >= nr) {
+        FUZZ_CHECK(!B.nseen, "a commit queued with nothing left");
+        return;
+    }
+    rest.nr = nr - acc - 1;
+    rest.slot = (int)slot;
+    for (k = 0; k < rest.nr; k++) {
+        rest.tag[k] = m.tag[acc + 1 + k];
+        rest.res[k] = m.res[acc + 1 + k];
+        rest.lba[k] = m.lba[acc + 1 + k];
+    }
+    if (how & 8) {
+        FUZZ_CHECK(!B.nseen, "a resend into a full SQ");
+        B.held[local][B.nheld[local]++] = rest;
+        return;
+    }
+    took(local, &rest);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    struct in in = { data, size };
+    uint8_t cfg = in_u8(&in);
+    unsigned steps = 0, local, tag;
+    int err;
+
+    memset(&B, 0, sizeof(B));
+    B.r.ring.cq.ring_entries = 4096;
+    B.s.char_fd = -1;
+    B.s.batch = 1;
+    B.s.mode = cfg & 1 ? AUR_DP_AUTO_ZC : AUR_DP_COPY;
+    B.s.auto_zc_fallback = cfg >> 1 & 1;
+    B.s.zoned = cfg >> 2 & 1;
+    B.s.nr_queues = 1 + (cfg >> 3 & 1);
+    B.s.depth = 1 + in_u8(&in) % MAXDEPTH;
+    B.s.max_io = MAXIO;
+    B.s.op_commit_io_cmds = 0xc0107526;  /* (any value: it is passed through) */
+    B.s.fetch_buf_bytes = 2 * B.s.depth;
+    B.s.fetch_buf_entries = 2;
+    B.dp = aur_dp_new(&B.r, &B.s, &err);
+    FUZZ_CHECK(B.dp, "aur_dp_new: %d", err);
+    for (local = 0; local < B.s.nr_queues; local++) {
+        B.q_id[local] = (uint16_t)(in_u8(&in) + local);
+        B.bufs[local] = malloc((size_t)B.s.depth * MAXIO);
+        aur_dp_queue(B.dp, local, B.q_id[local], NULL, B.bufs[local], &B.counts[local]);
+        for (tag = 0; tag < B.s.depth; tag++) {
+            B.owned[local][tag] = 1;  /* each tag fetched once */
+            B.buf_index[local][tag] = (uint16_t)(tag * 3 + local + 1);
+            aur_dp_buf_index(B.dp, local, (uint16_t)tag, B.buf_index[local][tag]);
+        }
+    }
+    while (in_more(&in) && steps++ < 3000) {
+        switch (in_u8(&in) % 4) {
+        case 0: case 1: op_answer(&in); break;
+        case 2: op_flush(&in); break;
+        case 3: op_complete(&in); break;
+        }
+    }
+    aur_dp_free(B.dp);
+    for (local = 0; local < B.s.nr_queues; local++)
+        free(B.bufs[local]);
+    return 0;
+}
