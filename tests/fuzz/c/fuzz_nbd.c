@@ -20,6 +20,10 @@
  * request goes on the wire once, with its own header and its own data;
  * unplugging answers everything; Python's commands each answered once.
  * Buffers are freed the moment they are answered, so ASan sees any later use.
+ *
+ * FUZZ_NBD_WHOLE=1 in the environment: the server answers only requests it
+ * has read whole, and never guesses a cookie (to look past the defects of
+ * replies that race their request's send).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -104,7 +108,8 @@ struct rec {
 struct tagst { int busy; unsigned serial; };
 
 /* what the server read: a request and the cookie it came with */
-struct sent { uint64_t cookie; unsigned serial; int answered; };
+struct sent { uint64_t cookie; unsigned serial; int answered, whole; };
+static int whole_only;
 
 static struct {
     const struct aur_dp_ext *ops;
@@ -309,7 +314,8 @@ static void server_read(uint8_t b)
                    "%#x, not its data %#x", S.data_serial, S.data_pos, b,
                    wpat(S.data_serial, S.data_pos));
         S.data_pos++;
-        S.data_left--;
+        if (!--S.data_left && S.nsent)
+            S.sent[S.nsent - 1].whole = 1;
         return;
     }
     S.hdr[S.have++] = b;
@@ -331,7 +337,8 @@ static void server_read(uint8_t b)
                r->py ? "Python's" : "the data plane's");
     r->on_wire = 1;
     if (S.nsent < MAXSENT)
-        S.sent[S.nsent++] = (struct sent){ be64(S.hdr + 8), serial, 0 };
+        S.sent[S.nsent++] = (struct sent){ be64(S.hdr + 8), serial, 0,
+                                           type != ANBD_WRITE || !len };
     if (type == ANBD_WRITE && len) {
         S.data_left = len;
         S.data_pos = 0;
@@ -348,17 +355,20 @@ static struct sent *pick(struct in *in, uint64_t *cookie)
 
     if (!S.nsent)
         return NULL;
-    if (how & 1) {  /* the which-th not answered yet */
+    if (how & 1 || whole_only) {  /* the which-th not answered yet */
         for (i = 0, k = 0; i < S.nsent; i++)
-            if (!S.sent[i].answered && k++ == which % S.nsent) {
+            if ((!S.sent[i].answered || !(how & 1)) && (S.sent[i].whole || !whole_only) &&
+                k++ == which % S.nsent) {
                 s = &S.sent[i];
                 break;
             }
     }
+    if (!s && whole_only)
+        return NULL;
     if (!s)
         s = &S.sent[which % S.nsent];
     *cookie = s->cookie;
-    if (how & 2) {  /* a guess: near a cookie seen */
+    if (how & 2 && !whole_only) {  /* a guess: near a cookie seen */
         *cookie += (uint64_t)(int64_t)(int8_t)in_u8(in);
         S.forged = 1;
     }
@@ -442,6 +452,9 @@ static void reply_raw(struct in *in)
 {
     uint8_t b[64];
     unsigned n = in_u8(in) % 65, i;
+
+    if (whole_only)
+        return;
 
     for (i = 0; i < n; i++) {
         b[i] = in_u8(in);
@@ -685,6 +698,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     (void)argc;
     (void)argv;
     unsetenv("AIOUBLK_NBD_LIBNBD");
+    whole_only = getenv("FUZZ_NBD_WHOLE") && *getenv("FUZZ_NBD_WHOLE") == '1';
     devnull[0] = open("/dev/null", O_RDWR);
     devnull[1] = open("/dev/null", O_RDWR);
     return devnull[0] < 0 || devnull[1] < 0;
