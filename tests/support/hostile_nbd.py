@@ -3,13 +3,14 @@
 It speaks the fixed newstyle handshake as libnbd asks for it (structured
 replies if ``structured``, then GO) and serves an export of ``size`` bytes
 kept in memory, shared by its connections. Every ``every``-th command of a
-connection is answered in the way ``mode`` names (the rest correctly):
+connection is answered in the way ``mode`` names (the rest correctly), at
+most ``limit`` times in all if given:
 
 - ``early``: before reading that command, a simple reply to the cookie a
   careless client would use next (the last cookie seen, plus one);
 - ``unknown``: a reply to a cookie no request ever had, before the real one;
 - ``overlap``: a read answered with two data chunks over the same bytes
-  (its first half twice, its second half never);
+  (its first half twice, its second half never; structured replies only);
 - ``duplicate``: the real reply, then the same reply again;
 - ``stale``: before a read's real reply, the previous read's reply again
   (its cookie, its data): a late duplicate for a finished request;
@@ -26,7 +27,8 @@ writes raw bytes to the newest connection, and ``requests`` records the
 (kind, cookie, offset, length) of each request read.
 
 Run it as a process (the guest's tests): ``python -m tests.support.hostile_nbd
---socket PATH --size BYTES --mode MODE --every N``.
+--socket PATH --size BYTES --mode MODE --every N [--limit K]``; on SIGTERM
+it prints ``misbehaved=N connections=M`` and exits.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ class HostileServer:
     """The server on a unix socket, its connections each on a thread."""
 
     def __init__(self, sock: Path, size: int, *, mode: str = "none", every: int = 0,
-                 structured: bool = True, stall: float = 1.0, seed: int = 0) -> None:
+                 limit: int = 0, structured: bool = True, stall: float = 1.0,
+                 seed: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
-        self.sock, self.size, self.mode, self.every = sock, size, mode, every
+        self.sock, self.size, self.mode, self.every, self.limit = sock, size, mode, every, limit
         self.structured, self.stall = structured, stall
         self.rng = random.Random(seed)
         self.data = bytearray(size)
@@ -164,7 +167,8 @@ class HostileServer:
             while True:
                 self.gate.wait()
                 n += 1
-                bad = self.every > 0 and n % self.every == 0 and self.mode != "none"
+                bad = (self.every > 0 and n % self.every == 0 and self.mode != "none"
+                       and not (self.limit and self.misbehaved >= self.limit))
                 if bad and self.mode == "early":
                     self.misbehaved += 1
                     self._send(conn, simple(last_cookie + 1))
@@ -185,18 +189,18 @@ class HostileServer:
                 if bad and self.mode == "unknown":
                     self.misbehaved += 1
                     self._send(conn, simple(cookie ^ 0x5A5A5A5A00000000))
-                if bad and self.mode == "overlap" and kind == CMD_READ and length >= 1024:
+                if bad and self.mode == "overlap" and kind == CMD_READ and self.structured:
                     self.misbehaved += 1
-                    half = length // 2
                     with self.lock:
-                        first = bytes(self.data[off:off + half])
-                    if self.structured:
-                        reply = (data_chunk(cookie, off, first, False)
-                                 + data_chunk(cookie, off, first, True))
+                        first = bytes(self.data[off:off + length // 2])
+                    reply = (data_chunk(cookie, off, first, False)
+                             + data_chunk(cookie, off, first, True))
                 if bad and self.mode == "stale" and kind == CMD_READ and last_read:
                     self.misbehaved += 1
                     self._send(conn, last_read)
-                self._send(conn, reply, split=self.mode == "split")
+                if bad and self.mode == "split":
+                    self.misbehaved += 1
+                self._send(conn, reply, split=bad and self.mode == "split")
                 if bad and self.mode == "duplicate":
                     self.misbehaved += 1
                     self._send(conn, reply)
@@ -228,13 +232,15 @@ def main() -> None:
     ap.add_argument("--size", required=True, type=int)
     ap.add_argument("--mode", default="none", choices=MODES)
     ap.add_argument("--every", default=0, type=int)
+    ap.add_argument("--limit", default=0, type=int, help="misbehave at most this often")
     ap.add_argument("--simple", action="store_true", help="no structured replies")
     ap.add_argument("--stall", default=1.0, type=float)
     ap.add_argument("--seed", default=0, type=int)
     a = ap.parse_args()
-    HostileServer(a.socket, a.size, mode=a.mode, every=a.every, structured=not a.simple,
-                  stall=a.stall, seed=a.seed)
+    server = HostileServer(a.socket, a.size, mode=a.mode, every=a.every, limit=a.limit,
+                           structured=not a.simple, stall=a.stall, seed=a.seed)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    print(f"misbehaved={server.misbehaved} connections={server.connections}", flush=True)
 
 
 if __name__ == "__main__":
