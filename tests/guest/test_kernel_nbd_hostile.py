@@ -24,22 +24,26 @@ pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 16 << 20
 #: mode, every how many commands, at most how often (a dropped connection
-#: costs a reconnection: a few each keep the run short)
+#: costs a reconnection: a few each keep the run short), its extra options
+#: (simple replies: a stale one names no offset that gives it away)
 MATRIX = [
-    ("early", 40, 3),
-    ("unknown", 40, 3),
-    ("overlap", 40, 3),
-    ("duplicate", 40, 3),
-    ("stale", 40, 3),
-    ("split", 1, 300),
-    ("stall", 100, 3),
+    ("early", 40, 3, ()),
+    ("unknown", 40, 3, ()),
+    ("overlap", 40, 3, ()),
+    ("duplicate", 40, 3, ()),
+    ("stale", 40, 3, ()),
+    ("stale", 40, 3, ("--simple",)),
+    ("split", 1, 300, ()),
+    ("stall", 100, 3, ()),
 ]
 
 
-def _start(sock: Path, mode: str, every: int, limit: int, out: Path) -> subprocess.Popen[str]:
+def _start(sock: Path, mode: str, every: int, limit: int, extra: tuple[str, ...],
+           out: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.support.hostile_nbd", "--socket", str(sock),
-         "--size", str(SIZE), "--mode", mode, "--every", str(every), "--limit", str(limit)],
+         "--size", str(SIZE), "--mode", mode, "--every", str(every), "--limit", str(limit),
+         *extra],
         cwd=ROOT, stdout=out.open("w"), stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while True:  # (its socket file exists before it listens)
@@ -54,12 +58,14 @@ def _start(sock: Path, mode: str, every: int, limit: int, out: Path) -> subproce
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize(("mode", "every", "limit"), MATRIX, ids=[m[0] for m in MATRIX])
+@pytest.mark.parametrize(("mode", "every", "limit", "extra"), MATRIX,
+                         ids=[m[0] + "".join(m[3]).replace("--", "-") for m in MATRIX])
 def test_fio_verify_over_a_hostile_server(tmp_path: Path, mode: str, every: int, limit: int,
+                                          extra: tuple[str, ...],
                                           record_property: Callable[[str, object], None]
                                           ) -> None:
     sock, out = tmp_path / "hostile.sock", tmp_path / "hostile.out"
-    server = _start(sock, mode, every, limit, out)
+    server = _start(sock, mode, every, limit, extra, out)
     try:
         dev = add("-t", "nbd", f"nbd+unix:///?socket={sock}", "-q", "1",
                   "--reconnect-timeout", "60")
