@@ -1918,8 +1918,12 @@ static void dp_own_wait(struct aur_dp *dp, int ms)
     }
     if (!h->armed) {
         if (aur_prep(dp->r, IORING_OP_POLL_ADD, h->epfd, 0, 0, 0, POLLIN, 0, 0,
-                     DP_UD(DP_K_LOOP, 0, 0, 0)) < 0)
-            return;  /* no SQE: the loop sleeps in epoll this time */
+                     DP_UD(DP_K_LOOP, 0, 0, 0)) < 0) {
+            /* no SQE: the loop sleeps in epoll this time, and the signal
+               read above must not be lost with it */
+            dp_wake_loop(dp);
+            return;
+        }
         h->armed = 1;
     }
     h->ready = 0;

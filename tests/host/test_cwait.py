@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
+from aioublk._uring import lib
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import EV_IO, Linear
+from aioublk.queue.dataplane import EV_IO, EV_TAG, Linear, encode
 from aioublk.ring import Ring
 from tests.host.test_crossloop import IDLE, WAIT, UvloopThread, asleep_in_io_uring, wait_until
 from tests.host.test_dp_hardening import Plane
@@ -145,6 +146,45 @@ def test_c_serves_while_it_owns_the_wait_and_python_gets_its_records(
     wait_until(lambda: bool(plane.events), "the commit's record to reach Python")
     assert plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)]
     assert plane.dp.counts[0].c_served == 1 and plane.dp.counts[0].py_handed == 0
+
+
+def test_a_completion_signalled_when_c_cannot_wait_still_wakes_the_loop(
+        worker: HookedWorker) -> None:
+    """C's wait takes the ring's eventfd signal first; when it then finds no
+    SQE for its poll on the loop's epoll (the SQ full, the kernel refusing
+    submissions), it must signal again what the CQ holds, or the loop sleeps
+    in epoll through a completion that already came. Here the ring's fd
+    briefly names /dev/null, so every io_uring_enter fails and the SQ stays
+    full; a record for Python completes in the loop turn's last callback."""
+    plane = worker.plane
+    assert plane is not None
+    ring = plane.ring
+    assert not ring.flags & lib.IORING_SETUP_SINGLE_ISSUER  # (it enters by its fd)
+    ring_fd = lib.aur_ring_fd(ring.raw)
+    saved, null = os.dup(ring_fd), os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    refused = threading.Event()
+
+    def complete_then_refuse() -> None:
+        # (C's prepare hook runs next: it submits what the SQ holds, so the
+        # NOP goes now, and the SQ is full before the hook)
+        assert lib.aur_prep(ring.raw, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0,
+                            encode(EV_TAG, 0, 3)) == 0
+        assert lib.aur_submit(ring.raw) == 1
+        os.dup2(null, ring_fd, inheritable=False)
+        while lib.aur_prep(ring.raw, lib.IORING_OP_NOP, -1, 0, 0, 0, 0, 0, 0, 0) == 0:
+            pass
+        refused.set()
+
+    try:
+        wait_until(worker.sleeping_in_c, "the worker to sleep in C")
+        worker.call(complete_then_refuse)
+        assert refused.wait(WAIT), f"the callback failed: {worker.loop_errors}"
+        wait_until(lambda: bool(plane.events), "the loop to take a completion already signalled")
+        assert plane.events == [(EV_TAG, 3, 0, 0)]
+    finally:
+        os.dup2(saved, ring_fd, inheritable=False)
+        os.close(saved)
+        os.close(null)
 
 
 def test_aioublk_own_wait_0_keeps_the_older_wait(monkeypatch: pytest.MonkeyPatch) -> None:
