@@ -15,7 +15,7 @@ import shlex
 import subprocess
 from typing import Any
 
-__all__ = ["available", "header_found", "source_args"]
+__all__ = ["available", "cffi_modules", "header_found", "source_args"]
 
 
 def _pkg_config(*args: str) -> str | None:
@@ -77,3 +77,14 @@ def available(package: str, header: str) -> bool:
     pkg-config flags (or the compiler's own paths when it has no ``.pc``)."""
     args = source_args(package, [])
     return header_found(header, args.get("include_dirs"))
+
+
+def cffi_modules() -> list[str]:
+    """The cffi builders (``path:ffibuilder``) to run here: the nbd and rbd
+    targets' only where their library is."""
+    modules = ["aioublk/_uring_build.py:ffibuilder", "aioublk/qcow2/_zstd_build.py:ffibuilder"]
+    if available("libnbd", "libnbd.h"):
+        modules.append("aioublk/targets/_nbd_build.py:ffibuilder")
+    if available("librbd", "rbd/librbd.h"):
+        modules.append("aioublk/targets/_rbd_build.py:ffibuilder")
+    return modules

@@ -10,11 +10,5 @@ from pathlib import Path
 
 from setuptools import setup
 
-available = runpy.run_path(str(Path(__file__).parent / "buildlibs.py"))["available"]
-modules = ["aioublk/_uring_build.py:ffibuilder", "aioublk/qcow2/_zstd_build.py:ffibuilder"]
-if available("libnbd", "libnbd.h"):
-    modules.append("aioublk/targets/_nbd_build.py:ffibuilder")
-if available("librbd", "rbd/librbd.h"):
-    modules.append("aioublk/targets/_rbd_build.py:ffibuilder")
-
-setup(cffi_modules=modules)
+cffi_modules = runpy.run_path(str(Path(__file__).parent / "buildlibs.py"))["cffi_modules"]
+setup(cffi_modules=cffi_modules())
