@@ -152,6 +152,9 @@ struct dp_commit {
 
 #define DP_COMMIT_KEEP 4096u
 
+/* the most tags a fetch buffer holds (fetch_buf_bytes / 2) */
+#define DP_FETCH_MAX 4096u
+
 struct dp_queue {
     uint16_t q_id;
     const struct ublksrv_io_desc *descs;
@@ -257,7 +260,8 @@ struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err)
     unsigned i, j;
 
     *err = -EINVAL;
-    if ((s->max_io >> 9) > AUR_DP_MAX_SECTORS)
+    if ((s->max_io >> 9) > AUR_DP_MAX_SECTORS ||
+        (s->batch && s->fetch_buf_bytes / 2 > DP_FETCH_MAX))
         return NULL;
     *err = -ENOMEM;
     dp = calloc(1, sizeof(*dp) + s->nr_queues * sizeof(struct dp_queue));
@@ -679,6 +683,11 @@ static void dp_put_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t
 static void dp_add_elem(struct aur_dp *dp, unsigned local, uint16_t tag, int32_t res)
 {
     struct dp_queue *q = &dp->q[local];
+
+    if (q->nr_elems == dp->s.depth) {  /* (a kernel that handed a tag out twice) */
+        q->counts->kernel_bad++;
+        return;
+    }
 
     dp_put_elem(dp, local, tag, res, q->tags[tag].zone_lba,
                 q->elems + (size_t)q->nr_elems * dp->elem_bytes);
@@ -1518,6 +1527,11 @@ static void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t
 
 static void dp_fetched(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
+    /* a tag no kernel may hand out: beyond the depth, or one C serves now */
+    if (tag >= dp->s.depth || dp->q[local].tags[tag].served) {
+        dp->q[local].counts->kernel_bad++;
+        return;
+    }
     if (!dp->stopping) {  /* (a stopping worker leaves it to the kernel) */
         dp->q[local].counts->started++;
         dp_clock_start(dp, local, tag);
@@ -1535,15 +1549,21 @@ static void dp_fetch_done(struct aur_dp *dp, struct dp_out *o, struct io_uring_c
     struct dp_queue *q = &dp->q[local];
 
     if (cqe->flags & IORING_CQE_F_BUFFER) {
-        unsigned bid = cqe->flags >> 16;
-        uint16_t tags[4096];
+        unsigned bid = cqe->flags >> 16, max = dp->s.fetch_buf_bytes / 2;
+        uint16_t tags[DP_FETCH_MAX];
 
         n = cqe->res > 0 ? (unsigned)cqe->res / 2 : 0;
-        if (n > 4096)
-            n = 4096;
-        memcpy(tags, q->tags_mem + (size_t)bid * dp->s.fetch_buf_bytes, n * 2);
-        dp_give_back(dp, q, bid, 0);
-        io_uring_buf_ring_advance(q->br, 1);
+        /* (what no kernel sends: a buffer not in the ring, more than it
+           holds) the rest, or nothing, is taken, the buffer given back */
+        if (bid >= dp->s.fetch_buf_entries || n > max) {
+            q->counts->kernel_bad++;
+            n = bid >= dp->s.fetch_buf_entries ? 0 : max;
+        }
+        if (bid < dp->s.fetch_buf_entries) {
+            memcpy(tags, q->tags_mem + (size_t)bid * dp->s.fetch_buf_bytes, n * 2);
+            dp_give_back(dp, q, bid, 0);
+            io_uring_buf_ring_advance(q->br, 1);
+        }
         for (i = 0; i < n; i++)
             dp_fetched(dp, o, local, tags[i]);
     }

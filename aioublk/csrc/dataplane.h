@@ -97,8 +97,11 @@ struct aur_dp_counts {
        ones handed to Python (EV_TAG, EV_IO, EV_RETRY); the data plane's own
        (on its first queue): wakes, aur_dp_reap's returns after C served or
        completed a request, poll_timeouts, its waits for more that timed out;
-       c_alloc, clusters C allocated for writes that completed */
-    uint64_t c_served, py_handed, wakes, poll_timeouts, c_alloc;
+       c_alloc, clusters C allocated for writes that completed; kernel_bad,
+       what a batch fetch's completion held that no kernel may send (a tag
+       beyond the depth or one C serves already, a buffer that is not one of
+       the queue's, more tags than it holds), dropped */
+    uint64_t c_served, py_handed, wakes, poll_timeouts, c_alloc, kernel_bad;
     uint64_t lat_ns[7];        /* AUR_LAT_OPS: the latencies' sum */
     uint64_t lat[7][24];       /* AUR_LAT_OPS x AUR_LAT_BUCKETS */
 };

@@ -7,7 +7,8 @@ that goes into it, so an unchanged target is built once.
   against a hostile server and any order of the ring's completions;
 - ``extents``: the extent table (``csrc/extents.c``) against a model;
 - ``batch``: the data plane's COMMIT_IO_CMDS encoding and its partial
-  commits (``csrc/dataplane.c``, included by the harness).
+  commits, and the multishot FETCH_IO_CMDS's completions over its
+  provided buffers (``csrc/dataplane.c``, included by the harness).
 """
 
 from __future__ import annotations

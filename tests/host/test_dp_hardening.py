@@ -87,21 +87,22 @@ class Plane:
                             encode(EV_IO, 0, tag)) == 0
         self.ring.submit_now()
 
-    def fetch_batch(self, tag: int, op: int, sectors: int, start: int = 0) -> None:
+    def fetch_batch(self, tag: int, op: int, sectors: int, start: int = 0,
+                    times: int = 1) -> None:
         """The kernel hands ``tag`` a request (batch path): a receive that
         selects one of the queue's fetch buffers, as a multishot fetch does,
-        takes the tag from a socket. Its CQE ends (no MORE), so it comes back
-        as an EV_FETCH record too."""
+        takes the tag (``times`` times in one completion) from a socket. Its
+        CQE ends (no MORE), so it comes back as an EV_FETCH record too."""
         import socket
 
         uapi.IO_DESC.pack_into(self.descs, tag * uapi.IO_DESC.size, op, sectors, start, 0)
         if self._fetcher is None:
             assert lib.aur_dp_provide(self.dp.c, 0) == 0
             self._fetcher = socket.socketpair()
-        assert lib.aur_prep(self.ring.raw, 27, self._fetcher[1].fileno(), 0, 2, 0, 0, 0,  # RECV
-                            lib.IOSQE_BUFFER_SELECT, encode(EV_FETCH, 0, 0)) == 0
+        assert lib.aur_prep(self.ring.raw, 27, self._fetcher[1].fileno(), 0, 2 * times,  # RECV
+                            0, 0, 0, lib.IOSQE_BUFFER_SELECT, encode(EV_FETCH, 0, 0)) == 0
         self.ring.submit_now()
-        self._fetcher[0].send(tag.to_bytes(2, "little"))
+        self._fetcher[0].send(tag.to_bytes(2, "little") * times)
 
     def buf(self, tag: int) -> memoryview:
         return memoryview(self.bufs)[tag * self.max_io:(tag + 1) * self.max_io]
@@ -463,6 +464,28 @@ def test_fetch_buffers_are_not_freed_while_the_kernel_may_select_them() -> None:
         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == repr(b"0123456789"), "the kernel wrote into freed buffers"
+
+
+# -- defect: a tag fetched again while C serves it -------------------------------
+
+@pytest.mark.asyncio
+async def test_a_tag_fetched_again_while_c_serves_it_is_dropped_and_counted(
+        backing: int) -> None:
+    """A fetch's tags are the kernel's bytes. One that C is serving already
+    (its backend read in flight) cannot be the kernel's to hand out: taken
+    again, C started the request twice over its own state, and the tag's
+    count of pieces wrapped, so the request never ended and the data plane
+    never went idle. It is dropped and counted; the request ends once."""
+    ring = Ring(16)
+    plane = Plane(ring, backing, depth=2, batch=1)
+    try:
+        plane.fetch_batch(1, uapi.Op.READ, 8, times=2)  # one completion: tag 1, twice
+        await plane.wait_for(lambda: (EV_COMMIT, 1, 0, -errno.EOPNOTSUPP) in plane.events)
+        await plane.wait_for(lambda: plane.dp.inflight == 0, timeout=1.0)
+        c = plane.dp.counts[0]
+        assert (c.started, c.c_served, c.py_handed, c.kernel_bad) == (1, 1, 0, 1)
+    finally:
+        plane.close()
 
 
 # -- an extent table's ZERO granules: zeros without backend I/O -------------------
