@@ -15,7 +15,6 @@ import shutil
 import signal
 import socket
 import struct
-import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from aioublk.targets.nbd import NbdTarget
 from tests.host import test_nbd_host
 from tests.host.test_dp_hardening import Plane
 from tests.host.test_nbd_host import SIZE, Server, pytestmark  # noqa: F401 - its skips
+from tests.support.hostile_nbd import HostileServer
 
 DEPTH, MAX_IO = 8, 128 << 10
 #: qemu-nbd serving this module's disk
@@ -408,76 +408,6 @@ async def test_pythons_own_commands_complete_on_the_plugged_handle(qemu_nbd: Ser
         assert rig.link.plugged
 
 
-class FakeServer:
-    """An NBD server of a few lines, on a thread: the fixed newstyle
-    handshake as libnbd asks for it (structured replies, then GO), an
-    export of SIZE bytes of zeroes; its first read is answered with ``bad``
-    (bytes, given the request's cookie), every other command correctly with
-    simple replies."""
-
-    def __init__(self, sock: Path, bad: Callable[[bytes], bytes]) -> None:
-        self.sock, self.bad = sock, bad
-        self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(str(sock))
-        self.listener.listen(4)
-        self.connections = 0
-        self.first = True
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def uri(self) -> str:
-        return f"nbd+unix:///?socket={self.sock}"
-
-    def _serve(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = self.listener.accept()
-                self.connections += 1
-                threading.Thread(target=self._session, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _read(conn: socket.socket, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            more = conn.recv(n - len(data))
-            if not more:
-                raise ConnectionError("client gone")
-            data += more
-        return data
-
-    def _session(self, conn: socket.socket) -> None:
-        rep = 0x3e889045565a9
-
-        def reply(opt: int, kind: int, data: bytes = b"") -> None:
-            conn.sendall(struct.pack(">QIII", rep, opt, kind, len(data)) + data)
-
-        with conn, contextlib.suppress(OSError, ConnectionError):
-            conn.sendall(b"NBDMAGIC" + b"IHAVEOPT" + struct.pack(">H", 3))
-            self._read(conn, 4)  # the client's flags
-            while True:
-                _, opt, length = struct.unpack(">QII", self._read(conn, 16))
-                self._read(conn, length)
-                if opt == 7:  # GO: the export, then transmission
-                    reply(opt, 3, struct.pack(">HQH", 0, SIZE, 1))  # INFO_EXPORT, HAS_FLAGS
-                    reply(opt, 1)
-                    break
-                reply(opt, 1 if opt == 8 else 0x80000001)  # ACK structured replies only
-            while True:
-                _, _, kind, cookie, _, n = struct.unpack(">IHHQQI", self._read(conn, 28))
-                if kind == 2:  # DISC
-                    return
-                if kind == 1:
-                    self._read(conn, n)
-                if kind == 0 and self.first:
-                    self.first = False
-                    conn.sendall(self.bad(struct.pack(">Q", cookie)))
-                    continue
-                conn.sendall(struct.pack(">IIQ", 0x67446698, 0, cookie)
-                             + (bytes(n) if kind == 0 else b""))
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 #: replies that break the protocol, given the request's cookie; what C says of each
 BAD_REPLIES: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "bad magic": (lambda c: struct.pack(">II", 0x12345678, 0) + c, "a reply with a bad magic"),
@@ -501,7 +431,7 @@ async def test_a_reply_that_breaks_the_protocol_drops_the_connection(
     the connection is dropped and made again, and the next read, on the new
     connection, is C's. The log line of the loss says what was wrong."""
     reply, why = BAD_REPLIES[bad]
-    server = FakeServer(tmp_path / "fake.sock", reply)
+    server = HostileServer(tmp_path / "fake.sock", SIZE, first_read=reply)
     try:
         async with rig_of(server.uri(), reconnect_timeout=20) as rig:
             p, lib = rig.plane, rig.t.lib

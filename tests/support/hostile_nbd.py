@@ -20,6 +20,9 @@ most ``limit`` times in all if given:
 - ``stall``: the server stops reading for ``stall`` seconds first (a large
   send from the client stays in flight); correct otherwise.
 
+``first_read`` answers the first read of all with what it returns for the
+cookie's bytes on the wire instead (a reply a test makes by hand).
+
 A client may drop the connection over any of these; it must never take
 wrong data for a read's answer, crash or hang. Tests also drive it by hand:
 ``hold()`` / ``release()`` stop and resume reading requests, ``inject()``
@@ -41,6 +44,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MODES = ("none", "early", "unknown", "overlap", "duplicate", "stale", "split", "stall")
@@ -70,11 +74,11 @@ class HostileServer:
 
     def __init__(self, sock: Path, size: int, *, mode: str = "none", every: int = 0,
                  limit: int = 0, structured: bool = True, stall: float = 1.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, first_read: Callable[[bytes], bytes] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
         self.sock, self.size, self.mode, self.every, self.limit = sock, size, mode, every, limit
-        self.structured, self.stall = structured, stall
+        self.structured, self.stall, self.first_read = structured, stall, first_read
         self.rng = random.Random(seed)
         self.data = bytearray(size)
         self.lock = threading.Lock()  # the export's bytes
@@ -186,6 +190,8 @@ class HostileServer:
                 if kind == CMD_DISC:
                     return
                 reply = self._answer(kind, cookie, off, length, payload)
+                if kind == CMD_READ and self.first_read is not None:
+                    reply, self.first_read = self.first_read(header[8:16]), None
                 if bad and self.mode == "unknown":
                     self.misbehaved += 1
                     self._send(conn, simple(cookie ^ 0x5A5A5A5A00000000))
