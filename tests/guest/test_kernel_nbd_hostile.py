@@ -22,7 +22,7 @@ from tests.support.kernel import add, delete, fio, wait_gone
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 
 ROOT = Path(__file__).resolve().parents[2]
-SIZE = 16 << 20
+SIZE = 8 << 20
 #: mode, every how many commands, at most how often (a dropped connection
 #: costs a reconnection: a few each keep the run short), its extra options
 #: (simple replies: a stale one names no offset that gives it away)
