@@ -21,7 +21,7 @@ Facts this relies on (checked on a Debian 12 build machine):
   time into `$CACHE/kublk/`.
 
 `python -m tools.kublk` prints the binary's path (building it first
-if needed). Run it in the guest, e.g.
+if needed, and the selftests' `metadata_size` helper beside it). Run it in the guest, e.g.
 `python -m aioublk.testing.guest run -- $(python -m tools.kublk) features`.
 """
 
@@ -122,6 +122,23 @@ def ensure_kublk(rebuild: bool = False) -> Path:
     return out
 
 
+def ensure_metadata_size() -> Path:
+    """The selftests' `metadata_size` helper (integrity scripts run it beside kublk),
+    built from the same folder and headers as kublk."""
+    kublk = ensure_kublk()
+    home = kublk.parent
+    out = home / "metadata_size"
+    if out.is_file() and out.stat().st_mtime >= kublk.stat().st_mtime:
+        return out
+    with locked("kublk"):
+        include = home / "sysroot" / "usr" / "include"
+        tmp = out.with_suffix(".tmp")
+        run(["gcc", "-O2", "-Wall", "-I", include, "-I", include / MULTIARCH, "-o", tmp,
+             home / "src" / "metadata_size.c"])
+        tmp.replace(out)
+    return out
+
+
 def main(args: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.kublk", description=__doc__.split("\n")[0]
@@ -130,6 +147,7 @@ def main(args: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(args)
     try:
         print(ensure_kublk(rebuild=ns.rebuild))
+        ensure_metadata_size()
     except SetupError as e:
         print(f"aioublk: {e}", file=sys.stderr)
         return 2
