@@ -15,7 +15,8 @@ SUITES = {
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] not in SUITES:
-        print("usage: python -m bench.suites {" + "|".join(SUITES) + "} [OPTIONS]\n", file=sys.stderr)
+        usage = "usage: python -m bench.suites {" + "|".join(SUITES) + "} [OPTIONS]\n"
+        print(usage, file=sys.stderr)
         for name, what in SUITES.items():
             print(f"  {name:10} {what}", file=sys.stderr)
         return 0 if args[:1] in (["-h"], ["--help"]) else 2

@@ -21,48 +21,35 @@ The scripts come from Debian sid's linux-source, which ``scripts/setup``
 fetches into the cache (``python -m tools.kublk``, which also builds the
 kublk the benchmarks compare against); they run from a copy whose
 ``kublk`` (``UBLK_PROG``) is a shim that runs this installation's
-``aioublk`` with the same arguments."""
+``aioublk`` with the same arguments, made and run as
+``python -m bench.suites selftests`` runs every script beside kublk
+(``bench/suites/selftests.py``). Here run those that take well under a
+minute each (its ``QUICK``)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from aioublk.testing.sid import cache_dir
+from bench.suites.selftests import QUICK, UNPASSABLE, clean_up, prepare, run_script
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("no_devices_left")]
 
-#: the scripts run, each passing with aioublk as its server
-SCRIPTS = ["test_null_01.sh"]
+
+@pytest.fixture(scope="module")
+def selftests(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare(tmp_path_factory.mktemp("selftests") / "ublk", "aioublk")
 
 
-@pytest.fixture
-def selftests(tmp_path: Path) -> Path:
-    src = cache_dir() / "kublk" / "src"
-    if not (src / "test_common.sh").is_file():
-        pytest.fail(f"no ublk selftests in {src}: run scripts/setup (python -m tools.kublk "
-                    "fetches them from Debian sid's linux-source)")
-    dst = tmp_path / "ublk"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.c", "*.h", "*.o"))
-    aioublk = Path(sys.executable).with_name("aioublk")
-    shim = dst / "kublk"
-    shim.write_text(f'#!/bin/sh\nexec {aioublk} "$@"\n')
-    shim.chmod(0o755)
-    return dst
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_kernel_selftest_passes_with_aioublk(selftests: Path, script: str,
-                                               tmp_path: Path) -> None:
-    p = subprocess.run(["bash", str(selftests / script)], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path, stdin=subprocess.DEVNULL)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out
-    assert f"{script.removesuffix('.sh').removeprefix('test_')} : [PASS]" in out, out
+@pytest.mark.parametrize("script", QUICK)
+def test_a_kernel_selftest_passes_with_aioublk(selftests: Path, script: str) -> None:
+    assert script not in UNPASSABLE, UNPASSABLE[script]
+    try:
+        rec = run_script(selftests, script, timeout=300)
+    finally:
+        clean_up()
+    assert rec["result"] == "pass", "\n".join(rec["tail"])
 
 
 def test_the_guests_root_is_cached() -> None:
