@@ -53,7 +53,7 @@ SIZES = {"ext4": 128 * MiB, "xfs": 320 * MiB}
 MKFS = {"ext4": ["mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0"],
         "xfs": ["mkfs.xfs", "-q", "-f", "-K"]}
 FSCK = {"ext4": ["e2fsck", "-fn"], "xfs": ["xfs_repair", "-n"]}
-POINTS, QUICK_POINTS = 25, 8
+POINTS, QUICK_POINTS = 20, 8
 FILES, QUICK_FILES = 30, 8
 STRESS_SECONDS = 15
 DM_NAME = "powercut"
