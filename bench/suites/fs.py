@@ -192,7 +192,8 @@ def backing(kind: str, folder: str) -> tuple[Backing | None, str | None]:
     if kind == "overlay":
         base = os.path.join(folder, "base.qcow2")
         err = (qemu_img("create", "-q", "-f", "qcow2", base, size)
-               or qemu_img("io", "-f", "qcow2", "-c", f"write -P 0x5a 0 {BASE_DATA}", base)
+               or run(["qemu-io", "-f", "qcow2", "-c", f"write -P 0x5a 0 {BASE_DATA}", base],
+                      timeout=300)[1]
                or qemu_img("create", "-q", "-f", "qcow2", "-b", base, "-F", "qcow2", img, size))
         return Backing(["-t", "qcow2", img], [img, base]), err
     if kind == "nbd":
@@ -419,7 +420,7 @@ def device_run(server: str, cmd: list[str], kind: str, fs: str, loads: Sequence[
             rec["error"] = rec["error"] or gone_err
         if b is not None:
             b.close()
-            rec["check"] = check_images(b.qcow2)
+            rec["check"] = check_images(b.qcow2) if srv.dev_id else None  # (served ones)
         shutil.rmtree(folder, ignore_errors=True)
     return rec
 

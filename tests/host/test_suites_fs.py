@@ -76,3 +76,15 @@ def test_report_from_a_run(tmp_path: Path) -> None:
     text = (tmp_path / "out" / "fs.md").read_text()
     assert "| loop | xfs | aioublk | 0/1 | 1 | clean | — (raw) |" in text, text
     assert "- aioublk loop xfs stress-ng hdd: `exit 2: verify failed`" in text, text
+
+
+@pytest.mark.skipif(not shutil.which("qemu-io"), reason="needs qemu-img and qemu-io")
+def test_the_overlay_base_holds_data_before_the_overlay_is_made(tmp_path: Path) -> None:
+    b, err = fs.backing("overlay", str(tmp_path))
+    assert err is None and b is not None, err
+    assert b.args == ["-t", "qcow2", str(tmp_path / "disk.qcow2")]
+    assert fs.check_images(b.qcow2) == "clean"
+    mapped = subprocess.run(["qemu-img", "map", "--output=json", b.qcow2[0]],
+                            capture_output=True, text=True, check=True).stdout
+    data = [m for m in json.loads(mapped) if m["data"]]
+    assert data and data[0]["start"] == 0 and data[0]["length"] == fs.BASE_DATA, mapped
