@@ -520,6 +520,17 @@ def fetch_source(package: str = SOURCE_PACKAGE) -> Path:
     return dest
 
 
+def merge(data: Data, other: Data) -> None:
+    """`other`'s device kinds replace `data`'s rows of them (a kind run again), in
+    DEVICES order; the command names both runs."""
+    kinds = {c["device"] for c in other["checks"]}
+    for key in ("runs", "checks"):
+        rows = [r for r in data[key] if r["device"] not in kinds] + other[key]
+        data[key] = sorted(rows, key=lambda r: DEVICES.index(r["device"]))
+    data["command"] = f"{data.get('command')}` then `{other.get('command')}"
+    data["complete"] = data["complete"] and other["complete"]
+
+
 # -- the command -------------------------------------------------------------------------
 
 
@@ -536,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="file systems, comma-separated (default ext4,xfs)")
     ap.add_argument("--no-build", action="store_true",
                     help="leave out the build of liburing (no download from Debian)")
+    ap.add_argument("--merge", metavar="JSON", help="with --report: the device kinds "
+                    "this other run covered replace the first run's rows")
     ns = ap.parse_args(argv)
     quick = bool(ns.quick)
     devices = list(QUICK_DEVICES) if quick else ns.devices.split(",")
@@ -547,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     seconds = ns.seconds or (QUICK_SECONDS if quick else SECONDS)
     if ns.report:
         saved = load(ns.report)
+        if ns.merge:
+            merge(saved, load(ns.merge))
         shown = saved.get("command") or ".venv/bin/python -m bench.suites fs"
         return publish("fs", saved, fs_report.report(saved, shown), fs_report.plot, out=ns.out)
     if ns.inner:

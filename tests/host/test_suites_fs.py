@@ -88,3 +88,17 @@ def test_the_overlay_base_holds_data_before_the_overlay_is_made(tmp_path: Path) 
                             capture_output=True, text=True, check=True).stdout
     data = [m for m in json.loads(mapped) if m["data"]]
     assert data and data[0]["start"] == 0 and data[0]["length"] == fs.BASE_DATA, mapped
+
+
+def test_merge_replaces_the_kinds_run_again() -> None:
+    def rows(device: str, result: str) -> list[dict[str, object]]:
+        return [{"device": device, "fs": "ext4", "server": "aioublk", "result": result}]
+
+    data = {"runs": rows("stripe", "pass") + rows("overlay", "fail"),
+            "checks": rows("stripe", "pass") + rows("overlay", "fail"),
+            "command": "first", "complete": True}
+    fs.merge(data, {"runs": rows("overlay", "pass"), "checks": rows("overlay", "pass"),
+                    "command": "second", "complete": True})
+    assert [(r["device"], r["result"]) for r in data["runs"]] == [
+        ("overlay", "pass"), ("stripe", "pass")]
+    assert data["command"] == "first` then `second"
