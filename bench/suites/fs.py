@@ -581,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     data["command"] = " ".join([".venv/bin/python", "-m", "bench.suites", "fs", *options,
                                 *(["--no-build"] if ns.no_build else [])])
-    ok = data["complete"] and all(r["result"] == "pass" for r in data["runs"])
+    ok = data["complete"] and all(r["result"] == "pass" for r in data["runs"]) and all(
+        c["error"] is None and c["fsck"] == "clean" for c in data["checks"])
     return publish("fs", data, fs_report.report(data, data["command"]), fs_report.plot, code,
                    ns.out, ok=ok)
 
