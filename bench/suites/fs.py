@@ -362,7 +362,9 @@ def check_images(images: Sequence[str]) -> str | None:
             return f"corrupt: {os.path.basename(img)}: qemu-img check timed out"
         last = " | ".join((p.stdout + p.stderr).strip().splitlines()[-3:])
         if p.returncode == 3:
-            said.append(f"leaks: {os.path.basename(img)}: {last}")
+            count = re.search(r"^\d+ leaked clusters? (?:was|were) found.*$", p.stdout,
+                              re.MULTILINE)
+            said.append(f"leaks: {os.path.basename(img)}: {count.group(0) if count else last}")
         elif p.returncode != 0:
             return f"corrupt: {os.path.basename(img)}: exit {p.returncode}: {last}"
     return "; ".join(said) or "clean"
