@@ -6,7 +6,7 @@ Devices, each added with user recovery (``-r 1 -i 1``, held requests reissued):
 ``loop`` on a raw file, ``qcow2`` (``qemu-img create``), ``overlay`` (a qcow2
 image over a qcow2 base holding data already), ``stripe`` over two files, and
 ``nbd`` (``-t nbd`` on ``qemu-nbd`` serving a qcow2 image over a unix socket);
-kublk's ``loop`` is the reference. On each, ``mkfs.ext4`` and ``mkfs.xfs``,
+kublk's ``loop`` and ``stripe`` are the reference. On each, ``mkfs.ext4`` and ``mkfs.xfs``,
 mounted, then: stress-ng's file and I/O stressors with ``--verify`` (hdd with
 random writes and reads, iomix, aio, io-uring, fallocate, sync-file), fs_mark,
 dbench, fio writing with crc32c verification and reading it all back once more,
@@ -42,7 +42,7 @@ from typing import Any
 from bench.common import Data, load, parser, publish, run, run_guest
 
 DEVICES = ("loop", "qcow2", "overlay", "stripe", "nbd")
-KUBLK_DEVICES = ("loop",)  # kublk's own targets the suite runs as the reference
+KUBLK_DEVICES = ("loop", "stripe")  # kublk's own targets the suite runs as the reference
 FILESYSTEMS = ("ext4", "xfs")
 SIZE = 512 << 20  # XFS wants 300 MiB at least
 BASE_DATA = 64 << 20  # written into the overlay's base before the overlay is made
