@@ -56,8 +56,13 @@ UNPASSABLE: dict[str, str] = {
                             "skips with either server",
 }
 
-#: scripts that take well under a minute in the emulated guest: the test command's
-QUICK = ("test_null_01.sh",)
+#: the test command's: scripts that take well under a minute in the emulated guest,
+#: one or two of each kind (the null, loop and partition targets, the copy modes,
+#: batch I/O, recovery's teardown, zero copy's fallback)
+QUICK = ("test_null_01.sh", "test_null_02.sh", "test_null_03.sh", "test_loop_02.sh",
+         "test_loop_04.sh", "test_loop_07.sh", "test_generic_03.sh", "test_generic_09.sh",
+         "test_generic_13.sh", "test_generic_17.sh", "test_batch_02.sh", "test_part_01.sh",
+         "test_part_02.sh")
 
 
 def selftest_dir() -> Path:
