@@ -35,7 +35,7 @@ NAME = "selftests"
 SERVERS = ("aioublk", "kublk")
 SKIP, SCRIPT_TIMEOUT = 4, 600
 CPUS, MEMORY = 4, "6G"
-WHERE = f"One guest run: QEMU TCG software emulation (no KVM), {CPUS} vCPUs, {MEMORY}iB RAM"
+WHERE = f"One guest run: QEMU TCG software emulation (no KVM), {CPUS} vCPUs, {MEMORY[:-1]} GiB RAM"
 
 #: the scripts aioublk cannot pass, and why: each is run all the same, and
 #: its reason shown beside its outcome
@@ -237,7 +237,7 @@ def plot(data: Data, path: Path) -> None:
     ax.set_yticks(range(len(servers)), servers)
     ax.set_xlabel("selftest scripts")
     ax.set_title(f"ublk selftests ({data['kernel']})", fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 

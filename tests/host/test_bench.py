@@ -13,8 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py")
-                 if p.stem not in ("__init__", "common"))
+#: each bench's results name and module: bench/NAME.py, and the suites of bench/suites
+SUITES = importlib.import_module("bench.suites.__main__").SUITES
+MODULES = {p.stem: f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py")
+           if p.stem not in ("__init__", "common")} | {s: f"bench.suites.{s}" for s in SUITES}
+BENCHES = sorted(MODULES)
 
 
 def test_every_bench_has_results() -> None:
@@ -24,7 +27,7 @@ def test_every_bench_has_results() -> None:
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_report_renders_from_the_committed_json(name: str, tmp_path: Path) -> None:
-    bench = importlib.import_module(f"bench.{name}")
+    bench = importlib.import_module(MODULES[name])
     assert bench.main(["--report", str(RESULTS / f"{name}.json"), "--out", str(tmp_path)]) == 0
     assert (tmp_path / f"{name}.md").read_text() == (RESULTS / f"{name}.md").read_text()
     assert json.loads((tmp_path / f"{name}.json").read_text()) == \
@@ -39,7 +42,7 @@ def test_report_renders_from_the_committed_json(name: str, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    bench = importlib.import_module(f"bench.{name}")
+    bench = importlib.import_module(MODULES[name])
     with pytest.raises(SystemExit) as e:
         bench.main(["--help"])
     assert e.value.code == 0
