@@ -131,6 +131,7 @@ def run_script(folder: Path, script: str, timeout: float = SCRIPT_TIMEOUT) -> di
             out, _ = p.communicate()
             code, out = -1, out + f"\ntimed out after {timeout:.0f} s"
     seconds = time.monotonic() - start
+    shutil.rmtree(tmp, ignore_errors=True)  # what a failed script left: the next one's space
     result = "pass" if code == 0 else "skip" if code == SKIP else "fail"
     lines = [ln for ln in out.splitlines() if ln.strip() and "selftest:" not in ln]
     return {"test": script.removesuffix(".sh").removeprefix("test_"), "script": script,

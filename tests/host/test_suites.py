@@ -60,3 +60,9 @@ def test_side_by_side_keeps_the_order_and_counts_per_server() -> None:
     rows = side_by_side(recs, ["aioublk", "kublk"])
     assert [t for t, _ in rows] == ["a", "b", "c"] and "aioublk" not in rows[2][1]
     assert counts(recs, "aioublk") == {"pass": 1, "fail": 1, "skip": 0}
+
+
+def test_what_a_script_leaves_in_its_tmpdir_is_gone_before_the_next(copy: Path) -> None:
+    (copy / "test_x_03.sh").write_text('truncate -s 1M "$TMPDIR/left_behind"\nexit 1\n')
+    assert run_script(copy, "test_x_03.sh", timeout=30)["result"] == "fail"
+    assert not (copy / "tmp").exists() or not list((copy / "tmp").iterdir())
