@@ -47,8 +47,8 @@ UNPASSABLE: dict[str, str] = {
                           "0.17, which fails to attach and the script skips (either server)",
     "test_generic_06.sh": "times three `list` calls and a 1 s sleep against a 5 s limit: "
                           "each `aioublk list` is a Python start, about 1 s under TCG "
-                          "emulation and 2 s on a busy host (kublk's: 10 ms), so it passes or "
-                          "fails with the host's speed",
+                          "emulation and 2 s on a busy host, where kublk's C starts in a "
+                          "fraction of that, so it passes or fails with the host's speed",
     "test_generic_08.sh": "the same: a stripe device over a live loop device's file",
     "test_generic_12.sh": "its bpftrace script does not parse with Debian 12's bpftrace "
                           "0.17 (either server fails)",
