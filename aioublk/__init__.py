@@ -10,16 +10,16 @@ from aioublk._version import __version__ as __version__
 #: where each exported name lives; imported on first use (see aioublk._lazy)
 _WHERE = {
     "ConfigError": "aioublk.frontend.config",
-    "Extents": "aioublk.queue.dataplane",
-    "Linear": "aioublk.queue.dataplane",
-    "Map": "aioublk.queue.dataplane",
-    "Null": "aioublk.queue.dataplane",
-    "Striped": "aioublk.queue.dataplane",
+    "Extents": "aioublk.dataplane.maps",
+    "Linear": "aioublk.dataplane.maps",
+    "Map": "aioublk.dataplane.maps",
+    "Null": "aioublk.dataplane.maps",
+    "Striped": "aioublk.dataplane.maps",
     "Control": "aioublk.kernel.control",
     "Device": "aioublk.device",
     "Error": "aioublk.errors",
-    "ExtentConflict": "aioublk.queue.extents",
-    "ExtentTable": "aioublk.queue.extents",
+    "ExtentConflict": "aioublk.dataplane.extents",
+    "ExtentTable": "aioublk.dataplane.extents",
     "InUse": "aioublk.io.locking",
     "LockFailed": "aioublk.io.locking",
     "LogFileError": "aioublk.logs",
@@ -63,6 +63,13 @@ __getattr__, __dir__ = exports(__name__, _WHERE)
 # every command, ``--version`` included; mypy reads any TYPE_CHECKING as true)
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from aioublk.dataplane.extents import ExtentConflict as ExtentConflict
+    from aioublk.dataplane.extents import ExtentTable as ExtentTable
+    from aioublk.dataplane.maps import Extents as Extents
+    from aioublk.dataplane.maps import Linear as Linear
+    from aioublk.dataplane.maps import Map as Map
+    from aioublk.dataplane.maps import Null as Null
+    from aioublk.dataplane.maps import Striped as Striped
     from aioublk.device import Device as Device
     from aioublk.errors import Error as Error
     from aioublk.errors import UblkError as UblkError
@@ -76,13 +83,6 @@ if TYPE_CHECKING:
     from aioublk.logs import LogFileError as LogFileError
     from aioublk.qcow2.format import Qcow2Error as Qcow2Error
     from aioublk.qcow2.image import Qcow2Image as Qcow2Image
-    from aioublk.queue.dataplane import Extents as Extents
-    from aioublk.queue.dataplane import Linear as Linear
-    from aioublk.queue.dataplane import Map as Map
-    from aioublk.queue.dataplane import Null as Null
-    from aioublk.queue.dataplane import Striped as Striped
-    from aioublk.queue.extents import ExtentConflict as ExtentConflict
-    from aioublk.queue.extents import ExtentTable as ExtentTable
     from aioublk.queue.options import CopyMode as CopyMode
     from aioublk.queue.options import DeviceConfig as DeviceConfig
     from aioublk.queue.options import DeviceOptions as DeviceOptions

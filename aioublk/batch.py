@@ -44,8 +44,8 @@ import errno
 from functools import partial
 
 from aioublk._uring import ffi, lib
+from aioublk.dataplane.plane import EV_COMMIT, EV_FETCH, EV_TAG
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import EV_COMMIT, EV_FETCH, EV_TAG
 from aioublk.queue.driver import Driver, IoPath, Serving
 from aioublk.queue.lifecycle import BATCH, Action, Event
 from aioublk.ring import Ring, buffer_address

@@ -193,7 +193,7 @@ class Ring:
             self.loop.call_soon(self._flush)
 
     def c_submits(self) -> None:
-        """The data plane owns the loop's wait (``queue.cwait``): what a loop
+        """The data plane owns the loop's wait (``dataplane.cwait``): what a loop
         turn queued goes with C's next wait, in the same ``io_uring_enter``,
         which runs as the turn ends; only the flush hooks run here."""
         self._c_submits = True

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aioublk import logs
+from aioublk.dataplane.maps import Map
 from aioublk.errors import Error
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import Map
 
 
 class GeometryError(Error, ValueError):
@@ -358,7 +358,7 @@ class Target:
 
     def map(self) -> Map | None:
         """Where the device's data lives, for the C data plane (see
-        ``aioublk.queue.dataplane``): READ and non-FUA WRITE requests the map
+        ``aioublk.dataplane.plane``): READ and non-FUA WRITE requests the map
         resolves are served in C without reaching ``read``/``write``. Called
         on each queue's loop before its first request; None (the default):
         every request comes to the coroutines."""

@@ -17,7 +17,7 @@ and, for reference, B's job alone on the mapped half (**C qd1**): what a
 request costs when Python never sees it, the floor under B's latency.
 
 Settings: B **alone**, B **with A** and **C qd1**, each under C's own wait (C sleeps in
-io_uring_enter for the worker's uvloop loop, ``aioublk.queue.cwait``) and
+io_uring_enter for the worker's uvloop loop, ``aioublk.dataplane.cwait``) and
 under the **older** wait (C polls for a slice inside each reap; the server
 runs with ``AIOUBLK_OWN_WAIT=0``). The two waits are two ``aioublk serve``
 processes, both started once (a start takes half a minute or more under TCG) and measured in

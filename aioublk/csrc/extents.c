@@ -21,7 +21,7 @@
  * Why entries outlive their removal: the rule the data plane relies on is
  * that a mapping a request resolved stays valid until the request completes.
  * Python removes an extent first and waits until aur_ext_busy says no
- * request holds it (aioublk.queue.extents.ExtentTable.unmap), then changes the
+ * request holds it (aioublk.dataplane.extents.ExtentTable.unmap), then changes the
  * cluster. A removed entry that requests still hold leaves the index at once
  * (no new request can find it) but keeps its slot on a "removed but busy"
  * list, where aur_ext_busy still counts it, until its last release frees

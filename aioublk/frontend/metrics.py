@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aioublk._uring import lib
+from aioublk.dataplane import plane as dataplane
 from aioublk.device import Device
 from aioublk.errors import Error
-from aioublk.queue import dataplane
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry

@@ -14,9 +14,9 @@ from collections import OrderedDict
 from typing import Any, NoReturn
 
 from aioublk import logs
+from aioublk.dataplane.extents import MAP, ExtentTable
 from aioublk.io.hostfile import HostFile, aligned
 from aioublk.qcow2 import format as fmt
-from aioublk.queue.extents import MAP, ExtentTable
 
 log = logs.get_logger("aioublk.qcow2")
 
@@ -65,7 +65,7 @@ def ext_entry(e: int, sub: int) -> tuple[int, int]:
 class L2Table:
     """A cached L2 table: the L1 index it maps (``l1i``) and, per entry, what
     the data plane has of it (``pub``: 0 nothing, else the kind it was
-    published as, ``aioublk.queue.extents.MAP`` or ``ZERO``; see
+    published as, ``aioublk.dataplane.extents.MAP`` or ``ZERO``; see
     ``aioublk.qcow2.l2cache``). With extended L2, ``entries`` are engine
     entries (``engine_entry``) and ``subs`` the subcluster words as loaded."""
 

@@ -44,7 +44,7 @@ Data writes go only to clusters outside the image's metadata (checked as
 QEMU's overlap checks do); a write that would land on metadata marks the
 image corrupt and fails with EIO instead.
 
-The data plane (``extent_table``; ``aioublk.queue.dataplane``, ``aioublk.queue.extents``):
+The data plane (``extent_table``; ``aioublk.dataplane.plane``, ``aioublk.dataplane.extents``):
 the image owns an extent table, one granule per cluster, from which C serves
 reads and in-place writes without entering Python, and reads of zeros
 without any I/O.

@@ -16,12 +16,12 @@ import asyncio
 from array import array
 from typing import Any
 
+from aioublk.dataplane.extents import ALLOC, ExtentConflict, ExtentTable
 from aioublk.io.hostfile import aligned
 from aioublk.qcow2.base import PARTIAL, L2Table, _eio, log
 from aioublk.qcow2.flush import WriteBack
 from aioublk.qcow2.format import COPIED, OFFSET_MASK
 from aioublk.qcow2.writeback import KIND_NAMES, L2
-from aioublk.queue.extents import ALLOC, ExtentConflict, ExtentTable
 
 
 class L2Cache(WriteBack):

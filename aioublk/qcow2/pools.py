@@ -5,7 +5,7 @@ A guest's first write to a cluster is an allocation, and in Python that is
 a task, a dozen coroutine frames and a Python SQE per request. So an
 unallocated cluster of a cached, private L2 table (no backing data under
 it, the image writable, no metadata write-through) is published as ALLOC
-(``aioublk.queue.extents``): the data plane serves a write to it by taking a
+(``aioublk.dataplane.extents``): the data plane serves a write to it by taking a
 cluster from its queue's pool, writing the data there, and recording
 ``(guest cluster, host cluster)``. Python still decides everything else:
 which clusters enter a pool, when, and where each record goes.
@@ -38,10 +38,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from aioublk.dataplane.extents import ALLOC, MAP
 from aioublk.qcow2.base import log
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK
 from aioublk.qcow2.refcounts import Refcounts
-from aioublk.queue.extents import ALLOC, MAP
 
 #: what one queue's pool may hold: the most a crash can leak per queue
 POOL_BYTES = 8 << 20

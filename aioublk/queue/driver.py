@@ -23,9 +23,9 @@ from typing import Any, Protocol, cast
 
 from aioublk import logs
 from aioublk._uring import ffi, lib
+from aioublk.dataplane import plane as dataplane
+from aioublk.dataplane.plane import EV_EXT, EV_IDLE, EV_LOST, EV_RETRY, DataPlane, decode
 from aioublk.kernel import uapi
-from aioublk.queue import dataplane
-from aioublk.queue.dataplane import EV_EXT, EV_IDLE, EV_LOST, EV_RETRY, DataPlane, decode
 from aioublk.queue.lifecycle import Action, Event, Lifecycle, State, Table
 from aioublk.queue.options import CopyMode, DeviceConfig
 from aioublk.ring import Ring, keep

@@ -18,7 +18,7 @@ import structlog
 
 from aioublk._uring import lib
 from aioublk.batch import BatchDriver
-from aioublk.queue.crossloop import LoopHandle
+from aioublk.dataplane.crossloop import LoopHandle
 from aioublk.queue.driver import Driver, IoPath, WorkerSpec, log
 from aioublk.queue.options import DeviceConfig
 from aioublk.queue.perio import PerIoDriver

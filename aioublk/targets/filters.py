@@ -54,10 +54,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+from aioublk.dataplane import crossloop
+from aioublk.dataplane.extents import ExtentTable
+from aioublk.dataplane.maps import Extents, Linear, Map, Null
 from aioublk.kernel import uapi
-from aioublk.queue import crossloop
-from aioublk.queue.dataplane import Extents, Linear, Map, Null
-from aioublk.queue.extents import ExtentTable
 from aioublk.ring import Ring
 from aioublk.target import Buffer, Geometry, QueueContext, Target
 

@@ -14,9 +14,9 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from aioublk.dataplane.maps import Linear, Map
 from aioublk.io.hostfile import Backing, BackingError, file_bytes, fit_geometry
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import Linear, Map
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, Geometry, Target, rw_handler
 

@@ -79,8 +79,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aioublk import logs
+from aioublk.dataplane.maps import External
 from aioublk.errors import Error
-from aioublk.queue.dataplane import External
 from aioublk.ring import Ring, current_ring
 from aioublk.target import Done, Geometry, QueueContext, Target, current_queue
 

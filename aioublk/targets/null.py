@@ -7,7 +7,7 @@ read's metadata is all 0xFF, which the block layer does not verify.
 
 from __future__ import annotations
 
-from aioublk.queue.dataplane import Map, Null
+from aioublk.dataplane.maps import Map, Null
 from aioublk.target import Buffer, Done, Geometry, Target
 
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aioublk._uring import lib
+from aioublk.dataplane.maps import Passthrough
 from aioublk.errors import Error
-from aioublk.queue.dataplane import Passthrough
 from aioublk.ring import Handler, buffer_address, current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target
 

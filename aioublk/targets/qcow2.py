@@ -28,11 +28,11 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from aioublk import logs
+from aioublk.dataplane import crossloop
+from aioublk.dataplane.maps import Extents, Map
 from aioublk.kernel import uapi
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2.format import HEADER_BYTES, Qcow2Error, virtual_size
-from aioublk.queue import crossloop
-from aioublk.queue.dataplane import Extents, Map
 from aioublk.ring import current_ring
 from aioublk.target import Done, Geometry, QueueContext, Target
 

@@ -12,8 +12,8 @@ from collections.abc import Awaitable
 from functools import partial
 from typing import Any
 
+from aioublk.dataplane.maps import Map, Striped
 from aioublk.io.hostfile import Backing, BackingError, file_bytes, fit_geometry
-from aioublk.queue.dataplane import Map, Striped
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, gather_all, rw_handler
 

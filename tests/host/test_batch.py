@@ -233,7 +233,7 @@ def _driver(ring: Any, path: _Path, batch: bool = True, char_fd: int = -1,
 
 def _deliver(driver: Any, tags: list[int]) -> None:
     """Fetched requests the data plane leaves to Python (no map)."""
-    from aioublk.queue.dataplane import EV_TAG
+    from aioublk.dataplane.plane import EV_TAG
 
     for tag in tags:
         driver.event(EV_TAG, 0, tag, 0, 0, 0)
@@ -300,7 +300,7 @@ async def test_per_io_requests_arriving_after_the_worker_began_stopping_are_not_
     """The same on the per-I/O path (a detach after a failed QUIESCE_DEV):
     a request the kernel hands a re-armed tag once the worker is stopping
     is left to the kernel."""
-    from aioublk.queue.dataplane import EV_IO
+    from aioublk.dataplane.plane import EV_IO
     from aioublk.ring import Ring
 
     ring = Ring(16)
@@ -339,8 +339,8 @@ async def test_a_request_that_outlives_the_drain_is_not_acknowledged(
     write-back (qcow2 metadata) runs next. A request that finishes after it
     must not be acknowledged, its data may not be in that write-back: it is
     left to the kernel (failed or reissued when /dev/ublkcN closes)."""
+    from aioublk.dataplane.plane import EV_IO
     from aioublk.queue import driver as driver_mod
-    from aioublk.queue.dataplane import EV_IO
     from aioublk.ring import Ring
 
     monkeypatch.setattr(driver_mod, "DRAIN_SECONDS", 0.01)

@@ -1,4 +1,4 @@
-"""Calls into a worker's loop from other threads (``aioublk.queue.crossloop``).
+"""Calls into a worker's loop from other threads (``aioublk.dataplane.crossloop``).
 
 The first tests wake a loop whose thread waits inside the C data plane: a
 real ring and data plane (test_dp_hardening's ``Plane``) serving a read from
@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from aioublk.dataplane.crossloop import LoopHandle, call_on, run_in_thread
+from aioublk.dataplane.maps import Linear
+from aioublk.dataplane.plane import EV_IO
 from aioublk.kernel import uapi
-from aioublk.queue.crossloop import LoopHandle, call_on, run_in_thread
-from aioublk.queue.dataplane import EV_IO, Linear
 from aioublk.ring import Ring
 from tests.host.test_dp_hardening import Plane
 

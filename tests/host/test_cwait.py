@@ -1,4 +1,4 @@
-"""C owns the worker's wait (``aioublk.queue.cwait``, csrc/dataplane.c).
+"""C owns the worker's wait (``aioublk.dataplane.cwait``, csrc/dataplane.c).
 
 A worker's shape on its own thread: a uvloop loop, a ring and a data plane
 whose wait the loop's prepare hook hands to C. Its setup asks C to idle a
@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from aioublk._uring import lib
+from aioublk.dataplane.maps import Linear
+from aioublk.dataplane.plane import EV_IO, EV_TAG, encode
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import EV_IO, EV_TAG, Linear, encode
 from aioublk.ring import Ring
 from tests.host.test_crossloop import IDLE, WAIT, UvloopThread, asleep_in_io_uring, wait_until
 from tests.host.test_dp_hardening import Plane

@@ -19,22 +19,11 @@ from typing import Any
 import pytest
 
 from aioublk._uring import ffi, lib
+from aioublk.dataplane.extents import ExtentTable
+from aioublk.dataplane.maps import Extents, Linear, Map, Striped
+from aioublk.dataplane.plane import EV_COMMIT, EV_FETCH, EV_IO, EV_RETRY, DataPlane, decode, encode
 from aioublk.errors import UblkError
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import (
-    EV_COMMIT,
-    EV_FETCH,
-    EV_IO,
-    EV_RETRY,
-    DataPlane,
-    Extents,
-    Linear,
-    Map,
-    Striped,
-    decode,
-    encode,
-)
-from aioublk.queue.extents import ExtentTable
 from aioublk.queue.options import DeviceConfig
 from aioublk.ring import Ring
 from tests.host.test_ring import registered_files
@@ -215,9 +204,10 @@ async def test_a_hit_counts_as_c_served_a_miss_and_a_retry_as_handed_to_python(
     read comes up short (its host offset past the file's end) goes to Python
     as a retry. Only the hit and the retry, which C started, wake Python
     for C's sake."""
-    from aioublk.queue.dataplane import EV_RETRY, Extents
+    from aioublk.dataplane.extents import ExtentTable
+    from aioublk.dataplane.maps import Extents
+    from aioublk.dataplane.plane import EV_RETRY
     from aioublk.queue.driver import QueueStats
-    from aioublk.queue.extents import ExtentTable
     from aioublk.ring import Ring
 
     table = ExtentTable(4096, max_entries=16)
@@ -624,8 +614,8 @@ async def test_an_allocating_write_lands_in_the_pools_cluster_recorded_before_it
     two pieces), a record of each is in the table before the commit reaches
     anyone, c_alloc counts them, and the granules are data now (a read is
     C's, from there). With -u the data comes in from /dev/ublkcN first."""
+    from aioublk.dataplane.extents import Record
     from aioublk.queue.driver import QueueStats
-    from aioublk.queue.extents import Record
     from aioublk.ring import Ring
 
     table, slot = _alloc_table(backing, [40 * G4, 42 * G4, 44 * G4])

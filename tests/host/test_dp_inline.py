@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 from aioublk._uring import lib
+from aioublk.dataplane.maps import Linear
+from aioublk.dataplane.plane import EV_COMMIT, EV_FETCH, EV_IO, EV_RETRY
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import EV_COMMIT, EV_FETCH, EV_IO, EV_RETRY, Linear
 from aioublk.ring import Ring
 from tests.host.test_dp_hardening import Plane
 

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from aioublk.qcow2.format import COMPRESSED, COPIED, ZERO
-from aioublk.queue.extents import (
+from aioublk.dataplane.extents import (
     DONE,
     FAILED,
     MAP,
@@ -24,7 +23,8 @@ from aioublk.queue.extents import (
     Piece,
     Record,
 )
-from aioublk.queue.extents import ZERO as ZERO_KIND  # (ZERO: the L2 entry's flag)
+from aioublk.dataplane.extents import ZERO as ZERO_KIND  # (ZERO: the L2 entry's flag)
+from aioublk.qcow2.format import COMPRESSED, COPIED, ZERO
 
 G = 64 * 1024        # granule of most tests (a default qcow2 cluster)
 MB = 1 << 20

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from aioublk.dataplane.maps import Linear, Null, Striped
 from aioublk.errors import UblkError
 from aioublk.frontend import cli, config
 from aioublk.frontend.kublk_lines import target_line
-from aioublk.queue.dataplane import Linear, Null, Striped
 from aioublk.target import Geometry, Target
 from aioublk.targets.filters import (
     CacheFilter,
@@ -244,7 +244,7 @@ def test_protect_refuses_writes_to_its_ranges_only() -> None:
 
 
 def test_protect_over_loop_keeps_c_with_read_only_granules() -> None:
-    from aioublk.queue.dataplane import Extents
+    from aioublk.dataplane.maps import Extents
     inner = Memory(8 * MiB, the_map=Linear(9, 1 << 20))
     top = stacked(["protect:ranges=1M-2M+6M-6656K"], inner)
     got = top.map()

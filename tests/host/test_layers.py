@@ -25,27 +25,28 @@ ROOT_MODULES = {"aioublk", "aioublk.__main__", "aioublk._lazy", "aioublk._uring"
 
 #: the folders, lowest first: a module in one may import from an earlier
 #: folder (or the root), never from a later one
-FOLDERS = ["aioublk.testing", "aioublk.kernel", "aioublk.io", "aioublk.queue", "aioublk.qcow2",
-           "aioublk.targets", "aioublk.frontend"]
+FOLDERS = ["aioublk.testing", "aioublk.kernel", "aioublk.dataplane", "aioublk.io",
+           "aioublk.queue", "aioublk.qcow2", "aioublk.targets", "aioublk.frontend"]
 
 #: each module (or subpackage, with everything in it) in its layer; a module
 #: may import only from earlier layers (and its own subpackage)
 LAYERS: list[list[str]] = [
     ["aioublk._uring", "aioublk._uring_build"],
     ["aioublk.errors", "aioublk._version", "aioublk._lazy",
-     "aioublk.queue", "aioublk.frontend"],  # (docstrings only)
+     "aioublk.dataplane", "aioublk.queue", "aioublk.frontend"],  # (docstrings only)
     ["aioublk.logs"],  # (its LogFileError is an aioublk.Error)
     ["aioublk.testing"],
     ["aioublk.kernel", "aioublk.kernel.uapi"],
     # below every queue module: its owner hands it the data plane (Ring.attach)
     ["aioublk.ring"],
     # how threads call into a worker's loop (and wake it in C): under the qcow2 engine
-    ["aioublk.queue.crossloop"],
+    ["aioublk.dataplane.crossloop"],
     ["aioublk.io"],
-    ["aioublk.queue.extents"],
+    ["aioublk.dataplane.extents"],
     # how C finds the worker's uvloop loop to own its wait: the data plane's
-    ["aioublk.queue.cwait"],
-    ["aioublk.queue.dataplane"],
+    ["aioublk.dataplane.cwait"],
+    ["aioublk.dataplane.maps"],
+    ["aioublk.dataplane.plane"],
     ["aioublk.kernel.control"],
     ["aioublk.target"],
     # the one host-file module: the ring's I/O on a target's buffers

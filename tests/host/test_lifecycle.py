@@ -129,7 +129,7 @@ class _Worker:
 
 @pytest.mark.asyncio
 async def test_per_io_abort_of_an_idle_worker_ends_it_and_its_siblings() -> None:
-    from aioublk.queue.dataplane import EV_IO
+    from aioublk.dataplane.plane import EV_IO
     from aioublk.ring import Ring
 
     ring = Ring(16)
@@ -152,8 +152,8 @@ async def test_per_io_abort_of_an_idle_worker_ends_it_and_its_siblings() -> None
 @pytest.mark.asyncio
 async def test_batch_abort_ends_the_worker_after_the_grace_period(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioublk.dataplane.plane import EV_FETCH
     from aioublk.queue import driver as driver_mod
-    from aioublk.queue.dataplane import EV_FETCH
     from aioublk.ring import Ring
 
     monkeypatch.setattr(driver_mod, "GRACE_SECONDS", 0.01)

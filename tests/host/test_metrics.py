@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from aioublk._uring import lib
+from aioublk.dataplane import plane as dataplane
 from aioublk.device import Device
 from aioublk.frontend import config, metrics
 from aioublk.kernel import uapi
-from aioublk.queue import dataplane
 from tests.host.test_batch import _driver, _Path
 
 NULL = {"devices": [{"target": "null"}]}

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 
 from aioublk._uring import lib as ulib
+from aioublk.dataplane.maps import External
+from aioublk.dataplane.plane import EV_EXT, EV_IO, EV_RETRY, decode
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import EV_EXT, EV_IO, EV_RETRY, External, decode
 from aioublk.ring import Ring
 from aioublk.target import QueueContext, setup_queue, teardown_queue
 from aioublk.targets.nbd import NbdTarget

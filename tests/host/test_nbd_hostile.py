@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from aioublk._uring import lib as ulib
+from aioublk.dataplane.plane import EV_IO, EV_RETRY
 from aioublk.kernel import uapi
-from aioublk.queue.dataplane import EV_IO, EV_RETRY
 from tests.host.test_nbd_dataplane import DEPTH, MAX_IO, NbdPlane, Rig, _io_done, rig_of
 from tests.host.test_nbd_host import SIZE, pytestmark  # noqa: F401 - its skips
 from tests.support.hostile_nbd import HostileServer, simple

@@ -12,8 +12,9 @@ import pytest
 
 from aioublk import Error, FixedBuf
 from aioublk._uring import lib
+from aioublk.dataplane.maps import Passthrough
+from aioublk.dataplane.plane import DataPlane
 from aioublk.frontend import cli, registry
-from aioublk.queue.dataplane import DataPlane, Passthrough
 from aioublk.ring import Ring, buffer_address
 from aioublk.targets import nvme
 from aioublk.targets.nvme import CMD, NvmeError, NvmeTarget

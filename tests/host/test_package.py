@@ -42,12 +42,12 @@ def test_py_typed_is_in_the_package_and_its_package_data() -> None:
 def _raise_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         tuple[type[BaseException], Callable[[], object]]]:
     """(class, a call into aioublk that raises it) for each of the library's errors."""
+    from aioublk.dataplane.extents import ExtentConflict, ExtentTable
     from aioublk.errors import UblkError
     from aioublk.frontend import config, stats
     from aioublk.io import locking
     from aioublk.io.hostfile import Backing, BackingError
     from aioublk.qcow2.format import Qcow2Error, parse_header
-    from aioublk.queue.extents import ExtentConflict, ExtentTable
     from aioublk.queue.options import DeviceConfig
 
     yield UblkError, lambda: DeviceConfig(queues=0).validate()
@@ -102,9 +102,9 @@ def test_except_aioublk_error_catches_what_the_library_raises(
 def test_error_subclasses_keep_their_other_bases() -> None:
     """An ``except OSError`` (or ValueError) written before aioublk.Error
     existed still catches them."""
+    from aioublk.dataplane.extents import ExtentConflict
     from aioublk.frontend.stats import RunDirError
     from aioublk.io.locking import LockFailed
-    from aioublk.queue.extents import ExtentConflict
 
     assert issubclass(LockFailed, OSError) and issubclass(RunDirError, OSError)
     assert issubclass(ExtentConflict, ValueError)
@@ -216,7 +216,7 @@ def test_sdist_builds_a_wheel_that_imports_and_runs(tmp_path: Path) -> None:
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
     # run from elsewhere, so `import aioublk` cannot find this checkout
     probe = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import aioublk, aioublk.queue.dataplane, aioublk.ring; "
+                            "import aioublk, aioublk.dataplane.plane, aioublk.ring; "
                             "print(aioublk.__file__)"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert probe.returncode == 0, probe.stderr[-2000:]

@@ -109,9 +109,9 @@ async def test_reads_and_writes_judged_by_qemu_img(base: str, cluster_size: int,
 async def test_c_never_serves_a_cluster_whose_subclusters_differ(tmp_path: Path) -> None:
     """The extent table gets whole clusters only: a partly allocated one is
     left to Python (which reads the backing file where it shows)."""
+    from aioublk.dataplane.extents import MAP
     from aioublk.qcow2 import Qcow2Image
     from aioublk.qcow2.format import OFFSET_MASK
-    from aioublk.queue.extents import MAP
 
     image = chain(tmp_path, "raw", 64 * K)
     qemu_io(image, "write -P 1 4k 4k", "write -P 2 64k 64k")

@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
+from aioublk.dataplane.extents import DONE, FAILED, UNUSED, ZERO_FD, ExtentTable
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2.format import COPIED, OFFSET_MASK, ZERO
-from aioublk.queue.extents import DONE, FAILED, UNUSED, ZERO_FD, ExtentTable
 from aioublk.ring import Ring
 from tests.host.test_qcow2_writes import (
     Op,
@@ -586,9 +586,9 @@ async def test_write_through_keeps_allocation_in_python(tmp_path: Path, ring: Ri
     """User recovery's metadata write-through needs each allocation in the
     file before its request completes, which C cannot do: such a device gets
     no pool, and nothing is published as ALLOC."""
+    from aioublk.dataplane.extents import ALLOC
+    from aioublk.dataplane.maps import Extents
     from aioublk.kernel import uapi
-    from aioublk.queue.dataplane import Extents
-    from aioublk.queue.extents import ALLOC
     from aioublk.targets.qcow2 import Qcow2Target
 
     t = Qcow2Target(str(create(tmp_path / "a.qcow2", 8 * M, cluster_size=CS)))
@@ -669,8 +669,8 @@ async def test_run_op_reads_through_the_stand_in(tmp_path: Path, ring: Ring) -> 
 async def test_target_map(tmp_path: Path, ring: Ring) -> None:
     """``Qcow2Target.map`` is the image's table; user recovery makes what it
     publishes read-only; a corrupt image has no map."""
+    from aioublk.dataplane.maps import Extents
     from aioublk.kernel import uapi
-    from aioublk.queue.dataplane import Extents
     from aioublk.targets.qcow2 import Qcow2Target
 
     t = Qcow2Target(str(mixed(tmp_path / "a.qcow2")))

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from aioublk.dataplane.maps import Extents, Null
 from aioublk.frontend import config
-from aioublk.queue.dataplane import Extents, Null
 from aioublk.ring import Ring
 from aioublk.target import QueueContext, Target, setup_queue, teardown_queue
 from aioublk.targets.qcow2 import Qcow2Target

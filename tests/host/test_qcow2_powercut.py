@@ -43,11 +43,11 @@ from typing import Any, TypeVar
 
 import pytest
 
+from aioublk.dataplane.extents import DONE, FAILED, UNUSED, ZERO_FD, Handle
 from aioublk.io.hostfile import HostFile
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2 import writeback as wbplan
 from aioublk.qcow2.pools import Pools
-from aioublk.queue.extents import DONE, FAILED, UNUSED, ZERO_FD, Handle
 from aioublk.ring import Ring
 from tests.support.qcow2_util import SECTOR, K, M, create, qemu_img, qemu_io, to_raw
 

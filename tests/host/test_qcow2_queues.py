@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from aioublk.queue import crossloop
-from aioublk.queue.dataplane import Extents
+from aioublk.dataplane import crossloop
+from aioublk.dataplane.maps import Extents
 from aioublk.ring import Ring
 from aioublk.target import QueueContext, setup_queue, teardown_queue
 from aioublk.targets.qcow2 import Qcow2Target

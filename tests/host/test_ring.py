@@ -228,7 +228,7 @@ async def test_the_ring_keeps_its_data_plane_alive_until_it_closes() -> None:
     import gc
     import weakref
 
-    from aioublk.queue.dataplane import DataPlane
+    from aioublk.dataplane.plane import DataPlane
 
     ring = Ring(8)
     dp = DataPlane(ring, {"char_fd": -1, "nr_queues": 1, "depth": 1, "max_io": 4096}, 1,

@@ -23,7 +23,7 @@ from typing import Any
 from aioublk import logs
 from aioublk._uring import ffi, lib
 
-log = logs.get_logger("aioublk.queue.cwait")
+log = logs.get_logger("aioublk.dataplane.cwait")
 
 #: where uvloop's Loop keeps its ``uv_loop_t *``: after the object header and
 #: the Cython vtable pointer (uvloop/loop.pxd: ``uvloop`` is its first field)

@@ -32,7 +32,7 @@ from aioublk.ring import Ring
 
 __all__ = ["FdWatch", "LoopHandle", "call_on", "current", "run_in_thread", "waiter"]
 
-log = logs.get_logger("aioublk.queue.crossloop")
+log = logs.get_logger("aioublk.dataplane.crossloop")
 
 T = TypeVar("T")
 
