@@ -2,7 +2,7 @@
 command line. ``--version`` answers before the command line's modules load,
 so a script asking it pays for the interpreter alone; ``list``, ``del``,
 ``features``, ``udev`` and ``commit`` (polled by scripts, run by udev for
-every node) load only theirs (``frontend.ctl``)."""
+every node: light verbs) load only theirs (``frontend.ctl``)."""
 
 import sys
 
@@ -15,7 +15,7 @@ def entry() -> int:
         return 0
     from aioublk.frontend import ctl
 
-    if sys.argv[1:2] and sys.argv[1] in ctl.COMMANDS:
+    if ctl.light(sys.argv[1:]) is not None:
         return ctl.main(sys.argv[1:])
     from aioublk.frontend.cli import main
 

@@ -1,7 +1,7 @@
 """mkdocs hooks: the references generated from the code, and the benchmark results.
 
 The CLI and config references are written at build time from the objects the
-program itself uses (``aioublk.frontend.cli._parser()``, ``aioublk.frontend.config``), so they
+program itself uses (``aioublk.frontend.verb.parser()``, ``aioublk.frontend.config``), so they
 cannot drift from it: a page holds a marker (``<!-- cli-reference -->``,
 ``<!-- config-reference -->``) that ``on_page_markdown`` replaces. The
 targets' options come from ``aioublk.frontend.registry.TARGETS`` (type, default,
@@ -25,7 +25,7 @@ from typing import Any
 from mkdocs.structure.files import File, Files
 
 import aioublk
-from aioublk.frontend import cli, config, registry
+from aioublk.frontend import config, registry, verb
 from aioublk.kernel import uapi
 from aioublk.queue import options
 
@@ -57,7 +57,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
 
 def cli_reference() -> str:
     """Every subcommand of the parser, each option with its help, default and metavar."""
-    parser = cli._parser()
+    parser = verb.parser()
     out = [_options_table(parser)]
     for name, sub, help_ in _subcommands(parser):
         out.append(f"## `{name}`\n\n{_text(help_ or sub.description or '')}\n\n"

@@ -170,7 +170,7 @@ class DeviceOption:
 
 _F = uapi.Feature
 
-#: every device option, once: the command line's flags (``cli``), a config's
+#: every device option, once: the command line's flags (``frontend.addargs``), a config's
 #: ``[[devices]]`` keys (``config``), the checks (``DeviceConfig.validate``)
 #: and both references (``docs/hooks.py``) are made from it. Order: ``--help``'s.
 DEVICE_OPTIONS: tuple[DeviceOption, ...] = (

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend import cli
+from aioublk.frontend import addargs, cli, ctl, daemon, maketarget, verb
 from aioublk.kernel import uapi
 
 
@@ -28,7 +28,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 def test_every_option_of_every_subcommand_has_help() -> None:
     """So that no option can be added without saying what it does."""
-    parser = cli._parser()
+    parser = verb.parser()
     subs = _subparsers(parser)
     assert {"add", "recover", "del", "stop", "quiesce", "update_size", "list", "features",
             "serve"} <= set(subs)
@@ -54,7 +54,7 @@ def test_every_option_of_every_subcommand_has_help() -> None:
     (["update_size", "-n", "0", "-s", "1T"], "size", 1 << 40),
 ])
 def test_sizes_take_suffixes(args: list[str], dest: str, size: int) -> None:
-    assert getattr(cli._parser().parse_args(args), dest) == size
+    assert getattr(verb.parser().parse_args(args), dest) == size
 
 
 @pytest.mark.parametrize("args,option", [
@@ -77,7 +77,7 @@ def test_bad_size_is_one_line_naming_the_option(args: list[str], option: str,
 #: says whether per-request logs are on (no kernel: run_device is replaced)
 _LOGGING_SERVER = """
 import sys
-from aioublk.frontend import cli
+from aioublk.frontend import cli, daemon
 from aioublk import logs
 async def run_device(target, cfg, on_live=None, recover=False):
     log = logs.get_logger("aioublk.device")
@@ -86,7 +86,7 @@ async def run_device(target, cfg, on_live=None, recover=False):
     log.error("error line")
     print("per_request", logs.per_request())
     return 0
-cli.run_device = run_device
+daemon.run_device = run_device
 sys.exit(cli.main(["add", "-t", "null", "--foreground", "--log-format", "json", *sys.argv[1:]]))
 """
 
@@ -140,7 +140,7 @@ def test_contradictory_log_options_are_refused(args: list[str], message: str,
 #: syslog address may be pointed at the test's socket
 _FAILING_SERVER = """
 import os, sys
-from aioublk.frontend import cli
+from aioublk.frontend import cli, daemon
 from aioublk import logs
 logs.SYSLOG_ADDRESS = os.environ.get("TEST_SYSLOG", logs.SYSLOG_ADDRESS)
 async def run_device(target, cfg, on_live=None, recover=False):
@@ -150,7 +150,7 @@ async def run_device(target, cfg, on_live=None, recover=False):
     log.error("error line")
     os.write(2, b"raw stderr line\\n")
     raise RuntimeError("boom")
-cli.run_device = run_device
+daemon.run_device = run_device
 sys.exit(cli.main(["add", "-t", "null", *sys.argv[1:]]))
 """
 
@@ -270,9 +270,9 @@ sys.exit(serve.main(sys.argv[1]))
 def test_kublk_spellings_parse(args: list[str], expect: dict[str, object]) -> None:
     """kublk's long and short spellings, for add and for recover alike
     (recover parses only what is given)."""
-    added = vars(cli._parser().parse_args(["add", *args]))
+    added = vars(verb.parser().parse_args(["add", *args]))
     assert {k: added[k] for k in expect} == expect
-    recovered = vars(cli._parser().parse_args(["recover", "-n", "0", *args]))
+    recovered = vars(verb.parser().parse_args(["recover", "-n", "0", *args]))
     assert {k: recovered[k] for k in expect if k in recovered} == \
         {k: v for k, v in expect.items() if k in recovered}
 
@@ -280,7 +280,7 @@ def test_kublk_spellings_parse(args: list[str], expect: dict[str, object]) -> No
 def test_get_data_asks_for_need_get_data_on_the_per_io_path() -> None:
     from aioublk.kernel import uapi
 
-    cfg = cli.device_config(cli._parser().parse_args(["add", "-t", "null", "-g"]))
+    cfg = addargs.config_from_flags(verb.parser().parse_args(["add", "-t", "null", "-g"]))
     assert cfg.get_data
     batch, flags = cfg.resolve(uapi.Feature.BATCH_IO | uapi.Feature.NEED_GET_DATA)
     assert not batch and flags == uapi.Feature.NEED_GET_DATA
@@ -297,14 +297,14 @@ def test_get_data_refusals_are_one_line(args: list[str], message: str) -> None:
     from aioublk.errors import UblkError
 
     with pytest.raises(UblkError) as e:
-        cli.device_config(cli._parser().parse_args(["add", "-t", "null", *args]))
+        addargs.config_from_flags(verb.parser().parse_args(["add", "-t", "null", *args]))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 def test_get_data_on_a_kernel_without_it_is_one_line() -> None:
     from aioublk.errors import UblkError
 
-    cfg = cli.device_config(cli._parser().parse_args(["add", "-t", "null", "-g"]))
+    cfg = addargs.config_from_flags(verb.parser().parse_args(["add", "-t", "null", "-g"]))
     with pytest.raises(UblkError, match="does not support UBLK_F_NEED_GET_DATA"):
         cfg.resolve(0)
 
@@ -325,8 +325,8 @@ def test_device_id_out_of_the_kernels_range_is_refused_before_the_kernel(
     refuses such an id in one line without sending anything."""
     def no_kernel(*a: object, **kw: object) -> None:
         raise AssertionError("the kernel was reached")
-    monkeypatch.setattr(cli, "Control", no_kernel)
-    monkeypatch.setattr(cli, "run_device", no_kernel)
+    monkeypatch.setattr(ctl, "Control", no_kernel)
+    monkeypatch.setattr(daemon, "run_device", no_kernel)
     try:
         code = cli.main([*cmd[:1], "-n", dev_id, *cmd[1:]])
     except SystemExit as e:
@@ -351,7 +351,7 @@ def test_add_read_only_is_in_every_targets_geometry(args: list[str], tmp_path: P
     for k in ("a", "b"):
         (tmp_path / k).write_bytes(b"\0" * (1 << 20))
         files[k] = str(tmp_path / k)
-    target = cli.make_target(cli._parser().parse_args(
+    target = maketarget.make_target(verb.parser().parse_args(
         ["add", *[a.format(**files) for a in args], "--read-only"]))
     try:
         assert target.geometry.read_only
@@ -423,7 +423,7 @@ def test_update_size_refuses_to_grow_past_the_backing_files(
         paths.append(str(path))
     record = {"pid": 4242, "target": target, "files": paths, "options": options}
     monkeypatch.setattr(stats, "read_record", lambda dev_id: record)
-    monkeypatch.setattr(cli, "Control", _ResizeControl)
+    monkeypatch.setattr(ctl, "Control", _ResizeControl)
     _ResizeControl.resized = []
     assert cli.main(["update_size", "-n", "0", "-s", "1G"]) == 1
     err = capsys.readouterr().err
@@ -443,7 +443,7 @@ def test_update_size_refuses_to_grow_past_the_backing_files(
 ])
 def test_target_mistakes_are_named_in_one_line(args: list[str], message: str) -> None:
     with pytest.raises(UblkError) as e:
-        cli.make_target(cli._parser().parse_args(["add", *args]))
+        maketarget.make_target(verb.parser().parse_args(["add", *args]))
     assert message in str(e.value)
 
 
@@ -463,11 +463,11 @@ def test_a_package_offers_a_target_by_name(tmp_path: Path,
                     str(Path(__file__).parents[2] / "examples" / "ramdisk-package")],
                    check=True, capture_output=True, timeout=300)
     monkeypatch.syspath_prepend(str(site))
-    target = cli.make_target(cli._parser().parse_args(["add", "-t", "ramdisk", "--opt",
+    target = maketarget.make_target(verb.parser().parse_args(["add", "-t", "ramdisk", "--opt",
                                                        "size=8M"]))
     assert type(target).__name__ == "RamDisk" and target.geometry.size == 8 << 20
     with pytest.raises(UblkError) as e:
-        cli.make_target(cli._parser().parse_args(["add", "-t", "ramdsk"]))
+        maketarget.make_target(verb.parser().parse_args(["add", "-t", "ramdsk"]))
     assert "(did you mean 'ramdisk'?)" in str(e.value)
     conf = tmp_path / "serve.toml"
     conf.write_text('[[devices]]\ntarget = "ramdisk"\noptions.size = "4M"\n')
@@ -491,11 +491,11 @@ def test_target_help_lists_that_targets_options() -> None:
 
 
 def test_multi_word_flags_take_both_spellings_and_help_shows_one() -> None:
-    args = cli._parser().parse_args(["add", "-t", "stripe", "--chunk-size", "128K",
+    args = verb.parser().parse_args(["add", "-t", "stripe", "--chunk-size", "128K",
                                      "--no_batch", "--l2_cache", "1M", "--read_only",
                                      "--no-auto-part-scan", "a", "b"])
     assert (args.chunk_size, args.l2_cache, args.read_only) == (128 << 10, 1 << 20, True)
-    text = _subparsers(cli._parser())["add"].format_help()
+    text = _subparsers(verb.parser())["add"].format_help()
     assert "--chunk_size SIZE" in text and "--chunk-size" not in text
     assert "--no-batch" in text and "--no_batch" not in text
 
@@ -514,8 +514,8 @@ def test_version_loads_next_to_nothing() -> None:
 def test_add_help_groups_the_options_by_target() -> None:
     """Issue 28: 144 lines in one list become the device's, the server's and
     each target's: every target heads a group, and its flags are under it."""
-    from aioublk.frontend import cli, registry
-    text = cli._parser()._subparsers._group_actions[0].choices["add"].format_help()
+    from aioublk.frontend import registry
+    text = verb.parser()._subparsers._group_actions[0].choices["add"].format_help()
     headings = [line for line in text.splitlines() if line and not line[0].isspace()]
     assert "the device (kublk's flags):" in headings and "the server:" in headings
     target_heads = [h for h in headings if h.startswith("-t ")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk.frontend import cli, registry, serve
+from aioublk.frontend import addargs, registry, serve, verb
 from aioublk.frontend.config import ConfigError, build_target, load, parse_size
 from aioublk.qcow2 import Qcow2Error
 from aioublk.queue.options import CopyMode
@@ -276,7 +276,7 @@ def test_parse_size_refuses(text: str) -> None:
 ])
 def test_integrity_keys_ask_what_the_flags_ask(flags: list[str], keys: str, cfg: Path) -> None:
     cfg.write_text(f'[[devices]]\ntarget = "null"\ncopy = "user_copy"\n{keys}\n')
-    want = cli.device_config(cli._parser().parse_args(["add", "-t", "null", "-u", *flags]))
+    want = addargs.config_from_flags(verb.parser().parse_args(["add", "-t", "null", "-u", *flags]))
     assert want.integrity is not None
     assert load("config.toml").devices[0].config.integrity == want.integrity
 

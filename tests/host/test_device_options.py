@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend import cli, config, registry
+from aioublk.frontend import addargs, config, registry, verb
 from aioublk.queue.options import DEVICE_OPTIONS, CopyMode, DeviceConfig, OptionError, option
 
 #: ``add``'s flags that are no device option: what to serve and how this
@@ -24,7 +24,7 @@ TARGET_FLAGS = {o.key for spec in registry.TARGETS.values() for o in spec.option
 
 
 def _add() -> argparse.ArgumentParser:
-    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in verb.parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["add"]
 
 
@@ -47,7 +47,7 @@ def test_every_device_key_is_in_the_table_and_every_table_key_is_a_key() -> None
 
 
 def test_the_command_line_and_config_defaults_are_the_tables(tmp_path: Path) -> None:
-    defaults = cli._create_defaults()
+    defaults = addargs.create_defaults()
     for o in DEVICE_OPTIONS:
         if o.flags:
             assert defaults[o.name] is o.default, o.name
@@ -55,7 +55,7 @@ def test_the_command_line_and_config_defaults_are_the_tables(tmp_path: Path) -> 
             assert config._device_option(o, {}, o.key, str(tmp_path)) is o.default, o.key
     (tmp_path / "c.toml").write_text('[[devices]]\ntarget = "null"\n')
     from_file = config.load(str(tmp_path / "c.toml")).devices[0].config
-    from_flags = cli.device_config(cli._parser().parse_args(["add", "-t", "null"]))
+    from_flags = addargs.config_from_flags(verb.parser().parse_args(["add", "-t", "null"]))
     assert from_file == from_flags
     assert from_file.queues == option("queues").default == 2  # kublk's
     # a program's device too: one default everywhere
@@ -98,7 +98,7 @@ def test_a_conflict_is_one_check_for_both(flags: list[str], keys: str, tmp_path:
     htlb = tmp_path / "buf"
     htlb.touch()
     with pytest.raises(OptionError) as flag_error:
-        cli.device_config(cli._parser().parse_args(
+        addargs.config_from_flags(verb.parser().parse_args(
             ["add", "-t", "null", *(f.format(htlb=htlb) for f in flags)]))
     (tmp_path / "c.toml").write_text('[[devices]]\ntarget = "null"\n'
                                      + keys.format(htlb=htlb) + "\n")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import aioublk
-from aioublk.frontend import cli, config, registry
+from aioublk.frontend import config, registry, verb
 from aioublk.kernel import uapi
 from aioublk.queue import options
 
@@ -52,7 +52,7 @@ def _subcommands(parser: argparse.ArgumentParser, prefix: str = ""
 def test_cli_reference_has_every_option_of_every_subcommand(site: Path) -> None:
     page = _page(site, "cli")
     text = " ".join(re.sub(r"<[^>]+>", "", page).split())  # help text, Markdown rendered
-    parser = cli._parser()
+    parser = verb.parser()
     subs = _subcommands(parser)
     assert {"add", "recover", "del", "list", "serve", "udev rules", "udev owner"} <= set(subs)
     assert {"--opt", "--unprivileged", "--log-file"} <= {

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend import cli, config
+from aioublk.frontend import config, maketarget, verb
 from tests.host.test_filters import Memory, stacked
 
 
@@ -90,9 +90,9 @@ def test_a_serve_config_refuses_it_alike(tmp_path: Path) -> None:
 def test_a_private_key_or_the_override_is_accepted(tmp_path: Path, mode: int,
                                                    override: str) -> None:
     key = key_file(tmp_path, mode)
-    args = cli._parser().parse_args(["add", "-t", "null", "--filter",
+    args = verb.parser().parse_args(["add", "-t", "null", "--filter",
                                      f"encrypt:keyfile={key}{override}"])
-    target = cli.make_target(args)
+    target = maketarget.make_target(args)
     try:
         assert target.describe()["filters"][0]["keyfile"] == str(key)  # type: ignore[index]
     finally:

@@ -16,7 +16,7 @@ import pytest
 
 from aioublk.dataplane.maps import Linear, Null, Striped
 from aioublk.errors import UblkError
-from aioublk.frontend import cli, config
+from aioublk.frontend import addargs, config, maketarget, verb
 from aioublk.frontend.kublk_lines import target_line
 from aioublk.target import Geometry, Target
 from aioublk.targets.filters import (
@@ -572,14 +572,14 @@ def test_serve_config_takes_a_stack(tmp_path: Path) -> None:
 def test_add_builds_the_stack_and_records_it(tmp_path: Path) -> None:
     disk = tmp_path / "disk.img"
     disk.write_bytes(bytes(4 * MiB))
-    args = cli._parser().parse_args(["add", "-t", "loop", str(disk), "--filter", "readonly",
+    args = verb.parser().parse_args(["add", "-t", "loop", str(disk), "--filter", "readonly",
                                      "--filter", "offset:offset=2M"])
-    target = cli.make_target(args)
+    target = maketarget.make_target(args)
     try:
         assert target.geometry.size == 2 * MiB and target.geometry.read_only
     finally:
         target.close()
-    record = cli._record(args)
+    record = addargs.record(args)
     assert record["options"]["filter"] == ["readonly", "offset:offset=2M"]
     assert target_line(record).endswith(" filters readonly offset:offset=2M")
 

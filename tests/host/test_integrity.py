@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend import cli
+from aioublk.frontend import addargs, maketarget, verb
 from aioublk.kernel import uapi
 from aioublk.queue.options import DeviceConfig
 
 
 def _config(*args: str) -> DeviceConfig:
-    return cli.device_config(cli._parser().parse_args(["add", "-t", "null", *args]))
+    return addargs.config_from_flags(verb.parser().parse_args(["add", "-t", "null", *args]))
 
 
 @pytest.mark.parametrize("args,want", [
@@ -77,7 +77,7 @@ def test_a_kernel_without_integrity_is_one_line() -> None:
 def test_recover_takes_the_integrity_options_again() -> None:
     args = ["--metadata_size", "64", "--pi_offset", "56", "--csum_type", "t10dif",
             "--integrity_reftag"]
-    recovered = vars(cli._parser().parse_args(["recover", "-n", "0", *args]))
+    recovered = vars(verb.parser().parse_args(["recover", "-n", "0", *args]))
     assert (recovered["metadata_size"], recovered["pi_offset"], recovered["csum_type"],
             recovered["integrity_reftag"]) == (64, 56, "t10dif", True)
 
@@ -88,9 +88,9 @@ def test_loop_takes_the_metadata_file_as_second_file(tmp_path: Path) -> None:
     data, meta = tmp_path / "data", tmp_path / "meta"
     data.write_bytes(bytes(1 << 20))
     meta.write_bytes(bytes(8 * 1024))  # 8 bytes per sector: metadata for 512K of data
-    args = cli._parser().parse_args(["add", "-t", "loop", "--buffered", "-u",
+    args = verb.parser().parse_args(["add", "-t", "loop", "--buffered", "-u",
                                      "--metadata_size", "8", str(data), str(meta)])
-    target = cli.make_target(args)
+    target = maketarget.make_target(args)
     try:
         assert isinstance(target, LoopTarget)
         assert target.meta is not None and target.meta.path == str(meta)
@@ -156,8 +156,8 @@ async def test_null_reads_metadata_the_block_layer_skips() -> None:
 def test_a_metadata_file_without_metadata_size_is_one_line(tmp_path: Path) -> None:
     for f in ("data", "meta"):
         (tmp_path / f).write_bytes(bytes(4096))
-    args = cli._parser().parse_args(["add", "-t", "loop", str(tmp_path / "data"),
+    args = verb.parser().parse_args(["add", "-t", "loop", str(tmp_path / "data"),
                                      str(tmp_path / "meta")])
     with pytest.raises(UblkError, match="loop target's second FILE is its metadata file: add "
                        "-u --metadata_size N, or drop it"):
-        cli.make_target(args)
+        maketarget.make_target(args)

@@ -64,9 +64,16 @@ LAYERS: list[list[str]] = [
      "aioublk.frontend.metrics", "aioublk.frontend.img"],
     # what cli and serve share
     ["aioublk.frontend.kublk_lines", "aioublk.frontend.runner", "aioublk.frontend.livesnap"],
-    # the light commands (list, del, features, udev): cli declares them from here
+    # the verb table, and what the verbs on /dev/ublk-control share (the light
+    # ones, list, del..., run from here)
+    ["aioublk.frontend.verb"],
     ["aioublk.frontend.ctl"],
-    ["aioublk.frontend.serve"],
+    # what add and recover share: their options, the target they ask for, the daemon
+    ["aioublk.frontend.addargs"],
+    ["aioublk.frontend.maketarget"],
+    ["aioublk.frontend.daemon", "aioublk.frontend.serve"],
+    # the verbs, a module each
+    ["aioublk.frontend.verbs"],
     ["aioublk.frontend.cli"],
     ["aioublk.__main__", "aioublk"],
 ]
@@ -87,10 +94,12 @@ def layer_of(module: str) -> tuple[int, str]:
     for i, layer in enumerate(LAYERS):
         if module in layer:
             return i, module
-    for i, layer in enumerate(LAYERS):
-        for entry in layer:
-            if module == entry or (entry != "aioublk" and module.startswith(entry + ".")):
-                return i, entry
+    # (the innermost subpackage that holds it: frontend.verbs, not frontend)
+    holders = [(len(entry), i, entry) for i, layer in enumerate(LAYERS) for entry in layer
+               if module == entry or (entry != "aioublk" and module.startswith(entry + "."))]
+    if holders:
+        _length, i, entry = max(holders)
+        return i, entry
     raise AssertionError(f"{module} has no place in LAYERS: add it")
 
 
@@ -206,11 +215,13 @@ def test_the_ring_imports_nothing_of_the_queue() -> None:
     assert layer_of("aioublk.ring")[0] < min(queue)
 
 
-#: ``serve`` is a subcommand of the CLI: cli may call its ``main`` and nothing
-#: else of it; what both use (the run-until-signal loop, kublk's device lines)
-#: lives in modules below both, so that neither grows into the other
-FRONT_ENDS = {("aioublk.frontend.cli", "aioublk.frontend.serve"): {"main"},
-              ("aioublk.frontend.serve", "aioublk.frontend.cli"): set()}
+#: ``serve`` is a verb of the CLI: its verb may call its ``main`` and nothing
+#: else of it; what serve and add's daemon both use (the run-until-signal
+#: loop, kublk's device lines) lives in modules below both, so that neither
+#: grows into the other
+FRONT_ENDS = {("aioublk.frontend.verbs.serve", "aioublk.frontend.serve"): {"main"},
+              ("aioublk.frontend.daemon", "aioublk.frontend.serve"): set(),
+              ("aioublk.frontend.serve", "aioublk.frontend.daemon"): set()}
 
 
 def names_imported(module: str, source: str) -> set[str]:

@@ -14,7 +14,7 @@ from aioublk import Error, FixedBuf
 from aioublk._uring import lib
 from aioublk.dataplane.maps import Passthrough
 from aioublk.dataplane.plane import DataPlane
-from aioublk.frontend import cli, registry
+from aioublk.frontend import maketarget, registry, verb
 from aioublk.ring import Ring, buffer_address
 from aioublk.targets import nvme
 from aioublk.targets.nvme import CMD, NvmeError, NvmeTarget
@@ -212,9 +212,9 @@ async def test_copy_mode_commands_point_at_the_buffer(
     (["/nonexistent/ng0n1"], "NVMe device /nonexistent/ng0n1: No such file or directory"),
 ])
 def test_add_t_nvme_refuses_in_one_line(argv: list[str], message: str) -> None:
-    args = cli._parser().parse_args(["add", "-t", "nvme", *argv])
+    args = verb.parser().parse_args(["add", "-t", "nvme", *argv])
     with pytest.raises(Error) as e:
-        cli.make_target(args)
+        maketarget.make_target(args)
     assert str(e.value) == message
 
 

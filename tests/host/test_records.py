@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from aioublk.frontend import cli, ctl, stats
+from aioublk.frontend import addargs, cli, ctl, daemon, stats, verb
 from aioublk.frontend.kublk_lines import device_ids, target_line
+from aioublk.frontend.verbs import list as list_verb
 from aioublk.queue.options import DeviceConfig
 from aioublk.target import Target
 from tests.host.test_filters import Memory
@@ -27,7 +28,7 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def recorded_add(argv: list[str], dev_id: int = 3) -> dict[str, Any]:
     """Record ``add ARGV`` as its server would, for device ``dev_id``."""
-    record = cli._record(cli._parser().parse_args(["add", *argv]))
+    record = addargs.record(verb.parser().parse_args(["add", *argv]))
     stats.write_record(dev_id, record)
     return record
 
@@ -45,7 +46,7 @@ def test_record_round_trip(run_dir: Path, tmp_path: Path,
     assert (options["queues"], options["depth"], options["recovery"]) == (1, 64, True)
     assert options["log_file"] == str(tmp_path / "s.log")  # a daemon runs in /
     # every option add parsed, but not how this command ran
-    assert set(options) == set(cli._create_defaults()) - {"target", "files", "dev_id",
+    assert set(options) == set(addargs.create_defaults()) - {"target", "files", "dev_id",
                                                            "foreground"}
     assert (run_dir / "3.add.json").stat().st_mode & 0o777 == stats.FILE_MODE
     stats.remove_record(3)
@@ -61,8 +62,8 @@ def test_an_nbd_uri_is_recorded_as_given(tmp_path: Path,
     uri = "nbd+unix:///disk?socket=/run/qsd.sock"
     record = recorded_add(["-t", "nbd", "-r", "1", uri])
     assert record["files"] == [uri]
-    assert cli._absolute_files("nbd", [uri]) == [uri]
-    assert cli._absolute_files("loop", ["d.img"]) == [str(tmp_path / "d.img")]
+    assert addargs.absolute_files("nbd", [uri]) == [uri]
+    assert addargs.absolute_files("loop", ["d.img"]) == [str(tmp_path / "d.img")]
 
 
 def test_record_is_not_read_through_a_symlink(run_dir: Path, tmp_path: Path) -> None:
@@ -84,7 +85,7 @@ def recover(argv: list[str], monkeypatch: pytest.MonkeyPatch,
         served.update(target=target, cfg=cfg, recover=recover)
         target.close()
         return 0
-    monkeypatch.setattr(cli, "run_device", run_device)
+    monkeypatch.setattr(daemon, "run_device", run_device)
     code = cli.main(["recover", *argv, "--foreground"])
     return code, capsys.readouterr().err, served
 
@@ -185,7 +186,7 @@ def test_list_adds_the_target_line_for_recorded_devices(
     # a record left by a dead server of another device 0: not device 0's
     recorded_add(["-t", "null"], dev_id=0)
     monkeypatch.setattr(ctl, "Control", FakeControl)
-    monkeypatch.setattr(ctl, "device_ids", lambda: [0, 1000])
+    monkeypatch.setattr(list_verb, "device_ids", lambda: [0, 1000])
     assert ctl.main(["list"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "dev id 0: nr_hw_queues 1 queue_depth 64 block size 512 dev_capacity 2048",

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from aioublk import Geometry, Target, UblkError
-from aioublk.frontend import cli, config, registry
+from aioublk.frontend import cli, config, maketarget, registry, verb
 
 
 def _add_parser() -> argparse.ArgumentParser:
-    for action in cli._parser()._actions:
+    for action in verb.parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
             return action.choices["add"]  # type: ignore[no-any-return]
     raise AssertionError("no add subcommand")
@@ -47,7 +47,7 @@ def test_every_option_says_what_docs_need() -> None:
 
 
 def test_the_flags_kublk_users_know_keep_their_defaults() -> None:
-    args = cli._parser().parse_args(["add", "-t", "stripe", "a", "b"])
+    args = verb.parser().parse_args(["add", "-t", "stripe", "a", "b"])
     assert (args.chunk_size, args.buffered, args.l2_cache, args.allow_backing,
             args.backing_format, args.delay_us, args.die_during_fetch) == \
         (65536, False, None, [], None, 0, False)
@@ -63,7 +63,7 @@ class Custom(Target):
 
 
 def _make(*argv: str) -> Target:
-    return cli.make_target(cli._parser().parse_args(["add", *argv]))
+    return maketarget.make_target(verb.parser().parse_args(["add", *argv]))
 
 
 def test_custom_target_takes_typed_opt_values() -> None:

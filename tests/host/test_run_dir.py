@@ -209,13 +209,13 @@ def test_the_publication_time_is_taken_before_the_counters(run_dir: Path) -> Non
 
 DAEMON = """
 import os, sys
-from aioublk.frontend import cli
+from aioublk.frontend import daemon
 os.umask(0o077)
 os.chdir(sys.argv[1])
 def serve(wfd: int) -> int:
     os.write(wfd, f"{os.getcwd()} {os.umask(0):o} {os.getsid(0) == os.getpid()}\\n".encode())
     return 0
-rfd, pid = cli._daemonize(serve)
+rfd, pid = daemon.daemonize(serve)
 os.waitpid(pid, 0)
 with os.fdopen(rfd, "rb") as r:
     print(r.readline().decode().strip())

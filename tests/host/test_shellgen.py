@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.frontend import registry
-from aioublk.frontend.cli import _parser
+from aioublk.frontend.verb import parser
 
 
 def _aioublk(*args: str) -> str:
@@ -99,7 +99,7 @@ def test_the_man_page_renders_cleanly_and_lists_every_command_and_flag() -> None
                        text=True, timeout=60, check=True)
     assert not p.stderr, p.stderr  # no warnings
     text = " ".join(re.sub(".\b", "", p.stdout).split())  # (no overstrikes)
-    add = next(c for c in _parser()._subparsers._group_actions[0].choices.values()
+    add = next(c for c in parser()._subparsers._group_actions[0].choices.values()
                if c.prog.endswith(" add"))
     for action in add._actions:
         for flag in action.option_strings:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend import cli
+from aioublk.frontend import addargs, verb
 from aioublk.frontend.config import load
 from aioublk.kernel import uapi
 from aioublk.queue.driver import IoPath
@@ -27,7 +27,7 @@ SHMEM = uapi.IO_F_SHMEM_ZC
 
 
 def _config(*args: str) -> DeviceConfig:
-    return cli.device_config(cli._parser().parse_args(["add", "-t", "null", *args]))
+    return addargs.config_from_flags(verb.parser().parse_args(["add", "-t", "null", *args]))
 
 
 def test_options_ask_the_kernel_for_shmem_zc(tmp_path: Path,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend import cli, config, udev
+from aioublk.frontend import addargs, cli, config, udev, verb
 from aioublk.kernel import uapi
 from aioublk.queue.options import CopyMode, DeviceConfig
 
@@ -41,9 +41,10 @@ def test_what_the_kernel_refuses_users_is_refused_first(kw: dict[str, object]) -
 
 
 def test_cli_and_config_spell_it(tmp_path: Path) -> None:
-    args = cli._parser().parse_args(["add", "-t", "null", "--unprivileged"])
-    assert cli.device_config(args).unprivileged
-    assert not cli.device_config(cli._parser().parse_args(["add", "-t", "null"])).unprivileged
+    args = verb.parser().parse_args(["add", "-t", "null", "--unprivileged"])
+    assert addargs.config_from_flags(args).unprivileged
+    args = verb.parser().parse_args(["add", "-t", "null"])
+    assert not addargs.config_from_flags(args).unprivileged
     spec = config.parse({"devices": [{"target": "null", "unprivileged": True}]},
                         str(tmp_path / "c.toml"), base=str(tmp_path)).devices[0]
     assert spec.config.unprivileged
