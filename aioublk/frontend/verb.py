@@ -61,9 +61,8 @@ def find(name: str) -> Verb | None:
 def every() -> list[Verb]:
     """Every verb of the verbs package, in ``--help``'s order."""
     __import__(VERBS_PACKAGE)
-    folder = sys.modules[VERBS_PACKAGE].__path__[0]
-    names = sorted(f.removesuffix(".py") for f in os.listdir(folder)
-                   if f.endswith(".py") and not f.startswith("_"))
+    names = sorted({f.removesuffix(".py") for folder in sys.modules[VERBS_PACKAGE].__path__
+                    for f in os.listdir(folder) if f.endswith(".py") and not f.startswith("_")})
     found = [v for v in map(find, names) if v is not None]
     return sorted(found, key=lambda v: v.place)
 

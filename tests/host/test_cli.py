@@ -526,3 +526,59 @@ def test_add_help_groups_the_options_by_target() -> None:
                    for h in target_heads), name
     after = text[text.index("\n-t stripe:"):]
     assert after.index("--chunk_size") < after.index("\n-t ", 1)  # stripe's, under stripe
+
+
+# ------------------------------------------------------------ a new verb --
+
+#: a verb as a new file of aioublk/frontend/verbs/ declares it: nothing else
+#: names it
+_HELLO = '''"""``hello``: a verb of one module."""
+
+import argparse
+
+from aioublk.errors import UblkError
+from aioublk.frontend.verb import Verb
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", default="world", help="whom to greet")
+
+
+def _hello(args: argparse.Namespace) -> int:
+    if args.name == "nobody":
+        raise UblkError("nobody to greet")
+    print(f"hello {args.name}")
+    return 0
+
+
+VERB = Verb("hello", "greet someone", _arguments, _hello, light=LIGHT)
+'''
+
+
+@pytest.mark.parametrize("light", [False, True], ids=["full", "light"])
+def test_a_new_verb_is_one_module_of_the_verbs_package(
+        light: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from aioublk.frontend import verbs
+    from aioublk.frontend.verbs.completion import generated
+
+    (tmp_path / "hello.py").write_text(_HELLO.replace("LIGHT", str(light)))
+    monkeypatch.setattr(verbs, "__path__", [*verbs.__path__, str(tmp_path)])
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--help"])
+        assert e.value.code == 0
+        listed = capsys.readouterr().out
+        assert "{add,recover," in listed and ",man,hello}" in listed  # (after the built-ins)
+        assert "    hello               greet someone\n" in listed
+        assert cli.main(["hello", "--name", "you"]) == 0
+        assert capsys.readouterr().out == "hello you\n"
+        assert cli.main(["hello", "--name", "nobody"]) == 1  # one line, as every verb's
+        assert capsys.readouterr().err == "aioublk: nobody to greet\n"
+        assert (ctl.light(["hello"]) is not None) == light
+        if light:  # from its own parser, as __main__ runs list and del
+            assert ctl.main(["hello"]) == 0
+            assert capsys.readouterr().out == "hello world\n"
+        assert " hello " in generated("completion", "bash")  # completion too
+    finally:
+        sys.modules.pop("aioublk.frontend.verbs.hello", None)
