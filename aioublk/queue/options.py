@@ -170,9 +170,13 @@ class DeviceOption:
 
 _F = uapi.Feature
 
-#: every device option, once: the command line's flags (``frontend.addargs``), a config's
-#: ``[[devices]]`` keys (``config``), the checks (``DeviceConfig.validate``)
-#: and both references (``docs/hooks.py``) are made from it. Order: ``--help``'s.
+#: every device option, once: the command line's flags (``frontend.addargs``),
+#: a config's ``[[devices]]`` keys (``config``), the checks
+#: (``DeviceConfig.validate``) and both references (``docs/hooks.py``) are
+#: made from it. Order: ``--help``'s. An option for a new setting is an entry
+#: here and the typed field it fills in ``DeviceConfig`` (its default taken
+#: from here), which ``DeviceOptions`` repeats for type checkers (tests hold
+#: the three alike).
 DEVICE_OPTIONS: tuple[DeviceOption, ...] = (
     DeviceOption("dev_id", "device id: -1 = auto allocation (the first free one)",
                  flags=("-n", "--number"), key="id", type=ID, default=-1, lo=-1,
@@ -271,7 +275,8 @@ def option(name: str) -> DeviceOption:
 
 class DeviceOptions(TypedDict, total=False):
     """``DeviceConfig``'s fields as ``Device(target, **options)`` takes them, so
-    that a type checker catches a misspelt one (a test keeps the two alike)."""
+    that a type checker catches a misspelt one. A type checker cannot make a
+    TypedDict from a dataclass: a test keeps the names and types the fields'."""
 
     dev_id: int
     queues: int

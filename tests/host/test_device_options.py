@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import typing
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from aioublk.errors import UblkError
 from aioublk.frontend import addargs, config, registry, verb
+from aioublk.queue import options
 from aioublk.queue.options import DEVICE_OPTIONS, CopyMode, DeviceConfig, OptionError, option
 
 #: ``add``'s flags that are no device option: what to serve and how this
@@ -130,6 +132,85 @@ def test_device_keywords_are_typed_as_device_config_fields() -> None:
     from aioublk.queue.options import DeviceOptions
     assert list(DeviceOptions.__annotations__) == [
         f.name for f in dataclasses.fields(DeviceConfig)]
+
+
+def test_device_keywords_have_the_device_config_fields_types() -> None:
+    """DeviceOptions is DeviceConfig's fields, typed alike (a TypedDict cannot
+    be made from a dataclass for a type checker, so this keeps them one):
+    only ``copy`` also takes the mode's name."""
+    from aioublk.queue.options import DeviceOptions
+
+    fields = typing.get_type_hints(DeviceConfig)
+    keywords = typing.get_type_hints(DeviceOptions)
+    assert keywords == {**fields, "copy": CopyMode | str}
+
+
+#: the DeviceConfig type of each kind of table option that fills a field of its name
+_FIELD_TYPES: dict[str, object] = {
+    options.INT: int, options.ID: int, options.BOOL: bool, options.FLAG01: bool,
+    options.PATH: str | None, options.TRISTATE: bool | None}
+
+
+def test_an_options_field_has_the_tables_type() -> None:
+    """The table says how an option is read, the field what it holds: the two
+    agree (a choice's field is the enum of its choices)."""
+    fields = typing.get_type_hints(DeviceConfig)
+    for o in DEVICE_OPTIONS:
+        if o.attr != o.name:  # (one of several flags or keys of a field: -z, -r, integrity)
+            continue
+        if o.type == options.CHOICE:
+            assert {m.value for m in fields[o.attr]} == set(o.choices), o.name
+        else:
+            assert fields[o.attr] == _FIELD_TYPES[o.type], o.name
+        assert o.default == getattr(DeviceConfig(), o.attr) or o.type == options.CHOICE, o.name
+
+
+#: a device option DeviceConfig has a field for but the table does not list,
+#: declared once as a new entry before the command line and the config
+#: loader are imported: the flag, the key, the bounds and the field follow
+_NEW_OPTION = """
+import sys
+from aioublk.queue import options
+
+options.DEVICE_OPTIONS += (options.DeviceOption(
+    "fetch_buf_entries", "batch I/O: provided fetch buffers per queue and worker, 0 = 8",
+    flags=("--fetch_buf_entries",), key="fetch_buf_entries", type=options.INT, default=0, lo=0,
+    hi=4096, metavar="N", range_error="--fetch_buf_entries {value} out of range: use 0..4096"),)
+
+from aioublk.frontend import addargs, config, verb
+
+parser = verb.parser()
+add = parser._subparsers._group_actions[0].choices["add"]
+assert "--fetch_buf_entries N" in add.format_help()
+args = parser.parse_args(["add", "-t", "null", "--fetch_buf_entries", "16"])
+assert addargs.config_from_flags(args).fetch_buf_entries == 16
+assert addargs.record(args)["options"]["fetch_buf_entries"] == 16  # (recover's)
+assert "fetch_buf_entries" in config.DEVICE_KEYS
+spec = config.parse({"devices": [{"target": "null", "fetch_buf_entries": 16}]}, "c.toml",
+                    base=".").devices[0]
+assert spec.config.fetch_buf_entries == 16
+try:
+    config.parse({"devices": [{"target": "null", "fetch_buf_entries": 8192}]}, "c.toml",
+                 base=".")
+except Exception as e:  # (parse's; load makes it a ConfigError naming the file)
+    assert str(e) == "devices[0].fetch_buf_entries: 8192 is out of range: use 0..4096", e
+else:
+    raise AssertionError("8192 entries taken from a config")
+args = parser.parse_args(["add", "-t", "null", "--fetch_buf_entries", "8192"])
+try:
+    addargs.config_from_flags(args)
+except options.UblkError as e:
+    assert str(e) == "--fetch_buf_entries 8192 out of range: use 0..4096", e
+else:
+    raise AssertionError("8192 entries taken from a flag")
+print("ok")
+"""
+
+
+def test_a_device_option_declared_once_is_a_flag_a_key_and_a_field(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-c", _NEW_OPTION], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert (p.returncode, p.stdout) == (0, "ok\n"), p.stderr
 
 
 def test_copy_takes_the_mode_by_name() -> None:
