@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, NoReturn
 
+from aioublk._version import __version__
 from aioublk.errors import Error
 from aioublk.kernel import uapi
 
@@ -55,6 +56,8 @@ def find(name: str) -> Verb | None:
             raise
         return None
     verb: Verb | None = getattr(sys.modules[module], "VERB", None)
+    if verb is not None and verb.name != name:  # (found by its file's name)
+        raise ImportError(f"{module} declares the verb {verb.name!r}: name its file so")
     return verb
 
 
@@ -69,8 +72,6 @@ def every() -> list[Verb]:
 
 def parser(verbs: Iterable[Verb] | None = None) -> Parser:
     """The command line of ``verbs`` (default: every verb)."""
-    from aioublk._version import __version__
-
     p = Parser(prog="aioublk", description="ublk block-device server (kublk-compatible)")
     p.add_argument("--version", action="version", version=f"aioublk {__version__}",
                    help="show the version and exit")
