@@ -6,7 +6,7 @@ config key, bounds) and which option the command line's FILE arguments fill.
 checks and ``build_target`` are all made from ``TARGETS``, so a new option is
 one entry here. Documentation lists ``TARGETS[name].options``. This module
 is declarations only: the checks themselves live in ``config``, the flags in
-``cli``.
+``addargs``.
 """
 
 from __future__ import annotations
