@@ -45,7 +45,7 @@ _WHERE = {
     "Target": "aioublk.target",
     "current_queue": "aioublk.target",
     "BackingError": "aioublk.io.hostfile",
-    "Filter": "aioublk.targets.filters",
+    "Filter": "aioublk.targets.filters.base",
     "LoopTarget": "aioublk.targets.loop",
     "NbdError": "aioublk.targets.nbd",
     "NullTarget": "aioublk.targets.null",
@@ -99,7 +99,7 @@ if TYPE_CHECKING:
     from aioublk.target import QueueSetupError as QueueSetupError
     from aioublk.target import Target as Target
     from aioublk.target import current_queue as current_queue
-    from aioublk.targets.filters import Filter as Filter
+    from aioublk.targets.filters.base import Filter as Filter
     from aioublk.targets.loop import LoopTarget as LoopTarget
     from aioublk.targets.nbd import NbdError as NbdError
     from aioublk.targets.null import NullTarget as NullTarget

@@ -4,10 +4,10 @@ The CLI and config references are written at build time from the objects the
 program itself uses (``aioublk.frontend.verb.parser()``, ``aioublk.frontend.config``), so they
 cannot drift from it: a page holds a marker (``<!-- cli-reference -->``,
 ``<!-- config-reference -->``) that ``on_page_markdown`` replaces. The
-targets' options come from ``aioublk.frontend.registry.TARGETS`` (type, default,
-bounds, flags, help); the other tables' keys from ``config_sections`` and
-their meanings from the comments of ``examples/serve.toml``, the one place
-those are written down.
+targets' options come from ``aioublk.frontend.registry.TARGETS``, each
+target's ``SPEC`` (type, default, bounds, flags, help); the other tables'
+keys from ``config_sections`` and their meanings from the comments of
+``examples/serve.toml``, the one place those are written down.
 
 ``bench/results`` stays where the benchmarks write it; ``on_files`` adds its
 pages and charts to the site under ``benchmarks/`` instead of copying them
@@ -28,6 +28,7 @@ import aioublk
 from aioublk.frontend import config, registry, verb
 from aioublk.kernel import uapi
 from aioublk.queue import options
+from aioublk.targets import spec as decl
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -179,7 +180,7 @@ def _device_default(o: options.DeviceOption) -> str:
     return f'`"{o.default}"`' if isinstance(o.default, str) else f"`{o.default}`"
 
 
-def _target_section(spec: registry.TargetSpec) -> str:
+def _target_section(spec: decl.TargetSpec) -> str:
     """The target's options: type, default, bounds, command-line spelling, help."""
     rows = [f"## `[devices.options]` for `target = \"{spec.name}\"`", "",
             f"The {spec.name} target's options. On the command line "
@@ -187,7 +188,7 @@ def _target_section(spec: registry.TargetSpec) -> str:
             "| key | type | default | bounds | command line | meaning |",
             "| --- | --- | --- | --- | --- | --- |"]
     for o in spec.options:
-        spellings = [f"`FILE{' ...' if o.type == registry.PATHS else ''}`"] \
+        spellings = [f"`FILE{' ...' if o.type == decl.PATHS else ''}`"] \
             if o.key == spec.files else []
         spellings += [f"`{f}{' 0|1' if o.zero_one else ''}`" for f in o.flags] \
             or [f"`--opt {o.key}`"]
@@ -196,7 +197,7 @@ def _target_section(spec: registry.TargetSpec) -> str:
     return "\n".join(rows)
 
 
-def _option_default(o: registry.Option) -> str:
+def _option_default(o: decl.Option) -> str:
     if o.required:
         return "required"
     if o.default_help:
@@ -208,20 +209,20 @@ def _option_default(o: registry.Option) -> str:
     return f"`{list(o.default)}`" if isinstance(o.default, tuple) else f"`{o.default}`"
 
 
-def _bounds(o: registry.Option) -> str:
+def _bounds(o: decl.Option) -> str:
     """Bounds and choices as the config checks them (``config._option``)."""
     if o.choices:
         return " \\| ".join(f"`{c}`" for c in o.choices)
-    show = _size_text if o.type == registry.SIZE else str
-    if o.type == registry.PATHS:
+    show = _size_text if o.type == decl.SIZE else str
+    if o.type == decl.PATHS:
         parts = [f"{o.lo} to {o.hi} paths" if o.lo is not None else ""]
     elif o.lo is not None and o.hi is not None:
         parts = [f"{show(o.lo)}..{show(o.hi)}"]
     else:
         parts = [f"≥ {show(o.lo)}" if o.lo is not None else ""]
     parts += ["a power of two"] * o.power_of_two + ["whole 512-byte sectors"] * o.sectors
-    parts += ["no path twice"] * o.distinct + ["must exist"] * (o.type in (registry.PATH,
-                                                                          registry.PATHS))
+    parts += ["no path twice"] * o.distinct + ["must exist"] * (o.type in (decl.PATH,
+                                                                          decl.PATHS))
     return _text(", ".join(p for p in parts if p))
 
 

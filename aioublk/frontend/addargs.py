@@ -29,6 +29,7 @@ from aioublk.queue.options import (
     TRISTATE,
     DeviceConfig,
 )
+from aioublk.targets import spec as decl
 
 
 def size(value: str) -> int:
@@ -136,26 +137,26 @@ def _add_target_options(add: argparse.ArgumentParser) -> None:
                 default = " (default: " + ", ".join(
                     f"{name} {u.default_help}" for name, u in same if u is not None) + ")"
             kw: dict[str, Any] = {"dest": o.key, "help": f"{users}: {o.help}{default}"}
-            if o.type == registry.BOOL:
+            if o.type == decl.BOOL:
                 kw |= ({"type": flag01, "default": False, "metavar": "0|1"} if o.zero_one
                        else {"action": "store_true"})
-            elif o.type == registry.PATHS:
+            elif o.type == decl.PATHS:
                 kw |= {"action": "append", "default": [], "metavar": "PATH"}
-            elif o.type == registry.CHOICE:
+            elif o.type == decl.CHOICE:
                 kw |= {"choices": o.choices}
             else:
-                kw |= {"type": {registry.SIZE: size, registry.INT: int}.get(o.type, str),
+                kw |= {"type": {decl.SIZE: size, decl.INT: int}.get(o.type, str),
                        "default": o.default if shared_default else None}
-                if o.type == registry.SIZE:
+                if o.type == decl.SIZE:
                     kw["metavar"] = "SIZE"
             if users not in groups:
                 groups[users] = add.add_argument_group("-t " + users.replace("/", ", "))
             groups[users].add_argument(*o.flags, **kw)
     fed = [(t.name, f) for t in specs if (f := t.option(t.files)) is not None]
     one = [name + ("" if f.required else " (or none)") for name, f in fed
-           if f.type == registry.PATH]
-    many = [f"{name} {f.lo} to {f.hi}" for name, f in fed if f.type == registry.PATHS]
-    named = [f"; {name} its {f.what}" for name, f in fed if f.type == registry.STR]
+           if f.type == decl.PATH]
+    many = [f"{name} {f.lo} to {f.hi}" for name, f in fed if f.type == decl.PATHS]
+    named = [f"; {name} its {f.what}" for name, f in fed if f.type == decl.STR]
     add.add_argument("files", nargs="*", metavar="FILE",
                      help=f"backing files: {' and '.join(one)} take one, {', '.join(many)}"
                      f"{''.join(named)}")
@@ -165,7 +166,7 @@ def _add_target_options(add: argparse.ArgumentParser) -> None:
                      "TOML (64, true, \"s\", [\"a\", \"b\"]) when it parses, else as a string")
 
 
-def _filter_help(spec: registry.FilterSpec) -> str:
+def _filter_help(spec: decl.FilterSpec) -> str:
     keys = ",".join(f"{o.key}={o.type.upper()}" if o.required else f"[{o.key}={o.type.upper()}]"
                     for o in spec.options)
     return f"{spec.name}" + (f":{keys}" if keys else "") + f" = {spec.help}"
@@ -227,7 +228,7 @@ def absolute_files(target: str | None, files: list[str]) -> list[str]:
     absolute, but not what is no path (nbd's URI, which abspath would mangle)."""
     spec = registry.TARGETS.get(target or "")
     option = spec.option(spec.files) if spec is not None and spec.files else None
-    if option is not None and option.type not in (registry.PATH, registry.PATHS):
+    if option is not None and option.type not in (decl.PATH, decl.PATHS):
         return list(files)
     return [os.path.abspath(f) for f in files]
 

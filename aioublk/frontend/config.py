@@ -45,6 +45,7 @@ from aioublk.queue.options import (
     device_config,
 )
 from aioublk.target import GeometryError, Target
+from aioublk.targets import spec as decl
 
 BUILTIN_TARGETS = tuple(registry.TARGETS)
 LEVELS = ("warning", "info", "debug")
@@ -467,36 +468,36 @@ def _options(kind: str, raw: Any, at: str, base: str, partial: bool = False) -> 
         if o.key in raw:
             out[o.key] = _option(o, raw[o.key], f"{at}.{o.key}", base, kind)
         elif o.required and not partial:
-            need = (f"a list of {o.lo} to {o.hi} {o.what}s" if o.type == registry.PATHS
-                    else f"the path of its {o.what}" if o.type == registry.PATH
+            need = (f"a list of {o.lo} to {o.hi} {o.what}s" if o.type == decl.PATHS
+                    else f"the path of its {o.what}" if o.type == decl.PATH
                     else f"its {o.what}")
             raise _Invalid(f"{at}.{o.key}", f"missing: the {kind} target needs {need}")
     return out
 
 
-def _option(o: registry.Option, v: Any, at: str, base: str, kind: str) -> Any:
+def _option(o: decl.Option, v: Any, at: str, base: str, kind: str) -> Any:
     """One built-in target option's value, checked as its declaration says."""
-    if o.type == registry.SIZE:
+    if o.type == decl.SIZE:
         n = _device_size(v, at) if o.sectors else _size(v, at, o.lo or 0, o.hi)
         if o.power_of_two and n & (n - 1):
             raise _Invalid(at, f"{n} is not a power of two: use {o.lo}, {2 * (o.lo or 1)}, ... "
                            f"{o.hi}")
         return n
-    if o.type == registry.INT:
+    if o.type == decl.INT:
         return _int(v, at, o.lo if o.lo is not None else -(1 << 63), o.hi)
-    if o.type == registry.BOOL:
+    if o.type == decl.BOOL:
         return _bool(v, at)
-    if o.type == registry.PATH:
+    if o.type == decl.PATH:
         return _existing(v, at, base)
-    if o.type == registry.PATHS:
+    if o.type == decl.PATHS:
         return _paths(v, at, base, kind, o)
-    if o.type == registry.CHOICE:
+    if o.type == decl.CHOICE:
         return _choice(v, at, o.choices)
-    if o.type == registry.DURATION:
+    if o.type == decl.DURATION:
         return _duration(v, at)
-    if o.type == registry.FLOAT:
+    if o.type == decl.FLOAT:
         return _float(v, at, o.lo, o.hi)
-    if o.type == registry.RANGES:
+    if o.type == decl.RANGES:
         return _ranges(v, at)
     return _str(v, at)
 
@@ -644,7 +645,7 @@ def _sized(cls: type, raw: dict[str, Any], at: str) -> dict[str, Any]:
     return out
 
 
-def _paths(v: Any, at: str, base: str, kind: str, o: registry.Option) -> list[str]:
+def _paths(v: Any, at: str, base: str, kind: str, o: decl.Option) -> list[str]:
     """A list of existing paths: stripe's files (``o.lo``..``o.hi`` of them,
     distinct), qcow2's allow_backing (directories or files)."""
     lo, hi = o.lo, o.hi

@@ -27,6 +27,7 @@ from aioublk.frontend.config import (
 )
 from aioublk.frontend.runner import ONE_LINE_ERRORS
 from aioublk.target import Target
+from aioublk.targets import spec as decl
 
 
 def make_target(args: argparse.Namespace) -> Target:
@@ -48,7 +49,7 @@ def make_target(args: argparse.Namespace) -> Target:
     options = {o.key: getattr(args, o.key) for o in spec.options
                if o.flags and getattr(args, o.key) is not None}
     for o in spec.options:
-        if o.type == registry.INT and o.flags and o.lo == 0 and options[o.key] < 0:
+        if o.type == decl.INT and o.flags and o.lo == 0 and options[o.key] < 0:
             raise UblkError(f"{o.flag} {options[o.key]} is negative")
     fed = spec.option(spec.files)
     if fed is None and files:
@@ -57,7 +58,7 @@ def make_target(args: argparse.Namespace) -> Target:
         if files:
             raise UblkError(f"the {name} target's {fed.what} is given twice: as FILE and as "
                             f"--opt {fed.key}; drop one")
-    elif fed is not None and fed.type in (registry.PATH, registry.STR):
+    elif fed is not None and fed.type in (decl.PATH, decl.STR):
         second = spec.option(spec.second_file) if spec.second_file else None
         if second is not None and len(files) == 2:  # (kublk's loop: the metadata file)
             if not getattr(args, "metadata_size", 0):
@@ -85,7 +86,7 @@ def _unknown_target(name: str) -> UblkError:
                      "pkg.module:Class with --opt")
 
 
-def _no_foreign_options(name: str, spec: registry.TargetSpec | None,
+def _no_foreign_options(name: str, spec: decl.TargetSpec | None,
                         args: argparse.Namespace) -> None:
     """A target flag given to a target that does not take it is refused, not
     ignored (``--zone_size`` with ``-t null``)."""

@@ -25,7 +25,7 @@ from aioublk.frontend import stats
 from aioublk.kernel import uapi
 from aioublk.queue.options import DeviceConfig
 from aioublk.target import Target
-from aioublk.targets.filters import CowFilter
+from aioublk.targets.filters.cow import CowFilter
 
 log = logs.get_logger("aioublk.runner")
 

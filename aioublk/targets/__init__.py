@@ -1,6 +1,12 @@
-"""Built-in targets, by the names the CLI and config files use."""
+"""Built-in targets, by the names the CLI and config files use.
 
-from typing import TYPE_CHECKING
+Each is a module here holding its class and, beside it, its ``SPEC`` (an
+``aioublk.targets.spec.TargetSpec``); the filters are in ``filters/``. A
+target module added here is found by name: ``aioublk.targets.ItsClass``
+imports it, as the command line and config files find its ``SPEC``.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from aioublk._lazy import exports
 
@@ -16,7 +22,21 @@ _WHERE = {
     "StripeTarget": "aioublk.targets.stripe",
 }
 
-__getattr__, __dir__ = exports(__name__, _WHERE)
+_listed, __dir__ = exports(__name__, _WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    """A name of ``_WHERE``, or the class of a target found by its ``SPEC``."""
+    if name in _WHERE or not name[:1].isupper():  # (modules: the import system's)
+        return _listed(name)
+    from aioublk.targets.spec import TargetSpec, discover
+
+    for spec in discover(__name__, TargetSpec).values():
+        if spec.cls.__name__ == name:
+            globals()[name] = spec.cls
+            return spec.cls
+    return _listed(name)  # (raises AttributeError)
+
 
 if TYPE_CHECKING:
     from aioublk.io.hostfile import BackingError as BackingError

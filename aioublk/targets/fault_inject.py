@@ -15,6 +15,7 @@ import signal
 
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Geometry, Target
+from aioublk.targets.spec import BOOL, DEVICE_SIZE, INT, Option, TargetSpec
 
 
 class FaultInjectTarget(Target):
@@ -56,3 +57,13 @@ class FaultInjectTarget(Target):
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "delay_us": int(self.delay * 1e6),
                 "die_during_fetch": self.die_during_fetch}
+
+
+#: ``-t fault_inject``: its options, as the command line and config files take them
+SPEC = TargetSpec("fault_inject", FaultInjectTarget, (
+    DEVICE_SIZE,
+    Option("delay_us", INT, "hold each request this many microseconds", default=0,
+           flags=("--delay_us",), lo=0),
+    Option("die_during_fetch", BOOL, "1 = SIGKILL the server while it arms its tags",
+           default=False, flags=("--die_during_fetch",), zero_one=True),
+), rank=9)

@@ -19,6 +19,7 @@ from aioublk.io.hostfile import Backing, BackingError, file_bytes, fit_geometry
 from aioublk.kernel import uapi
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, Geometry, Target, rw_handler
+from aioublk.targets.spec import BUFFERED, PATH, Option, TargetSpec
 
 #: bytes written at a time when a new device's metadata file is set to 0xFF
 _FILL_CHUNK = 1 << 20
@@ -133,3 +134,14 @@ class LoopTarget(Target):
         if self.meta is not None:
             d["metadata_file"] = self.meta.path
         return d
+
+
+#: ``-t loop``: its options, as the command line and config files take them
+SPEC = TargetSpec("loop", LoopTarget, (
+    Option("file", PATH, "the backing file or block device", arg="*",
+           required=True, what="backing file"),
+    BUFFERED,
+    Option("metadata_file", PATH, "with --metadata_size: the file keeping the integrity "
+           "metadata, metadata_size bytes per 512-byte sector (the second FILE, as "
+           "kublk's)", what="metadata file"),
+), files="file", second_file="metadata_file", read_only=True, rank=2)

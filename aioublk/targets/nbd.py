@@ -83,6 +83,7 @@ from aioublk.dataplane.maps import External
 from aioublk.errors import Error
 from aioublk.ring import Ring, current_ring
 from aioublk.target import Done, Geometry, QueueContext, Target, current_queue
+from aioublk.targets.spec import INT, PATH, STR, Option, TargetSpec
 
 log = logs.get_logger("aioublk.nbd")
 
@@ -678,3 +679,21 @@ def _geometry(size: int, minimum: int, preferred: int, maximum: int, *, read_onl
                     io_min=lbs, io_opt=pbs, max_io_size=min(maximum or 32 << 20, 32 << 20),
                     volatile_cache=flush, fua=fua, read_only=read_only, discard=trim,
                     discard_granularity=pbs, write_zeroes=zero)
+
+
+#: ``-t nbd``: its options, as the command line and config files take them
+SPEC = TargetSpec("nbd", NbdTarget, (
+    Option("uri", STR, "the NBD export: nbd://HOST[:PORT]/EXPORT, "
+           "nbd+unix:///EXPORT?socket=PATH, or nbds://... for TLS", arg="*",
+           required=True, what="NBD URI"),
+    Option("tls_certificates", PATH, "directory of the TLS CA, client certificate and "
+           "key (ca-cert.pem, client-cert.pem, client-key.pem) for nbds:// URIs",
+           flags=("--tls-certificates",), what="certificate directory"),
+    Option("tls_hostname", STR, "the host name the server's TLS certificate must hold: "
+           "needed for nbds+unix:// URIs (a unix socket has none to check; libnbd "
+           ">= 1.22), and checked instead of the host of an nbds:// URI",
+           flags=("--tls-hostname",), what="TLS host name"),
+    Option("reconnect_timeout", INT, "seconds a lost server's requests are held while "
+           "reconnecting, before they fail with EIO", default=30, default_help="30",
+           flags=("--reconnect-timeout",), lo=0),
+), files="uri", read_only=True, rank=6)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from aioublk.dataplane.maps import Map, Null
 from aioublk.target import Buffer, Done, Geometry, Target
+from aioublk.targets.spec import DEVICE_SIZE, TargetSpec
 
 
 class NullTarget(Target):
@@ -51,3 +52,7 @@ class NullTarget(Target):
 
     async def write_zeroes(self, offset: int, length: int, unmap: bool = True) -> None:
         return None
+
+
+#: ``-t null``: its options, as the command line and config files take them
+SPEC = TargetSpec("null", NullTarget, (DEVICE_SIZE,), rank=1)

@@ -45,6 +45,7 @@ from aioublk.dataplane.maps import Passthrough
 from aioublk.errors import Error
 from aioublk.ring import Handler, buffer_address, current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target
+from aioublk.targets.spec import PATH, Option, TargetSpec
 
 
 def _iowr(type_: str, nr: int, size: int) -> int:
@@ -293,3 +294,10 @@ class NvmeTarget(Target):
     def describe(self) -> dict[str, object]:
         return {"target": self.name, "size": self.geometry.size, "device": self.ns.path,
                 "nsid": self.ns.nsid}
+
+
+#: ``-t nvme``: its options, as the command line and config files take them
+SPEC = TargetSpec("nvme", NvmeTarget, (
+    Option("device", PATH, "the NVMe namespace's generic char device (/dev/ngXnY)",
+           arg="*", required=True, what="NVMe generic char device"),
+), files="device", read_only=True, rank=5)

@@ -35,6 +35,7 @@ from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2.format import HEADER_BYTES, Qcow2Error, virtual_size
 from aioublk.ring import current_ring
 from aioublk.target import Done, Geometry, QueueContext, Target
+from aioublk.targets.spec import BOOL, BUFFERED, CHOICE, PATH, PATHS, SIZE, Option, TargetSpec
 
 log = logs.get_logger("aioublk.qcow2")
 
@@ -232,3 +233,20 @@ class Qcow2Target(Target):
                 "backing": h.backing_file,
                 "metadata_write_through": self.image.metadata_write_through,
                 "compress": self.image.compress}
+
+
+#: ``-t qcow2``: its options, as the command line and config files take them
+SPEC = TargetSpec("qcow2", Qcow2Target, (
+    Option("image", PATH, "the qcow2 image", arg="*", required=True, what="image"),
+    Option("l2_cache", SIZE, "L2 cache size", default_help="map the whole disk, up to 32M",
+           flags=("--l2-cache",), arg="cache_bytes", lo=1),
+    BUFFERED,
+    Option("allow_backing", PATHS, "backing files may also be under this directory, or be "
+           "this file or block device (repeatable; by default only files in the image's "
+           "own directory)", default=(), flags=("--allow-backing",)),
+    Option("backing_format", CHOICE, "the format of backing files whose image records "
+           "none (never guessed)", flags=("--backing-format",), choices=("raw", "qcow2")),
+    Option("compress", BOOL, "write whole, aligned clusters compressed, with the image's "
+           "compression type (as qemu-img convert -c); C then serves reads only",
+           default=False, flags=("--compress",)),
+), files="image", read_only=True, rank=4)

@@ -36,6 +36,7 @@ from typing import Any
 from aioublk import logs
 from aioublk.errors import Error
 from aioublk.target import Done, Geometry, QueueContext, Target
+from aioublk.targets.spec import PATH, STR, Option, TargetSpec
 
 log = logs.get_logger("aioublk.rbd")
 
@@ -315,3 +316,15 @@ def _zero_past(buf: memoryview, res: int) -> None:
     end): zeros after them, never what the buffer held before."""
     if 0 <= res < len(buf):
         buf[res:] = bytes(len(buf) - res)
+
+
+#: ``-t rbd``: its options, as the command line and config files take them
+SPEC = TargetSpec("rbd", RbdTarget, (
+    Option("image", STR, "the RBD image: POOL/IMAGE, or POOL/IMAGE@SNAPSHOT (read-only)",
+           arg="*", required=True, what="RBD image"),
+    Option("conf", PATH, "the Ceph cluster's config file", default="/etc/ceph/ceph.conf",
+           default_help="/etc/ceph/ceph.conf", flags=("--rbd-conf",),
+           what="Ceph config file"),
+    Option("id", STR, "the Ceph client id (client.ID's keyring)", default="admin",
+           default_help="admin", flags=("--rbd-id",), arg="client_id"),
+), files="image", read_only=True, rank=7)

@@ -16,6 +16,7 @@ from aioublk.dataplane.maps import Map, Striped
 from aioublk.io.hostfile import Backing, BackingError, file_bytes, fit_geometry
 from aioublk.ring import current_ring
 from aioublk.target import Buffer, Done, FixedBuf, Geometry, Target, gather_all, rw_handler
+from aioublk.targets.spec import PATHS, SIZE, Option, TargetSpec
 
 MAX_FILES = 4
 
@@ -178,3 +179,13 @@ class StripeTarget(Target):
     def capacity(cls, files: list[str], options: dict[str, Any]) -> int | None:
         chunk = options.get("chunk_size") or 65536
         return min(file_bytes(f) & ~(chunk - 1) for f in files) * len(files) if files else None
+
+
+#: ``-t stripe``: its options, as the command line and config files take them
+SPEC = TargetSpec("stripe", StripeTarget, (
+    Option("files", PATHS, "the backing files, striped in this order", arg="*", lo=2, hi=4,
+           distinct=True, required=True, what="backing file"),
+    Option("chunk_size", SIZE, "bytes per chunk, a power of two", default=65536,
+           default_help="64K", flags=("--chunk_size",), lo=4096, hi=512 << 10,
+           power_of_two=True),
+), files="files", read_only=True, rank=3)

@@ -31,6 +31,7 @@ from aioublk.io.hostfile import Backing, fit_geometry
 from aioublk.kernel import uapi
 from aioublk.ring import current_ring
 from aioublk.target import Geometry, Target
+from aioublk.targets.spec import BUFFERED, INT, PATH, SIZE, Option, TargetSpec
 from aioublk.targets.zones import CONVENTIONAL, ZoneTable
 
 #: the state file: magic, zone sectors, zones, conventional zones; then per zone
@@ -264,3 +265,21 @@ def _grow(path: str, size: int) -> None:
             os.ftruncate(fd, size)
     finally:
         os.close(fd)
+
+
+#: ``-t zoned``: its options, as the command line and config files take them
+SPEC = TargetSpec("zoned", ZonedTarget, (
+    Option("file", PATH, "the backing file (created if missing; zone states go to "
+           "FILE.zones); none: zones in memory", what="backing file"),
+    Option("size", SIZE, "bytes the device serves (whole zones)", default=1 << 30,
+           default_help="1G", flags=("-s", "--size"), lo=4096, sectors=True),
+    Option("zone_size", SIZE, "bytes per zone, a power of two", default=64 << 20,
+           default_help="64M", flags=("--zone_size",), lo=4096, power_of_two=True),
+    Option("conv_zones", INT, "how many zones, from the first, are conventional",
+           default=0, flags=("--conv_zones",), lo=0),
+    Option("max_open_zones", INT, "the most zones open at once (0: no limit)", default=0,
+           flags=("--max_open_zones",), lo=0),
+    Option("max_active_zones", INT, "the most zones open or closed at once (0: no limit)",
+           default=0, flags=("--max_active_zones",), lo=0),
+    BUFFERED,
+), files="file", rank=8)

@@ -17,6 +17,7 @@ from aioublk.frontend.config import ConfigError, build_target, load, parse_size
 from aioublk.qcow2 import Qcow2Error
 from aioublk.queue.options import CopyMode
 from aioublk.targets import LoopTarget, NullTarget, StripeTarget
+from aioublk.targets import spec as decl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MiB = 1 << 20
@@ -304,7 +305,7 @@ def test_examples_load(name: str, tmp_path: Path) -> None:
     for d in devices:
         o = d.get("options", {})
         paths = [o[x.key] for x in registry.TARGETS[d["target"]].options
-                 if x.key in o and x.type == registry.PATH]
+                 if x.key in o and x.type == decl.PATH]
         for p in paths + o.get("files", []):
             (tmp_path / p).write_bytes(b"\0" * MiB)
     c = load(str(example))

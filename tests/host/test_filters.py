@@ -19,17 +19,15 @@ from aioublk.errors import UblkError
 from aioublk.frontend import addargs, config, maketarget, verb
 from aioublk.frontend.kublk_lines import target_line
 from aioublk.target import Geometry, Target
-from aioublk.targets.filters import (
-    CacheFilter,
-    CowFilter,
-    DelayFilter,
-    ErrorFilter,
-    Filter,
-    LogFilter,
-    ProtectFilter,
-    RateFilter,
-    find_partition,
-)
+from aioublk.targets.filters.base import Filter
+from aioublk.targets.filters.cache import CacheFilter
+from aioublk.targets.filters.cow import CowFilter
+from aioublk.targets.filters.delay import DelayFilter
+from aioublk.targets.filters.error import ErrorFilter
+from aioublk.targets.filters.log import LogFilter
+from aioublk.targets.filters.partition import find_partition
+from aioublk.targets.filters.protect import ProtectFilter
+from aioublk.targets.filters.rate import RateFilter
 
 MiB = 1 << 20
 

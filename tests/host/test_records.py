@@ -223,7 +223,7 @@ def test_commit_asks_the_server_and_prints_its_answer(
     import signal
 
     from aioublk.frontend import runner
-    from aioublk.targets.filters import CowFilter
+    from aioublk.targets.filters.cow import CowFilter
 
     monkeypatch.setattr(ctl, "Control", CommitControl)
     assert ctl.main(["commit", "-n", "5"]) == 1

@@ -11,6 +11,7 @@ import pytest
 
 from aioublk import Geometry, Target, UblkError
 from aioublk.frontend import cli, config, maketarget, registry, verb
+from aioublk.targets import spec as decl
 
 
 def _add_parser() -> argparse.ArgumentParser:
@@ -34,15 +35,16 @@ def test_every_option_reaches_the_command_line_and_the_config(name: str) -> None
             assert flags[flag].dest == o.key, flag
             assert name in (flags[flag].help or "").split(":")[0].split("/"), flag
     assert spec.files in ("", *spec.keys())
-    assert spec.target_class().__name__ == spec.cls.partition(":")[2]
+    assert issubclass(spec.target_class(), Target) and spec.target_class() is spec.cls
+    assert spec.cls.__module__ == f"aioublk.targets.{name}"
 
 
 def test_every_option_says_what_docs_need() -> None:
     for spec in registry.TARGETS.values():
         for o in spec.options:
-            assert o.help and o.type in (registry.SIZE, registry.INT, registry.BOOL,
-                                         registry.PATH, registry.PATHS, registry.CHOICE,
-                                         registry.STR), o
+            assert o.help and o.type in (decl.SIZE, decl.INT, decl.BOOL,
+                                         decl.PATH, decl.PATHS, decl.CHOICE,
+                                         decl.STR), o
             assert o.flag == (o.flags[0] if o.flags else f"--opt {o.key}")
 
 
