@@ -210,7 +210,7 @@ def _option_default(o: decl.Option) -> str:
 
 
 def _bounds(o: decl.Option) -> str:
-    """Bounds and choices as the config checks them (``config._option``)."""
+    """Bounds and choices as the config checks them (``values.check_option``)."""
     if o.choices:
         return " \\| ".join(f"`{c}`" for c in o.choices)
     show = _size_text if o.type == decl.SIZE else str

@@ -8,7 +8,7 @@ import errno
 import sys
 
 from aioublk import Device, Filter, LoopTarget, Target
-from aioublk.frontend.config import parse_size
+from aioublk.frontend.values import parse_size
 
 
 class Fence(Filter):

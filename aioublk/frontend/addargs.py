@@ -14,7 +14,7 @@ from typing import Any
 
 from aioublk.errors import UblkError
 from aioublk.frontend import registry
-from aioublk.frontend.config import SIZE_FORMS, parse_size
+from aioublk.frontend.values import SIZE_FORMS, parse_size
 from aioublk.frontend.verb import dev_id_arg, flag01
 from aioublk.kernel import uapi
 from aioublk.queue import options

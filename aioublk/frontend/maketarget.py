@@ -16,16 +16,17 @@ from typing import Any
 from aioublk.errors import UblkError
 from aioublk.frontend import registry
 from aioublk.frontend.addargs import create_defaults
-from aioublk.frontend.config import (
+from aioublk.frontend.registry import (
     build_target,
     filter_stack,
     packaged_target,
     packaged_targets,
+    target_class_of,
     target_options,
-    toml_value,
     with_filters,
 )
 from aioublk.frontend.runner import ONE_LINE_ERRORS
+from aioublk.frontend.values import toml_value
 from aioublk.target import Target
 from aioublk.targets import spec as decl
 
@@ -165,8 +166,6 @@ def target_help(name: str) -> str:
     kind = name if ":" in name else packaged_target(name)
     if kind is None:
         raise _unknown_target(name)
-    from aioublk.frontend.config import target_class_of
-
     cls = target_class_of(kind)
     params = [p for p in inspect.signature(cls).parameters.values()
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]

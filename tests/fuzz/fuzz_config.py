@@ -17,7 +17,7 @@ import tempfile
 import types
 from pathlib import Path
 
-from aioublk.frontend import config
+from aioublk.frontend import config, registry
 from tests.fuzz.common import check_error
 
 FILES = ("disk.img", "vm.qcow2", "stripe0.img", "stripe1.img", "meta.img")
@@ -43,7 +43,7 @@ _PATH = str(_DIR / "serve.toml")
 def one_input(data: bytes) -> None:
     with open(_PATH, "wb") as f:
         f.write(data)
-    real, config.importlib = config.importlib, _IMPORTLIB  # type: ignore[assignment]
+    real, registry.importlib = registry.importlib, _IMPORTLIB  # type: ignore[assignment]
     try:
         cfg = config.load(_PATH)
     except config.ConfigError as e:
@@ -51,4 +51,4 @@ def one_input(data: bytes) -> None:
     else:
         assert isinstance(cfg, config.ServeConfig)
     finally:
-        config.importlib = real
+        registry.importlib = real

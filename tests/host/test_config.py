@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from aioublk.frontend import addargs, registry, serve, verb
-from aioublk.frontend.config import ConfigError, build_target, load, parse_size
+from aioublk.frontend.config import ConfigError, load
+from aioublk.frontend.registry import build_target
+from aioublk.frontend.values import parse_size
 from aioublk.qcow2 import Qcow2Error
 from aioublk.queue.options import CopyMode
 from aioublk.targets import LoopTarget, NullTarget, StripeTarget

@@ -86,7 +86,7 @@ def test_a_loop_file_smaller_than_a_block_is_refused_in_one_line(tmp_path: Path)
     tiny = tmp_path / "tiny.img"
     tiny.write_bytes(b"x" * 100)
     with pytest.raises(BackingError) as e:  # (an aioublk.Error: the CLI prints one line)
-        config.build_target("loop", {"file": str(tiny)}, read_only=False)
+        registry.build_target("loop", {"file": str(tiny)}, read_only=False)
     assert str(e.value) == f"{tiny} (100 bytes) is smaller than one 512-byte block: give a " \
         "larger file"
 
@@ -237,8 +237,8 @@ def test_a_qcow2_disk_of_no_sectors_is_refused_in_one_line(tmp_path: Path) -> No
     image = tmp_path / "zero.qcow2"
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(image), "0"], check=True)
     with pytest.raises(Qcow2Error) as e:
-        config.build_target("qcow2", {"image": str(image)}, read_only=False)
+        registry.build_target("qcow2", {"image": str(image)}, read_only=False)
     assert str(e.value) == f"{image}: its disk has 0 bytes, less than one 512-byte sector: " \
         "resize it (qemu-img resize)"
     with pytest.raises(Qcow2Error, match="its disk has 0 bytes"):  # not "locked": let go
-        config.build_target("qcow2", {"image": str(image)}, read_only=False)
+        registry.build_target("qcow2", {"image": str(image)}, read_only=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend import config, maketarget, verb
+from aioublk.frontend import config, maketarget, registry, verb
 from tests.host.test_filters import Memory, stacked
 
 
@@ -52,7 +52,7 @@ def test_encrypt_needs_a_64_byte_key(tmp_path: Path) -> None:
         stacked([f"encrypt:keyfile={key}"])
     assert "key file" in str(e.value)
     with pytest.raises(UblkError) as e:
-        config.filter_stack([f"encrypt:keyfile={tmp_path / 'none'}"])
+        registry.filter_stack([f"encrypt:keyfile={tmp_path / 'none'}"])
     assert "does not exist" in str(e.value)
 
 

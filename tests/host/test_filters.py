@@ -16,7 +16,7 @@ import pytest
 
 from aioublk.dataplane.maps import Linear, Null, Striped
 from aioublk.errors import UblkError
-from aioublk.frontend import addargs, config, maketarget, verb
+from aioublk.frontend import addargs, config, maketarget, registry, verb
 from aioublk.frontend.kublk_lines import target_line
 from aioublk.target import Geometry, Target
 from aioublk.targets.filters.base import Filter
@@ -68,7 +68,7 @@ class Memory(Target):
 
 
 def stacked(specs: list[str], inner: Target | None = None) -> Target:
-    return config.with_filters(inner or Memory(), config.filter_stack(specs))
+    return registry.with_filters(inner or Memory(), registry.filter_stack(specs))
 
 
 def test_offset_moves_requests_and_keeps_a_linear_map() -> None:
@@ -227,7 +227,7 @@ def test_cow_keeps_the_inner_device_unwritten(where: str, tmp_path: Path) -> Non
 
 def test_protect_refuses_writes_to_its_ranges_only() -> None:
     inner = Memory()
-    [(_, options)] = config.filter_stack(["protect:ranges=0-4K+1M-2M"])
+    [(_, options)] = registry.filter_stack(["protect:ranges=0-4K+1M-2M"])
     top = ProtectFilter(inner, options["ranges"])
     for offset, n, refused in ((0, 512, True), (4096, 512, False), (MiB - 512, 1024, True),
                                (2 * MiB, 4096, False)):
@@ -519,7 +519,7 @@ def test_log_writes_a_json_line_per_request_and_rotates(tmp_path: Path) -> None:
 ])
 def test_bad_stacks_are_refused_in_one_line(specs: list[str], message: str) -> None:
     with pytest.raises(UblkError) as e:
-        config.filter_stack(specs)
+        registry.filter_stack(specs)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -538,7 +538,7 @@ def test_a_filter_refusing_its_inner_device_closes_it(specs: list[str], message:
 
 
 def test_durations_read_as_nbdkit_writes_them() -> None:
-    [(_, got)] = config.filter_stack(["delay:read=50ms,write=2,flush=100us,discard=0.5s"])
+    [(_, got)] = registry.filter_stack(["delay:read=50ms,write=2,flush=100us,discard=0.5s"])
     assert got == pytest.approx({"read": 0.05, "write": 2.0, "flush": 1e-4, "discard": 0.5})
 
 

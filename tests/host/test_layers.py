@@ -58,8 +58,9 @@ LAYERS: list[list[str]] = [
     ["aioublk.queue.perio", "aioublk.batch"],
     ["aioublk.queue.worker"],
     ["aioublk.device"],
-    # the built-in targets declared: config and cli build from it
-    ["aioublk.frontend.registry", "aioublk.frontend.notify"],
+    # how values read and are checked; then the built-in targets found, and built
+    ["aioublk.frontend.values", "aioublk.frontend.notify"],
+    ["aioublk.frontend.registry"],
     ["aioublk.frontend.stats", "aioublk.frontend.config", "aioublk.frontend.udev",
      "aioublk.frontend.metrics", "aioublk.frontend.img"],
     # what cli and serve share

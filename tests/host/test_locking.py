@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend.config import ConfigError, build_target, load
+from aioublk.frontend.config import ConfigError, load
+from aioublk.frontend.registry import build_target
 from aioublk.io import locking
 from aioublk.qcow2 import Qcow2Error
 from aioublk.target import Target

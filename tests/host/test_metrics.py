@@ -14,7 +14,7 @@ import pytest
 from aioublk._uring import lib
 from aioublk.dataplane import plane as dataplane
 from aioublk.device import Device
-from aioublk.frontend import config, metrics
+from aioublk.frontend import config, metrics, values
 from aioublk.kernel import uapi
 from tests.host.test_batch import _driver, _Path
 
@@ -49,16 +49,16 @@ def test_no_metrics_table_means_no_endpoint() -> None:
     (9341, "is an integer: use a string"),
 ])
 def test_bad_listen_is_one_line(listen: Any, words: str) -> None:
-    with pytest.raises(config._Invalid, match=f"^metrics.listen: .*{words}") as e:
+    with pytest.raises(values.Invalid, match=f"^metrics.listen: .*{words}") as e:
         _parse({"metrics": {"listen": listen}})
     assert "\n" not in str(e.value)
 
 
 def test_unknown_metrics_key_suggests_the_known_one() -> None:
-    with pytest.raises(config._Invalid, match=r'^metrics.lsten: unknown key \(did you mean '
+    with pytest.raises(values.Invalid, match=r'^metrics.lsten: unknown key \(did you mean '
                                               r'"listen"\?\)'):
         _parse({"metrics": {"lsten": "127.0.0.1:1"}})
-    with pytest.raises(config._Invalid, match="^metrics: 1 is an integer: use a table"):
+    with pytest.raises(values.Invalid, match="^metrics: 1 is an integer: use a table"):
         _parse({"metrics": 1})
 
 
@@ -66,7 +66,7 @@ def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     real = config.importlib.util.find_spec
     monkeypatch.setattr(config.importlib.util, "find_spec",
                         lambda name: None if name == "prometheus_client" else real(name))
-    with pytest.raises(config._Invalid, match=r"pip install 'aioublk\[metrics\]'"):
+    with pytest.raises(values.Invalid, match=r"pip install 'aioublk\[metrics\]'"):
         _parse({"metrics": {"listen": "127.0.0.1:9341"}})
 
 

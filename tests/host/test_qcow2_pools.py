@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.dataplane.maps import Extents, Null
-from aioublk.frontend import config
+from aioublk.frontend import registry
 from aioublk.ring import Ring
 from aioublk.target import QueueContext, Target, setup_queue, teardown_queue
 from aioublk.targets.qcow2 import Qcow2Target
@@ -64,7 +64,7 @@ async def test_no_pool_under_a_filter_that_drops_the_map(tmp_path: Path, ring: R
     for one, and a crash after writes leaves no leaked cluster."""
     path = create(tmp_path / "a.qcow2", 16 * M, cluster_size=CS)
     qcow2 = Qcow2Target(str(path), direct=False)
-    top = config.with_filters(qcow2, config.filter_stack(stack))
+    top = registry.with_filters(qcow2, registry.filter_stack(stack))
     plane = await serve(ring, top)
     assert plane.dp.map is None or not isinstance(plane.dp.map, Extents)
     assert not qcow2.image.c_allocating, f"under {stack}: a pool no data plane takes from"
@@ -77,7 +77,7 @@ async def test_no_pool_under_readonly(tmp_path: Path, ring: Ring) -> None:
     reaches the data plane: no pool."""
     path = create(tmp_path / "a.qcow2", 16 * M, cluster_size=CS)
     qcow2 = Qcow2Target(str(path), direct=False)
-    top = config.with_filters(qcow2, config.filter_stack(["readonly"]))
+    top = registry.with_filters(qcow2, registry.filter_stack(["readonly"]))
     plane = await serve(ring, top)
     try:
         assert isinstance(plane.dp.map, Extents) and plane.dp.map.slot is None
@@ -96,7 +96,7 @@ async def test_a_data_plane_serving_the_table_gets_its_pool(tmp_path: Path, ring
     data plane has a pool, filled, and a clean close takes it back."""
     path = create(tmp_path / "a.qcow2", 16 * M, cluster_size=CS)
     qcow2 = Qcow2Target(str(path), direct=False)
-    top = config.with_filters(qcow2, config.filter_stack(stack))
+    top = registry.with_filters(qcow2, registry.filter_stack(stack))
     plane = await serve(ring, top)
     try:
         m = plane.dp.map

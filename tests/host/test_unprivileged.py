@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from aioublk.errors import UblkError
-from aioublk.frontend import addargs, cli, config, udev, verb
+from aioublk.frontend import addargs, cli, config, udev, values, verb
 from aioublk.kernel import uapi
 from aioublk.queue.options import CopyMode, DeviceConfig
 
@@ -48,7 +48,7 @@ def test_cli_and_config_spell_it(tmp_path: Path) -> None:
     spec = config.parse({"devices": [{"target": "null", "unprivileged": True}]},
                         str(tmp_path / "c.toml"), base=str(tmp_path)).devices[0]
     assert spec.config.unprivileged
-    with pytest.raises(config._Invalid, match="unprivileged"):
+    with pytest.raises(values.Invalid, match="unprivileged"):
         config.parse({"devices": [{"target": "null", "unprivileged": "yes"}]},
                      str(tmp_path / "c.toml"), base=str(tmp_path))
 

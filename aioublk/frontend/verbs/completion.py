@@ -8,7 +8,7 @@ import sys
 
 from aioublk._version import __version__
 from aioublk.frontend import registry, verb
-from aioublk.frontend.config import packaged_targets
+from aioublk.frontend.registry import packaged_targets
 from aioublk.frontend.verb import Verb
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from aioublk.errors import UblkError
 from aioublk.frontend import ctl, registry, stats
 from aioublk.frontend.addargs import size
-from aioublk.frontend.config import SIZE_FORMS
+from aioublk.frontend.values import SIZE_FORMS
 from aioublk.frontend.verb import Verb, add_dev_id
 from aioublk.kernel.control import Control
 
