@@ -1,10 +1,16 @@
 """The built-in targets' registry: every option it declares reaches both the
-command line and the config file, and ``add --opt`` types and checks
-values as a config file's are (on the host, no kernel)."""
+command line and the config file, ``add --opt`` types and checks values as
+a config file's are, and a target or a filter added as one module is known
+everywhere (on the host, no kernel)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -139,3 +145,117 @@ def test_bad_opt_through_main_is_one_line(capsys: pytest.CaptureFixture[str]) ->
     assert cli.main(["add", "-t", "null", "--opt", "sizes=1M"]) == 1
     err = capsys.readouterr().err
     assert err == 'aioublk: --opt sizes: unknown key (did you mean "size"?)\n'
+
+
+#: a target and a filter as a contributor adds them: one module each, its
+#: class beside its SPEC, dropped into the package and edited nowhere else
+TINY_TARGET = '''"""A disk that stores nothing, as a new target's whole module."""
+
+from aioublk.targets.null import NullTarget
+from aioublk.targets.spec import SIZE, Option, TargetSpec
+
+
+class TinyTarget(NullTarget):
+    name = "tiny"
+
+
+SPEC = TargetSpec("tiny", TinyTarget, (
+    Option("bytes", SIZE, "bytes the tiny disk serves", default=1 << 20, default_help="1M",
+           flags=("--tiny-bytes",), arg="size", lo=512, sectors=True),))
+'''
+
+CUT_FILTER = '''"""A filter hiding the device's last bytes, as a new filter's whole module."""
+
+from dataclasses import replace
+from typing import Any
+
+from aioublk.target import Target
+from aioublk.targets.filters.base import Filter
+from aioublk.targets.spec import SIZE, FilterSpec, Option
+
+
+class CutFilter(Filter):
+    name = "cut"
+    placement = True
+
+    def __init__(self, inner: Target, tail: int = 4096) -> None:
+        self.tail = tail
+        super().__init__(inner)
+
+    def shape(self, geometry: Any) -> Any:
+        return replace(geometry, size=geometry.size - self.tail)
+
+
+SPEC = FilterSpec("cut", CutFilter, "hide the device's last TAIL bytes", (
+    Option("tail", SIZE, "bytes hidden", default=4096, lo=512),))
+'''
+
+#: run in a copy of the package holding the two new modules: what the command
+#: line, the config loader, ``aioublk.targets`` and the docs make of them
+PROBE = '''
+import contextlib, io, os, sys
+import aioublk, aioublk.targets
+from aioublk.frontend import cli, config, registry
+
+assert aioublk.__file__.startswith(sys.argv[1]), aioublk.__file__
+assert list(registry.TARGETS)[-1] == "tiny" and list(registry.FILTERS)[-1] == "cut"
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    assert cli.main(["add", "-t", "tiny", "--help"]) == 0
+assert "--tiny-bytes" in out.getvalue() and "bytes the tiny disk serves" in out.getvalue()
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+    cli.main(["add", "--help"])
+help = " ".join(out.getvalue().split())
+assert "|fault_inject|tiny, or pkg.module:Class" in help, help
+assert "; cut:[tail=SIZE] = hide the device's last TAIL bytes" in help, help
+args = cli._parser().parse_args(["add", "-t", "tiny", "--tiny-bytes", "64K",
+                                 "--filter", "cut:tail=8K"])
+t = cli.make_target(args)
+assert type(t).__name__ == "CutFilter" and type(t.inner).__name__ == "TinyTarget"
+assert t.geometry.size == 56 << 10
+path = os.path.join(sys.argv[2], "serve.toml")
+with open(path, "w") as f:
+    f.write('[[devices]]\\ntarget = "tiny"\\nfilters = ["cut:tail=1K"]\\n'
+            '[devices.options]\\nbytes = "32K"\\n')
+[dev] = config.load(path).devices
+assert dev.build_target().geometry.size == 31 << 10
+assert aioublk.targets.TinyTarget is registry.TARGETS["tiny"].cls
+sys.path.insert(0, sys.argv[3])
+import hooks  # the docs' generated references
+assert 'target = "tiny"' in hooks.config_reference() and "--tiny-bytes" in hooks.cli_reference()
+print("ok")
+'''
+
+
+def test_a_new_target_and_filter_are_one_file_each(tmp_path: Path) -> None:
+    """Dropped into aioublk/targets and aioublk/targets/filters (here, of a
+    copy of the package), a module is a target ``add -t``, its ``--help``, a
+    config file, ``aioublk.targets`` and the docs know; another a filter
+    ``--filter`` and a config's ``filters`` stack."""
+    root = Path(cli.__file__).resolve().parents[2]
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "aioublk", copy / "aioublk",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "aioublk" / "targets" / "tiny.py").write_text(TINY_TARGET)
+    (copy / "aioublk" / "targets" / "filters" / "cut.py").write_text(CUT_FILTER)
+    # -S: no editable install's finder to import the checkout's package instead
+    path = os.pathsep.join([str(copy), sysconfig.get_paths()["purelib"],
+                            sysconfig.get_paths()["platlib"]])
+    p = subprocess.run([sys.executable, "-S", "-c", PROBE, str(copy), str(tmp_path),
+                        str(root / "docs")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": path, "COLUMNS": "1000"}, cwd=tmp_path,
+                       stdin=subprocess.DEVNULL)
+    assert p.stdout == "ok\n", p.stderr
+
+
+def test_finding_the_targets_loads_no_backend_library() -> None:
+    """Discovering imports every target module, never librbd's or libnbd's
+    bindings (nor the cipher): ``-t null`` loads none of them."""
+    probe = ("import sys\nfrom aioublk.frontend import cli\n"
+             "cli.make_target(cli._parser().parse_args(['add', '-t', 'null']))\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[-1] in ('_rbd', '_nbd')\n"
+             "             or m.startswith(('rbd', 'rados', 'nbd', 'cryptography'))))")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert p.stdout == "[]\n", p.stderr
