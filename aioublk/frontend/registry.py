@@ -82,6 +82,8 @@ def target_options(kind: str, raw: dict[str, Any], *, at: str, base: str) -> dic
 
 
 def check_options(kind: str, raw: Any, at: str, base: str, partial: bool = False) -> dict[str, Any]:
+    """A target's options checked as its declaration (a custom class: its
+    constructor) says; ``partial``: none required. Raises Invalid."""
     check_table(raw, at)
     if ":" in kind:
         return _custom_options(kind, raw, at)
@@ -216,6 +218,8 @@ def packaged_targets() -> list[str]:
 
 
 def target_kind(v: Any, at: str) -> str:
+    """A config's ``target``: a built-in's name, or the "module:Class" that a
+    packaged target's name or the value itself names, imported. Raises Invalid."""
     kind = check_str(v, at)
     if kind in TARGETS:
         return kind
