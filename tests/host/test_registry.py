@@ -195,7 +195,7 @@ SPEC = FilterSpec("cut", CutFilter, "hide the device's last TAIL bytes", (
 PROBE = '''
 import contextlib, io, os, sys
 import aioublk, aioublk.targets
-from aioublk.frontend import cli, config, registry
+from aioublk.frontend import cli, config, maketarget, registry, verb
 
 assert aioublk.__file__.startswith(sys.argv[1]), aioublk.__file__
 assert list(registry.TARGETS)[-1] == "tiny" and list(registry.FILTERS)[-1] == "cut"
@@ -209,9 +209,9 @@ with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
 help = " ".join(out.getvalue().split())
 assert "|fault_inject|tiny, or pkg.module:Class" in help, help
 assert "; cut:[tail=SIZE] = hide the device's last TAIL bytes" in help, help
-args = cli._parser().parse_args(["add", "-t", "tiny", "--tiny-bytes", "64K",
+args = verb.parser().parse_args(["add", "-t", "tiny", "--tiny-bytes", "64K",
                                  "--filter", "cut:tail=8K"])
-t = cli.make_target(args)
+t = maketarget.make_target(args)
 assert type(t).__name__ == "CutFilter" and type(t.inner).__name__ == "TinyTarget"
 assert t.geometry.size == 56 << 10
 path = os.path.join(sys.argv[2], "serve.toml")
@@ -252,8 +252,8 @@ def test_a_new_target_and_filter_are_one_file_each(tmp_path: Path) -> None:
 def test_finding_the_targets_loads_no_backend_library() -> None:
     """Discovering imports every target module, never librbd's or libnbd's
     bindings (nor the cipher): ``-t null`` loads none of them."""
-    probe = ("import sys\nfrom aioublk.frontend import cli\n"
-             "cli.make_target(cli._parser().parse_args(['add', '-t', 'null']))\n"
+    probe = ("import sys\nfrom aioublk.frontend import maketarget, verb\n"
+             "maketarget.make_target(verb.parser().parse_args(['add', '-t', 'null']))\n"
              "print(sorted(m for m in sys.modules if m.split('.')[-1] in ('_rbd', '_nbd')\n"
              "             or m.startswith(('rbd', 'rados', 'nbd', 'cryptography'))))")
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
