@@ -17,7 +17,10 @@ RESULTS = ROOT / "bench" / "results"
 SUITES = importlib.import_module("bench.suites.__main__").SUITES
 MODULES = {p.stem: f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py")
            if p.stem not in ("__init__", "common")} | {s: f"bench.suites.{s}" for s in SUITES}
-BENCHES = sorted(MODULES)
+#: benches that compare two given checkouts: results only once they have been run on a change
+#: to judge (their report and table are tests/host/test_bench_NAME.py's)
+NO_RESULTS_YET = {"trees"}
+BENCHES = sorted(set(MODULES) - NO_RESULTS_YET)
 
 
 def test_every_bench_has_results() -> None:
@@ -40,7 +43,7 @@ def test_report_renders_from_the_committed_json(name: str, tmp_path: Path) -> No
         assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("name", BENCHES)
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     bench = importlib.import_module(MODULES[name])
     with pytest.raises(SystemExit) as e:
