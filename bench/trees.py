@@ -37,6 +37,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -204,6 +205,7 @@ def report(data: Mapping[str, Any], command: str) -> str:
           + (" with uncommitted changes" if trees[t].get("dirty") else "")
           for t in TREES if t in trees),
     ]
+    lines += load_note(data.get("host_load"))
     lines += notes(data, "a row or two of each kind, one round")
     lines += ["", *table(
         ["row", "old IOPS", "new IOPS", "new / old", "C share old", "C share new",
@@ -271,6 +273,47 @@ def describe(tree: Path) -> dict[str, Any]:
     return {"path": str(tree), "commit": commit or "?", "dirty": bool(dirty)}
 
 
+class HostLoad:
+    """The host's 1-minute load average, sampled every `every` seconds while a
+    guest runs: under emulation other work on the host moves the IOPS more
+    than most changes do."""
+
+    def __init__(self, every: float = 30.0) -> None:
+        self.every, self.samples = every, [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> HostLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict[str, Any]:
+        return {"cpus": os.cpu_count(), "median": statistics.median(self.samples),
+                "max": max(self.samples), "samples": len(self.samples)}
+
+
+def load_note(host: Mapping[str, Any] | None) -> list[str]:
+    """The report's paragraph on the host's load during the run."""
+    if not host:
+        return []
+    line = (f"The host's load average during the run: median {host['median']:.1f}, at most "
+            f"{host['max']:.1f}, on {host['cpus']} CPUs.")
+    if host["max"] > host["cpus"]:
+        line += (" **Busy host**: other work took the emulated CPUs' time now and then, "
+                 "and moves single rounds far more than a change would; judge only rows "
+                 "whose whole spread leaves 1, or run again on a quiet host.")
+    return ["", line]
+
+
 def guest_options(runtime: int, rounds: int, quick: bool) -> list[str]:
     return [f"--runtime={runtime}", f"--rounds={rounds}", *(["--quick"] if quick else [])]
 
@@ -311,12 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"old": describe(ns.baseline), "new": describe(ROOT)}
     compileall.compile_dir(Path(trees["old"]["path"]) / "aioublk", quiet=1)  # as the guest's
     options = guest_options(runtime, rounds, ns.quick)
-    code, data = run_guest("bench.trees", options,
-                           ns.timeout or guest_timeout(runtime, rounds, ns.quick),
-                           cpus=ns.cpus, kublk=False, inner=[trees["old"]["path"]])
+    with HostLoad() as host:
+        code, data = run_guest("bench.trees", options,
+                               ns.timeout or guest_timeout(runtime, rounds, ns.quick),
+                               cpus=ns.cpus, kublk=False, inner=[trees["old"]["path"]])
     if data is None:
         return 1
-    data["trees"] = trees
+    data["trees"], data["host_load"] = trees, host.summary()
     data["command"] = shlex.join([".venv/bin/python", "-m", "bench.trees", "--baseline",
                                   str(ns.baseline), *options,
                                   *([f"--cpus={ns.cpus}"] if ns.cpus != 2 else [])])

@@ -4,6 +4,8 @@ the report's table."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,7 @@ def test_the_guest_gets_the_options_and_the_baseline(monkeypatch: pytest.MonkeyP
     assert asked["inner"] == ["/abs/base"] and asked["kublk"] is False
     assert (asked["timeout"], asked["cpus"]) == (99, 4)
     text = (tmp_path / "trees.md").read_text()
+    assert json.loads((tmp_path / "trees.json").read_text())["host_load"]["samples"] == 2
     assert "`.venv/bin/python -m bench.trees --baseline base --runtime=2 --rounds=1 " \
            "--cpus=4`" in text
     assert "| null, 4k randread qd1 | 100 | 110 | 1.10 (1.10 – 1.10) | — |" in text
@@ -141,3 +144,18 @@ def test_the_report_has_a_row_each_the_trees_and_the_errors() -> None:
     assert "All rows, geometric mean of new / old: 0.950." in text
     assert "- new null, 4k randwrite qd64: `add exit 1: no`" in text
     assert "- new qcow2 empty check: `exit 3: leak`" in text
+
+
+def test_the_hosts_load_is_sampled_while_the_guest_runs() -> None:
+    with trees.HostLoad(every=0.01) as host:
+        time.sleep(0.1)
+    got = host.summary()
+    assert got["samples"] >= 3 and got["max"] >= got["median"] >= 0
+
+
+def test_a_busy_host_is_said() -> None:
+    assert trees.load_note(None) == []
+    quiet = trees.load_note({"cpus": 2, "median": 0.5, "max": 1.5, "samples": 30})
+    assert "median 0.5, at most 1.5, on 2 CPUs." in quiet[1] and "Busy" not in quiet[1]
+    busy = trees.load_note({"cpus": 2, "median": 6.0, "max": 11.1, "samples": 30})
+    assert "**Busy host**" in busy[1]
