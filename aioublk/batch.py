@@ -56,9 +56,11 @@ class BatchDriver(Driver):
     fetches, their buffers and commits are the data plane's, in C)."""
 
     FETCHES = 2
+    table = BATCH
+    batch = True
 
     def __init__(self, worker: Serving, ring: Ring, path: IoPath) -> None:
-        super().__init__(worker, ring, path, BATCH, batch=True)
+        super().__init__(worker, ring, path)
         self.queues = [qm for qm, _tags in worker.spec.work]
         for local in range(len(self.queues)):
             for tag in range(self.depth):

@@ -25,11 +25,13 @@ from dataclasses import replace
 from typing import Unpack
 
 from aioublk import logs
+from aioublk.batch import BatchDriver
 from aioublk.errors import UblkError
 from aioublk.kernel import uapi
 from aioublk.kernel.control import Control, char_path, command_failed, settled_info, state_name
 from aioublk.queue.driver import QueueMem, WorkerSpec
 from aioublk.queue.options import CopyMode, DeviceConfig, DeviceOptions, layout, placement
+from aioublk.queue.perio import PerIoDriver
 from aioublk.queue.worker import Worker
 from aioublk.ring import buffer_address
 from aioublk.target import QueueSetupError, Target
@@ -357,7 +359,8 @@ class Device:
             prep = {q for q, _tags in work} - prepared
             prepared |= prep
             spec = WorkerSpec(i, [(self.mems[q], tags) for q, tags in work], prep)
-            self.workers.append(Worker(wcfg, spec, self._char_fd, self.target, self.batch,
+            self.workers.append(Worker(wcfg, spec, self._char_fd, self.target,
+                                       BatchDriver if self.batch else PerIoDriver,
                                        cpu=cpus[i]))
         for w in self.workers:
             w.siblings = self.workers

@@ -19,7 +19,7 @@ import mmap
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol, cast
+from typing import Any, ClassVar, Protocol, cast
 
 from aioublk import logs
 from aioublk._uring import ffi, lib
@@ -404,8 +404,12 @@ class Driver:
     """What the per-I/O and batch drivers share: a worker's ring, its data
     plane and copy path, and the requests Python serves (one task each)."""
 
-    def __init__(self, worker: Serving, ring: Ring, path: IoPath, table: Table, *,
-                 batch: bool) -> None:
+    #: each driver's own: its queue states' table, and whether it speaks
+    #: UBLK_F_BATCH_IO (the worker reads it of the class it is handed)
+    table: ClassVar[Table]
+    batch: ClassVar[bool]
+
+    def __init__(self, worker: Serving, ring: Ring, path: IoPath) -> None:
         self.w = worker
         self.ring = ring
         self.path = path
@@ -416,7 +420,7 @@ class Driver:
         self.depth = cfg.depth
         work = worker.spec.work
         self.dp = DataPlane(ring, {
-            "char_fd": worker.char_fd, "batch": int(batch), "mode": path.mode.data_plane,
+            "char_fd": worker.char_fd, "batch": int(self.batch), "mode": path.mode.data_plane,
             "auto_zc_fallback": int(cfg.auto_zc_fallback), "zoned": int(cfg.zoned),
             "nr_queues": len(work),
             "depth": cfg.depth, "max_io": cfg.max_io_size,
@@ -453,7 +457,7 @@ class Driver:
         else:
             self.dp.set_map(worker.target.map())
         #: live, stopping, drained, sealed: see lifecycle.py
-        self.life = Lifecycle(table)
+        self.life = Lifecycle(self.table)
         self._drained: asyncio.Future[None] | None = None
         self.loop = asyncio.get_running_loop()
 

@@ -30,8 +30,11 @@ class PerIoDriver(Driver):
     """``FETCH_REQ`` / ``COMMIT_AND_FETCH_REQ`` for every tag a worker owns
     (the commands themselves are built and, for mapped requests, answered in C)."""
 
+    table = PER_IO
+    batch = False
+
     def __init__(self, worker: Serving, ring: Ring, path: IoPath) -> None:
-        super().__init__(worker, ring, path, PER_IO, batch=False)
+        super().__init__(worker, ring, path)
         # (queue, local index, tag) per owned tag; its slot is its buffer-table index
         self.slots: list[tuple[QueueMem, int, int]] = []
         self.slot_of: list[list[int]] = []

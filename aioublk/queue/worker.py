@@ -17,11 +17,9 @@ import threading
 import structlog
 
 from aioublk._uring import lib
-from aioublk.batch import BatchDriver
 from aioublk.dataplane.crossloop import LoopHandle
 from aioublk.queue.driver import Driver, IoPath, WorkerSpec, log
 from aioublk.queue.options import DeviceConfig
-from aioublk.queue.perio import PerIoDriver
 from aioublk.ring import Ring, queue_cq_entries, queue_ring_flags
 from aioublk.target import QueueContext, Target, setup_queue, teardown_queue
 
@@ -30,14 +28,16 @@ class Worker:
     """One thread, one uvloop loop, one Ring: serves its share of the queues."""
 
     def __init__(self, cfg: DeviceConfig, spec: WorkerSpec, char_fd: int, target: Target,
-                 batch: bool, cpu: int | None = None) -> None:
+                 driver: type[Driver], cpu: int | None = None) -> None:
         self.cfg = cfg
         self.cpu = cpu  # the CPU the thread is pinned to (options.placement)
         self.spec = spec
         self.char_fd = char_fd
         self.target = target
         self.mode = cfg.copy
-        self.batch = batch
+        #: the driver's class (per-I/O or batch): the device, above both, picks it
+        self.driver_class = driver
+        self.batch = driver.batch
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.drain_error: Exception | None = None  # the target's final write-back failed
@@ -139,7 +139,7 @@ class Worker:
         """Arm the queues' commands, serve until told to stop, then drain the
         driver and the target (the ring is closed by the caller)."""
         path = IoPath(self.target, ring, self.char_fd, self.mode)
-        driver: Driver = (BatchDriver if self.batch else PerIoDriver)(self, ring, path)
+        driver = self.driver_class(self, ring, path)
         self.driver = driver
         try:
             if self.mode.fixed:

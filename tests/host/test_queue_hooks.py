@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from structlog.testing import capture_logs
@@ -105,6 +105,8 @@ async def test_a_failed_teardown_is_logged_not_raised(ring: Any) -> None:
 class FakeDriver:
     """What Worker needs of a driver, recording when it is armed and drained."""
 
+    batch = False
+
     def __init__(self, w: Any, ring: Any, path: Any) -> None:
         self.events: list[tuple[str, int]] = w.target.events
         self.failed = 0
@@ -121,17 +123,15 @@ class FakeDriver:
         self.events.append(("driver close", threading.get_ident()))
 
 
-def _worker(monkeypatch: pytest.MonkeyPatch, target: Target) -> worker_mod.Worker:
-    monkeypatch.setattr(worker_mod, "PerIoDriver", FakeDriver)
+def _worker(target: Target) -> worker_mod.Worker:
     qm: Any = SimpleNamespace(q_id=3)
     return worker_mod.Worker(DeviceConfig(), WorkerSpec(0, [(qm, [0, 1])], set()), -1,
-                             target, batch=False)
+                             target, cast(Any, FakeDriver))
 
 
-def test_a_worker_sets_up_before_arming_and_tears_down_after_draining(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_sets_up_before_arming_and_tears_down_after_draining() -> None:
     events: list[tuple[str, int]] = []
-    w = _worker(monkeypatch, Hooked(events))
+    w = _worker(Hooked(events))
     w.start()
     assert w.ready.wait(10) and w.error is None
     w.request_finish()
@@ -142,9 +142,9 @@ def test_a_worker_sets_up_before_arming_and_tears_down_after_draining(
     assert {tid for _, tid in events} == {w.thread.ident}  # all on the worker's own thread
 
 
-def test_a_worker_whose_setup_fails_never_arms(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_whose_setup_fails_never_arms() -> None:
     events: list[tuple[str, int]] = []
-    w = _worker(monkeypatch, Hooked(events, setup_error=ValueError("no server")))
+    w = _worker(Hooked(events, setup_error=ValueError("no server")))
     w.start()
     assert w.ready.wait(10)
     w.join(10)
