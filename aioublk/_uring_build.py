@@ -1,7 +1,8 @@
 """cffi (API mode) builder for ``aioublk._uring``: the C in ``csrc/`` (the io_uring
-shim under ``ring.py``, the data plane, the extent table) as one extension.
+shim under ``ring.py``) and in ``dataplane/csrc/`` (the data plane, the extent
+table) as one extension.
 
-Each .c file there is its own translation unit. What Python sees is what the
+Each .c file is its own translation unit. What Python sees is what the parts'
 headers declare between ``/* cdef: begin */`` and ``/* cdef: end */``: plain
 declarations and ``#define NAME value`` only, so that cffi can read them as they
 are and each declaration is written once. This file holds only what cffi alone
@@ -18,10 +19,14 @@ from pathlib import Path
 
 import cffi
 
-#: the C parts, each a .c file and its header, in cdef order (a header's cdef may
-#: name a type an earlier one declares)
-PARTS = ("ring", "extents", "dataplane")
-_HERE = Path(__file__).parent / "csrc"
+#: the C parts in cdef order (a header's cdef may name a type an earlier one
+#: declares): each its folder (from the package), its header, and its .c files
+PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("csrc", "ring.h", ("ring.c",)),
+    ("dataplane/csrc", "extents.h", ("extents.c",)),
+    ("dataplane/csrc", "dataplane.h", ("dataplane.c",)),
+)
+_HERE = Path(__file__).parent
 
 #: liburing's constants Python uses
 LIBURING_CONSTANTS = (
@@ -68,24 +73,29 @@ def _parts() -> tuple[str, list[str]]:
     """(cdef, sources) of the C parts. A missing file is an error, never a smaller
     extension: one built without a part imports, then fails at its first use."""
     cdef, sources = "", []
-    for name in PARTS:
-        h, c = _HERE / f"{name}.h", _HERE / f"{name}.c"
-        missing = [str(p) for p in (h, c) if not p.is_file()]
+    for folder, header, cfiles in PARTS:
+        h, cs = _HERE / folder / header, [_HERE / folder / c for c in cfiles]
+        missing = [str(p) for p in (h, *cs) if not p.is_file()]
         if missing:
             raise SystemExit(f"aioublk build: missing C source {', '.join(missing)}: "
                              "the source tree or sdist is incomplete")
         cdef += _cdef_of(h)
         # relative: setuptools takes an extension's sources from the setup.py folder
-        sources.append(os.path.relpath(c))
+        sources += [os.path.relpath(c) for c in cs]
     return cdef, sources
+
+
+def include_dirs() -> list[str]:
+    """The parts' folders: a header includes another part's by its bare name."""
+    return list(dict.fromkeys(str(_HERE / folder) for folder, _h, _c in PARTS))
 
 
 _PART_CDEF, _SOURCES = _parts()
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF + _PART_CDEF)
 _LINK = runpy.run_path(str(Path(__file__).parent.parent / "buildlibs.py"))["source_args"](
-    "liburing", ["uring"], include_dirs=[str(_HERE)])
-ffibuilder.set_source("aioublk._uring", "".join(f'#include "{n}.h"\n' for n in PARTS),
+    "liburing", ["uring"], include_dirs=include_dirs())
+ffibuilder.set_source("aioublk._uring", "".join(f'#include "{h}"\n' for _f, h, _c in PARTS),
                       sources=_SOURCES, **_LINK)
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def preload() -> str:
 def _key(paths: Sequence[Path]) -> str:
     """The hash the cache is kept under: what the build reads, and how."""
     h = hashlib.sha256()
-    csrc = [p for d in (ROOT / "aioublk" / "csrc", ROOT / "aioublk" / "targets" / "csrc")
+    csrc = [p for d in sorted((ROOT / "aioublk").glob("**/csrc"))
             for p in sorted(d.iterdir()) if p.is_file()]
     for p in [*paths, *csrc, ROOT / "buildlibs.py", Path(__file__)]:
         h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")

@@ -29,7 +29,7 @@ lives (COW, discard, a freed or shared cluster, an evicted L2 table) it calls
 request that resolved it is still in flight. A request the data plane started
 therefore sees a mapping that stays valid until it completes.
 
-The table itself is C (``aioublk/csrc/extents.c``, thread-safe, memory bounded by
+The table itself is C (``aioublk/dataplane/csrc/extents.c``, thread-safe, memory bounded by
 ``max_entries``); this class is its owner and a thin typed face.
 """
 

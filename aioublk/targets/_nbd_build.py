@@ -80,9 +80,9 @@ int nbd_get_structured_replies_negotiated(struct nbd_handle *h);
 """
 
 #: the C is in csrc/nbd.c, declared in csrc/nbd.h; the plug-in's table is
-#: the data plane's (aioublk/csrc/dp_ext.h)
+#: the data plane's (aioublk/dataplane/csrc/dp_ext.h)
 _CSRC = Path(__file__).parent / "csrc"
-_DP = Path(__file__).parent.parent / "csrc"
+_DP = Path(__file__).parent.parent / "dataplane" / "csrc"
 
 
 def _cdef_of(header: Path) -> str:

@@ -5,10 +5,10 @@ that goes into it, so an unchanged target is built once.
 
 - ``nbd_wire``: the nbd target's own transmission (``targets/csrc/nbd.c``)
   against a hostile server and any order of the ring's completions;
-- ``extents``: the extent table (``csrc/extents.c``) against a model;
+- ``extents``: the extent table (``dataplane/csrc/extents.c``) against a model;
 - ``batch``: the data plane's COMMIT_IO_CMDS encoding and its partial
   commits, and the multishot FETCH_IO_CMDS's completions over its
-  provided buffers (``csrc/dataplane.c``, included by the harness).
+  provided buffers (``dataplane/csrc``'s C, included by the harness).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from aioublk.testing.sid import cache_dir
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 CSRC = ROOT / "aioublk" / "csrc"
+DPSRC = ROOT / "aioublk" / "dataplane" / "csrc"
 NBDSRC = ROOT / "aioublk" / "targets" / "csrc"
 CLANG = "clang-14"
 FLAGS = ["-fsanitize=fuzzer,address,undefined", "-g", "-O1", "-Wall", "-Wextra"]
@@ -32,14 +33,15 @@ FLAGS = ["-fsanitize=fuzzer,address,undefined", "-g", "-O1", "-Wall", "-Wextra"]
 #: headers it reads, the include folders and libraries
 TARGETS: dict[str, dict[str, list[Path] | list[str]]] = {
     "nbd_wire": {"sources": [HERE / "c" / "fuzz_nbd.c", NBDSRC / "nbd.c"],
-                 "headers": [NBDSRC / "nbd.h", CSRC / "dp_ext.h"],
-                 "include": [CSRC, NBDSRC], "libs": []},
-    "extents": {"sources": [HERE / "c" / "fuzz_extents.c", CSRC / "extents.c"],
-                "headers": [CSRC / "extents.h"], "include": [CSRC], "libs": ["-lpthread"]},
-    "batch": {"sources": [HERE / "c" / "fuzz_batch.c", CSRC / "extents.c"],
-              "headers": [CSRC / "dataplane.c", CSRC / "dataplane.h", CSRC / "ring.h",
-                          CSRC / "ublk_cmd.h", CSRC / "extents.h", CSRC / "dp_ext.h"],
-              "include": [CSRC], "libs": ["-luring", "-lpthread"]},
+                 "headers": [NBDSRC / "nbd.h", DPSRC / "dp_ext.h"],
+                 "include": [DPSRC, NBDSRC], "libs": []},
+    "extents": {"sources": [HERE / "c" / "fuzz_extents.c", DPSRC / "extents.c"],
+                "headers": [DPSRC / "extents.h"], "include": [DPSRC], "libs": ["-lpthread"]},
+    "batch": {"sources": [HERE / "c" / "fuzz_batch.c", DPSRC / "extents.c"],
+              # (the data plane's .c files, which the harness includes, are headers here)
+              "headers": [*sorted(p for p in DPSRC.glob("*.[ch]") if p.name != "extents.c"),
+                          CSRC / "ring.h", CSRC / "ublk_cmd.h"],
+              "include": [CSRC, DPSRC], "libs": ["-luring", "-lpthread"]},
 }
 
 

@@ -1,4 +1,4 @@
-"""The C extent table (aioublk/csrc/extents.c) through its Python owner."""
+"""The C extent table (aioublk/dataplane/csrc/extents.c) through its Python owner."""
 
 from __future__ import annotations
 

@@ -236,12 +236,13 @@ def test_a_missing_c_part_fails_the_build(tmp_path: Path,
     the build must stop instead, naming the file."""
     from aioublk import _uring_build
 
-    for name in _uring_build.PARTS:
-        shutil.copy(PACKAGE / "csrc" / f"{name}.h", tmp_path)
-        shutil.copy(PACKAGE / "csrc" / f"{name}.c", tmp_path)
+    for folder, header, cfiles in _uring_build.PARTS:
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        for name in (header, *cfiles):
+            shutil.copy(PACKAGE / folder / name, tmp_path / folder)
     monkeypatch.setattr(_uring_build, "_HERE", tmp_path)
     assert _uring_build._parts()[1]
-    last = _uring_build.PARTS[-1]
-    (tmp_path / f"{last}.c").unlink()
-    with pytest.raises(SystemExit, match=f"missing C source .*{last}.c"):
+    folder, _header, cfiles = _uring_build.PARTS[-1]
+    (tmp_path / folder / cfiles[-1]).unlink()
+    with pytest.raises(SystemExit, match=f"missing C source .*{folder}/{cfiles[-1]}"):
         _uring_build._parts()

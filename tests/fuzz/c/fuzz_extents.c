@@ -1,5 +1,5 @@
 /*
- * The extent table (aioublk/csrc/extents.c) against a model of what its
+ * The extent table (aioublk/dataplane/csrc/extents.c) against a model of what its
  * header and comments promise: random sequences of inserts, L2
  * publications, acquires, releases (each outcome settling what a write
  * allocated), invalidations, pools and drains, each result compared with

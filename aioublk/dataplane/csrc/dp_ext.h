@@ -1,6 +1,6 @@
 /*
  * An external map: the data plane's requests served by a plug-in that lives
- * in another extension (the nbd target's, aioublk/csrc/nbd.c), called
+ * in another extension (the nbd target's, aioublk/targets/csrc/nbd.c), called
  * through this table of function pointers, never through Python.
  *
  * Python hands the table's and the plug-in context's addresses to the data
