@@ -1,8 +1,8 @@
-"""aioublk's modules import in one direction: every import (at the top, under
-``TYPE_CHECKING`` or inside a function) goes to a module of an earlier
-layer, or, inside a subpackage, to a sibling; and the import graph has no
-cycle at all. The queue layer's order is the issue's: uapi -> ring -> target
--> options -> driver core -> per-I/O / batch drivers -> worker -> device."""
+"""aioublk's modules import in one direction: the package is a stack of floors,
+each a folder or a module of the package root, and every import (at the top,
+under ``TYPE_CHECKING`` or inside a function) goes down to a lower floor or
+stays inside its own folder; a few folders keep an order inside them too, and
+the import graph has no cycle at all."""
 
 from __future__ import annotations
 
@@ -16,68 +16,57 @@ import aioublk
 
 PACKAGE = Path(aioublk.__file__).parent
 
-#: the package root: the modules the design names (the ring, the device, the
-#: batch driver, the target base class) and what everything shares; the rest
-#: lives in a folder per layer
-ROOT_MODULES = {"aioublk", "aioublk.__main__", "aioublk._lazy", "aioublk._uring",
-                "aioublk._uring_build", "aioublk._version", "aioublk.batch", "aioublk.device",
-                "aioublk.errors", "aioublk.logs", "aioublk.ring", "aioublk.target"}
-
-#: the folders, lowest first: a module in one may import from an earlier
-#: folder (or the root), never from a later one
-FOLDERS = ["aioublk.testing", "aioublk.kernel", "aioublk.dataplane", "aioublk.io",
-           "aioublk.queue", "aioublk.qcow2", "aioublk.targets", "aioublk.frontend"]
-
-#: each module (or subpackage, with everything in it) in its layer; a module
-#: may import only from earlier layers (and its own subpackage)
-LAYERS: list[list[str]] = [
-    ["aioublk._uring", "aioublk._uring_build"],
-    ["aioublk.errors", "aioublk._version", "aioublk._lazy",
-     "aioublk.dataplane", "aioublk.queue", "aioublk.frontend"],  # (docstrings only)
-    ["aioublk.logs"],  # (its LogFileError is an aioublk.Error)
-    ["aioublk.testing"],
-    ["aioublk.kernel", "aioublk.kernel.uapi"],
-    # below every queue module: its owner hands it the data plane (Ring.attach)
-    ["aioublk.ring"],
-    # how threads call into a worker's loop (and wake it in C): under the qcow2 engine
-    ["aioublk.dataplane.crossloop"],
-    ["aioublk.io"],
-    ["aioublk.dataplane.extents"],
-    # how C finds the worker's uvloop loop to own its wait: the data plane's
-    ["aioublk.dataplane.cwait"],
-    ["aioublk.dataplane.maps"],
-    ["aioublk.dataplane.plane"],
-    ["aioublk.kernel.control"],
-    ["aioublk.target"],
-    # the one host-file module: the ring's I/O on a target's buffers
-    ["aioublk.io.hostfile"],
-    ["aioublk.qcow2"],
-    ["aioublk.targets"],
-    ["aioublk.queue.options", "aioublk.queue.lifecycle"],
-    ["aioublk.queue.driver"],
-    ["aioublk.queue.perio", "aioublk.batch"],
-    ["aioublk.queue.worker"],
-    ["aioublk.device"],
-    # how values read and are checked; then the built-in targets found, and built
-    ["aioublk.frontend.values", "aioublk.frontend.notify"],
-    ["aioublk.frontend.registry"],
-    ["aioublk.frontend.stats", "aioublk.frontend.config", "aioublk.frontend.udev",
-     "aioublk.frontend.metrics", "aioublk.frontend.img"],
-    # what cli and serve share
-    ["aioublk.frontend.kublk_lines", "aioublk.frontend.runner", "aioublk.frontend.livesnap"],
-    # the verb table, and what the verbs on /dev/ublk-control share (the light
-    # ones, list, del..., run from here)
-    ["aioublk.frontend.verb"],
-    ["aioublk.frontend.ctl"],
-    # what add and recover share: their options, the target they ask for, the daemon
-    ["aioublk.frontend.addargs"],
-    ["aioublk.frontend.maketarget"],
-    ["aioublk.frontend.daemon", "aioublk.frontend.serve"],
-    # the verbs, a module each
-    ["aioublk.frontend.verbs"],
-    ["aioublk.frontend.cli"],
-    ["aioublk.__main__", "aioublk"],
+#: the floors, lowest first: a folder (every module in it) or a module of the
+#: package root. A module imports from lower floors only, and from its own
+#: folder (in the order INSIDE gives, where it gives one)
+FLOORS = [
+    # what everything shares
+    "aioublk._uring_build", "aioublk._uring", "aioublk.errors", "aioublk._version",
+    "aioublk._lazy", "aioublk.logs",
+    # the pytest plugin and the guest's runner: nothing of the rest
+    "aioublk.testing",
+    # io_uring on the loop; its owner hands it the data plane (Ring.attach)
+    "aioublk.ring",
+    # what ublk_drv speaks
+    "aioublk.kernel",
+    # what C needs to serve a request without Python
+    "aioublk.dataplane",
+    # what a target is
+    "aioublk.target",
+    # host files: the ring's I/O on a target's buffers
+    "aioublk.io",
+    "aioublk.qcow2",
+    "aioublk.targets",
+    # serving a queue, then the batch driver (perio.py's peer, at the root), then
+    # the device that picks one for its workers
+    "aioublk.queue",
+    "aioublk.batch",
+    "aioublk.device",
+    "aioublk.frontend",
+    "aioublk.__main__",
+    "aioublk",
 ]
+
+#: the floors that are folders
+FOLDERS = [f for f in FLOORS if (PACKAGE.parent / f.replace(".", "/")).is_dir() and f != "aioublk"]
+
+#: the folders whose modules keep an order among themselves, lowest first:
+#: each may import only the modules before it (every module of the folder listed)
+INSIDE = {
+    # the queue's order: options -> driver core -> per-I/O driver -> worker
+    "aioublk.queue": ["options", "lifecycle", "driver", "perio", "worker"],
+    # the plane is built on the maps, the maps on the extent table
+    "aioublk.dataplane": ["crossloop", "extents", "cwait", "maps", "plane"],
+    "aioublk.kernel": ["uapi", "control"],
+    # one host-file module on the others
+    "aioublk.io": ["directio", "locking", "hostfile"],
+}
+
+#: rooms on different floors that import each other in neither direction: the
+#: queue serves any target through target.py alone, and what ublk_drv speaks
+#: and the data plane know nothing of each other
+APART = [("aioublk.queue", "aioublk.targets"), ("aioublk.queue", "aioublk.qcow2"),
+         ("aioublk.kernel", "aioublk.dataplane")]
 
 
 def modules() -> dict[str, Path]:
@@ -88,20 +77,6 @@ def modules() -> dict[str, Path]:
             parts.pop()
         out[".".join(parts)] = path
     return out
-
-
-def layer_of(module: str) -> tuple[int, str]:
-    """(layer index, the entry that placed it: a module or a subpackage)."""
-    for i, layer in enumerate(LAYERS):
-        if module in layer:
-            return i, module
-    # (the innermost subpackage that holds it: frontend.verbs, not frontend)
-    holders = [(len(entry), i, entry) for i, layer in enumerate(LAYERS) for entry in layer
-               if module == entry or (entry != "aioublk" and module.startswith(entry + "."))]
-    if holders:
-        _length, i, entry = max(holders)
-        return i, entry
-    raise AssertionError(f"{module} has no place in LAYERS: add it")
 
 
 def absolute(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
@@ -136,6 +111,17 @@ def graph() -> dict[str, set[str]]:
     return {m: imports(m, p, known) for m, p in mods.items()}
 
 
+def folder_of(module: str) -> str | None:
+    return next((f for f in FOLDERS if module.startswith(f + ".") or module == f), None)
+
+
+def floor_of(module: str) -> int:
+    """The floor of ``module``: its own (a root module) or its folder's."""
+    room = folder_of(module) or module
+    assert room in FLOORS, f"{module} has no place in FLOORS: add it"
+    return FLOORS.index(room)
+
+
 @pytest.mark.parametrize("module", sorted(modules()))
 def test_every_module_imports(module: str) -> None:
     if module == "aioublk.__main__":
@@ -143,17 +129,36 @@ def test_every_module_imports(module: str) -> None:
     importlib.import_module(module)
 
 
-def test_every_import_goes_to_an_earlier_layer() -> None:
+def test_every_module_has_a_floor() -> None:
+    for module in [*modules(), "aioublk._uring"]:
+        floor_of(module)
+
+
+def test_every_import_goes_down_or_stays_in_its_folder() -> None:
     bad = []
     for mod, deps in graph().items():
-        mine, entry = layer_of(mod)
         for dep in deps:
-            theirs, dep_entry = layer_of(dep)
-            # a subpackage is one layer: its modules may import each other
-            same_package = entry == dep_entry and entry != "aioublk" and (
-                PACKAGE.parent / entry.replace(".", "/")).is_dir()
-            if theirs > mine or (theirs == mine and not same_package):
+            mine, theirs = floor_of(mod), floor_of(dep)
+            if theirs > mine or (theirs == mine and folder_of(mod) is None):
                 bad.append(f"{mod} imports {dep}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("folder", sorted(INSIDE))
+def test_the_order_inside_a_folder(folder: str) -> None:
+    order = [f"{folder}.{name}" for name in INSIDE[folder]]
+    assert set(order) == {m for m in modules() if folder_of(m) == folder and m != folder}
+    g = graph()
+    bad = [f"{mod} imports {dep}" for i, mod in enumerate(order) for dep in g[mod]
+           if dep in order and order.index(dep) > i]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(("one", "other"), APART)
+def test_rooms_kept_apart(one: str, other: str) -> None:
+    g = graph()
+    bad = [f"{mod} imports {dep}" for mod, deps in g.items() for dep in deps
+           if {folder_of(mod) or mod, folder_of(dep) or dep} == {one, other}]
     assert not bad, bad
 
 
@@ -175,14 +180,19 @@ def test_no_import_cycles() -> None:
             visit(m, [m])
 
 
-def folder_of(module: str) -> str | None:
-    return next((f for f in FOLDERS if module.startswith(f + ".") or module == f), None)
+#: the package root: the modules the design names (the ring, the device, the
+#: batch driver, the target base class) and what everything shares; the rest
+#: lives in a folder per layer
+ROOT_MODULES = {"aioublk", "aioublk.__main__", "aioublk._lazy", "aioublk._uring",
+                "aioublk._uring_build", "aioublk._version", "aioublk.batch", "aioublk.device",
+                "aioublk.errors", "aioublk.logs", "aioublk.ring", "aioublk.target"}
 
 
 def test_the_root_holds_at_most_a_dozen_modules() -> None:
     root = {m for m in [*modules(), "aioublk._uring"] if m.count(".") <= 1
             and folder_of(m) is None}
     assert root == ROOT_MODULES and len(root) <= 12
+    assert root == set(FLOORS) - set(FOLDERS)
 
 
 def test_every_other_module_lives_in_a_layer_folder() -> None:
@@ -190,36 +200,21 @@ def test_every_other_module_lives_in_a_layer_folder() -> None:
     assert not homeless, f"{homeless}: put each in one of {FOLDERS}"
 
 
-def test_folders_import_only_earlier_folders() -> None:
-    bad = []
-    for mod, deps in graph().items():
-        mine = folder_of(mod)
-        for dep in deps:
-            theirs = folder_of(dep)
-            if mine and theirs and FOLDERS.index(theirs) > FOLDERS.index(mine):
-                bad.append(f"{mod} imports {dep}")
-    assert not bad, bad
-
-
-def test_the_queue_layer_order() -> None:
-    order = ["aioublk.kernel.uapi", "aioublk.ring", "aioublk.target", "aioublk.queue.options",
-             "aioublk.queue.driver", "aioublk.queue.perio", "aioublk.queue.worker",
-             "aioublk.device"]
-    assert [layer_of(m)[0] for m in order] == sorted({layer_of(m)[0] for m in order})
-    assert layer_of("aioublk.batch")[0] == layer_of("aioublk.queue.perio")[0]
+def test_the_batch_driver_sits_right_above_the_queue_and_below_the_device() -> None:
+    """batch.py is perio.py's peer: on the queue's folder, under the device."""
+    assert FLOORS.index("aioublk.batch") == FLOORS.index("aioublk.queue") + 1
+    assert FLOORS.index("aioublk.device") == FLOORS.index("aioublk.batch") + 1
 
 
 def test_the_ring_imports_nothing_of_the_queue() -> None:
     """The data plane is handed to the ring by its owner, not imported by it."""
     assert not {d for d in graph()["aioublk.ring"] if d.startswith("aioublk.queue")}
-    queue = [layer_of(m)[0] for m in modules() if m.startswith("aioublk.queue.")]
-    assert layer_of("aioublk.ring")[0] < min(queue)
+    assert floor_of("aioublk.ring") < floor_of("aioublk.queue")
 
 
-#: ``serve`` is a verb of the CLI: its verb may call its ``main`` and nothing
-#: else of it; what serve and add's daemon both use (the run-until-signal
-#: loop, kublk's device lines) lives in modules below both, so that neither
-#: grows into the other
+#: ``serve`` is a subcommand of the CLI: cli may call its ``main`` and nothing
+#: else of it; what both use (the run-until-signal loop, kublk's device lines)
+#: lives in modules below both, so that neither grows into the other
 FRONT_ENDS = {("aioublk.frontend.verbs.serve", "aioublk.frontend.serve"): {"main"},
               ("aioublk.frontend.daemon", "aioublk.frontend.serve"): set(),
               ("aioublk.frontend.serve", "aioublk.frontend.daemon"): set()}
