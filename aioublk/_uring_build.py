@@ -24,7 +24,8 @@ import cffi
 PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("csrc", "ring.h", ("ring.c",)),
     ("dataplane/csrc", "extents.h", ("extents.c",)),
-    ("dataplane/csrc", "dataplane.h", ("dataplane.c",)),
+    ("dataplane/csrc", "dataplane.h",
+     ("setup.c", "commands.c", "serve.c", "plugin.c", "reap.c", "uvhook.c")),
 )
 _HERE = Path(__file__).parent
 

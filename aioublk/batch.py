@@ -1,5 +1,5 @@
 """``UBLK_F_BATCH_IO``: ``BatchDriver``, the queue driver. The commands and
-their elements are encoded in C (``csrc/dataplane.c``), the one place: the
+their elements are encoded in C (``dataplane/csrc/commands.c``), the one place: the
 data plane's commits and fetches, and the PREP it builds for ``arm``.
 
 How a worker serves its queues with batch I/O:

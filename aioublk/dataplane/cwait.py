@@ -1,4 +1,4 @@
-"""C owns the worker's wait (``aur_dp_own_wait``, see csrc/dataplane.c).
+"""C owns the worker's wait (``aur_dp_own_wait``, see csrc/uvhook.c).
 
 The data plane hooks the worker's uvloop loop through libuv itself: a
 prepare handle, run just before the loop would sleep, in which C sleeps in

@@ -35,7 +35,7 @@ log = logs.get_logger("aioublk.queue")
 #: how long a stopping worker waits for the requests it holds to finish
 DRAIN_SECONDS = 5.0
 #: how long the data plane waits in C for the next completion, while it alone
-#: has work, before the queue's loop gets its turn (see csrc/dataplane.c)
+#: has work, before the queue's loop gets its turn (see dataplane/csrc/reap.c)
 POLL_US = 1000
 #: instead, for a ``Target.c_idle`` target: everything its loop needs comes as
 #: a CQE (ring I/O, ublk commands, the worker's kick), so C may idle long; a

@@ -1,4 +1,4 @@
-"""C owns the worker's wait (``aioublk.dataplane.cwait``, csrc/dataplane.c).
+"""C owns the worker's wait (``aioublk.dataplane.cwait``, dataplane/csrc/uvhook.c).
 
 A worker's shape on its own thread: a uvloop loop, a ring and a data plane
 whose wait the loop's prepare hook hands to C. Its setup asks C to idle a

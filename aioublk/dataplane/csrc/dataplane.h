@@ -1,4 +1,4 @@
-/* The per-worker data plane (see dataplane.c). */
+/* The per-worker data plane (see dp_internal.h, and its files there). */
 #ifndef AIOUBLK_DATAPLANE_H
 #define AIOUBLK_DATAPLANE_H
 
@@ -12,7 +12,7 @@
 /* cdef: begin (plain declarations and `#define NAME value` only) */
 
 /* The user_data of the data plane's own operations and of the records it
-   hands to Python (dataplane.c), one field a (shift, mask) pair: the mark bit,
+   hands to Python (dp_internal.h), one field a (shift, mask) pair: the mark bit,
    which Python's own operations never reach, then a kind, the queue's local
    index, the tag and aux, 16 bits more. */
 #define AUR_DP_UD_MARK_SHIFT 63
@@ -108,7 +108,7 @@ struct aur_dp_counts {
 
 struct aur_dp *aur_dp_new(struct aur *r, const struct aur_dp_setup *s, int *err);
 void aur_dp_free(struct aur_dp *dp);
-/* before the ring's exit: unregister the fetch buffers (see dataplane.c) */
+/* before the ring's exit: unregister the fetch buffers (see setup.c) */
 unsigned aur_dp_withdraw(struct aur_dp *dp);
 /* queue `local`: its q_id, descriptor area and (copy modes) tag buffers */
 void aur_dp_queue(struct aur_dp *dp, unsigned local, uint16_t q_id, const void *descs,
@@ -168,7 +168,7 @@ unsigned aur_dp_out_cap(struct aur_dp *dp);
 
 /* The worker's loop (a uv_loop_t) and the addresses of the libuv functions
    uvloop's extension exports (uv_handle_size, uv_prepare_init, ...): with
-   them C owns the worker's wait (dataplane.c, "C owns the wait"). Copied. */
+   them C owns the worker's wait (uvhook.c). Copied. */
 struct aur_uv {
     void *loop;
     void *handle_size, *prepare_init, *prepare_start, *prepare_stop, *close;

@@ -1,11 +1,12 @@
 /*
- * UBLK_F_BATCH_IO's COMMIT_IO_CMDS as the data plane (aioublk/csrc/dataplane.c)
+ * UBLK_F_BATCH_IO's COMMIT_IO_CMDS as the data plane (aioublk/dataplane/csrc)
  * builds it and takes the kernel's answer to it. The encoding and the partial
- * commit's handling are static in dataplane.c, so this file includes it and
- * stands in for the ring (ring.c): each SQE the data plane prepares is
- * decoded here as the kernel would (struct ublk_batch_io and its elements),
- * and the fuzz input chooses the kernel's answers: all of it, part and a
- * refused element, an error, ENODEV, or an SQ that cannot take the command.
+ * commit's handling are static in its files, so this file includes them (one
+ * translation unit) and stands in for the ring (ring.c): each SQE the data
+ * plane prepares is decoded here as the kernel would (struct ublk_batch_io
+ * and its elements), and the fuzz input chooses the kernel's answers: all of
+ * it, part and a refused element, an error, ENODEV, or an SQ that cannot
+ * take the command.
  *
  * Checked against a model: elem_bytes and flags as the setup asks (buffer
  * address in copy mode, zone LBA when zoned), nr_elem within the depth and
@@ -28,7 +29,12 @@
  * served; the buffer goes back to the ring as it was provided; a CQE
  * without MORE comes back to Python (EV_FETCH) to re-arm.
  */
-#include "dataplane.c"
+#include "setup.c"
+#include "commands.c"
+#include "serve.c"
+#include "plugin.c"
+#include "reap.c"
+#include "uvhook.c"
 
 #include "input.h"
 

@@ -1,0 +1,412 @@
+/*
+ * A request C takes on: resolved against the map into backend pieces, its
+ * data moved in the queue's copy mode (the tag's buffer, automatic buffer
+ * registration, -z's linked chain, -u's two steps through /dev/ublkcN, or
+ * C's own pread/pwrite where the ring would hand the file to an io-wq
+ * worker), and its pieces' completions gathered into one answer: full
+ * success is committed, anything else goes to Python from the start.
+ */
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/vfs.h>
+#include <linux/magic.h>
+#include <liburing.h>
+
+#include "dp_internal.h"
+#include "nvme.h"
+#include "plugin.h"
+
+/* C's request is done with a full result. */
+static void dp_complete(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag,
+                        int32_t res)
+{
+    dp->inflight--;
+    dp->completed++;
+    dp_tag(dp, local, tag)->served = 0;
+    if (dp->sealed) {
+        dp_emit(o, DP_UD(AUR_DP_EV_LOST, local, tag, 0), res, 0);
+    } else {
+        dp->q[local].counts->c_served++;
+        dp_commit(dp, local, tag, res);
+    }
+    dp_idle_check(dp, o);
+}
+
+/* The pieces of [off, off+len) under the map; 0: not C's to serve. A piece
+   with fd -1 is zeros (an extent table's ZERO granules): those need the
+   tag's buffer, so in the zero-copy modes such a request is Python's. */
+static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, uint32_t len,
+                           int write, struct dp_piece *p)
+{
+    struct aur_ext_piece ep[DP_MAX_PIECES];
+    uint32_t pos = 0;
+    unsigned n = 0, i;
+    int got;
+
+    switch (dp->map) {
+    case AUR_MAP_LINEAR:
+        p[0] = (struct dp_piece){ dp->fds[0], len, dp->base + off, 0 };
+        return 1;
+    case AUR_MAP_STRIPED:
+        while (pos < len) {
+            uint64_t dev = off + pos, idx = dev / dp->chunk, within = dev % dp->chunk;
+            uint32_t l = (uint32_t)(dp->chunk - within);
+
+            if (l > len - pos)
+                l = len - pos;
+            if (n == DP_MAX_PIECES)
+                return 0;
+            p[n++] = (struct dp_piece){ dp->fds[idx % dp->nr_fds], l,
+                                        (idx / dp->nr_fds) * dp->chunk + within, pos };
+            pos += l;
+        }
+        return n;
+    case AUR_MAP_EXTENTS:
+        got = aur_ext_acquire(dp->ext, off, len, write, dp->ext_slot, ep, DP_MAX_PIECES,
+                              t->ids, DP_MAX_PIECES);
+        if (got <= 0)
+            return 0;
+        t->nr_ids = (uint16_t)(((off + len - 1) >> dp->ext_shift) - (off >> dp->ext_shift) + 1);
+        for (i = 0; i < (unsigned)got; i++) {
+            if (ep[i].fd < 0 && dp_zero_copy(dp)) {
+                aur_ext_release(dp->ext, t->ids, t->nr_ids, AUR_EXT_UNUSED);
+                t->nr_ids = 0;
+                return 0;
+            }
+            p[i] = (struct dp_piece){ ep[i].fd, ep[i].len, ep[i].host_off, pos };
+            pos += ep[i].len;
+        }
+        return (unsigned)got;
+    case AUR_MAP_NVME:  /* one command, in whole blocks, at most 2^16 of them */
+        if (((off | len) & ((1u << dp->lba_shift) - 1)) || (len >> dp->lba_shift) > 65536)
+            return 0;
+        p[0] = (struct dp_piece){ dp->fds[0], len, off, 0 };
+        return 1;
+    }
+    return 0;
+}
+
+/* A request C served is done with its backend: its extents and CQEs go back.
+   outcome (AUR_EXT_DONE, FAILED or UNUSED) settles what its write allocated;
+   the record that pushes is in the table before the caller commits, so the
+   owner can see it before the guest sees the write complete. */
+static void dp_release(struct aur_dp *dp, struct dp_tag *t, unsigned local, int outcome)
+{
+    dp->cqes -= t->cqes;
+    t->cqes = 0;
+    if (t->nr_ids) {
+        dp->q[local].counts->c_alloc += aur_ext_release(dp->ext, t->ids, t->nr_ids, outcome);
+        t->nr_ids = 0;
+    }
+}
+
+/* -z: (un)register the request's pages at its buffer-table slot, counted as
+   one more piece. The register is linked to the pieces (a failed one
+   cancels them all: they would use a slot that holds nothing), the pieces
+   hard-linked to the unregister (it runs whatever became of them). */
+static int dp_zc_link(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
+                      int reg)
+{
+    int ret = aur_prep_ublk_io(dp->r, dp->s.char_fd,
+                               reg ? dp->s.op_register_buf : dp->s.op_unregister_buf,
+                               dp->q[local].q_id, tag, 0, t->buf_index, 0,
+                               reg ? IOSQE_IO_LINK : 0, DP_UD(DP_K_REG, local, tag, reg));
+
+    if (ret == 0)
+        t->pending++;
+    return ret;
+}
+
+/* Does C move fd's pieces itself (AUR_DP_INLINE_RAM)? tmpfs and ramfs
+   files never offer io_uring a nonblocking attempt. */
+static int dp_inline_fd(struct aur_dp *dp, int fd)
+{
+    struct statfs sf;
+    unsigned i;
+    int on;
+
+    if (!(dp->s.inline_io & AUR_DP_INLINE_RAM))
+        return 0;
+    for (i = 0; i < dp->nr_fd_inline; i++)
+        if (dp->fd_inline[i].fd == fd)
+            return dp->fd_inline[i].on;
+    on = fstatfs(fd, &sf) == 0 &&
+        ((unsigned long)sf.f_type == TMPFS_MAGIC || (unsigned long)sf.f_type == RAMFS_MAGIC);
+    if (dp->nr_fd_inline < DP_FD_INLINE_MAX)  /* (past it: asked again each time) */
+        dp->fd_inline[dp->nr_fd_inline++] = (struct dp_fd_inline){ fd, on };
+    return on;
+}
+
+/* One transfer between buf and fd at off, now, in this thread; its result
+   waits for the next pass as the CQE the ring would have given. */
+static void dp_inline_rw(struct aur_dp *dp, int write, int fd, void *buf, uint32_t len,
+                         uint64_t off, uint64_t ud)
+{
+    ssize_t got = write ? pwrite(fd, buf, len, (off_t)off) : pread(fd, buf, len, (off_t)off);
+
+    dp->done[dp->nr_done++] = (struct dp_done){ ud, got < 0 ? -errno : (int32_t)got };
+}
+
+/* The backend I/O of pieces p[0..n), each one more pending piece; a piece
+   the ring cannot take marks the request bad and stops there. */
+static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
+                            const struct dp_piece *p, unsigned n)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+    unsigned i;
+
+    for (i = 0; i < n; i++) {
+        uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
+        int op, ret;
+
+        if (dp->map == AUR_MAP_EXTENTS)  /* (the table's fds live as long as the map) */
+            aur_fix_file(dp->r, p[i].fd);
+        if (dp->map == AUR_MAP_NVME) {
+            ret = dp_nvme_rw(dp, t, local, tag, &p[i], ud);
+        } else if (dp_zero_copy(dp)) {
+            op = t->write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
+            ret = aur_prep(dp->r, op, p[i].fd, p[i].buf_off, p[i].len, p[i].host_off, 0,
+                           t->buf_index,
+                           dp->s.mode == AUR_DP_ZERO_COPY ? IOSQE_IO_HARDLINK : 0, ud);
+        } else if (dp_inline_fd(dp, p[i].fd)) {
+            dp_inline_rw(dp, t->write, p[i].fd, dp_buf(dp, local, tag) + p[i].buf_off,
+                         p[i].len, p[i].host_off, ud);
+            ret = 0;
+        } else {
+            op = t->write ? IORING_OP_WRITE : IORING_OP_READ;
+            ret = aur_prep(dp->r, op, p[i].fd,
+                           (uint64_t)(uintptr_t)(dp_buf(dp, local, tag) + p[i].buf_off),
+                           p[i].len, p[i].host_off, 0, 0, 0, ud);
+        }
+        if (ret < 0) {
+            t->bad = ret;
+            return;
+        }
+        t->pending++;
+    }
+}
+
+/* -u: the request's data between the tag's buffer and /dev/ublkcN (in for a
+   write, out for a read), one more pending piece. */
+static int dp_uc_copy(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+    char *buf = dp_buf(dp, local, tag);
+    uint64_t off = DP_USER_COPY_OFF(dp->q[local].q_id, tag);
+    uint64_t ud = DP_UD(DP_K_UC, local, tag, t->len >> 9);
+    int ret = 0;
+
+    if (dp->s.inline_io & AUR_DP_INLINE_CHAR)  /* (a write's data comes in: a read) */
+        dp_inline_rw(dp, !t->write, dp->s.char_fd, buf, t->len, off, ud);
+    else
+        ret = aur_prep(dp->r, t->write ? IORING_OP_READ : IORING_OP_WRITE, dp->s.char_fd,
+                       (uint64_t)(uintptr_t)buf, t->len, off, 0, 0, 0, ud);
+    if (ret == 0)
+        t->pending++;
+    return ret;
+}
+
+/* Room in the SQ for n more SQEs, submitting what is queued if need be. A
+   linked chain must reach the kernel in one submission (io_uring does not
+   carry a link across two: the rest would run unordered, an unregister
+   before its register), so one is started only when all of it fits. */
+static int dp_sq_room(struct aur_dp *dp, unsigned n)
+{
+    struct io_uring *ring = &dp->r->ring;
+
+    if (io_uring_sq_space_left(ring) >= n)
+        return 1;
+    io_uring_submit(ring);
+    return io_uring_sq_space_left(ring) >= n;
+}
+
+/* Zero pieces (copy and -u modes only, see dp_resolve): how many of p[0..n). */
+static unsigned dp_nr_zero(const struct dp_piece *p, unsigned n)
+{
+    unsigned i, z = 0;
+
+    for (i = 0; i < n; i++)
+        z += p[i].fd < 0;
+    return z;
+}
+
+/* Zeros into the tag's buffer where p's zero pieces say, now: they need no
+   backend I/O. The other pieces are moved to the front; returns how many. */
+static unsigned dp_fill_zeros(struct aur_dp *dp, unsigned local, uint16_t tag,
+                              struct dp_piece *p, unsigned n)
+{
+    char *buf = dp_buf(dp, local, tag);
+    unsigned i, k = 0;
+
+    for (i = 0; i < n; i++) {
+        if (p[i].fd < 0)
+            memset(buf + p[i].buf_off, 0, p[i].len);
+        else
+            p[k++] = p[i];
+    }
+    return k;
+}
+
+/* A fetched request: 1 if C serves it, 0 if it is Python's. */
+DP_HIDDEN int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
+{
+    struct dp_queue *q = &dp->q[local];
+    const struct ublksrv_io_desc *d = &q->descs[tag];
+    struct dp_tag *t = &q->tags[tag];
+    struct dp_piece p[DP_MAX_PIECES];
+    unsigned op = ublksrv_get_op(d), n, nz, need;
+    uint64_t off = d->start_sector << 9;
+    uint32_t len = d->nr_sectors << 9;
+    int write = op == UBLK_IO_OP_WRITE, uc = dp->s.mode == AUR_DP_USER_COPY;
+    int fua = write && (d->op_flags & UBLK_IO_F_FUA);
+
+    if (dp->map == AUR_MAP_NONE || dp->stopping)
+        return 0;
+    if (dp->map == AUR_MAP_NVME) {
+        if (op == UBLK_IO_OP_FLUSH || op == UBLK_IO_OP_DISCARD ||
+            op == UBLK_IO_OP_WRITE_ZEROES) {
+            int ret = dp_nvme_other(dp, local, tag, op, off, len, d->op_flags);
+
+            if (ret != DP_NVME_NOTHING)
+                return ret;
+            dp_tag_start(t, 0, 0, 0);  /* done at once, as the null map's */
+            dp->served++;
+            dp->inflight++;
+            t->served = 1;
+            dp_complete(dp, o, local, tag, 0);
+            return 1;
+        }
+        if (!(dp->nvme_flags & AUR_NVME_VWC))
+            fua = 0;  /* every write is durable when it completes */
+        else if (fua && !(dp->nvme_flags & AUR_NVME_FUA))
+            return 0;  /* a write and a flush: Python's */
+    } else if (fua) {
+        return 0;
+    }
+    if (op > UBLK_IO_OP_WRITE || !len)
+        return 0;
+    if (dp->s.mode == AUR_DP_AUTO_ZC && (d->op_flags & UBLK_IO_F_NEED_REG_BUF))
+        return 0;
+    if (len > dp->s.max_io)  /* (never from the kernel: its buffer, its encoding) */
+        return 0;
+    dp_tag_start(t, len, write, fua);
+    if (dp->map == AUR_MAP_NULL) {
+        dp->served++;
+        dp->inflight++;
+        t->served = 1;
+        dp_complete(dp, o, local, tag, (int32_t)len);
+        return 1;
+    }
+    /* --shmem_zc: the data is in a shared buffer, not where the mode puts it;
+       Python serves it there (null, above, has no data to move) */
+    if (d->op_flags & UBLK_IO_F_SHMEM_ZC)
+        return 0;
+    if (dp->map == AUR_MAP_EXTERN)
+        return dp_ext_serve(dp, t, local, tag, op, off, len);
+    n = dp_resolve(dp, t, off, len, write, p);
+    if (!n)
+        return 0;
+    nz = dp_nr_zero(p, n);  /* (only in a read, in copy or -u mode) */
+    /* its CQEs at most: the pieces, -z's register and unregister, -u's copy */
+    need = n - nz + (dp->s.mode == AUR_DP_ZERO_COPY ? 2 : 0) + (unsigned)uc;
+    if (dp->cqes + need > dp->max_cqes ||  /* the CQ could overflow */
+        (dp->s.mode == AUR_DP_ZERO_COPY && !dp_sq_room(dp, need))) {  /* a chain, whole */
+        dp_release(dp, t, local, AUR_EXT_UNUSED);
+        return 0;
+    }
+    t->cqes = (uint16_t)need;
+    dp->cqes += need;
+    dp->served++;
+    dp->inflight++;
+    t->served = 1;
+    if (nz)
+        n = dp_fill_zeros(dp, local, tag, p, n);
+    if (!n && !uc) {  /* zeros only, in the buffer already: done, as the null map */
+        dp_release(dp, t, local, AUR_EXT_DONE);
+        dp_complete(dp, o, local, tag, (int32_t)len);
+        return 1;
+    }
+    if (!n) {  /* -u, zeros only: just the copy out */
+        if (dp_uc_copy(dp, local, tag) < 0)
+            t->bad = -EBUSY;
+    } else if (uc && write) {  /* the data first; the pieces when it is in */
+        memcpy(t->pieces, p, n * sizeof(*p));
+        t->nr_pieces = (uint16_t)n;
+        t->then = 1;
+        if (dp_uc_copy(dp, local, tag) < 0)
+            t->bad = -EBUSY;
+    } else if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 1) < 0) {
+        t->bad = -EBUSY;
+    } else {
+        t->then = (uint8_t)uc;  /* -u read: the copy out when the pieces are in */
+        dp_queue_pieces(dp, local, tag, p, n);
+        /* the chain's last link; it runs whatever became of the pieces */
+        if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 0) < 0 && !t->bad)
+            t->bad = -EBUSY;
+    }
+    if (!t->pending) {  /* nothing queued: Python serves it from the start */
+        dp_release(dp, t, local, AUR_EXT_UNUSED);
+        dp->inflight--;
+        t->served = 0;
+        return 0;
+    }
+    return 1;
+}
+
+/* -u: the step after the first, once all of the first is in; 1 if queued. */
+static int dp_then(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+
+    t->then = 0;
+    if (t->write)
+        dp_queue_pieces(dp, local, tag, t->pieces, t->nr_pieces);
+    else if (dp_uc_copy(dp, local, tag) < 0)
+        t->bad = -EBUSY;
+    if (t->pending)
+        return 1;
+    if (!t->bad)
+        t->bad = -EBUSY;
+    return 0;
+}
+
+/* A piece's result when it all moved: its bytes, or 0 for a passthrough
+   command (a positive result there is the controller's status). */
+static int32_t dp_full(const struct aur_dp *dp, uint64_t ud)
+{
+    if (DP_KIND(ud) == DP_K_RW && dp->map == AUR_MAP_NVME)
+        return 0;
+    return (int32_t)(DP_AUX(ud) << 9);
+}
+
+DP_HIDDEN void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t res)
+{
+    unsigned local = DP_LOCAL(ud);
+    uint16_t tag = DP_TAG(ud);
+    struct dp_tag *t = dp_tag(dp, local, tag);
+
+    if (DP_KIND(ud) == DP_K_REG) {
+        if (DP_AUX(ud) && res < 0 && !t->bad)  /* (an unregister's result changes nothing) */
+            t->bad = res;
+    } else if (res != dp_full(dp, ud) && !t->bad) {
+        t->bad = res < 0 ? res : -EIO;  /* (a positive NVMe status too) */
+    }
+    if (--t->pending)
+        return;
+    if (t->then && !t->bad && dp_then(dp, local, tag))
+        return;
+    dp_release(dp, t, local, t->bad ? AUR_EXT_FAILED : AUR_EXT_DONE);
+    if (!t->bad) {
+        dp_complete(dp, o, local, tag, (int32_t)t->len);
+        return;
+    }
+    /* Python serves it from the start, on the coroutine path */
+    dp->inflight--;
+    t->served = 0;
+    dp->q[local].counts->py_handed++;
+    dp_emit(o, DP_UD(AUR_DP_EV_RETRY, local, tag, 0), t->bad, 0);
+    dp_idle_check(dp, o);
+}
