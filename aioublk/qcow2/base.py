@@ -11,12 +11,15 @@ import asyncio
 import errno
 from array import array
 from collections import OrderedDict
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from aioublk import logs
 from aioublk.dataplane.extents import MAP, ExtentTable
 from aioublk.io.hostfile import HostFile, aligned
 from aioublk.qcow2 import format as fmt
+
+if TYPE_CHECKING:
+    from aioublk.qcow2.refcounts import Refcounts
 
 log = logs.get_logger("aioublk.qcow2")
 
@@ -141,24 +144,14 @@ class ImageBase:
     lazy: bool  # lazy refcounts: the dirty bit is set while the image is open
     l1: array[int]
     l1_dirty: set[int]
-    reftable: array[int]
-    reftable_offset: int
-    reftable_clusters: int
-    reftable_dirty: bool
-    reftable_moved: bool
-    refblocks: dict[int, fmt.RefBlock]
-    rbe: int  # refcount entries per block
     meta: dict[int, int]  # host cluster -> metadata kind (aioublk.qcow2.writeback)
-    used_end: int  # below this the file may hold old bytes
+    refs: Refcounts  # refcounts and allocation (also owns ``used_end``)
     l2_capacity: int
     l2cache: OrderedDict[int, L2Table]
     _loading: dict[int, asyncio.Future[L2Table]]
     _busy: dict[int, asyncio.Future[None]]  # virtual clusters being changed
     _l2_busy: dict[int, asyncio.Future[None]]  # L1 indexes whose table is being made
-    _alloc_lock: asyncio.Lock | None
     _wb_lock: asyncio.Lock | None
-    _reserving: set[int]
-    _free_hint: int
     _frees: list[tuple[int, int]]  # (generation, host cluster)
     _punch: set[int]  # host clusters a discard freed: punched in the file once free
     gen: int
@@ -181,16 +174,7 @@ class ImageBase:
     compress = False
     _meta_seq = 0  # metadata changes made in memory (counted, see _changed)
     _meta_written = 0  # ... of which the image file holds the first this many
-    _rt_gen = 0  # bumped on each change of the refcount table (or its place)
     _sync_error: OSError | None = None  # the first sync that failed: every later one fails
-
-    @property
-    def alloc_lock(self) -> asyncio.Lock:
-        """The lock every refcount change is made under (made on first use,
-        on the loop that uses it)."""
-        if self._alloc_lock is None:
-            self._alloc_lock = asyncio.Lock()
-        return self._alloc_lock
 
     @property
     def wb_lock(self) -> asyncio.Lock:
@@ -210,6 +194,11 @@ class ImageBase:
             self._io[g] = n
         else:
             del self._io[g]
+
+    def _defer_free(self, c: int) -> None:
+        """Free host cluster ``c`` once the change that dropped it is durable
+        (see ``aioublk.qcow2.flush``)."""
+        self._frees.append((self.gen, c))
 
     async def _data_write(self, bufs: list[Any], host: int) -> None:
         g = self._io_begin()
@@ -319,6 +308,6 @@ class ImageBase:
         if host & self.cmask:
             self._mark_corrupt(f"the L2 entry of cluster {vc} is not cluster aligned "
                                f"({host:#x})")
-        if host >= self.used_end:
+        if host >= self.refs.used_end:
             self._mark_corrupt(f"the L2 entry of cluster {vc} points past the end of the "
                                f"file ({host:#x})")

@@ -22,8 +22,7 @@ class WriteBack(Pools):
         await self.writeback()
 
     def _dirty(self) -> bool:
-        return bool(self.l1_dirty or self.reftable_dirty or any(
-            b.dirty for b in self.refblocks.values()) or any(
+        return bool(self.l1_dirty or self.refs.dirty() or any(
             t.dirty for t in self.l2cache.values()))
 
     async def writeback(self) -> None:
@@ -65,17 +64,17 @@ class WriteBack(Pools):
         self.gen += 1
         l2s = [(t, t.gen) for t in self.l2cache.values() if t.dirty]
         l1 = {i: self.l1[i] for i in self.l1_dirty}
-        refs = self._refblock_cut()
-        rt_gen = self._rt_gen
-        rt_fields = fmt.pack_reftable_fields(self.reftable_offset, self.reftable_clusters)
+        refs = self.refs.cut()
+        rt_gen = self.refs.table_gen
+        rt_fields = fmt.pack_reftable_fields(self.refs.table_offset, self.refs.table_clusters)
         header = None  # self.head stays the durable header until this one is on disk
-        if self.reftable_moved:
+        if self.refs.table_moved:
             header = bytearray(self.head)
             header[fmt.OFF_REFTABLE:fmt.OFF_REFTABLE + 12] = rt_fields
         steps = self._plan(wbplan.Cut(
-            refblocks=[(self._refblock_offset(t), raw) for t, _b, _g, raw in refs],
-            reftable=(self.reftable_offset, fmt.dump_table(self.reftable))
-            if self.reftable_dirty else None,
+            refblocks=[(self.refs.block_offset(t), raw) for t, _b, _g, raw in refs],
+            reftable=(self.refs.table_offset, fmt.dump_table(self.refs.table))
+            if self.refs.table_dirty else None,
             header=bytes(header) if header is not None else None,
             l2=[(t.offset, t.dump()) for t, _g in l2s],
             l1=self._l1_sectors(l1)))
@@ -83,9 +82,9 @@ class WriteBack(Pools):
         # all durable: clean what the cut held, unless it changed since
         if header is not None:
             self.head[fmt.OFF_REFTABLE:fmt.OFF_REFTABLE + 12] = rt_fields
-        self._refblocks_clean(refs)
-        if rt_gen == self._rt_gen:
-            self.reftable_dirty = self.reftable_moved = False
+        self.refs.clean(refs)
+        if rt_gen == self.refs.table_gen:
+            self.refs.table_dirty = self.refs.table_moved = False
         for t, g in l2s:
             if t.gen == g:
                 t.dirty = False
@@ -108,19 +107,6 @@ class WriteBack(Pools):
                 await self.file.write(data, s.offset)
             else:
                 await self._sync()
-
-    def _refblock_offset(self, t: int) -> int:
-        return self.reftable[t] & fmt.REFT_OFFSET_MASK
-
-    def _refblock_cut(self) -> list[tuple[int, fmt.RefBlock, int, bytes]]:
-        return [(t, b, b.gen, b.dump()) for t, b in self.refblocks.items() if b.dirty]
-
-    @staticmethod
-    def _refblocks_clean(refs: list[tuple[int, fmt.RefBlock, int, bytes]]) -> None:
-        """After the sync that made them durable: clean unless changed since."""
-        for _t, b, g, _raw in refs:
-            if b.gen == g:
-                b.dirty = False
 
     def _l1_sectors(self, l1: dict[int, int]) -> list[tuple[int, bytes]]:
         """The 512-byte sectors of the L1 table holding the changed entries."""
@@ -148,19 +134,19 @@ class WriteBack(Pools):
         if not ready:
             return
         self._frees = [(g, c) for g, c in self._frees if not (g <= cut and g < oldest_io)]
-        async with self.alloc_lock:
+        async with self.refs.lock:
             for c in ready:
-                if await self._add_ref(c, -1) == 0:
+                if await self.refs.add_ref(c, -1) == 0:
                     self.meta.pop(c, None)
-                    self._free_hint = min(self._free_hint, c)
+                    self.refs.free_hint = min(self.refs.free_hint, c)
                     self.l2cache.pop(c << self.cbits, None)
                     if c in self._punch:  # a discard's, shared by no snapshot: give
                         await self._punch_cluster(c)  # the host its space, as QEMU does
                 self._punch.discard(c)
-        refs = self._refblock_cut()
+        refs = self.refs.cut()
         await self._run(self._plan(wbplan.Cut(
-            refblocks=[(self._refblock_offset(t), raw) for t, _b, _g, raw in refs])))
-        self._refblocks_clean(refs)
+            refblocks=[(self.refs.block_offset(t), raw) for t, _b, _g, raw in refs])))
+        self.refs.clean(refs)
 
     async def close(self) -> None:
         """Flush (if writable) and close the image and its backing chain."""

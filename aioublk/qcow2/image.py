@@ -19,7 +19,7 @@ Concurrency inside the loop:
   zeroing, discard) holds that virtual cluster (``_busy``) from reading the
   old entry to setting the new one: no double allocation, no lost update;
 - creating or copying an L2 table is guarded per L1 index (``_l2_busy``);
-- refcounts change only under ``_alloc_lock``;
+- refcounts change only under ``refs.lock``;
 - no code keeps a cached table across an await: it looks it up again.
 
 Crash safety (write-back caches with ordering, as QEMU's cache dependencies):
@@ -120,6 +120,7 @@ from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.backing_policy import BackingPolicy, Checked
 from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, _nclusters, log
 from aioublk.qcow2.format import OFFSET_MASK, Qcow2Error
+from aioublk.qcow2.refcounts import Refcounts
 from aioublk.qcow2.writeback import HEADER, L1, L2, REFBLOCK, REFTABLE, SNAPSHOT
 from aioublk.qcow2.writes import Writes
 from aioublk.ring import Ring, bound_ring, queue_ring_flags
@@ -282,13 +283,7 @@ class Qcow2Image(Writes):
         self._aliased = len(set(named)) != len(named)  # no data plane (extent_table)
         rt_bytes = h.refcount_table_clusters * cs
         rt = f.pread(h.refcount_table_offset, rt_bytes)
-        self.reftable = fmt.load_table(rt.ljust(rt_bytes, b"\0"))
-        self.reftable_offset = h.refcount_table_offset
-        self.reftable_clusters = h.refcount_table_clusters
-        self.reftable_dirty = False
-        self.reftable_moved = False
-        self.refblocks: dict[int, fmt.RefBlock] = {}
-        self.rbe = h.refblock_entries
+        reftable = fmt.load_table(rt.ljust(rt_bytes, b"\0"))
         # every metadata cluster and what it holds: data writes must never touch
         # one, and a table is only ever written where a table of its kind lives
         self.meta: dict[int, int] = {}
@@ -299,7 +294,7 @@ class Qcow2Image(Writes):
                 h.refcount_table_clusters:
             raise Qcow2Error("qcow2 header, L1 table and refcount table overlap each other")
         self._far = 0  # table entries pointing past the end of the file (see _add_targets)
-        self._add_targets(self.reftable, fmt.REFT_OFFSET_MASK, REFBLOCK, set())
+        self._add_targets(reftable, fmt.REFT_OFFSET_MASK, REFBLOCK, set())
         l2_seen: set[int] = set()
         self._add_targets(self.l1, OFFSET_MASK, L2, l2_seen)
         if h.nb_snapshots:
@@ -308,7 +303,10 @@ class Qcow2Image(Writes):
         # clusters as free without looking at their refcounts. A crash may
         # leave clusters counted past the end of the file (a data plane's pool,
         # never written): the end is where the last counted cluster ends
-        self.used_end = max(f.size, self._counted_end(f))
+        self._pub_host: dict[int, int] = {}
+        self.refs = Refcounts(f, path, h, reftable, self.meta,
+                              max(f.size, self._counted_end(f, h, reftable)),
+                              self._defer_free, self._pub_host, self._claim_unpublished)
         # L2 cache, sized by how much of the disk it maps
         want = len(self.l1) * cs
         bound = cache_bytes if cache_bytes is not None else min(want, DEFAULT_CACHE_BYTES)
@@ -317,12 +315,8 @@ class Qcow2Image(Writes):
         self._loading: dict[int, asyncio.Future[L2Table]] = {}
         self._busy: dict[int, asyncio.Future[None]] = {}
         self._l2_busy: dict[int, asyncio.Future[None]] = {}
-        self._alloc_lock: asyncio.Lock | None = None
         self._wb_lock: asyncio.Lock | None = None
-        self._reserving: set[int] = set()
-        self._pub_host: dict[int, int] = {}
         self._pools_init()
-        self._free_hint = 0
         self._frees: list[tuple[int, int]] = []  # (generation, host cluster)
         self._punch: set[int] = set()
         self.gen = 0
@@ -383,18 +377,19 @@ class Qcow2Image(Writes):
                  leaks_fixed=repair.leaks_fixed if repair else 0,
                  corruptions_fixed=repair.corruptions_fixed if repair else 0)
 
-    def _counted_end(self, f: HostFile) -> int:
+    @staticmethod
+    def _counted_end(f: HostFile, h: fmt.Header, reftable: array[int]) -> int:
         """The end of the last cluster with a refcount, looking only at the
         refcount blocks that describe clusters past the end of ``f``."""
-        cs, bits, end = self.cluster_size, self.h.refcount_bits, 0
-        for t in range(f.size // cs // self.rbe, len(self.reftable)):
-            off = self.reftable[t] & fmt.REFT_OFFSET_MASK
-            if not off or off & self.cmask or off + cs > f.size:
-                continue  # none, or invalid: refused when used (Refcounts._refblock)
+        cs, bits, rbe, end = h.cluster_size, h.refcount_bits, h.refblock_entries, 0
+        for t in range(f.size // cs // rbe, len(reftable)):
+            off = reftable[t] & fmt.REFT_OFFSET_MASK
+            if not off or off & (cs - 1) or off + cs > f.size:
+                continue  # none, or invalid: refused when used (Refcounts.block)
             used = len(f.pread(off, cs).rstrip(b"\0"))  # bytes up to the last count
             if used:
                 last = (used * 8 - 1) // bits  # (sub-byte widths: at most a byte's worth more)
-                end = max(end, (t * self.rbe + last + 1) * cs)
+                end = max(end, (t * rbe + last + 1) * cs)
         return end
 
     def _open_backing(self, h: fmt.Header, direct: bool, policy: BackingPolicy,

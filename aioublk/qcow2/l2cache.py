@@ -61,7 +61,7 @@ class L2Cache(WriteBack):
         pending = self._loading.get(off)
         if pending is not None:
             return await asyncio.shield(pending)
-        if off & self.cmask or off + self.cluster_size > self.used_end:
+        if off & self.cmask or off + self.cluster_size > self.refs.used_end:
             self._mark_corrupt(f"an L1 entry points to {off:#x}, " + (
                 "not cluster aligned" if off & self.cmask else "past the end of the file"))
         if self.meta.get(off >> self.cbits) != L2:
@@ -126,7 +126,7 @@ class L2Cache(WriteBack):
                         subs = array("Q", old.subs)
                 else:
                     entries = array("Q", bytes(8 << self.l2_bits))
-                c, _fresh = await self._alloc(1, meta=L2)
+                c, _fresh = await self.refs.alloc(1, meta=L2)
                 new = L2Table(c << self.cbits, entries, l1i, dirty=True, subs=subs)
                 await self._make_room()
                 self.l2cache[new.offset] = new
@@ -252,7 +252,7 @@ class L2Cache(WriteBack):
         try:
             pairs = self.extents.publish_l2(
                 self.file.fd, vc0 << cbits, memoryview(t.entries)[i:i + n],
-                memoryview(t.pub)[i:i + n], used_end=self.used_end, size=self.size,
+                memoryview(t.pub)[i:i + n], used_end=self.refs.used_end, size=self.size,
                 writable_ok=not (self.read_only or self.metadata_write_through
                                  or self.compress),
                 alloc_ok=self.c_allocating and bool(self.l1[t.l1i] & COPIED),

@@ -39,9 +39,8 @@ import asyncio
 import threading
 
 from aioublk.dataplane.extents import ALLOC, MAP
-from aioublk.qcow2.base import log
+from aioublk.qcow2.base import ImageBase, log
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK
-from aioublk.qcow2.refcounts import Refcounts
 
 #: what one queue's pool may hold: the most a crash can leak per queue
 POOL_BYTES = 8 << 20
@@ -49,7 +48,7 @@ POOL_BYTES = 8 << 20
 LOG_RECORDS = 4096
 
 
-class Pools(Refcounts):
+class Pools(ImageBase):
     """The pools of the queues' data planes, and the records of their use."""
 
     #: allocation in C may be used (a switch for tests and bisection)
@@ -131,8 +130,8 @@ class Pools(Refcounts):
                 run = await self._pool_run(self.pool_cap - level)
                 added = table.pool_add(slot, [c << self.cbits for c in run])
                 if added < len(run):  # (C took fewer: never referenced, uncount)
-                    async with self.alloc_lock:
-                        await self._add_ref_run(run[added:], -1)
+                    async with self.refs.lock:
+                        await self.refs.add_ref_run(run[added:], -1)
         except Exception as e:  # noqa: BLE001 - C allocation waits; Python allocates
             log.error("qcow2: refilling the data plane's pools failed", image=self.path,
                       error=str(e))
@@ -141,12 +140,7 @@ class Pools(Refcounts):
 
     async def _pool_run(self, n: int) -> range:
         """``n`` fresh clusters past the end of the file, counted."""
-        async with self.alloc_lock:
-            start = self._clear_past_end(
-                max(self._end_cluster(), max(self._reserving, default=-1) + 1), n)
-            run = range(start, start + n)
-            await self._claim(run)
-            return run
+        return await self.refs.fresh_run(n)
 
     async def _take_pools_back(self) -> None:
         """At close, after every data plane stopped: apply the last records,
@@ -158,9 +152,9 @@ class Pools(Refcounts):
             await asyncio.shield(self._filling)
         self._drain_c()
         back = sorted(h >> self.cbits for slot in self._slots for h in table.pool_take(slot))
-        async with self.alloc_lock:
+        async with self.refs.lock:
             for c in back:
-                await self._add_ref(c, -1)
+                await self.refs.add_ref(c, -1)
 
     async def _settle_c(self, vcs: range) -> None:
         """Before the engine reads the entries of ``vcs`` (held in ``_busy``) to

@@ -55,7 +55,7 @@ class Reads(L2Cache):
         if e & (COMPRESSED | ZERO | PARTIAL) or not e & OFFSET_MASK:
             return -1
         host = e & OFFSET_MASK
-        if host & self.cmask or host >= self.used_end:
+        if host & self.cmask or host >= self.refs.used_end:
             return -1  # the coroutine path reports it
         if self._publishing and not t.pub[vc & self.l2_mask]:
             self._publish_in(t, vc)  # the next request on it may not come here
@@ -179,7 +179,7 @@ class Reads(L2Cache):
         if got is not None:
             return got
         span = fmt.compressed_span(e, self.cbits)
-        if span.offset + span.length > max(self.used_end, self.file.size) + 512:
+        if span.offset + span.length > max(self.refs.used_end, self.file.size) + 512:
             raise _eio(f"{self.path}: compressed cluster at {span.offset:#x} lies past the "
                        "end of the file")
         raw = aligned(span.length)

@@ -187,7 +187,7 @@ class Writes(Reads):
         try:
             olds = [await self._entry(vc) for vc in vcs]
             await self._table_for_update(vcs[0] >> self.l2_bits)
-            c0, _ = await self._alloc(n)
+            c0, _ = await self.refs.alloc(n)
             host0 = c0 << cbits
             try:
                 self._overlap(host0, n * cs)
@@ -196,17 +196,17 @@ class Writes(Reads):
                 for c in range(c0, c0 + n):
                     self._defer_free(c)
                 raise
-            async with self.alloc_lock:
+            async with self.refs.lock:
                 for k, t in enumerate(touches):
                     if t > 1:
-                        await self._add_ref(c0 + k, t - 1)
+                        await self.refs.add_ref(c0 + k, t - 1)
             shift = 62 - (cbits - 8)
             table = await self._remap(vcs)
             for k, vc in enumerate(vcs):
                 host = host0 + offs[k]
                 sectors = (host + len(blobs[k]) - 1 >> 9) - (host >> 9)
                 table.entries[vc & self.l2_mask] = COMPRESSED | sectors << shift | host
-                self._release(olds[k])
+                self.refs.release(olds[k])
             self._changed(table)
         finally:
             self._unlock(vcs)
@@ -240,7 +240,7 @@ class Writes(Reads):
         fresh = not host
         if fresh:
             await self._table_for_update(vc >> self.l2_bits)
-            c, _ = await self._alloc(1)
+            c, _ = await self.refs.alloc(1)
             host = c << cbits
         else:
             self._check_host(host, vc)
@@ -275,7 +275,7 @@ class Writes(Reads):
         cbits, cs = self.cbits, self.cluster_size
         l1i = vcs[0] >> self.l2_bits
         await self._table_for_update(l1i)
-        c0, fresh = await self._alloc(len(vcs))
+        c0, fresh = await self.refs.alloc(len(vcs))
         host0 = c0 << cbits
         run_s, run_e = vcs[0] << cbits, (vcs[-1] + 1) << cbits
         ws, we = max(s, run_s), min(e, run_e)
@@ -302,7 +302,7 @@ class Writes(Reads):
         t = await self._remap(vcs)
         for k, vc in enumerate(vcs):
             t.entries[vc & self.l2_mask] = (host0 + k * cs) | COPIED
-            self._release(olds[k])
+            self.refs.release(olds[k])
         self._changed(t)
 
     async def _cow(self, vc: int, old: int, at: int, length: int) -> Any:
@@ -443,7 +443,7 @@ class Writes(Reads):
                         t.entries[vc & self.l2_mask] = want
                         if unmap and old & OFFSET_MASK and not old & COMPRESSED:
                             self._punch.add((old & OFFSET_MASK) >> self.cbits)
-                        self._release(old)
+                        self.refs.release(old)
                 self._changed(t)
         finally:
             self._unlock(vcs)

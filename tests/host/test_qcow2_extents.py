@@ -134,7 +134,7 @@ async def test_metadata_clusters_are_never_published(tmp_path: Path, ring: Ring)
         t = next(iter(img.l2cache.values()))
         unpublish(img)
         t.entries[0] = t.offset | COPIED
-        t.entries[1] = img.reftable_offset | COPIED
+        t.entries[1] = img.refs.table_offset | COPIED
         img._publish_table(t)
         assert [published(table, vc) for vc in range(6)] == ["-", "-"] + MIXED[2:]
         img._publish_in(t, 0)
@@ -631,7 +631,7 @@ async def test_pools_counted_at_a_crash_are_not_handed_out_again(tmp_path: Path,
     assert dp.allocated == 1
     await img.flush()  # the pool's counts are durable; most of it never written
     img.release()  # kill -9 (QEMU checks no refcount past the file's end: it sees no leak)
-    assert path.stat().st_size < 20 * CS < img.used_end
+    assert path.stat().st_size < 20 * CS < img.refs.used_end
     again = Qcow2Image.open(str(path), direct=False)
     try:
         dp = DataPlaneStandIn(again, random.Random(2), c_alloc=True)
@@ -702,10 +702,10 @@ async def test_a_free_cluster_still_published_is_corruption(tmp_path: Path, ring
         assert published(table, 5) == "rw"
         c = host_of(img, 5) // CS
         # the refcount the file would have said, had it been corrupt
-        block = await img._refblock(c // img.rbe, create=False)
+        block = await img.refs.block(c // img.refs.rbe, create=False)
         assert block is not None
-        block[c % img.rbe] = 0
-        img._free_hint = c
+        block[c % img.refs.rbe] = 0
+        img.refs.free_hint = c
         with pytest.raises(OSError, match="still holds the data of guest cluster 5"):
             await img.write(10 * CS, bytes(CS))  # allocates: cluster c comes first
         assert img.corrupt

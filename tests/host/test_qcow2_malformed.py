@@ -1599,7 +1599,7 @@ async def test_allocating_write_checks_overlap(ring: Ring, tpl: Templates, tmp_p
 
     async def bad_alloc(n: int, meta: int | None = None) -> tuple[int, bool]:
         return lay.l1 // CS, False
-    monkeypatch.setattr(img, "_alloc", bad_alloc)
+    monkeypatch.setattr(img.refs, "alloc", bad_alloc)
     try:
         await expect_eio(img.write(CS, bytes([GUEST]) * CS), "write")
         assert img.corrupt, "the image was not marked corrupt"

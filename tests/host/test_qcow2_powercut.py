@@ -677,8 +677,8 @@ def pool_uncounted(monkeypatch: pytest.MonkeyPatch) -> None:
 
     async def uncounted(self: Pools, n: int) -> range:
         run = await real(self, n)
-        async with self.alloc_lock:
-            await self._add_ref_run(run, -1)
+        async with self.refs.lock:
+            await self.refs.add_ref_run(run, -1)
         return run
     monkeypatch.setattr(Pools, "_pool_run", uncounted)
 

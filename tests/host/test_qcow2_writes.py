@@ -780,7 +780,7 @@ async def test_failed_sync_is_never_forgotten(tmp_path: Path, ring: Ring) -> Non
         with pytest.raises(OSError) as err:
             await img.flush()
         assert err.value.errno == errno.EIO
-        assert any(b.dirty for b in img.refblocks.values()), \
+        assert any(b.dirty for b in img.refs.blocks.values()), \
             "refcount blocks marked clean before the sync that failed"
         assert img._dirty()
         syncs = _FailingSync.syncs
@@ -915,11 +915,11 @@ async def test_corrupt_mark_names_the_durable_refcount_table(tmp_path: Path,
     try:
         await img.write(0, b"\x33" * 64 * K)
         await img.flush()
-        async with img.alloc_lock:
-            await img._grow_reftable(len(img.reftable))
-        assert img.reftable_offset != rt_before[0]
+        async with img.refs.lock:
+            await img.refs.grow_table(len(img.refs.table))
+        assert img.refs.table_offset != rt_before[0]
         img.file.__class__ = _FailingWrite
-        _FailingWrite.at = img.reftable_offset
+        _FailingWrite.at = img.refs.table_offset
         with pytest.raises(OSError):
             await img.writeback()
         with pytest.raises(OSError):
