@@ -19,6 +19,7 @@ from aioublk.io.hostfile import HostFile, aligned
 from aioublk.qcow2 import format as fmt
 
 if TYPE_CHECKING:
+    from aioublk.qcow2.pools import Pools
     from aioublk.qcow2.refcounts import Refcounts
 
 log = logs.get_logger("aioublk.qcow2")
@@ -146,6 +147,7 @@ class ImageBase:
     l1_dirty: set[int]
     meta: dict[int, int]  # host cluster -> metadata kind (aioublk.qcow2.writeback)
     refs: Refcounts  # refcounts and allocation (also owns ``used_end``)
+    pools: Pools  # the data planes' pools of counted clusters
     l2_capacity: int
     l2cache: OrderedDict[int, L2Table]
     _loading: dict[int, asyncio.Future[L2Table]]
@@ -194,6 +196,10 @@ class ImageBase:
             self._io[g] = n
         else:
             del self._io[g]
+
+    def _count_changes(self, n: int) -> None:
+        """``n`` metadata changes made in memory (see ``_meta_seq``)."""
+        self._meta_seq += n
 
     def _defer_free(self, c: int) -> None:
         """Free host cluster ``c`` once the change that dropped it is durable

@@ -8,11 +8,10 @@ import errno
 
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2 import writeback as wbplan
-from aioublk.qcow2.base import _eio
-from aioublk.qcow2.pools import Pools
+from aioublk.qcow2.base import ImageBase, _eio
 
 
-class WriteBack(Pools):
+class WriteBack(ImageBase):
     """Flush and write-back: the cut, the plan run, the frees."""
 
     async def flush(self) -> None:
@@ -50,7 +49,7 @@ class WriteBack(Pools):
     async def _writeback_locked(self) -> None:
         # every C write that completed before the FLUSH was sent recorded its
         # allocation before it was answered: in the cut with everything else
-        self._drain_c()
+        self.pools.drain()
         seq = self._meta_seq
         if not self._dirty() and not self._frees:
             await self._sync()
@@ -152,7 +151,7 @@ class WriteBack(Pools):
         """Flush (if writable) and close the image and its backing chain."""
         try:
             if not self.read_only and self.file.fd >= 0 and not self.corrupt:
-                await self._take_pools_back()
+                await self.pools.take_back()
                 await self.writeback()
                 if self._frees:
                     await self.writeback()

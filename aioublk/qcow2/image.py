@@ -76,7 +76,7 @@ without any I/O.
   gives a ZERO or ALLOC cluster data, it takes the cluster's extent back
   and waits until no request the data plane started on it is in flight
   (``ExtentTable.unmap``, which treats every kind alike), then applies
-  what C allocated meanwhile (``_settle_c``). A request C
+  what C allocated meanwhile (``Pools.settle``). A request C
   started therefore sees a mapping that stays valid until it completes.
   Every L2 entry changes in one place, ``_remap``, called with the clusters
   held in ``_busy`` (so nobody publishes them again meanwhile) and followed
@@ -120,6 +120,7 @@ from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.backing_policy import BackingPolicy, Checked
 from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, _nclusters, log
 from aioublk.qcow2.format import OFFSET_MASK, Qcow2Error
+from aioublk.qcow2.pools import Pools
 from aioublk.qcow2.refcounts import Refcounts
 from aioublk.qcow2.writeback import HEADER, L1, L2, REFBLOCK, REFTABLE, SNAPSHOT
 from aioublk.qcow2.writes import Writes
@@ -316,7 +317,8 @@ class Qcow2Image(Writes):
         self._busy: dict[int, asyncio.Future[None]] = {}
         self._l2_busy: dict[int, asyncio.Future[None]] = {}
         self._wb_lock: asyncio.Lock | None = None
-        self._pools_init()
+        self.pools = Pools(path, self.cbits, self.l2_bits, self.refs, self.l1, self.l2cache,
+                           self._count_changes, lambda: self.c_allocating)
         self._frees: list[tuple[int, int]] = []  # (generation, host cluster)
         self._punch: set[int] = set()
         self.gen = 0

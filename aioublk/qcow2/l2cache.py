@@ -162,9 +162,28 @@ class L2Cache(WriteBack):
             self.extents = ExtentTable(self.cluster_size, max_entries=min(
                 (1 << 32) - 2, max(1 << 20, self.l2_capacity << self.l2_bits)))
             self._publishing = True
+            self.pools.table = self.extents
             for t in list(self.l2cache.values()):
                 self._publish_table(t)
         return self.extents
+
+    @property
+    def c_allocating(self) -> bool:
+        """Whether C may allocate now: what publishing ALLOC asks first."""
+        return bool(self.pools.slots) and not self.read_only and not self.corrupt \
+            and not self.metadata_write_through and not self.compress and not self.file.is_block
+
+    def attach_pool(self) -> int:
+        """A pool for one more data plane (``Pools.attach``), or -1 where C may
+        not allocate in this image."""
+        if self.extents is None or not self.pools.c_alloc or self.read_only \
+                or self.file.is_block or self.metadata_write_through or self.compress:
+            return -1
+        return self.pools.attach(self.file.fd)
+
+    def service(self) -> None:
+        """C asked for the engine: see ``Pools.service``."""
+        self.pools.service()
 
     def republish(self) -> None:
         """Take every extent back and publish the cached tables again: after a
@@ -183,7 +202,7 @@ class L2Cache(WriteBack):
         assert self.extents is not None
         span = self.l2_bits + self.cbits
         await self.extents.unmap(t.l1i << span, 1 << span)
-        self._drain_c()
+        self.pools.drain()
         t.pub[:] = bytes(len(t.pub))
 
     def _publish_table(self, t: L2Table) -> None:

@@ -17,9 +17,9 @@ The rules that keep the promises of ``aioublk.qcow2.image``:
 - C pushes a record after the data write completed and before it answers
   the request (``aur_dp``: the record, then the commit). So a request that
   follows a completed C write finds its record, and the engine applies
-  records (``_drain_c``: the L2 entry points at the cluster, the table
+  records (``drain``: the L2 entry points at the cluster, the table
   dirty) before anything depends on them: at the entry of every request it
-  serves, after taking back clusters it is about to change (``_lock``),
+  serves, after taking back clusters it is about to change (``settle``),
   before a write-back's cut (a FLUSH covers every C write that completed
   before the guest sent it), before evicting a table C may allocate in, and
   at close;
@@ -31,16 +31,24 @@ The rules that keep the promises of ``aioublk.qcow2.image``:
   uncounts them;
 - a failed C write is served again by Python, and its cluster (never
   referenced) is freed like any other.
+
+``Pools`` knows the extent table, the refcounts (``aioublk.qcow2.refcounts``)
+and the L1 table and L2 cache it applies records to; the image decides when
+C may allocate (``Qcow2Image.c_allocating``) and tells it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
 
-from aioublk.dataplane.extents import ALLOC, MAP
-from aioublk.qcow2.base import ImageBase, log
+from aioublk.dataplane.extents import ALLOC, MAP, ExtentTable
+from aioublk.qcow2.base import L2Table, log
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK
+from aioublk.qcow2.refcounts import Refcounts
 
 #: what one queue's pool may hold: the most a crash can leak per queue
 POOL_BYTES = 8 << 20
@@ -48,50 +56,55 @@ POOL_BYTES = 8 << 20
 LOG_RECORDS = 4096
 
 
-class Pools(ImageBase):
+class Pools:
     """The pools of the queues' data planes, and the records of their use."""
 
     #: allocation in C may be used (a switch for tests and bisection)
     c_alloc = True
 
-    def _pools_init(self) -> None:
-        self._slots: list[int] = []   # attached pools (appended from any thread)
+    def __init__(self, path: str, cbits: int, l2_bits: int, refs: Refcounts, l1: array[int],
+                 l2cache: OrderedDict[int, L2Table], changed: Callable[[int], None],
+                 may_alloc: Callable[[], bool]) -> None:
+        self.path = path
+        self.cbits = cbits
+        self.l2_bits = l2_bits
+        self.l2_mask = (1 << l2_bits) - 1
+        self.refs = refs
+        self.l1 = l1
+        self.l2cache = l2cache
+        self.changed = changed  # n L2 entries changed in memory (the write-back's count)
+        self.may_alloc = may_alloc  # the image's ``c_allocating``
+        #: the image's extent table, once it has one (``Qcow2Image.extent_table``)
+        self.table: ExtentTable | None = None
+        self.slots: list[int] = []   # attached pools (appended from any thread)
         self._attaching = threading.Lock()  # (every queue's data plane attaches at once)
-        self._filling: asyncio.Task[None] | None = None
-        cap = POOL_BYTES >> self.cbits
-        self.pool_cap = min(1024, max(16, cap))
+        self.filling: asyncio.Task[None] | None = None
+        self.cap = min(1024, max(16, POOL_BYTES >> cbits))  # clusters per pool
 
-    @property
-    def c_allocating(self) -> bool:
-        """Whether C may allocate now: what publishing ALLOC asks first."""
-        return bool(self._slots) and not self.read_only and not self.corrupt \
-            and not self.metadata_write_through and not self.compress and not self.file.is_block
-
-    def attach_pool(self) -> int:
+    def attach(self, fd: int) -> int:
         """A pool for one more data plane (any thread: ``ExtentTable.attach``
         is C's, under its mutex); it is filled by the next ``service``."""
-        table = self.extents
-        if table is None or not self.c_alloc or self.read_only or self.file.is_block \
-                or self.metadata_write_through or self.compress:
-            return -1
+        table = self.table
+        assert table is not None
         with self._attaching:
-            if not self._slots:
-                table.set_alloc(self.file.fd, self.pool_cap, LOG_RECORDS)
+            if not self.slots:
+                table.set_alloc(fd, self.cap, LOG_RECORDS)
             slot = table.attach()
-            self._slots.append(slot)
+            self.slots.append(slot)
         return slot
 
-    def _drain_c(self) -> None:
+    def drain(self) -> None:
         """Apply what C allocated: each ``ok`` record points its L2 entry at
         its cluster (the table dirty, to be written by the next write-back);
         a failed one frees its cluster."""
-        table = self.extents
-        if table is None or not self._slots:
+        table = self.table
+        if table is None or not self.slots:
             return
+        n = 0
         for r in table.drain():
             c = r.host_off >> self.cbits
             if not r.ok:
-                self._defer_free(c)
+                self.refs.defer_free(c)
                 continue
             vc = r.gran
             off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
@@ -106,28 +119,30 @@ class Pools(ImageBase):
                 continue
             t.entries[i] = r.host_off | COPIED
             t.pub[i] = MAP
-            self._pub_host[c] = vc
+            self.refs.pub_host[c] = vc
             t.touch()
-            self._meta_seq += 1
+            n += 1
+        if n:
+            self.changed(n)
 
     def service(self) -> None:
         """C asked for the engine (a pool at half, the record log at half) or
         a pool was attached: apply the records, refill the pools, in one task
         at a time (on the engine's loop)."""
-        self._drain_c()
-        if self._filling is None and self.c_allocating:
-            self._filling = asyncio.get_running_loop().create_task(self._fill())
+        self.drain()
+        if self.filling is None and self.may_alloc():
+            self.filling = asyncio.get_running_loop().create_task(self._fill())
 
     async def _fill(self) -> None:
         try:
-            table = self.extents
-            for slot in list(self._slots):
-                if table is None or not self.c_allocating:
+            table = self.table
+            for slot in list(self.slots):
+                if table is None or not self.may_alloc():
                     return
                 level = table.pool_level(slot)
-                if level * 2 > self.pool_cap:
+                if level * 2 > self.cap:
                     continue
-                run = await self._pool_run(self.pool_cap - level)
+                run = await self._pool_run(self.cap - level)
                 added = table.pool_add(slot, [c << self.cbits for c in run])
                 if added < len(run):  # (C took fewer: never referenced, uncount)
                     async with self.refs.lock:
@@ -136,32 +151,32 @@ class Pools(ImageBase):
             log.error("qcow2: refilling the data plane's pools failed", image=self.path,
                       error=str(e))
         finally:
-            self._filling = None
+            self.filling = None
 
     async def _pool_run(self, n: int) -> range:
         """``n`` fresh clusters past the end of the file, counted."""
         return await self.refs.fresh_run(n)
 
-    async def _take_pools_back(self) -> None:
+    async def take_back(self) -> None:
         """At close, after every data plane stopped: apply the last records,
         then uncount what the pools still hold (never referenced)."""
-        table = self.extents
-        if table is None or not self._slots:
+        table = self.table
+        if table is None or not self.slots:
             return
-        if self._filling is not None:
-            await asyncio.shield(self._filling)
-        self._drain_c()
-        back = sorted(h >> self.cbits for slot in self._slots for h in table.pool_take(slot))
+        if self.filling is not None:
+            await asyncio.shield(self.filling)
+        self.drain()
+        back = sorted(h >> self.cbits for slot in self.slots for h in table.pool_take(slot))
         async with self.refs.lock:
             for c in back:
                 await self.refs.add_ref(c, -1)
 
-    async def _settle_c(self, vcs: range) -> None:
+    async def settle(self, vcs: range) -> None:
         """Before the engine reads the entries of ``vcs`` (held in ``_busy``) to
         change them: take back those C may allocate, wait for an allocating
         write in flight, and apply its record."""
-        table = self.extents
-        if table is None or not self._slots:
+        table = self.table
+        if table is None or not self.slots:
             return
         off = self.l1[vcs.start >> self.l2_bits] & OFFSET_MASK
         t = self.l2cache.get(off) if off else None
@@ -170,6 +185,6 @@ class Pools(ImageBase):
         m = self.l2_mask
         if any(t.pub[vc & m] == ALLOC for vc in vcs):
             await table.unmap(vcs.start << self.cbits, len(vcs) << self.cbits)
-            self._drain_c()
+            self.drain()
             for vc in vcs:  # (unmapped: whatever the records said, nothing is published)
                 t.pub[vc & m] = 0

@@ -43,7 +43,7 @@ class Reads(L2Cache):
     def _mapped(self, offset: int, n: int, write: bool) -> int:
         """The host offset of [offset, offset+n) when it lies in one cached,
         allocated cluster (written in place, for a write), else -1."""
-        self._drain_c()  # (every request looks here first: C's news before its lookups)
+        self.pools.drain()  # (every request looks here first: C's news before its lookups)
         vc = offset >> self.cbits
         if (offset + n - 1) >> self.cbits != vc or offset + n > self.size:
             return -1

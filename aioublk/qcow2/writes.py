@@ -76,7 +76,7 @@ class Writes(Reads):
                 await asyncio.shield(f)
             self._busy[vc] = loop.create_future()
         try:
-            await self._settle_c(vcs)
+            await self.pools.settle(vcs)
         except BaseException:
             self._unlock(vcs)
             raise

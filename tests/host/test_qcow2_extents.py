@@ -625,8 +625,8 @@ async def test_pools_counted_at_a_crash_are_not_handed_out_again(tmp_path: Path,
     dp = DataPlaneStandIn(img, random.Random(1), c_alloc=True)
     await img.write(0, b"a" * CS)  # the L2 table (and its ALLOC entries)
     img.service()
-    assert img._filling is not None
-    await img._filling
+    assert img.pools.filling is not None
+    await img.pools.filling
     await dp.write(5 * CS, b"b" * CS)  # one pool cluster used, by C
     assert dp.allocated == 1
     await img.flush()  # the pool's counts are durable; most of it never written
@@ -637,8 +637,8 @@ async def test_pools_counted_at_a_crash_are_not_handed_out_again(tmp_path: Path,
         dp = DataPlaneStandIn(again, random.Random(2), c_alloc=True)
         await again.read(0, bytearray(512))  # the table, cached again
         again.service()
-        assert again._filling is not None
-        await again._filling
+        assert again.pools.filling is not None
+        await again.pools.filling
         for k in range(8, 40):  # C and Python allocate, many clusters each
             await (dp if k % 2 else again).write(k * CS, bytes([k]) * CS)
         assert dp.allocated > 10

@@ -40,8 +40,8 @@ async def serve(ring: Ring, top: Target) -> Plane:
     # (None: C serves nothing; the plane's map stands for that as Null)
     plane = Plane(ring, -1, map=m if m is not None else Null())
     inner.image.service()
-    if inner.image._filling is not None:
-        await inner.image._filling
+    if inner.image.pools.filling is not None:
+        await inner.image.pools.filling
     return plane
 
 

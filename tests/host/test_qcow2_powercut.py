@@ -331,7 +331,7 @@ def record(path: Path, workload: Workload, seed: int, *, write_through: bool = F
             img = Qcow2Image.open(str(path), metadata_write_through=write_through)
             rec = Recording(path.read_bytes())
             img.file.__class__ = recording_file(rec)
-            img.pool_cap = POOL_CLUSTERS
+            img.pools.cap = POOL_CLUSTERS
             planes = [CStandIn(img, rec, seed * 100 + k, threads=threads) for k in range(queues)]
             s = Session(img, rec, disk, planes)
             try:
