@@ -11,6 +11,7 @@ import asyncio
 import errno
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from aioublk import logs
@@ -19,6 +20,7 @@ from aioublk.io.hostfile import HostFile, aligned
 from aioublk.qcow2 import format as fmt
 
 if TYPE_CHECKING:
+    from aioublk.qcow2.flush import Frees, WriteBack
     from aioublk.qcow2.pools import Pools
     from aioublk.qcow2.refcounts import Refcounts
 
@@ -148,16 +150,16 @@ class ImageBase:
     meta: dict[int, int]  # host cluster -> metadata kind (aioublk.qcow2.writeback)
     refs: Refcounts  # refcounts and allocation (also owns ``used_end``)
     pools: Pools  # the data planes' pools of counted clusters
+    frees: Frees  # frees deferred until durable, and the I/O they wait for
+    wb: WriteBack  # the write-back of cached metadata
+    #: ``frees.io_begin``/``io_end``, bound: every request counts its I/O
+    _io_begin: Callable[[], int]
+    _io_end: Callable[[int], None]
     l2_capacity: int
     l2cache: OrderedDict[int, L2Table]
     _loading: dict[int, asyncio.Future[L2Table]]
     _busy: dict[int, asyncio.Future[None]]  # virtual clusters being changed
     _l2_busy: dict[int, asyncio.Future[None]]  # L1 indexes whose table is being made
-    _wb_lock: asyncio.Lock | None
-    _frees: list[tuple[int, int]]  # (generation, host cluster)
-    _punch: set[int]  # host clusters a discard freed: punched in the file once free
-    gen: int
-    _io: dict[int, int]  # generation -> data I/O in flight
     _zcache: OrderedDict[int, bytes]  # decompressed clusters
     backing: Backing
     #: the data plane's map of this image (``extent_table``); None until asked for
@@ -174,37 +176,6 @@ class ImageBase:
     #: whole clusters are written compressed (``open``'s keyword; set before
     #: the extent table is made: the data plane then writes nothing)
     compress = False
-    _meta_seq = 0  # metadata changes made in memory (counted, see _changed)
-    _meta_written = 0  # ... of which the image file holds the first this many
-    _sync_error: OSError | None = None  # the first sync that failed: every later one fails
-
-    @property
-    def wb_lock(self) -> asyncio.Lock:
-        """The lock one write-back of cached metadata runs under at a time."""
-        if self._wb_lock is None:
-            self._wb_lock = asyncio.Lock()
-        return self._wb_lock
-
-    def _io_begin(self) -> int:
-        g = self.gen
-        self._io[g] = self._io.get(g, 0) + 1
-        return g
-
-    def _io_end(self, g: int) -> None:
-        n = self._io[g] - 1
-        if n:
-            self._io[g] = n
-        else:
-            del self._io[g]
-
-    def _count_changes(self, n: int) -> None:
-        """``n`` metadata changes made in memory (see ``_meta_seq``)."""
-        self._meta_seq += n
-
-    def _defer_free(self, c: int) -> None:
-        """Free host cluster ``c`` once the change that dropped it is durable
-        (see ``aioublk.qcow2.flush``)."""
-        self._frees.append((self.gen, c))
 
     async def _data_write(self, bufs: list[Any], host: int) -> None:
         g = self._io_begin()
@@ -235,7 +206,7 @@ class ImageBase:
         log.error("qcow2 image marked corrupt", image=self.path, reason=why)
         if self.v3 and not self.read_only:
             # the last durable header: a refcount table a write-back is moving
-            # is named only once it is on disk (``_writeback_locked``)
+            # is named only once it is on disk (``WriteBack.run_locked``)
             head = self._corrupt_bit(self.head)
             try:
                 self.file.pwrite_sector(head, 0, sync=False)
@@ -245,7 +216,7 @@ class ImageBase:
                 try:
                     self.file.datasync()
                 except OSError as e:
-                    self._sync_failed(e)
+                    self.wb.sync_failed(e)
                 else:
                     self.head[:] = head
         raise _eio(f"{self.path}: {why}; image marked corrupt, run "
@@ -301,13 +272,6 @@ class ImageBase:
         out[fmt.OFF_INCOMPAT:fmt.OFF_INCOMPAT + 8] = fmt.pack_u64(inc | fmt.INCOMPAT_CORRUPT)
         return bytes(out)
 
-    def _sync_failed(self, e: OSError) -> None:
-        """A sync of the image failed: Linux reports a lost page-cache write-back
-        once, so the first failure sticks (every later sync fails, see ``_sync``)."""
-        if self._sync_error is None:
-            self._sync_error = e
-            log.error("qcow2 image sync failed: every later flush fails", image=self.path,
-                      error=str(e))
 
 
     def _check_host(self, host: int, vc: int) -> None:

@@ -83,7 +83,7 @@ without any I/O.
   by the change without an await: allocation and copy-on-write
   (``_alloc_write``), discard and write_zeroes (``_zero_chunk``). The
   cluster an entry dropped is freed only after that, so a freed cluster is
-  never in flight in C either (the ``_io`` count covers only Python's own
+  never in flight in C either (the ``Frees.io`` count covers only Python's own
   I/O); an allocation that finds a free cluster still published as data
   (``_claim_unpublished``: refcounts too low) marks the image corrupt.
 - Changes that keep the mapping, and what they do: copying an L2 table a
@@ -119,6 +119,7 @@ from aioublk.qcow2 import check
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.backing_policy import BackingPolicy, Checked
 from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, _nclusters, log
+from aioublk.qcow2.flush import Frees, WriteBack
 from aioublk.qcow2.format import OFFSET_MASK, Qcow2Error
 from aioublk.qcow2.pools import Pools
 from aioublk.qcow2.refcounts import Refcounts
@@ -200,11 +201,39 @@ class Qcow2Image(Writes):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def flush(self) -> None:
+        """Everything written so far, data and metadata, durable."""
+        if self.read_only:
+            return
+        await self.wb.run()
+
+    async def writeback(self) -> None:
+        """Write every dirty table in dependency order (``WriteBack.run``),
+        then apply frees whose dropping is durable."""
+        await self.wb.run()
+
+
+    def release(self) -> None:
+        """Close the files of the image and its backing chain, without writing."""
+        self._drop_extents()
+        self.file.close()
+        if self.backing is not None:
+            self.backing.release()
+
     async def close(self) -> None:
         """Flush (if writable) and close the image and its backing chain; then
         the ring ``async with`` made for it, if it made one."""
         try:
-            await super().close()
+            try:
+                if not self.read_only and self.file.fd >= 0 and not self.corrupt:
+                    await self.pools.take_back()
+                    await self.writeback()
+                    if self.frees.pending:
+                        await self.writeback()
+                    if self.lazy:  # every refcount is on disk: clean again
+                        self._set_dirty(False)
+            finally:
+                self.release()
         finally:
             ring, self._own_ring = self._own_ring, None
             if ring is not None:
@@ -305,9 +334,11 @@ class Qcow2Image(Writes):
         # leave clusters counted past the end of the file (a data plane's pool,
         # never written): the end is where the last counted cluster ends
         self._pub_host: dict[int, int] = {}
+        self.frees = Frees()
+        self._io_begin, self._io_end = self.frees.io_begin, self.frees.io_end
         self.refs = Refcounts(f, path, h, reftable, self.meta,
                               max(f.size, self._counted_end(f, h, reftable)),
-                              self._defer_free, self._pub_host, self._claim_unpublished)
+                              self.frees.defer, self._pub_host, self._claim_unpublished)
         # L2 cache, sized by how much of the disk it maps
         want = len(self.l1) * cs
         bound = cache_bytes if cache_bytes is not None else min(want, DEFAULT_CACHE_BYTES)
@@ -316,13 +347,12 @@ class Qcow2Image(Writes):
         self._loading: dict[int, asyncio.Future[L2Table]] = {}
         self._busy: dict[int, asyncio.Future[None]] = {}
         self._l2_busy: dict[int, asyncio.Future[None]] = {}
-        self._wb_lock: asyncio.Lock | None = None
+        # (each hook looks the other collaborator up when called: both exist by then)
         self.pools = Pools(path, self.cbits, self.l2_bits, self.refs, self.l1, self.l2cache,
-                           self._count_changes, lambda: self.c_allocating)
-        self._frees: list[tuple[int, int]] = []  # (generation, host cluster)
-        self._punch: set[int] = set()
-        self.gen = 0
-        self._io: dict[int, int] = {}  # generation -> data I/O in flight
+                           lambda n: self.wb.changed(n), lambda: self.c_allocating)
+        self.wb = WriteBack(f, path, h, self.head, self.l1, self.l1_dirty, self.l2cache,
+                            self.meta, self.refs, self.pools, self.frees, self._corrupt_bit,
+                            self._mark_corrupt)
         self._zcache: OrderedDict[int, bytes] = OrderedDict()  # decompressed clusters
         # backing chain
         self.backing: Backing = None

@@ -18,13 +18,12 @@ from typing import Any
 
 from aioublk.dataplane.extents import ALLOC, ExtentConflict, ExtentTable
 from aioublk.io.hostfile import aligned
-from aioublk.qcow2.base import PARTIAL, L2Table, _eio, log
-from aioublk.qcow2.flush import WriteBack
+from aioublk.qcow2.base import PARTIAL, ImageBase, L2Table, _eio, log
 from aioublk.qcow2.format import COPIED, OFFSET_MASK
 from aioublk.qcow2.writeback import KIND_NAMES, L2
 
 
-class L2Cache(WriteBack):
+class L2Cache(ImageBase):
     """The L2 table cache."""
 
     def _lookup(self, vc: int) -> int | None:
@@ -101,7 +100,7 @@ class L2Cache(WriteBack):
                     self._forget(t)
                     break
             else:
-                await self.writeback()
+                await self.wb.run()
 
     async def _table_for_update(self, l1i: int) -> L2Table:
         """The L2 table of ``l1i``, owned by the active layer alone (created, or
@@ -132,9 +131,9 @@ class L2Cache(WriteBack):
                 self.l2cache[new.offset] = new
                 self.l1[l1i] = new.offset | COPIED
                 self.l1_dirty.add(l1i)
-                self._meta_seq += 1
+                self.wb.changed()
                 if off:
-                    self._defer_free(off >> self.cbits)
+                    self.frees.defer(off >> self.cbits)
                 # the same entries (or none yet): take back what the old table
                 # published (no mapping changes, so nothing waits) and publish
                 # the new one whole, its pub bytes then telling the truth

@@ -61,8 +61,8 @@ class Reads(L2Cache):
             self._publish_in(t, vc)  # the next request on it may not come here
         if write and (not e & COPIED or self.read_only or self.corrupt or self.compress
                       or vc in self._busy
-                      or host >> self.cbits in self.meta or self._meta_written < self._meta_seq
-                      and self.metadata_write_through):
+                      or host >> self.cbits in self.meta or self.metadata_write_through
+                      and self.wb.written < self.wb.seq):
             return -1
         return host + (offset & self.cmask)
 

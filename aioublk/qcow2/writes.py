@@ -194,7 +194,7 @@ class Writes(Reads):
                 await self._data_write([buf], host0)
             except BaseException:
                 for c in range(c0, c0 + n):
-                    self._defer_free(c)
+                    self.frees.defer(c)
                 raise
             async with self.refs.lock:
                 for k, t in enumerate(touches):
@@ -257,7 +257,7 @@ class Writes(Reads):
             await self._data_write(bufs, host + lo)
         except BaseException:
             if fresh:
-                self._defer_free(host >> cbits)
+                self.frees.defer(host >> cbits)
             raise
         t = await self._remap(range(vc, vc + 1))
         assert t.subs is not None
@@ -297,7 +297,7 @@ class Writes(Reads):
             await self._data_write(bufs, at)
         except BaseException:
             for c in range(c0, c0 + len(vcs)):
-                self._defer_free(c)  # leaked otherwise; nothing points at them
+                self.frees.defer(c)  # leaked otherwise; nothing points at them
             raise
         t = await self._remap(vcs)
         for k, vc in enumerate(vcs):
@@ -442,7 +442,7 @@ class Writes(Reads):
                     else:
                         t.entries[vc & self.l2_mask] = want
                         if unmap and old & OFFSET_MASK and not old & COMPRESSED:
-                            self._punch.add((old & OFFSET_MASK) >> self.cbits)
+                            self.frees.punch.add((old & OFFSET_MASK) >> self.cbits)
                         self.refs.release(old)
                 self._changed(t)
         finally:
@@ -453,21 +453,15 @@ class Writes(Reads):
     def _changed(self, t: L2Table) -> None:
         """An L2 table changed (the refcounts it needs were changed before)."""
         t.touch()
-        self._meta_seq += 1
+        self.wb.changed()
 
     async def _write_through(self) -> None:
         """With ``metadata_write_through``: return once every metadata change
         made so far (this request's, and any other's it may depend on: a
         write in place into a cluster whose allocation is still in memory)
-        is in the image file. Requests waiting together share one write-back:
-        whoever gets the lock first writes a cut that holds all their changes."""
-        if not self.metadata_write_through:
-            return
-        want = self._meta_seq
-        while self._meta_written < want:
-            async with self.wb_lock:
-                if self._meta_written < want:
-                    await self._writeback_locked()
+        is in the image file (``WriteBack.write_through``)."""
+        if self.metadata_write_through:
+            await self.wb.write_through()
 
     @staticmethod
     def _same_zero(old: int, want: int) -> bool:

@@ -710,13 +710,13 @@ async def test_metadata_write_through_shares_write_backs(tmp_path: Path, ring: R
     img = Qcow2Image.open(str(path), metadata_write_through=True)
     assert img.metadata_write_through
     passes = 0
-    real = img._writeback_locked
+    real = img.wb.run_locked
 
     async def counted() -> None:
         nonlocal passes
         passes += 1
         await real()
-    img._writeback_locked = counted  # type: ignore[method-assign]
+    img.wb.run_locked = counted  # type: ignore[method-assign]
     try:
         rng = random.Random(71)
         await img.write(3 * 64 * K + 512, b"\x11" * 4 * K)
@@ -782,7 +782,7 @@ async def test_failed_sync_is_never_forgotten(tmp_path: Path, ring: Ring) -> Non
         assert err.value.errno == errno.EIO
         assert any(b.dirty for b in img.refs.blocks.values()), \
             "refcount blocks marked clean before the sync that failed"
-        assert img._dirty()
+        assert img.wb.dirty()
         syncs = _FailingSync.syncs
         with pytest.raises(OSError) as err:
             await img.flush()  # the kernel would report success now
