@@ -1,9 +1,11 @@
-"""What every part of a qcow2 image shares: its state (set up by
-``Qcow2Image.__init__`` in ``aioublk.qcow2.image``), the locks and counters
-that order its coroutines, and the guards that mark an image corrupt rather
-than write where it must not. The image is assembled from layers, each a
-module: base, refcounts, flush (write-back), l2cache, reads, writes, image;
-a layer calls only those below it."""
+"""What the parts of a qcow2 image share: the L2 table and entry forms,
+the image's state (set up by ``Qcow2Image.__init__`` in
+``aioublk.qcow2.image``: the header's geometry, the L1 table, the
+collaborators it holds) and the guards that mark an image corrupt rather
+than write where it must not. The request paths (``reads``, ``writes``)
+build on ``ImageBase``; the collaborators (``refcounts``, ``pools``,
+``flush``, ``l2cache``, ``publish``) take from here only the table forms
+and the errors."""
 
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from aioublk import logs
-from aioublk.dataplane.extents import MAP, ExtentTable
 from aioublk.io.hostfile import HostFile, aligned
 from aioublk.qcow2 import format as fmt
 
 if TYPE_CHECKING:
     from aioublk.qcow2.flush import Frees, WriteBack
+    from aioublk.qcow2.l2cache import L2Cache
     from aioublk.qcow2.pools import Pools
+    from aioublk.qcow2.publish import Publisher
     from aioublk.qcow2.refcounts import Refcounts
 
 log = logs.get_logger("aioublk.qcow2")
@@ -72,7 +75,7 @@ class L2Table:
     """A cached L2 table: the L1 index it maps (``l1i``) and, per entry, what
     the data plane has of it (``pub``: 0 nothing, else the kind it was
     published as, ``aioublk.dataplane.extents.MAP`` or ``ZERO``; see
-    ``aioublk.qcow2.l2cache``). With extended L2, ``entries`` are engine
+    ``aioublk.qcow2.publish``). With extended L2, ``entries`` are engine
     entries (``engine_entry``) and ``subs`` the subcluster words as loaded."""
 
     __slots__ = ("offset", "entries", "dirty", "gen", "l1i", "pub", "subs")
@@ -146,29 +149,20 @@ class ImageBase:
     corrupt: bool
     lazy: bool  # lazy refcounts: the dirty bit is set while the image is open
     l1: array[int]
-    l1_dirty: set[int]
     meta: dict[int, int]  # host cluster -> metadata kind (aioublk.qcow2.writeback)
     refs: Refcounts  # refcounts and allocation (also owns ``used_end``)
     pools: Pools  # the data planes' pools of counted clusters
     frees: Frees  # frees deferred until durable, and the I/O they wait for
     wb: WriteBack  # the write-back of cached metadata
+    l2: L2Cache  # the L2 tables (and the L1 table's dirty entries)
+    plane: Publisher  # the extent table the data plane serves from
     #: ``frees.io_begin``/``io_end``, bound: every request counts its I/O
     _io_begin: Callable[[], int]
     _io_end: Callable[[int], None]
-    l2_capacity: int
-    l2cache: OrderedDict[int, L2Table]
-    _loading: dict[int, asyncio.Future[L2Table]]
     _busy: dict[int, asyncio.Future[None]]  # virtual clusters being changed
-    _l2_busy: dict[int, asyncio.Future[None]]  # L1 indexes whose table is being made
     _zcache: OrderedDict[int, bytes]  # decompressed clusters
     backing: Backing
-    #: the data plane's map of this image (``extent_table``); None until asked for
-    extents: ExtentTable | None = None
-    _publishing = False  # extents is set and may take new entries
-    _aliased = False  # two L1 entries name one L2 table: no data plane
-    #: host cluster -> the guest cluster it was published for (may be stale:
-    #: checked against the L2 entry when used, see ``_claim_unpublished``)
-    _pub_host: dict[int, int]
+    _aliased = False  # two L1 entries name one L2 table: no data plane (``extent_table``)
 
     #: every request that changed metadata returns only once the change is in
     #: the image file (see ``_write_through``); an attribute, or ``open``'s keyword
@@ -202,7 +196,7 @@ class ImageBase:
 
     def _mark_corrupt(self, why: str) -> NoReturn:
         self.corrupt = True
-        self._drop_extents()
+        self.plane.drop()
         log.error("qcow2 image marked corrupt", image=self.path, reason=why)
         if self.v3 and not self.read_only:
             # the last durable header: a refcount table a write-back is moving
@@ -221,39 +215,6 @@ class ImageBase:
                     self.head[:] = head
         raise _eio(f"{self.path}: {why}; image marked corrupt, run "
                    f"`aioublk img check -r all {self.path}`")
-
-    async def _claim_unpublished(self, run: range) -> None:
-        """Host clusters about to be allocated must not be any guest cluster's
-        published data. On an image whose refcounts are too low a cluster can
-        be free and still mapped, and the data plane would then write guest
-        data over whatever the cluster becomes: that is corruption, as the
-        Python path's metadata-overlap check says. Wait until no request C
-        started on it is in flight, then mark the image corrupt."""
-        for c in run:
-            vc = self._pub_host.get(c)
-            if vc is None:
-                continue
-            off = self.l1[vc >> self.l2_bits] & fmt.OFFSET_MASK
-            t = self.l2cache.get(off) if off else None
-            i = vc & self.l2_mask
-            if t is None or t.pub[i] != MAP or \
-                    (t.entries[i] & fmt.OFFSET_MASK) >> self.cbits != c:
-                del self._pub_host[c]  # taken back since (ZERO never reads the cluster)
-                continue
-            assert self.extents is not None
-            await self.extents.unmap(vc << self.cbits, self.cluster_size)
-            self._mark_corrupt(f"cluster {c << self.cbits:#x} is free by its refcount but "
-                               f"still holds the data of guest cluster {vc}")
-
-    def _drop_extents(self) -> None:
-        """Take every extent from the data plane and publish no more (a corrupt
-        or closing image). Requests C already started finish on mappings that
-        are still valid: nothing changes them without ``unmap`` (see
-        ``aioublk.qcow2.image``)."""
-        self._publishing = False
-        self._pub_host.clear()
-        if self.extents is not None:
-            self.extents.invalidate(0, (1 << 64) - 1)
 
     def _set_dirty(self, on: bool) -> None:
         """The header's dirty bit set (or cleared), durably."""

@@ -18,7 +18,7 @@ Concurrency inside the loop:
 - a write that changes a cluster's L2 entry (allocation, copy-on-write,
   zeroing, discard) holds that virtual cluster (``_busy``) from reading the
   old entry to setting the new one: no double allocation, no lost update;
-- creating or copying an L2 table is guarded per L1 index (``_l2_busy``);
+- creating or copying an L2 table is guarded per L1 index (``L2Cache.for_update``);
 - refcounts change only under ``refs.lock``;
 - no code keeps a cached table across an await: it looks it up again.
 
@@ -51,7 +51,7 @@ without any I/O.
 
 - What is published, and when: an L2 table is published whole as it enters
   the cache (loaded, created, or copied from a table a snapshot shares),
-  in one C call (``_publish_run``, ``ExtentTable.publish_l2``); an entry
+  in one C call (``Publisher.run``, ``ExtentTable.publish_l2``); an entry
   changed later is published again after the change (``_write_chunk``,
   ``_zero_chunk``), and the lookups of ``_mapped`` and the read path publish
   what a full table left out. One function applies the rules, to a table or
@@ -71,7 +71,8 @@ without any I/O.
   backing-file cluster, one past the disk's end, or one being changed
   (``_busy``); nothing when the image is corrupt, or when its L1 table names
   one L2 table twice. ``pub`` of a cached table says what each entry is
-  published as, and ``_pub_host`` which host cluster a MAP entry serves.
+  published as, and ``Publisher.pub_host`` which host cluster a MAP entry
+  serves.
 - The invariant: before Python changes where a cluster's data lives, or
   gives a ZERO or ALLOC cluster data, it takes the cluster's extent back
   and waits until no request the data plane started on it is in flight
@@ -85,7 +86,7 @@ without any I/O.
   cluster an entry dropped is freed only after that, so a freed cluster is
   never in flight in C either (the ``Frees.io`` count covers only Python's own
   I/O); an allocation that finds a free cluster still published as data
-  (``_claim_unpublished``: refcounts too low) marks the image corrupt.
+  (``Publisher.claim``: refcounts too low) marks the image corrupt.
 - Changes that keep the mapping, and what they do: copying an L2 table a
   snapshot shares (same entries: the old table's extents are taken back
   without waiting and the copy published whole); evicting a table from the
@@ -99,10 +100,15 @@ without any I/O.
   applies or deletes snapshots, and no refcount change makes a cluster
   shared (refcounts rise only on allocation of free clusters).
 
-Where the code lives (each layer calls only those before it):
-``base`` (state, locks, guards) -> ``refcounts`` -> ``pools`` (allocation
-in C) -> ``flush`` (runs the write-back plan) -> ``l2cache`` -> ``reads`` ->
-``writes`` -> this module (``open`` and the parsing of the image's tables).
+Where the code lives: the image (this module: ``open``, the parsing of the
+image's tables, the wiring) holds one object per structure, each given
+only the tables it works on and hooks for what it must ask of the others:
+``refs`` (``refcounts``: refcount blocks and table, allocation), ``pools``
+(``pools``: allocation in C), ``frees`` and ``wb`` (``flush``: deferred
+frees, the write-back running ``writeback``'s plan), ``l2`` (``l2cache``:
+the L2 cache and L1's dirty entries) and ``plane`` (``publish``: the
+extent table). The request paths are the image's own: ``reads`` and
+``writes``, on ``base`` (the state they share and the guards).
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from aioublk.dataplane.extents import ExtentTable
 from aioublk.io.hostfile import HostFile
 from aioublk.qcow2 import check
 from aioublk.qcow2 import format as fmt
@@ -121,7 +128,9 @@ from aioublk.qcow2.backing_policy import BackingPolicy, Checked
 from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, _nclusters, log
 from aioublk.qcow2.flush import Frees, WriteBack
 from aioublk.qcow2.format import OFFSET_MASK, Qcow2Error
+from aioublk.qcow2.l2cache import L2Cache
 from aioublk.qcow2.pools import Pools
+from aioublk.qcow2.publish import Publisher
 from aioublk.qcow2.refcounts import Refcounts
 from aioublk.qcow2.writeback import HEADER, L1, L2, REFBLOCK, REFTABLE, SNAPSHOT
 from aioublk.qcow2.writes import Writes
@@ -201,6 +210,50 @@ class Qcow2Image(Writes):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    # ------------------------------------------------------------ data plane
+    @property
+    def extents(self) -> ExtentTable | None:
+        """The data plane's map of this image (``extent_table``); None until
+        asked for."""
+        return self.plane.extents
+
+    def extent_table(self) -> ExtentTable | None:
+        """The extent table the data plane serves this image from (made on the
+        first call; publishing starts then), or None where the engine cannot
+        keep the table's promise: a corrupt image, or one whose L1 table names
+        an L2 table twice (a change through one name would leave the other's
+        extents stale). It holds as many clusters as the L2 cache does, so a
+        table entering the cache always finds room for its clusters."""
+        if self.corrupt or self._aliased or self.file.fd < 0:
+            return None
+        return self.plane.start(min((1 << 32) - 2,
+                                    max(1 << 20, self.l2.capacity << self.l2_bits)))
+
+    def republish(self) -> None:
+        """Take every extent back and publish the cached tables again: after a
+        change of what may be writable (``metadata_write_through`` set before
+        the first request). No mapping changes, so nothing waits."""
+        self.plane.republish()
+
+    @property
+    def c_allocating(self) -> bool:
+        """Whether C may allocate now: what publishing ALLOC asks first."""
+        return bool(self.pools.slots) and not self.read_only and not self.corrupt \
+            and not self.metadata_write_through and not self.compress and not self.file.is_block
+
+    def attach_pool(self) -> int:
+        """A pool for one more data plane (``Pools.attach``), or -1 where C may
+        not allocate in this image."""
+        if self.plane.extents is None or not self.pools.c_alloc or self.read_only \
+                or self.file.is_block or self.metadata_write_through or self.compress:
+            return -1
+        return self.pools.attach(self.file.fd)
+
+    def service(self) -> None:
+        """C asked for the engine (``Pools.service``)."""
+        self.pools.service()
+
+    # ----------------------------------------------------------------- flush
     async def flush(self) -> None:
         """Everything written so far, data and metadata, durable."""
         if self.read_only:
@@ -215,7 +268,7 @@ class Qcow2Image(Writes):
 
     def release(self) -> None:
         """Close the files of the image and its backing chain, without writing."""
-        self._drop_extents()
+        self.plane.drop()
         self.file.close()
         if self.backing is not None:
             self.backing.release()
@@ -308,7 +361,6 @@ class Qcow2Image(Writes):
             if h.l1_size else array("Q")
         if len(self.l1) != h.l1_size:
             raise Qcow2Error("qcow2 L1 table lies past the end of the file")
-        self.l1_dirty: set[int] = set()
         named = [e & OFFSET_MASK for e in self.l1 if e & OFFSET_MASK]
         self._aliased = len(set(named)) != len(named)  # no data plane (extent_table)
         rt_bytes = h.refcount_table_clusters * cs
@@ -329,35 +381,12 @@ class Qcow2Image(Writes):
         self._add_targets(self.l1, OFFSET_MASK, L2, l2_seen)
         if h.nb_snapshots:
             self._add_snapshots(h, l2_seen)
-        # below this the file may hold old bytes; past it, allocation takes
-        # clusters as free without looking at their refcounts. A crash may
-        # leave clusters counted past the end of the file (a data plane's pool,
-        # never written): the end is where the last counted cluster ends
-        self._pub_host: dict[int, int] = {}
-        self.frees = Frees()
-        self._io_begin, self._io_end = self.frees.io_begin, self.frees.io_end
-        self.refs = Refcounts(f, path, h, reftable, self.meta,
-                              max(f.size, self._counted_end(f, h, reftable)),
-                              self.frees.defer, self._pub_host, self._claim_unpublished)
-        # L2 cache, sized by how much of the disk it maps
-        want = len(self.l1) * cs
-        bound = cache_bytes if cache_bytes is not None else min(want, DEFAULT_CACHE_BYTES)
-        self.l2_capacity = max(4, bound // cs)
-        self.l2cache: OrderedDict[int, L2Table] = OrderedDict()
-        self._loading: dict[int, asyncio.Future[L2Table]] = {}
-        self._busy: dict[int, asyncio.Future[None]] = {}
-        self._l2_busy: dict[int, asyncio.Future[None]] = {}
-        # (each hook looks the other collaborator up when called: both exist by then)
-        self.pools = Pools(path, self.cbits, self.l2_bits, self.refs, self.l1, self.l2cache,
-                           lambda n: self.wb.changed(n), lambda: self.c_allocating)
-        self.wb = WriteBack(f, path, h, self.head, self.l1, self.l1_dirty, self.l2cache,
-                            self.meta, self.refs, self.pools, self.frees, self._corrupt_bit,
-                            self._mark_corrupt)
-        self._zcache: OrderedDict[int, bytes] = OrderedDict()  # decompressed clusters
-        # backing chain
+        # the backing chain (before the collaborators: the data plane's rules
+        # need to know how much of the disk it holds)
         self.backing: Backing = None
         if h.backing_file:
             self.backing = self._open_backing(h, direct, policy, chain)
+        self._compose(h, reftable, cache_bytes)
         if not read_only and self.v3 and h.autoclear:
             # persistent bitmaps are kept, marked in use: they miss our writes,
             # and QEMU then calls them inconsistent (as after its own crash)
@@ -376,6 +405,44 @@ class Qcow2Image(Writes):
             bool(h.compatible & fmt.COMPAT_LAZY_REFCOUNTS)
         if self.lazy:
             self._set_dirty(True)
+
+    def _compose(self, h: fmt.Header, reftable: array[int], cache_bytes: int | None) -> None:
+        """The collaborators: each given the shared tables it works on (the L1
+        table, the L2 cache's dict, the metadata map) and hooks for what it
+        must ask of the others. A hook that names another collaborator looks
+        it up when called (all exist by then)."""
+        f, path, cs = self.file, self.path, self.cluster_size
+        pub_host: dict[int, int] = {}  # (the data plane's MAP clusters: refs ask, plane keeps)
+        tables: OrderedDict[int, L2Table] = OrderedDict()
+        l1_dirty: set[int] = set()
+        self._busy: dict[int, asyncio.Future[None]] = {}
+        self._zcache: OrderedDict[int, bytes] = OrderedDict()  # decompressed clusters
+        self.frees = Frees()
+        self._io_begin, self._io_end = self.frees.io_begin, self.frees.io_end
+        # below this the file may hold old bytes; past it, allocation takes
+        # clusters as free without looking at their refcounts. A crash may
+        # leave clusters counted past the end of the file (a data plane's pool,
+        # never written): the end is where the last counted cluster ends
+        used_end = max(f.size, self._counted_end(f, h, reftable))
+        self.refs = Refcounts(f, path, h, reftable, self.meta, used_end, self.frees.defer,
+                              pub_host, lambda run: self.plane.claim(run))
+        self.pools = Pools(path, self.cbits, self.l2_bits, self.refs, self.l1, tables,
+                           lambda n: self.wb.changed(n), lambda: self.c_allocating)
+        self.wb = WriteBack(f, path, h, self.head, self.l1, l1_dirty, tables, self.meta,
+                            self.refs, self.pools, self.frees, self._corrupt_bit,
+                            self._mark_corrupt)
+        self.plane = Publisher(
+            f.fd, path, self.cbits, self.l2_bits, self.size,
+            self.backing.size if self.backing is not None else 0, self.l1, tables,
+            self._busy, self.meta, self.refs, self.pools, pub_host,
+            lambda: not (self.read_only or self.metadata_write_through or self.compress),
+            lambda: self.c_allocating, self._mark_corrupt)
+        # the L2 cache, sized by how much of the disk it maps
+        want = len(self.l1) * cs
+        bound = cache_bytes if cache_bytes is not None else min(want, DEFAULT_CACHE_BYTES)
+        self.l2 = L2Cache(f, path, h, self.l1, l1_dirty, tables, max(4, bound // cs),
+                          self.meta, self.refs, self.plane, self.frees.defer,
+                          self.wb.changed, self.wb.run, self._mark_corrupt)
 
     @staticmethod
     def _bitmaps_in_use(f: HostFile, h: fmt.Header) -> None:

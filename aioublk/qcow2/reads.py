@@ -11,15 +11,14 @@ from typing import Any
 from aioublk.dataplane.crossloop import run_in_thread
 from aioublk.io.hostfile import aligned
 from aioublk.qcow2 import format as fmt
-from aioublk.qcow2.base import OFFLOAD_BYTES, PARTIAL, _eio, _fill_zero
+from aioublk.qcow2.base import OFFLOAD_BYTES, PARTIAL, ImageBase, _eio, _fill_zero
 from aioublk.qcow2.compress import decompress
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
-from aioublk.qcow2.l2cache import L2Cache
 from aioublk.ring import Handler, current_ring
 from aioublk.target import Done, gather_all, rw_handler
 
 
-class Reads(L2Cache):
+class Reads(ImageBase):
     """The read path."""
 
     async def read(self, offset: int, buf: Any) -> None:
@@ -48,7 +47,7 @@ class Reads(L2Cache):
         if (offset + n - 1) >> self.cbits != vc or offset + n > self.size:
             return -1
         off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
-        t = self.l2cache.get(off) if off else None
+        t = self.l2.tables.get(off) if off else None
         if t is None:
             return -1
         e = t.entries[vc & self.l2_mask]
@@ -57,8 +56,9 @@ class Reads(L2Cache):
         host = e & OFFSET_MASK
         if host & self.cmask or host >= self.refs.used_end:
             return -1  # the coroutine path reports it
-        if self._publishing and not t.pub[vc & self.l2_mask]:
-            self._publish_in(t, vc)  # the next request on it may not come here
+        plane = self.plane
+        if plane.on and not t.pub[vc & self.l2_mask]:
+            plane.publish_in(t, vc)  # the next request on it may not come here
         if write and (not e & COPIED or self.read_only or self.corrupt or self.compress
                       or vc in self._busy
                       or host >> self.cbits in self.meta or self.metadata_write_through
@@ -87,41 +87,42 @@ class Reads(L2Cache):
 
     async def _read(self, view: memoryview, offset: int, end: int) -> None:
         cbits, cmask, cs = self.cbits, self.cmask, self.cluster_size
+        lookup, plane = self.l2.lookup, self.plane
         pending: list[Awaitable[Any]] = []  # legs returning None: gather_all takes them
         pos = offset
         while pos < end:
             vc = pos >> cbits
-            e = self._lookup(vc)
+            e = lookup(vc)
             if e is None:
-                e = await self._entry(vc)
+                e = await self.l2.entry(vc)
             stop = min(end, (vc + 1) << cbits)
             sub = view[pos - offset:stop - offset]
             if e & COMPRESSED:
                 pending.append(self._read_compressed(e, pos & cmask, sub))
             elif e & PARTIAL:
-                pending.append(self._read_partial(vc, e, self._sub_word(vc), pos & cmask, sub))
+                pending.append(self._read_partial(vc, e, self.l2.sub_word(vc), pos & cmask, sub))
             elif e & ZERO:
                 _fill_zero(sub)
             elif e & OFFSET_MASK:
                 host = e & OFFSET_MASK
                 self._check_host(host, vc)
-                if self._publishing:
-                    self._publish(vc)
+                if plane.on:
+                    plane.publish(vc)
                 # extend over clusters that follow on disk too
                 nxt = host + cs
                 while stop < end:
-                    e2 = self._lookup(stop >> cbits)
+                    e2 = lookup(stop >> cbits)
                     if e2 is None or e2 & (COMPRESSED | ZERO | PARTIAL) or \
                             (e2 & OFFSET_MASK) != nxt:
                         break
-                    if self._publishing:
-                        self._publish(stop >> cbits)
+                    if plane.on:
+                        plane.publish(stop >> cbits)
                     stop = min(end, stop + cs)
                     nxt += cs
                 sub = view[pos - offset:stop - offset]
                 pending.append(self.file.read_into(sub, host + (pos & cmask)))
             elif self.backing is not None:
-                while stop < end and self._lookup(stop >> cbits) == 0:
+                while stop < end and lookup(stop >> cbits) == 0:
                     stop = min(end, stop + cs)
                 sub = view[pos - offset:stop - offset]
                 pending.append(self._read_backing(pos, sub))

@@ -92,7 +92,7 @@ class Writes(Reads):
         vcs = range(s >> cbits, ((e - 1) >> cbits) + 1)
         await self._lock(vcs)
         try:
-            olds = [await self._entry(vc) for vc in vcs]
+            olds = [await self.l2.entry(vc) for vc in vcs]
             i = 0
             while i < len(vcs):
                 e0 = olds[i]
@@ -123,8 +123,8 @@ class Writes(Reads):
                 i = j
         finally:
             self._unlock(vcs)
-        if self._publishing:  # what it wrote, in place or into new clusters
-            self._publish_vcs(vcs)
+        if self.plane.on:  # what it wrote, in place or into new clusters
+            self.plane.publish_vcs(vcs)
 
     async def _compress_chunk(self, s: int, e: int, base: int, view: memoryview) -> None:
         """With ``compress``: the whole clusters of [s, e) compressed (runs of
@@ -185,8 +185,8 @@ class Writes(Reads):
             buf[off:off + len(b)] = b
         await self._lock(vcs)
         try:
-            olds = [await self._entry(vc) for vc in vcs]
-            await self._table_for_update(vcs[0] >> self.l2_bits)
+            olds = [await self.l2.entry(vc) for vc in vcs]
+            await self.l2.for_update(vcs[0] >> self.l2_bits)
             c0, _ = await self.refs.alloc(n)
             host0 = c0 << cbits
             try:
@@ -210,8 +210,8 @@ class Writes(Reads):
             self._changed(table)
         finally:
             self._unlock(vcs)
-        if self._publishing:
-            self._publish_vcs(vcs)
+        if self.plane.on:
+            self.plane.publish_vcs(vcs)
 
     async def _sub_write(self, vc: int, old: int, s: int, e: int, base: int,
                          view: memoryview) -> bool:
@@ -232,14 +232,14 @@ class Writes(Reads):
         lo, hi = (ws - c0) // sc * sc, -(-(we - c0) // sc) * sc
         touched = (1 << hi // sc) - (1 << lo // sc)
         if old & PARTIAL:
-            await self._entry(vc)  # (its table cached again, if it went)
-            word = self._sub_word(vc)
+            await self.l2.entry(vc)  # (its table cached again, if it went)
+            word = self.l2.sub_word(vc)
         else:
             word = fmt.SUB_ZERO if old & ZERO else 0
         host = old & OFFSET_MASK
         fresh = not host
         if fresh:
-            await self._table_for_update(vc >> self.l2_bits)
+            await self.l2.for_update(vc >> self.l2_bits)
             c, _ = await self.refs.alloc(1)
             host = c << cbits
         else:
@@ -274,7 +274,7 @@ class Writes(Reads):
         old contents), then point the L2 entries at them."""
         cbits, cs = self.cbits, self.cluster_size
         l1i = vcs[0] >> self.l2_bits
-        await self._table_for_update(l1i)
+        await self.l2.for_update(l1i)
         c0, fresh = await self.refs.alloc(len(vcs))
         host0 = c0 << cbits
         run_s, run_e = vcs[0] << cbits, (vcs[-1] + 1) << cbits
@@ -309,9 +309,9 @@ class Writes(Reads):
         """The old contents of ``length`` bytes at ``at`` in cluster ``vc``, or
         None when they are zeros."""
         if old & PARTIAL and not old & COMPRESSED:  # (vc is held: its word stays)
-            await self._entry(vc)  # (its table cached again, if it went)
+            await self.l2.entry(vc)  # (its table cached again, if it went)
             buf = aligned(length)
-            await self._read_partial(vc, old, self._sub_word(vc), at, buf)
+            await self._read_partial(vc, old, self.l2.sub_word(vc), at, buf)
             return buf
         if old & COMPRESSED:
             data = await self._cluster_bytes(old)
@@ -373,7 +373,7 @@ class Writes(Reads):
     async def _zero_part(self, s: int, e: int) -> None:
         """Zeros inside one cluster: nothing to do if it reads as zeros already."""
         vc = s >> self.cbits
-        old = await self._entry(vc)
+        old = await self.l2.entry(vc)
         if old & COMPRESSED == 0 and (old & ZERO or not old & OFFSET_MASK and (
                 self.backing is None or vc << self.cbits >= self.backing.size)):
             return
@@ -396,10 +396,10 @@ class Writes(Reads):
         vcs = range(vc, vc + 1)
         await self._lock(vcs)
         try:
-            old = await self._entry(vc)
+            old = await self.l2.entry(vc)
             if old & COMPRESSED:  # (compressed meanwhile: zeros the long way, below)
                 return
-            word = self._sub_word(vc) if old & PARTIAL else fmt.SUB_ZERO if old & ZERO \
+            word = self.l2.sub_word(vc) if old & PARTIAL else fmt.SUB_ZERO if old & ZERO \
                 else fmt.SUB_ALLOC if old & OFFSET_MASK else 0
             mask = (1 << b) - (1 << a)
             word = word & fmt.SUB_ALLOC & ~mask | ((word >> 32) | mask) << 32
@@ -414,8 +414,8 @@ class Writes(Reads):
         if old & COMPRESSED:
             sc = self.cluster_size // fmt.SUBCLUSTERS
             await self._write_zero_bytes((vc << self.cbits) + a * sc, (vc << self.cbits) + b * sc)
-        elif self._publishing:
-            self._publish_vcs(vcs)
+        elif self.plane.on:
+            self.plane.publish_vcs(vcs)
 
     async def _write_zero_bytes(self, s: int, e: int) -> None:
         pos = s
@@ -428,7 +428,7 @@ class Writes(Reads):
         vcs = range(s >> self.cbits, ((e - 1) >> self.cbits) + 1)
         await self._lock(vcs)
         try:
-            olds = [await self._entry(vc) for vc in vcs]
+            olds = [await self.l2.entry(vc) for vc in vcs]
             want = ZERO if zero_flag else 0
             if not all(self._same_zero(o, want) for o in olds):
                 t = await self._remap(vcs)
@@ -447,8 +447,22 @@ class Writes(Reads):
                 self._changed(t)
         finally:
             self._unlock(vcs)
-        if self._publishing:  # zeros now: reads of them are C's again
-            self._publish_vcs(vcs)
+        if self.plane.on:  # zeros now: reads of them are C's again
+            self.plane.publish_vcs(vcs)
+
+    async def _remap(self, vcs: range) -> L2Table:
+        """The one way to change L2 entries: take clusters ``vcs`` (one L2
+        table's, held in ``_busy`` by the caller) back from the data plane, wait
+        until no request it started on them is in flight, and return their
+        table made private for the update, with the entries marked unpublished.
+        The caller sets the entries without awaiting after this; ``_busy``
+        keeps them from being published again meanwhile."""
+        await self.plane.unmap(vcs)
+        t = await self.l2.for_update(vcs.start >> self.l2_bits)
+        pub, mask = t.pub, self.l2_mask
+        for vc in vcs:
+            pub[vc & mask] = 0
+        return t
 
     def _changed(self, t: L2Table) -> None:
         """An L2 table changed (the refcounts it needs were changed before)."""

@@ -120,7 +120,7 @@ async def test_c_never_serves_a_cluster_whose_subclusters_differ(tmp_path: Path)
         assert table is not None
         buf = bytearray(128 * K)
         await img.read(0, buf)
-        t = img.l2cache[img.l1[0] & OFFSET_MASK]
+        t = img.l2.tables[img.l1[0] & OFFSET_MASK]
         assert t.pub[0] == 0  # cluster 0: two subclusters of 32
         assert t.pub[1] == MAP  # cluster 1: whole
         assert img._mapped(0, 4096, False) == -1

@@ -60,12 +60,12 @@ def unpublish(img: Qcow2Image) -> None:
     entered the cache before the data plane asked)."""
     assert img.extents is not None
     img.extents.invalidate(0, (1 << 64) - 1)
-    for t in img.l2cache.values():
+    for t in img.l2.tables.values():
         t.pub[:] = bytes(len(t.pub))
 
 
 def host_of(img: Qcow2Image, vc: int) -> int:
-    e = img._lookup(vc)
+    e = img.l2.lookup(vc)
     assert e is not None
     return int(e & OFFSET_MASK)
 
@@ -108,9 +108,9 @@ async def test_one_read_publishes_the_whole_table(tmp_path: Path, ring: Ring) ->
         assert published(table, 64) == "-"
         assert len(table) == 63
         assert table.lookup(0, CS, write=False) == [(img.file.fd, host_of(img, 0), CS)]
-        assert sorted(img._pub_host.items()) == sorted(
+        assert sorted(img.plane.pub_host.items()) == sorted(
             (host_of(img, vc) // CS, vc) for vc in (0, 1, 5))
-        t = next(iter(img.l2cache.values()))
+        t = next(iter(img.l2.tables.values()))
         assert list(t.pub[:7]) == [1, 1, 2, 2, 0, 1, 2]
         # the multi-cluster read path publishes each cluster it reads (here
         # after everything was taken back)
@@ -131,13 +131,13 @@ async def test_metadata_clusters_are_never_published(tmp_path: Path, ring: Ring)
         table = img.extent_table()
         assert table is not None
         await img.read(0, bytearray(4096))
-        t = next(iter(img.l2cache.values()))
+        t = next(iter(img.l2.tables.values()))
         unpublish(img)
         t.entries[0] = t.offset | COPIED
         t.entries[1] = img.refs.table_offset | COPIED
-        img._publish_table(t)
+        img.plane.entered(t)
         assert [published(table, vc) for vc in range(6)] == ["-", "-"] + MIXED[2:]
-        img._publish_in(t, 0)
+        img.plane.publish_in(t, 0)
         assert published(table, 0) == "-"
     finally:
         img.release()
@@ -187,7 +187,7 @@ async def test_no_table_until_asked(tmp_path: Path, ring: Ring) -> None:
     try:
         await read_all(img, 6 * CS)
         assert img.extents is None
-        assert not any(any(t.pub) for t in img.l2cache.values())
+        assert not any(any(t.pub) for t in img.l2.tables.values())
     finally:
         await img.close()
 
@@ -313,7 +313,7 @@ async def test_changes_take_extents_back(how: str, tmp_path: Path, ring: Ring) -
             await img.write_zeroes(CS, CS, unmap=how == "zero-unmap")
         assert published(table, 1) == "zero"   # published again, as zeros
         assert [published(table, vc) for vc in (0, 5)] == ["rw", "rw"]
-        e = img._lookup(1)
+        e = img.l2.lookup(1)
         if how == "zero":  # the cluster stays, with the zero flag: zeros all the same
             assert e == host | COPIED | ZERO
         await read_all(img, 6 * CS)
@@ -400,7 +400,7 @@ async def _held_then_released(img: Qcow2Image, vc: int, change: Any, *,
     assert table is not None
     held = table.acquire(vc * CS, 4096, write=write)
     assert held is not None
-    before = img._lookup(vc)
+    before = img.l2.lookup(vc)
     events: list[str] = []
 
     async def run() -> None:
@@ -409,13 +409,13 @@ async def _held_then_released(img: Qcow2Image, vc: int, change: Any, *,
     task = asyncio.create_task(run())
     for _ in range(30):
         await asyncio.sleep(0.001)
-        assert img._lookup(vc) == before, "the mapping changed while held"
+        assert img.l2.lookup(vc) == before, "the mapping changed while held"
     assert not task.done()
     assert published(table, vc) == "-", "taken back before waiting"
     events.append("released")
     table.release(held[1])
     await asyncio.wait_for(task, 5)
-    after = img._lookup(vc)
+    after = img.l2.lookup(vc)
     assert after is not None
     return events, after
 
@@ -597,7 +597,7 @@ async def test_write_through_keeps_allocation_in_python(tmp_path: Path, ring: Ri
         m = t.map()
         assert isinstance(m, Extents) and m.served().slot is None
         await t.write(0, memoryview(bytearray(b"x" * CS)))  # the L2 table, cached
-        tables = list(t.image.l2cache.values())
+        tables = list(t.image.l2.tables.values())
         assert tables and all(ALLOC not in tb.pub for tb in tables)
         assert not t.image.c_allocating
     finally:
@@ -608,7 +608,7 @@ async def test_write_through_keeps_allocation_in_python(tmp_path: Path, ring: Ri
         m = plain.map()  # (served as a data plane serves it: with its pool)
         assert isinstance(m, Extents) and m.served().slot is not None
         await plain.write(0, memoryview(bytearray(b"x" * CS)))
-        assert any(ALLOC in tb.pub for tb in plain.image.l2cache.values())
+        assert any(ALLOC in tb.pub for tb in plain.image.l2.tables.values())
     finally:
         await plain.drain()
         plain.close()

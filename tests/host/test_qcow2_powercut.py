@@ -669,7 +669,7 @@ def pool_uncounted(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pools refilled with clusters whose count was undone: C then
     allocates clusters the refcounts call free. Once the engine allocates
     one in Python it finds it free and published and refuses the image
-    (``_claim_unpublished``): so the pools are big enough for the first
+    (``Publisher.claim``): so the pools are big enough for the first
     batch, and no C write falls back to Python before the first FLUSH."""
     monkeypatch.setattr(sys.modules[__name__], "POOL_CLUSTERS", 256)
     monkeypatch.setattr(CStandIn, "outcomes", (1, 0, 0))

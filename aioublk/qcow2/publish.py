@@ -1,0 +1,227 @@
+"""What the data plane serves of an image: the image's extent table, and
+the rules by which the entries of cached L2 tables are published in it
+(``Publisher.run``), taken back, and checked against allocation. The rules
+and the invariant are in ``aioublk.qcow2.image`` ("The data plane").
+
+A ``Publisher`` knows the extent table, the L1 table and the cached L2
+tables (read only), the clusters being changed (``busy``), the map of
+metadata clusters, where the file ends (``Refcounts.used_end``) and the
+pools; of the image's mode only what it is asked per call (``writable``,
+``allocating``)."""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from aioublk.dataplane.extents import MAP, ExtentConflict, ExtentTable
+from aioublk.qcow2.base import PARTIAL, L2Table, log
+from aioublk.qcow2.format import COPIED, OFFSET_MASK
+from aioublk.qcow2.pools import Pools
+from aioublk.qcow2.refcounts import Refcounts
+
+
+class Publisher:
+    """The extent table of an image, and what of the L2 cache is in it."""
+
+    def __init__(self, fd: int, path: str, cbits: int, l2_bits: int, size: int,
+                 backing_end: int, l1: array[int], tables: OrderedDict[int, L2Table],
+                 busy: dict[int, asyncio.Future[None]], meta: dict[int, int],
+                 refs: Refcounts, pools: Pools, pub_host: dict[int, int],
+                 writable: Callable[[], bool], allocating: Callable[[], bool],
+                 mark_corrupt: Callable[[str], NoReturn]) -> None:
+        self.fd = fd
+        self.path = path
+        self.cbits = cbits
+        self.cluster_size = 1 << cbits
+        self.l2_bits = l2_bits
+        self.l2_mask = (1 << l2_bits) - 1
+        self.size = size
+        self.backing_end = backing_end  # what of the disk the backing file holds
+        self.l1 = l1
+        self.tables = tables
+        self.busy = busy  # guest clusters being changed: never published meanwhile
+        self.meta = meta
+        self.refs = refs
+        self.pools = pools
+        #: host cluster -> the guest cluster it was published for (may be stale:
+        #: checked against the L2 entry when used, see ``claim``)
+        self.pub_host = pub_host
+        self.writable = writable  # a write may go in place (the image's mode)
+        self.allocating = allocating  # C may allocate (``Qcow2Image.c_allocating``)
+        self.mark_corrupt = mark_corrupt
+        #: the data plane's map of this image; None until ``start``
+        self.extents: ExtentTable | None = None
+        self.on = False  # extents is set and may take new entries
+
+    def start(self, max_entries: int) -> ExtentTable:
+        """The extent table (made on the first call, the cached tables
+        published in it)."""
+        if self.extents is None:
+            self.extents = ExtentTable(self.cluster_size, max_entries=max_entries)
+            self.on = True
+            self.pools.table = self.extents
+            for t in list(self.tables.values()):
+                self.entered(t)
+        return self.extents
+
+    def republish(self) -> None:
+        """Take every extent back and publish the cached tables again. No
+        mapping changes, so nothing waits."""
+        if self.extents is None:
+            return
+        self.extents.invalidate(0, (1 << 64) - 1)
+        self.pub_host.clear()
+        for t in list(self.tables.values()):
+            t.pub[:] = bytes(len(t.pub))
+            self.entered(t)
+
+    def drop(self) -> None:
+        """Take every extent from the data plane and publish no more (a corrupt
+        or closing image). Requests C already started finish on mappings that
+        are still valid: nothing changes them without ``unmap``."""
+        self.on = False
+        self.pub_host.clear()
+        if self.extents is not None:
+            self.extents.invalidate(0, (1 << 64) - 1)
+
+    async def claim(self, run: range) -> None:
+        """Host clusters about to be allocated must not be any guest cluster's
+        published data. On an image whose refcounts are too low a cluster can
+        be free and still mapped, and the data plane would then write guest
+        data over whatever the cluster becomes: that is corruption, as the
+        Python path's metadata-overlap check says. Wait until no request C
+        started on it is in flight, then mark the image corrupt."""
+        for c in run:
+            vc = self.pub_host.get(c)
+            if vc is None:
+                continue
+            off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
+            t = self.tables.get(off) if off else None
+            i = vc & self.l2_mask
+            if t is None or t.pub[i] != MAP or \
+                    (t.entries[i] & OFFSET_MASK) >> self.cbits != c:
+                del self.pub_host[c]  # taken back since (ZERO never reads the cluster)
+                continue
+            assert self.extents is not None
+            await self.extents.unmap(vc << self.cbits, self.cluster_size)
+            self.mark_corrupt(f"cluster {c << self.cbits:#x} is free by its refcount but "
+                              f"still holds the data of guest cluster {vc}")
+
+    async def unmap(self, vcs: range) -> None:
+        """Take clusters ``vcs`` back, once no request C started on them is in
+        flight (before their mapping changes: ``Qcow2Image._remap``)."""
+        if self.extents is not None:
+            await self.extents.unmap(vcs.start << self.cbits, len(vcs) << self.cbits)
+
+    # ------------------------------------------------- what the L2 cache tells
+    def entered(self, t: L2Table) -> None:
+        """Publish every entry of ``t``, just cached, if L1 names it."""
+        if self.on and self.l1[t.l1i] & OFFSET_MASK == t.offset:
+            self.run(t, 0, len(t.entries))
+
+    def replaced(self, t: L2Table) -> None:
+        """``t`` (new, the same entries or none yet) took the place of its L1
+        index's table: take back what the old table published (no mapping
+        changes, so nothing waits) and publish ``t`` whole, its pub bytes
+        then telling the truth."""
+        if self.extents is not None:
+            span = self.l2_bits + self.cbits
+            self.extents.invalidate(t.l1i << span, 1 << span)
+        self.entered(t)
+
+    async def take_back(self, t: L2Table) -> None:
+        """Unpublish all of ``t`` (cached), waiting for what C holds of it."""
+        assert self.extents is not None
+        span = self.l2_bits + self.cbits
+        await self.extents.unmap(t.l1i << span, 1 << span)
+        self.pools.drain()
+        t.pub[:] = bytes(len(t.pub))
+
+    def forget(self, t: L2Table) -> None:
+        """``t`` left the cache: take back what it published, so that the data
+        plane holds only clusters whose entries are cached. The mapping does
+        not change, so requests in flight may finish (a later change waits for
+        them in ``unmap``). A table L1 no longer names (a copy replaced it)
+        leaves its successor's extents alone."""
+        if self.extents is not None and any(t.pub) and \
+                self.l1[t.l1i] & OFFSET_MASK == t.offset:
+            span = self.l2_bits + self.cbits
+            self.extents.invalidate(t.l1i << span, 1 << span)
+
+    # ----------------------------------------------------------- publishing
+    def publish(self, vc: int) -> None:
+        """Offer cluster ``vc`` to the data plane if its table is cached."""
+        off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
+        t = self.tables.get(off) if off else None
+        if t is not None and not t.pub[vc & self.l2_mask]:
+            self.run(t, vc & self.l2_mask, 1)
+
+    def publish_vcs(self, vcs: range) -> None:
+        """Offer clusters ``vcs`` (one L2 table's) to the data plane, in one call."""
+        off = self.l1[vcs.start >> self.l2_bits] & OFFSET_MASK
+        t = self.tables.get(off) if off else None
+        if t is not None:
+            self.run(t, vcs.start & self.l2_mask, len(vcs))
+
+    def publish_in(self, t: L2Table, vc: int) -> None:
+        """Publish cluster ``vc``, whose entry is in ``t`` (cached and current),
+        by the rules of ``run``."""
+        self.run(t, vc & self.l2_mask, 1)
+
+    def run(self, t: L2Table, i: int, n: int) -> None:
+        """Publish entries [i, i + n) of ``t`` (cached, current, named by L1)
+        that are not published yet, in one C call (``ExtentTable.publish_l2``,
+        the one place the rules are applied):
+
+        - as data (MAP), a normal cluster: allocated, not compressed or ZERO,
+          cluster aligned, inside the file, not a metadata cluster. It is
+          writable where a write may go in place (as ``Qcow2Image._mapped(...,
+          write=True)`` decides, less what changes per request): COPIED, the
+          image ``writable``; read-only elsewhere;
+        - as ZERO, an entry that reads as zeros without backing data: the ZERO
+          flag (with a host cluster or not), or unallocated with no backing
+          file or wholly past the backing file's end. Reads are then C's, and
+          a write misses, to be allocated here;
+        - as ALLOC, what would be ZERO without a host cluster, where C may
+          allocate (``aioublk.qcow2.pools``: ``allocating``, and the table
+          private to the active layer, COPIED in L1, so that a record never
+          needs the table copied): reads are zeros, a write takes a cluster
+          from the queue's pool;
+        - never a compressed cluster, one whose subclusters differ, one that
+          shows the backing file, one
+          past the disk's end, nor one being changed (``busy``): its changer
+          has taken it back or is about to, and publishes it after."""
+        if not self.on:
+            return
+        assert self.extents is not None
+        cbits, vc0 = self.cbits, (t.l1i << self.l2_bits) + i
+        if n == 1:  # (the one host cluster and vc are all the rules need to know)
+            if vc0 in self.busy or t.entries[i] & PARTIAL:
+                return
+            c = (t.entries[i] & OFFSET_MASK) >> cbits
+            meta: Any = (c,) if c in self.meta else ()
+            skip: Any = ()
+        else:
+            meta = self.meta
+            skip = [vc for vc in self.busy if vc0 <= vc < vc0 + n]
+            if t.subs is not None:  # (subclusters that differ: Python's, vc by vc)
+                skip = sorted({*skip, *(vc0 + k for k in range(n)
+                                        if t.entries[i + k] & PARTIAL)})
+        try:
+            pairs = self.extents.publish_l2(
+                self.fd, vc0 << cbits, memoryview(t.entries)[i:i + n],
+                memoryview(t.pub)[i:i + n], used_end=self.refs.used_end, size=self.size,
+                writable_ok=self.writable(),
+                alloc_ok=self.allocating() and bool(self.l1[t.l1i] & COPIED),
+                backing_end=self.backing_end, meta=meta, skip=skip)
+        except ExtentConflict:
+            # a mapping changed without _remap: a bug; stop serving from the table
+            log.error("qcow2 extent conflict: data plane off", image=self.path, cluster=vc0)
+            self.drop()
+            return
+        if pairs:
+            self.pub_host.update(pairs)
