@@ -100,8 +100,9 @@ without any I/O.
   applies or deletes snapshots, and no refcount change makes a cluster
   shared (refcounts rise only on allocation of free clusters).
 
-Where the code lives: the image (this module: ``open``, the parsing of the
-image's tables, the wiring) holds one object per structure, each given
+Where the code lives: the image (this module: ``open``, reading the
+header and tables, the wiring; ``metamap`` maps the metadata clusters as
+it opens) holds one object per structure, each given
 only the tables it works on and hooks for what it must ask of the others:
 ``refs`` (``refcounts``: refcount blocks and table, allocation), ``pools``
 (``pools``: allocation in C), ``frees`` and ``wb`` (``flush``: deferred
@@ -122,17 +123,16 @@ from collections.abc import Iterable
 
 from aioublk.dataplane.extents import ExtentTable
 from aioublk.io.hostfile import HostFile
-from aioublk.qcow2 import check
+from aioublk.qcow2 import check, metamap
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.backing_policy import BackingPolicy, Checked
-from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, _nclusters, log
+from aioublk.qcow2.base import DEFAULT_CACHE_BYTES, MAX_CHAIN, Backing, L2Table, log
 from aioublk.qcow2.flush import Frees, WriteBack
 from aioublk.qcow2.format import OFFSET_MASK, Qcow2Error
 from aioublk.qcow2.l2cache import L2Cache
 from aioublk.qcow2.pools import Pools
 from aioublk.qcow2.publish import Publisher
-from aioublk.qcow2.refcounts import Refcounts
-from aioublk.qcow2.writeback import HEADER, L1, L2, REFBLOCK, REFTABLE, SNAPSHOT
+from aioublk.qcow2.refcounts import Refcounts, counted_end
 from aioublk.qcow2.writes import Writes
 from aioublk.ring import Ring, bound_ring, queue_ring_flags
 
@@ -368,19 +368,7 @@ class Qcow2Image(Writes):
         reftable = fmt.load_table(rt.ljust(rt_bytes, b"\0"))
         # every metadata cluster and what it holds: data writes must never touch
         # one, and a table is only ever written where a table of its kind lives
-        self.meta: dict[int, int] = {}
-        self._add_meta(0, cs, HEADER)
-        self._add_meta(h.l1_table_offset, h.l1_size * 8, L1)
-        self._add_meta(h.refcount_table_offset, rt_bytes, REFTABLE)
-        if len(self.meta) < 1 + _nclusters(h.l1_table_offset, h.l1_size * 8, cs) + \
-                h.refcount_table_clusters:
-            raise Qcow2Error("qcow2 header, L1 table and refcount table overlap each other")
-        self._far = 0  # table entries pointing past the end of the file (see _add_targets)
-        self._add_targets(reftable, fmt.REFT_OFFSET_MASK, REFBLOCK, set())
-        l2_seen: set[int] = set()
-        self._add_targets(self.l1, OFFSET_MASK, L2, l2_seen)
-        if h.nb_snapshots:
-            self._add_snapshots(h, l2_seen)
+        self.meta = metamap.scan(f, path, h, self.l1, reftable, read_only)
         # the backing chain (before the collaborators: the data plane's rules
         # need to know how much of the disk it holds)
         self.backing: Backing = None
@@ -423,7 +411,7 @@ class Qcow2Image(Writes):
         # clusters as free without looking at their refcounts. A crash may
         # leave clusters counted past the end of the file (a data plane's pool,
         # never written): the end is where the last counted cluster ends
-        used_end = max(f.size, self._counted_end(f, h, reftable))
+        used_end = max(f.size, counted_end(f, h, reftable))
         self.refs = Refcounts(f, path, h, reftable, self.meta, used_end, self.frees.defer,
                               pub_host, lambda run: self.plane.claim(run))
         self.pools = Pools(path, self.cbits, self.l2_bits, self.refs, self.l1, tables,
@@ -476,21 +464,6 @@ class Qcow2Image(Writes):
                  leaks_fixed=repair.leaks_fixed if repair else 0,
                  corruptions_fixed=repair.corruptions_fixed if repair else 0)
 
-    @staticmethod
-    def _counted_end(f: HostFile, h: fmt.Header, reftable: array[int]) -> int:
-        """The end of the last cluster with a refcount, looking only at the
-        refcount blocks that describe clusters past the end of ``f``."""
-        cs, bits, rbe, end = h.cluster_size, h.refcount_bits, h.refblock_entries, 0
-        for t in range(f.size // cs // rbe, len(reftable)):
-            off = reftable[t] & fmt.REFT_OFFSET_MASK
-            if not off or off & (cs - 1) or off + cs > f.size:
-                continue  # none, or invalid: refused when used (Refcounts.block)
-            used = len(f.pread(off, cs).rstrip(b"\0"))  # bytes up to the last count
-            if used:
-                last = (used * 8 - 1) // bits  # (sub-byte widths: at most a byte's worth more)
-                end = max(end, (t * rbe + last + 1) * cs)
-        return end
-
     def _open_backing(self, h: fmt.Header, direct: bool, policy: BackingPolicy,
                       chain: tuple[tuple[int, int], ...]) -> Backing:
         """The backing file, where and in the format the policy allows."""
@@ -521,71 +494,3 @@ class Qcow2Image(Writes):
             raw.release()
             raise
         return raw
-
-    # What an open may cost. Each table is read once and each distinct offset in
-    # it handled once; offsets inside the file are at most its clusters, and
-    # only MAX_FAR_TARGETS may point past its end (a read-write image records
-    # them, so that data never lands where a table claims to be). The
-    # snapshots' L1 tables are read as the union of their ranges, clipped to
-    # the file: 200 snapshots naming one 32 MiB table cost one table, and 200
-    # overlapping tables cost the bytes they cover.
-    _SCAN_CHUNK = 1 << 16  # table entries per step
-    MAX_FAR_TARGETS = 1 << 16
-
-    def _add_targets(self, table: array[int], mask: int, kind: int, seen: set[int]) -> None:
-        """Record the clusters ``table``'s entries point to (L2 tables or refcount
-        blocks) as metadata of ``kind``, each offset once (``seen``)."""
-        end = self.file.size
-        cs = self.cluster_size
-        for i in range(0, len(table), self._SCAN_CHUNK):
-            if self.read_only:  # nothing is ever allocated past the end
-                offs = {o for e in table[i:i + self._SCAN_CHUNK] if (o := e & mask) < end}
-            else:
-                offs = {e & mask for e in table[i:i + self._SCAN_CHUNK]}
-            offs -= seen
-            seen |= offs
-            offs.discard(0)
-            for off in offs:
-                if off >= end:
-                    self._far += 1
-                    if self._far > self.MAX_FAR_TARGETS:
-                        raise Qcow2Error(
-                            f"more than {self.MAX_FAR_TARGETS} table entries point past the "
-                            f"end of the file: repair it with `qemu-img check -r all "
-                            f"{self.path}`, or open it read-only")
-                self._add_meta(off, cs, kind)
-
-    def _add_snapshots(self, h: fmt.Header, l2_seen: set[int]) -> None:
-        """The snapshot table and the snapshots' L1 tables as metadata; for a
-        read-write image also the L2 tables they point to (never written, but
-        never to be overwritten either)."""
-        f, cs = self.file, self.cluster_size
-        raw = f.pread(h.snapshots_offset, 1 << 24)
-        snaps, nbytes = fmt.parse_snapshots(raw, h.nb_snapshots)
-        self._add_meta(h.snapshots_offset, nbytes, SNAPSHOT)
-        spans = []
-        for s in snaps:
-            if s.l1_size * 8 > fmt.MAX_L1_BYTES or s.l1_table_offset % cs:
-                raise Qcow2Error(f"qcow2 snapshot '{s.name}' has an invalid L1 table")
-            if s.l1_size:
-                spans.append((s.l1_table_offset, s.l1_table_offset + s.l1_size * 8))
-        step = self._SCAN_CHUNK * 8
-        for start, end in fmt.merge_spans(spans):
-            end = min(end, f.size)  # past the end of the file there is no table to keep
-            if start >= end:
-                continue
-            self._add_meta(start, end - start, SNAPSHOT)
-            if self.read_only:
-                continue
-            for pos in range(start, end, step):
-                part = f.pread(pos, min(step, end - pos))
-                self._add_targets(fmt.load_table(part[:len(part) & ~7]), OFFSET_MASK, L2,
-                                  l2_seen)
-
-    def _add_meta(self, offset: int, length: int, kind: int) -> None:
-        """Record metadata clusters; where two kinds claim one cluster the
-        stronger (lower) kind wins, so writing the weaker table there is refused."""
-        meta = self.meta
-        for c in range(offset >> self.cbits, ((offset + length - 1) >> self.cbits) + 1):
-            if meta.get(c, 99) > kind:
-                meta[c] = kind

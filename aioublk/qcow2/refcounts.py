@@ -22,6 +22,21 @@ from aioublk.qcow2.format import COMPRESSED, OFFSET_MASK
 from aioublk.qcow2.writeback import REFBLOCK, REFTABLE
 
 
+def counted_end(f: HostFile, h: fmt.Header, reftable: array[int]) -> int:
+    """The end of the last cluster with a refcount, looking only at the
+    refcount blocks that describe clusters past the end of ``f``."""
+    cs, bits, rbe, end = h.cluster_size, h.refcount_bits, h.refblock_entries, 0
+    for t in range(f.size // cs // rbe, len(reftable)):
+        off = reftable[t] & fmt.REFT_OFFSET_MASK
+        if not off or off & (cs - 1) or off + cs > f.size:
+            continue  # none, or invalid: refused when used (``Refcounts.block``)
+        used = len(f.pread(off, cs).rstrip(b"\0"))  # bytes up to the last count
+        if used:
+            last = (used * 8 - 1) // bits  # (sub-byte widths: at most a byte's worth more)
+            end = max(end, (t * rbe + last + 1) * cs)
+    return end
+
+
 class Refcounts:
     """Refcount blocks, the refcount table and allocation of host clusters."""
 
