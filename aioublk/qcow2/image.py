@@ -109,7 +109,7 @@ only the tables it works on and hooks for what it must ask of the others:
 frees, the write-back running ``writeback``'s plan), ``l2`` (``l2cache``:
 the L2 cache and L1's dirty entries) and ``plane`` (``publish``: the
 extent table). The request paths are the image's own: ``reads`` and
-``writes``, on ``base`` (the state they share and the guards).
+``writes``, on ``core`` (the state they share and the guards).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from typing import Any
 from aioublk.dataplane.crossloop import run_in_thread
 from aioublk.io.hostfile import aligned
 from aioublk.qcow2 import format as fmt
-from aioublk.qcow2.base import OFFLOAD_BYTES, PARTIAL, ImageBase, _eio, _fill_zero
+from aioublk.qcow2.base import OFFLOAD_BYTES, PARTIAL, _eio, _fill_zero
 from aioublk.qcow2.compress import decompress
+from aioublk.qcow2.core import ImageBase
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, ZERO
 from aioublk.ring import Handler, current_ring
 from aioublk.target import Done, gather_all, rw_handler
