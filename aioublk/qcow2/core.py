@@ -48,9 +48,11 @@ class ImageBase:
     wb: WriteBack  # the write-back of cached metadata
     l2: L2Cache  # the L2 tables (and the L1 table's dirty entries)
     plane: Publisher  # the extent table the data plane serves from
-    #: ``frees.io_begin``/``io_end``, bound: every request counts its I/O
+    #: ``frees.io_begin``/``io_end`` and ``pools.drain``, bound: every
+    #: request counts its I/O, and looks for C's records first
     _io_begin: Callable[[], int]
     _io_end: Callable[[int], None]
+    _drain_c: Callable[[], None]
     _busy: dict[int, asyncio.Future[None]]  # virtual clusters being changed
     _zcache: OrderedDict[int, bytes]  # decompressed clusters
     backing: Backing

@@ -416,6 +416,7 @@ class Qcow2Image(Writes):
                               pub_host, lambda run: self.plane.claim(run))
         self.pools = Pools(path, self.cbits, self.l2_bits, self.refs, self.l1, tables,
                            lambda n: self.wb.changed(n), lambda: self.c_allocating)
+        self._drain_c = self.pools.drain
         self.wb = WriteBack(f, path, h, self.head, self.l1, l1_dirty, tables, self.meta,
                             self.refs, self.pools, self.frees, self._corrupt_bit,
                             self._mark_corrupt)

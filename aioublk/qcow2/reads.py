@@ -43,7 +43,7 @@ class Reads(ImageBase):
     def _mapped(self, offset: int, n: int, write: bool) -> int:
         """The host offset of [offset, offset+n) when it lies in one cached,
         allocated cluster (written in place, for a write), else -1."""
-        self.pools.drain()  # (every request looks here first: C's news before its lookups)
+        self._drain_c()  # (every request looks here first: C's news before its lookups)
         vc = offset >> self.cbits
         if (offset + n - 1) >> self.cbits != vc or offset + n > self.size:
             return -1
@@ -57,9 +57,8 @@ class Reads(ImageBase):
         host = e & OFFSET_MASK
         if host & self.cmask or host >= self.refs.used_end:
             return -1  # the coroutine path reports it
-        plane = self.plane
-        if plane.on and not t.pub[vc & self.l2_mask]:
-            plane.publish_in(t, vc)  # the next request on it may not come here
+        if self.plane.on and not t.pub[vc & self.l2_mask]:
+            self.plane.publish_in(t, vc)  # the next request on it may not come here
         if write and (not e & COPIED or self.read_only or self.corrupt or self.compress
                       or vc in self._busy
                       or host >> self.cbits in self.meta or self.metadata_write_through
