@@ -400,7 +400,7 @@ class Qcow2Image(Writes):
         must ask of the others. A hook that names another collaborator looks
         it up when called (all exist by then)."""
         f, path, cs = self.file, self.path, self.cluster_size
-        pub_host: dict[int, int] = {}  # (the data plane's MAP clusters: refs ask, plane keeps)
+        pub_host: dict[int, int] = {}  # (the data plane's MAP clusters: the plane's, shared)
         tables: OrderedDict[int, L2Table] = OrderedDict()
         l1_dirty: set[int] = set()
         self._busy: dict[int, asyncio.Future[None]] = {}
@@ -414,7 +414,7 @@ class Qcow2Image(Writes):
         used_end = max(f.size, counted_end(f, h, reftable))
         self.refs = Refcounts(f, path, h, reftable, self.meta, used_end, self.frees.defer,
                               pub_host, lambda run: self.plane.claim(run))
-        self.pools = Pools(path, self.cbits, self.l2_bits, self.refs, self.l1, tables,
+        self.pools = Pools(path, self.cbits, self.l2_bits, self.refs, self.l1, tables, pub_host,
                            lambda n: self.wb.changed(n), lambda: self.c_allocating)
         self._drain_c = self.pools.drain
         self.wb = WriteBack(f, path, h, self.head, self.l1, l1_dirty, tables, self.meta,

@@ -32,9 +32,10 @@ The rules that keep the promises of ``aioublk.qcow2.image``:
 - a failed C write is served again by Python, and its cluster (never
   referenced) is freed like any other.
 
-``Pools`` knows the extent table, the refcounts (``aioublk.qcow2.refcounts``)
-and the L1 table and L2 cache it applies records to; the image decides when
-C may allocate (``Qcow2Image.c_allocating``) and tells it.
+``Pools`` knows the extent table, the refcounts (``aioublk.qcow2.refcounts``),
+the L1 table and L2 cache it applies records to, and the data plane's map
+of the host clusters it serves (``Publisher.pub_host``); the image decides
+when C may allocate (``Qcow2Image.c_allocating``) and tells it.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class Pools:
     c_alloc = True
 
     def __init__(self, path: str, cbits: int, l2_bits: int, refs: Refcounts, l1: array[int],
-                 l2cache: OrderedDict[int, L2Table], changed: Callable[[int], None],
-                 may_alloc: Callable[[], bool]) -> None:
+                 l2cache: OrderedDict[int, L2Table], pub_host: dict[int, int],
+                 changed: Callable[[int], None], may_alloc: Callable[[], bool]) -> None:
         self.path = path
         self.cbits = cbits
         self.l2_bits = l2_bits
@@ -72,6 +73,7 @@ class Pools:
         self.refs = refs
         self.l1 = l1
         self.l2cache = l2cache
+        self.pub_host = pub_host  # (``Publisher.pub_host``: a record's cluster is served)
         self.changed = changed  # n L2 entries changed in memory (the write-back's count)
         self.may_alloc = may_alloc  # the image's ``c_allocating``
         #: the image's extent table, once it has one (``Qcow2Image.extent_table``)
@@ -119,7 +121,7 @@ class Pools:
                 continue
             t.entries[i] = r.host_off | COPIED
             t.pub[i] = MAP
-            self.refs.pub_host[c] = vc
+            self.pub_host[c] = vc
             t.touch()
             n += 1
         if n:

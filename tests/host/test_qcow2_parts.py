@@ -126,7 +126,7 @@ async def test_l2_cache_and_write_back_without_an_image(tmp_path: Path, ring: Ri
         l1_dirty: set[int] = set()
         frees = Frees()
         pools = Pools(str(path), o.h.cluster_bits, o.h.cluster_bits - 3, o.refs, o.l1, tables,
-                      lambda n: None, lambda: False)
+                      {}, lambda n: None, lambda: False)
         wb = WriteBack(o.file, str(path), o.h, o.head, o.l1, l1_dirty, tables, o.meta, o.refs,
                        pools, frees, bytes, o.corrupt)
         cache = L2Cache(o.file, str(path), o.h, o.l1, l1_dirty, tables, 4, o.meta, o.refs,
