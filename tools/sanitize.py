@@ -47,17 +47,21 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
             "-fno-sanitize-recover=undefined", "-g", "-O1"]
 #: set in the sanitized run's environment: the overlay's folder
 ACTIVE = "AIOUBLK_SANITIZED"
-HOST_TESTS = ROOT / "tests" / "host"
 #: this module's own test: never run under itself
-SELF_TEST = HOST_TESTS / "test_sanitizers.py"
-#: the host tests that run the C (and every test_nbd_*.py): what a run
-#: without arguments and the test command's sanitizer test run
-C_TESTS = ("test_ring.py", "test_batch.py", "test_crossloop.py", "test_cwait.py",
-           "test_dp_hardening.py", "test_dp_inline.py", "test_fast_path.py", "test_shmem.py",
-           "test_extents.py", "test_qcow2_extents.py", "test_qcow2_queues.py",
-           "test_qcow2_writes.py", "test_qcow2_compress.py", "test_fua_durable.py",
-           "test_filters.py", "test_targets_host.py", "test_dev_hardening.py",
-           "test_rbd_host.py")
+SELF_TEST = ROOT / "tests/host/test_sanitizers.py"
+#: the host tests that run the C, as paths from the repository's root
+C_TESTS = ("tests/host/test_ring.py", "tests/host/test_batch.py",
+           "tests/host/test_crossloop.py", "tests/host/test_cwait.py",
+           "tests/host/test_dp_hardening.py", "tests/host/test_dp_inline.py",
+           "tests/host/test_fast_path.py", "tests/host/test_shmem.py",
+           "tests/host/test_extents.py", "tests/host/test_qcow2_extents.py",
+           "tests/host/test_qcow2_queues.py", "tests/host/test_qcow2_writes.py",
+           "tests/host/test_qcow2_compress.py", "tests/host/test_fua_durable.py",
+           "tests/host/test_filters.py", "tests/host/test_targets_host.py",
+           "tests/host/test_dev_hardening.py", "tests/host/test_rbd_host.py")
+#: and every nbd target test of the host: what a run without arguments and
+#: the test command's sanitizer test run
+NBD_TESTS = "tests/host/test_nbd_*.py"
 #: the file where the run notes the test it runs
 _CURRENT = "AIOUBLK_SANITIZE_CURRENT"
 #: how the run says which sanitized extensions the tests loaded
@@ -73,8 +77,8 @@ class SanitizeError(Exception):
 
 def c_tests() -> list[str]:
     """The paths of the host tests that run the C."""
-    names = {*C_TESTS, *(p.name for p in HOST_TESTS.glob("test_nbd_*.py"))}
-    return [str(HOST_TESTS / n) for n in sorted(names)]
+    paths = {*(ROOT / t for t in C_TESTS), *ROOT.glob(NBD_TESTS)}
+    return [str(p) for p in sorted(paths)]
 
 
 def _buildlibs() -> dict[str, Any]:

@@ -66,3 +66,13 @@ def test_a_ubsan_report_is_found_after_the_progress_dots() -> None:
                                    "    #0 0x7f00 in f /src/x.c:12\n")
     assert outcome.report is not None
     assert outcome.report.startswith("/src/x.c:12:3: runtime error: shift exponent 32")
+
+
+def test_the_c_tests_are_where_the_list_says() -> None:
+    """The list names test files by path: a file moved or renamed is noticed
+    here, not by a sanitized run that quietly tests less."""
+    paths = [Path(p) for p in sanitize.c_tests()]
+    assert all(p.is_file() for p in paths), [str(p) for p in paths if not p.is_file()]
+    assert len(paths) == len(sanitize.C_TESTS) + len(list(sanitize.ROOT.glob(sanitize.NBD_TESTS)))
+    assert list(sanitize.ROOT.glob(sanitize.NBD_TESTS)), sanitize.NBD_TESTS
+    assert sanitize.SELF_TEST.is_file()
