@@ -486,3 +486,37 @@ def test_a_kvm_boot_that_fails_by_itself_late_gives_way_to_tcg_too(
     run_with_stand_in(vng, tmp_path, monkeypatch, "auto")
     runs = boots.read_text().splitlines()
     assert len(runs) == guest.BOOTS + 1 and "--disable-kvm" in runs[-1].split()
+
+
+FOLDER_TESTS = '''
+import os
+
+import pytest
+
+
+def test_{0}_on_the_host():
+    assert "FAKE_GUEST_INSIDE" not in os.environ
+
+
+@pytest.mark.guest
+def test_{0}_in_the_guest():
+    assert os.environ.get("FAKE_GUEST_INSIDE") == "1"
+'''
+
+
+def test_the_guest_runs_the_marked_tests_of_every_folder(tmp_path: Path) -> None:
+    """A feature's folder holds its host and its guest tests: the guest's
+    pytest is given the marked tests' node ids, whatever folder they are in,
+    and the host keeps the rest."""
+    (tmp_path / "conftest.py").write_text(FAKE_GUEST)
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntestpaths = tests\n")
+    for feature in ("queue", "nbd"):
+        (tmp_path / "tests" / feature).mkdir(parents=True)
+        (tmp_path / "tests" / feature / f"test_{feature}.py").write_text(
+            FOLDER_TESTS.format(feature))
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--strict-markers", "-rA"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        env={**os.environ, "AIOUBLK_CACHE": str(tmp_path / "cache")})
+    assert p.returncode == 0 and "4 passed" in p.stdout, p.stdout + p.stderr
+    assert "2 guest tests, one boot" in p.stdout, p.stdout
