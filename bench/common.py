@@ -3,7 +3,7 @@ in swapped order, medians and paired ratios, markdown tables, charts, and the
 results files (``bench/results/NAME.json``, ``.md``, ``.png``).
 
 Every bench re-renders its report from a run's JSON (``--report JSON``, ``--out
-DIR``) without running anything: tests/host/test_bench.py does so for each one."""
+DIR``) without running anything: tests/bench/test_bench.py does so for each one."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ CASES = [(t, p) for t in ("loop", "qcow2", "stripe") for p in ("-b", "--no-batch
 def _round(target: str, path: str, work: Path) -> dict[str, object]:
     """One round; raises AssertionError (from the test helpers) on any failure."""
     from aioublk.frontend import cli as cli_mod
-    from tests.guest.test_kernel_lifecycle import (
+    from tests.device.test_kernel_lifecycle import (
         fio_result,
         reap,
         start_fio_verify,

@@ -131,7 +131,7 @@ def report(data: Data) -> str:
         f"Goals: `aioublk --version` within {VERSION_GOAL:g}x of the floor: "
         f"{fmt(v, '.2f')}x ({'met' if v is not None and v <= VERSION_GOAL else 'not met'}); "
         f"`list` importing at most {MODULES_GOAL} modules: {fmt(lst, 'd')} here "
-        "(`tests/host/test_startup.py` counts them without site's and the editable "
+        "(`tests/cli/test_startup.py` counts them without site's and the editable "
         "finder's, and holds the limit).", "",
         "On this host there is no ublk_drv: each ublk command stops at opening "
         "`/dev/ublk-control`, after its imports and parser; kublk the same.", "",

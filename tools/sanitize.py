@@ -48,20 +48,20 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
 #: set in the sanitized run's environment: the overlay's folder
 ACTIVE = "AIOUBLK_SANITIZED"
 #: this module's own test: never run under itself
-SELF_TEST = ROOT / "tests/host/test_sanitizers.py"
+SELF_TEST = ROOT / "tests/csrc/test_sanitizers.py"
 #: the host tests that run the C, as paths from the repository's root
-C_TESTS = ("tests/host/test_ring.py", "tests/host/test_batch.py",
-           "tests/host/test_crossloop.py", "tests/host/test_cwait.py",
-           "tests/host/test_dp_hardening.py", "tests/host/test_dp_inline.py",
-           "tests/host/test_fast_path.py", "tests/host/test_shmem.py",
-           "tests/host/test_extents.py", "tests/host/test_qcow2_extents.py",
-           "tests/host/test_qcow2_queues.py", "tests/host/test_qcow2_writes.py",
-           "tests/host/test_qcow2_compress.py", "tests/host/test_fua_durable.py",
-           "tests/host/test_filters.py", "tests/host/test_targets_host.py",
-           "tests/host/test_dev_hardening.py", "tests/host/test_rbd_host.py")
+C_TESTS = ("tests/ring/test_ring.py", "tests/queue/test_batch.py",
+           "tests/dataplane/test_crossloop.py", "tests/dataplane/test_cwait.py",
+           "tests/dataplane/test_hostile_kernel.py", "tests/dataplane/test_inline_io.py",
+           "tests/dataplane/test_fast_path.py", "tests/queue/test_shmem.py",
+           "tests/dataplane/test_extents.py", "tests/qcow2/test_qcow2_extents.py",
+           "tests/qcow2/test_qcow2_queues.py", "tests/qcow2/test_qcow2_writes.py",
+           "tests/qcow2/test_qcow2_compress.py", "tests/targets/test_fua_durable.py",
+           "tests/filters/test_filters.py", "tests/targets/test_targets_host.py",
+           "tests/kernel/test_control_guards.py", "tests/rbd/test_rbd_host.py")
 #: and every nbd target test of the host: what a run without arguments and
 #: the test command's sanitizer test run
-NBD_TESTS = "tests/host/test_nbd_*.py"
+NBD_TESTS = "tests/nbd/test_nbd_*.py"
 #: the file where the run notes the test it runs
 _CURRENT = "AIOUBLK_SANITIZE_CURRENT"
 #: how the run says which sanitized extensions the tests loaded

@@ -2,7 +2,7 @@
 
 No I/O here: opcodes, feature bits and struct layouts, each encoded and
 decoded with ``struct`` so they can be tested against the real header on any
-machine (``tests/host/test_uapi.py`` compiles the sizes and values out of it).
+machine (``tests/kernel/test_uapi.py`` compiles the sizes and values out of it).
 """
 
 from __future__ import annotations

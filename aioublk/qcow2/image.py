@@ -39,7 +39,7 @@ loses its last reference is not decremented at once: the free waits until
 the L2/L1 change that dropped it is durable and no I/O begun before it is
 in flight. So a crash, or a power cut, at any moment leaves at most leaked
 clusters, never an entry pointing at unwritten or freed space
-(tests/host/test_qcow2_powercut.py cuts recorded write-backs at every barrier).
+(tests/qcow2/test_qcow2_powercut.py cuts recorded write-backs at every barrier).
 Data writes go only to clusters outside the image's metadata (checked as
 QEMU's overlap checks do); a write that would land on metadata marks the
 image corrupt and fails with EIO instead.

@@ -13,7 +13,7 @@ kernel's kselftest runner: 0 pass, 4 skip, anything else fail.
 
 ``UNPASSABLE`` is the list of scripts aioublk cannot pass, each with its reason;
 ``QUICK`` those short enough for the test command, where
-``tests/guest/test_kernel_selftests.py`` runs them with aioublk."""
+``tests/cli/test_kernel_selftests.py`` runs them with aioublk."""
 
 from __future__ import annotations
 

@@ -7,6 +7,6 @@ seed and grown corpus lives in ``corpus/<target>/``; ``run.py`` runs a
 target (``python -m tests.fuzz.run TARGET``). The contract each target
 checks: whatever the input, the parser returns or raises the project's own
 one-line error (``aioublk.errors.Error``), never another exception, a hang
-or unbounded memory. tests/host/test_fuzz.py runs each target briefly, with a
+or unbounded memory. tests/fuzz/test_fuzz.py runs each target briefly, with a
 fixed seed, over the kept corpus.
 """

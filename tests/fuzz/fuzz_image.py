@@ -5,7 +5,7 @@ read-write and written, zeroed, discarded and flushed.
 
 Allowed: a one-line Qcow2Error from open (the image refused) and a
 one-line OSError with errno EIO from a request or the close (a malformed
-table found at I/O time), as tests/host/test_qcow2_malformed.py expects. Every
+table found at I/O time), as tests/qcow2/test_qcow2_malformed.py expects. Every
 request has a deadline; the runner bounds memory and time per input.
 
 The image's directory holds base.raw and base.qcow2, the backing files

@@ -3,7 +3,7 @@ repository root, TARGET one of header, image, snapshots, config, nbd_uri
 (Python, atheris) or nbd_wire, extents, batch (C, libFuzzer: built first,
 see tests/fuzz/cbuild.py).
 
-Bounded (the default; what tests/host/test_fuzz.py runs): ``--runs N --seed S``
+Bounded (the default; what tests/fuzz/test_fuzz.py runs): ``--runs N --seed S``
 over the kept corpus (``corpus/TARGET``), new inputs in a scratch directory
 that is thrown away. Long (``--minutes M``): fuzz for M minutes from the
 kept corpus, then merge what grew into it (``-merge=1``: only inputs that

@@ -1,4 +1,4 @@
-"""Run by tests/host/test_qcow2_crash.py as a child process: write a known pattern,
+"""Run by tests/qcow2/test_qcow2_crash.py as a child process: write a known pattern,
 flush, say so, then keep writing, zeroing and discarding at random (with the
 odd flush) until killed.
 

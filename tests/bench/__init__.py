@@ -1,0 +1,1 @@
+"""The benchmarks' reports and the suites (bench/), without running them."""

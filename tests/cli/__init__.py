@@ -1,0 +1,1 @@
+"""The command line: parser, completions, start-up cost, records, kublk's scripts."""

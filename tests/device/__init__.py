@@ -1,0 +1,1 @@
+"""A device's options and lifecycle: recovery, quiesce, integrity, kublk's flags."""

@@ -1,0 +1,1 @@
+"""The examples, and aioublk embedded in an asyncio application."""

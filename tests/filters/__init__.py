@@ -1,0 +1,1 @@
+"""Filter stacks over a target."""

@@ -1,1 +1,0 @@
-"""Host tests: no ublk driver needed; they run wherever pytest runs."""

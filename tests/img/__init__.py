@@ -1,0 +1,1 @@
+"""``aioublk img`` against qemu-img, and snapshots of a served image."""

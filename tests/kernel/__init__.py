@@ -1,0 +1,1 @@
+"""What ublk_drv speaks: the uapi encoding and /dev/ublk-control's guards."""

@@ -1,0 +1,1 @@
+"""The nbd target: against real and hostile NBD servers, and the driver."""

@@ -1,0 +1,1 @@
+"""The nvme target: its passthrough commands, and the guest's NVMe device."""

@@ -1,0 +1,1 @@
+"""The project as shipped: package, docs, import layers, lint."""

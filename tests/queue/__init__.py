@@ -1,0 +1,1 @@
+"""Serving a queue: both queue paths, the lifecycle table, copy modes, hooks."""

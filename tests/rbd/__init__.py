@@ -1,0 +1,1 @@
+"""The rbd target, against a throwaway Ceph cluster."""

@@ -1,0 +1,1 @@
+"""The io_uring shim and its typed stub."""

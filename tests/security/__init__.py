@@ -1,0 +1,1 @@
+"""Who may do what: unprivileged devices, what root trusts, /run/aioublk."""

@@ -1,0 +1,1 @@
+"""``aioublk serve`` and its config file."""

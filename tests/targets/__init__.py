@@ -1,0 +1,1 @@
+"""null, loop and stripe, and what every target owes: durability, options."""

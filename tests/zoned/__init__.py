@@ -1,0 +1,1 @@
+"""The zoned target: its zone state machine, and zoned devices."""
