@@ -17,10 +17,7 @@ RESULTS = ROOT / "bench" / "results"
 SUITES = importlib.import_module("bench.suites.__main__").SUITES
 MODULES = {p.stem: f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py")
            if p.stem not in ("__init__", "common")} | {s: f"bench.suites.{s}" for s in SUITES}
-#: benches that compare two given checkouts: results only once they have been run on a change
-#: to judge (their report and table are tests/bench/test_bench_NAME.py's)
-NO_RESULTS_YET = {"trees"}
-BENCHES = sorted(set(MODULES) - NO_RESULTS_YET)
+BENCHES = sorted(MODULES)
 
 
 def test_every_bench_has_results() -> None:
