@@ -131,7 +131,9 @@ def test_recover_under_fio(how: str, args: list[str], tmp_path: Path,
     add_args = ["-t", "null", "-q", "2", "-d", "32", *args]
     dev = start_server(add_args, tmp_path / "first.log")
     dev_id = dev.dev_id
-    fio = start_fio(dev_id, tmp_path, runtime=6)
+    # long enough that the server is gone while fio still runs: a slow
+    # guest spends seconds in the quiesce command alone
+    fio = start_fio(dev_id, tmp_path, runtime=12)
     if how == "kill":
         os.kill(dev.pid, signal.SIGKILL)
         assert reap(dev.pid) == -signal.SIGKILL
@@ -149,6 +151,7 @@ def test_recover_under_fio(how: str, args: list[str], tmp_path: Path,
     stalled = reads_done(dev_id)
     time.sleep(0.5)
     assert reads_done(dev_id) == stalled, "I/O completed while no server was attached"
+    assert fio.poll() is None, "fio ended before the server left: nothing waits for recovery"
 
     new = start_server(["-n", str(dev_id), *add_args], tmp_path / "second.log", cmd="recover")
     assert (new.dev_id, new.state) == (dev_id, "LIVE") and new.pid != dev.pid
