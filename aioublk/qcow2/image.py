@@ -67,8 +67,15 @@ without any I/O.
   it, the table COPIED, the image writable, no metadata write-through, a
   pool attached): a write takes a counted cluster from the plane's pool and
   C records it; the rules and the drain points are ``aioublk.qcow2.pools``'.
-  Never a compressed or
-  backing-file cluster, one past the disk's end, or one being changed
+  An unallocated cluster over backing data is published read-only where the
+  backing chain holds it, at any depth (``Qcow2Image.place``: a raw file at
+  the same offset, a qcow2 image where its cached L2 entry points), or as
+  ZERO where the chain reads as zeros, once a read went through the chain
+  (``Publisher.through``: the clusters read, and the first time the rest of
+  their L2 span); the backing files are read-only, so those places never
+  change while the overlay is served, and a write to such a cluster is a
+  miss, a copy-on-write here. Never a compressed cluster, one whose bytes
+  lie in more than one place, one past the disk's end, or one being changed
   (``_busy``); nothing when the image is corrupt, or when its L1 table names
   one L2 table twice. ``pub`` of a cached table says what each entry is
   published as, and ``Publisher.pub_host`` which host cluster a MAP entry
@@ -121,7 +128,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from aioublk.dataplane.extents import ExtentTable
+from aioublk.dataplane.extents import ZERO_FD, ExtentTable
 from aioublk.io.hostfile import HostFile
 from aioublk.qcow2 import check, metamap
 from aioublk.qcow2 import format as fmt
@@ -149,6 +156,14 @@ class RawBacking:
 
     async def read(self, offset: int, buf: memoryview) -> None:
         await self.file.read_into(buf, offset)
+
+    def place(self, pos: int, n: int) -> tuple[int, int, int] | None:
+        """Where bytes [pos, pos + n) are (``aioublk.qcow2.publish.Place``):
+        here, or zeros past the end; None for a run that crosses the end."""
+        if pos >= self.size:
+            return ZERO_FD, 0, n
+        have = min(n, self.size - pos)
+        return (self.file.fd, pos, have) if have >= 512 else None
 
     def release(self) -> None:
         self.file.close()
@@ -425,7 +440,8 @@ class Qcow2Image(Writes):
             self.backing.size if self.backing is not None else 0, self.l1, tables,
             self._busy, self.meta, self.refs, self.pools, pub_host,
             lambda: not (self.read_only or self.metadata_write_through or self.compress),
-            lambda: self.c_allocating, self._mark_corrupt)
+            lambda: self.c_allocating, self._mark_corrupt,
+            self.backing.place if self.backing is not None else None)
         # the L2 cache, sized by how much of the disk it maps
         want = len(self.l1) * cs
         bound = cache_bytes if cache_bytes is not None else min(want, DEFAULT_CACHE_BYTES)

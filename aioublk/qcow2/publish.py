@@ -17,11 +17,16 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from aioublk.dataplane.extents import MAP, ExtentConflict, ExtentTable
+from aioublk.dataplane.extents import MAP, ZERO, ZERO_FD, ExtentConflict, ExtentTable
 from aioublk.qcow2.base import PARTIAL, L2Table, log
 from aioublk.qcow2.format import COPIED, OFFSET_MASK
 from aioublk.qcow2.pools import Pools
 from aioublk.qcow2.refcounts import Refcounts
+
+#: where a backing chain holds bytes [pos, pos + n): a run (fd, offset,
+#: length), length > 0 and at most n, fd ``ZERO_FD`` for zeros; None where
+#: it cannot say without I/O (a table not cached, a compressed cluster)
+Place = Callable[[int, int], "tuple[int, int, int] | None"]
 
 
 class Publisher:
@@ -32,7 +37,7 @@ class Publisher:
                  busy: dict[int, asyncio.Future[None]], meta: dict[int, int],
                  refs: Refcounts, pools: Pools, pub_host: dict[int, int],
                  writable: Callable[[], bool], allocating: Callable[[], bool],
-                 mark_corrupt: Callable[[str], NoReturn]) -> None:
+                 mark_corrupt: Callable[[str], NoReturn], place: Place | None = None) -> None:
         self.fd = fd
         self.path = path
         self.cbits = cbits
@@ -53,6 +58,17 @@ class Publisher:
         self.writable = writable  # a write may go in place (the image's mode)
         self.allocating = allocating  # C may allocate (``Qcow2Image.c_allocating``)
         self.mark_corrupt = mark_corrupt
+        #: where the backing chain holds a run of the disk (``Place``): None
+        #: without a backing file
+        self.place = place
+        #: L1 indexes whose unallocated clusters were all offered to the data
+        #: plane through the backing chain (``through``); forgotten as their
+        #: extents are taken back
+        self.walked: set[int] = set()
+        #: granules published through the chain where L1 names no table (no
+        #: table forgets them): L1 index -> count, bounded by ``loose_cap``
+        self.loose: dict[int, int] = {}
+        self.loose_cap = 0
         #: the data plane's map of this image; None until ``start``
         self.extents: ExtentTable | None = None
         self.on = False  # extents is set and may take new entries
@@ -62,6 +78,7 @@ class Publisher:
         published in it)."""
         if self.extents is None:
             self.extents = ExtentTable(self.cluster_size, max_entries=max_entries)
+            self.loose_cap = max_entries // 4
             self.on = True
             self.pools.table = self.extents
             for t in list(self.tables.values()):
@@ -75,6 +92,8 @@ class Publisher:
             return
         self.extents.invalidate(0, (1 << 64) - 1)
         self.pub_host.clear()
+        self.walked.clear()
+        self.loose.clear()
         for t in list(self.tables.values()):
             t.pub[:] = bytes(len(t.pub))
             self.entered(t)
@@ -85,6 +104,8 @@ class Publisher:
         are still valid: nothing changes them without ``unmap``."""
         self.on = False
         self.pub_host.clear()
+        self.walked.clear()
+        self.loose.clear()
         if self.extents is not None:
             self.extents.invalidate(0, (1 << 64) - 1)
 
@@ -121,6 +142,7 @@ class Publisher:
     def entered(self, t: L2Table) -> None:
         """Publish every entry of ``t``, just cached, if L1 names it."""
         if self.on and self.l1[t.l1i] & OFFSET_MASK == t.offset:
+            self.walked.discard(t.l1i)
             self.run(t, 0, len(t.entries))
 
     def replaced(self, t: L2Table) -> None:
@@ -131,6 +153,7 @@ class Publisher:
         if self.extents is not None:
             span = self.l2_bits + self.cbits
             self.extents.invalidate(t.l1i << span, 1 << span)
+            self.loose.pop(t.l1i, None)
         self.entered(t)
 
     async def take_back(self, t: L2Table) -> None:
@@ -140,6 +163,7 @@ class Publisher:
         await self.extents.unmap(t.l1i << span, 1 << span)
         self.pools.drain()
         t.pub[:] = bytes(len(t.pub))
+        self.walked.discard(t.l1i)
 
     def forget(self, t: L2Table) -> None:
         """``t`` left the cache: take back what it published, so that the data
@@ -151,6 +175,7 @@ class Publisher:
                 self.l1[t.l1i] & OFFSET_MASK == t.offset:
             span = self.l2_bits + self.cbits
             self.extents.invalidate(t.l1i << span, 1 << span)
+            self.walked.discard(t.l1i)
 
     # ----------------------------------------------------------- publishing
     def publish(self, vc: int) -> None:
@@ -192,9 +217,9 @@ class Publisher:
           needs the table copied): reads are zeros, a write takes a cluster
           from the queue's pool;
         - never a compressed cluster, one whose subclusters differ, one that
-          shows the backing file, one
-          past the disk's end, nor one being changed (``busy``): its changer
-          has taken it back or is about to, and publishes it after."""
+          shows the backing file (``through`` publishes those), one past the
+          disk's end, nor one being changed (``busy``): its changer has taken
+          it back or is about to, and publishes it after."""
         if not self.on:
             return
         assert self.extents is not None
@@ -225,3 +250,102 @@ class Publisher:
             return
         if pairs:
             self.pub_host.update(pairs)
+
+    # --------------------------------------------- the backing chain's data
+    def through(self, vcs: range) -> None:
+        """Clusters ``vcs`` were just read through the backing chain (the
+        chain's tables they needed are cached now): publish them where the
+        chain holds their data and, the first time since the extents of an
+        L2 span of theirs were last taken back, every unallocated cluster of
+        that span. A cluster the chain cannot place without I/O stays
+        Python's until a read of it comes here."""
+        if not self.on or self.place is None:
+            return
+        span = 1 << self.l2_bits
+        while vcs:
+            l1i = vcs.start >> self.l2_bits
+            first, stop = l1i << self.l2_bits, min(vcs.stop, (l1i << self.l2_bits) + span)
+            if l1i not in self.walked:
+                self.walked.add(l1i)
+                self._through_span(l1i, range(first, first + span))
+            else:
+                self._through_span(l1i, range(vcs.start, stop))
+            vcs = range(stop, vcs.stop)
+
+    def _through_span(self, l1i: int, vcs: range) -> None:
+        off = self.l1[l1i] & OFFSET_MASK
+        if off:
+            t = self.tables.get(off)
+            if t is not None:
+                self._chain_in(t, vcs.start & self.l2_mask, len(vcs))
+            return
+        # no table: nothing is allocated in the span, and nothing forgets what
+        # is published here but ``replaced`` (a table made for it) or this bound
+        if sum(self.loose.values()) + len(vcs) > self.loose_cap:
+            self._forget_loose()
+        busy = self.busy
+        start = vcs.start
+        for vc in sorted(vc for vc in busy if vcs.start <= vc < vcs.stop):
+            if start < vc:
+                self._publish_chain(start, vc, None)
+            start = max(start, vc + 1)
+        if start < vcs.stop:
+            self._publish_chain(start, vcs.stop, None)
+
+    def _forget_loose(self) -> None:
+        assert self.extents is not None
+        span = self.l2_bits + self.cbits
+        for l1i in self.loose:
+            self.extents.invalidate(l1i << span, 1 << span)
+            self.walked.discard(l1i)
+        self.loose.clear()
+
+    def _chain_in(self, t: L2Table, i: int, n: int) -> None:
+        """Publish through the chain the unallocated, unpublished entries of
+        [i, i + n) of ``t`` (cached, current, named by L1) that no change holds."""
+        entries, pub, busy = t.entries, t.pub, self.busy
+        base = t.l1i << self.l2_bits
+        k, end = i, min(i + n, len(entries))
+        while k < end:
+            if entries[k] or pub[k] or base + k in busy:
+                k += 1
+                continue
+            j = k + 1
+            while j < end and not entries[j] and not pub[j] and base + j not in busy:
+                j += 1
+            self._publish_chain(base + k, base + j, t)
+            k = j
+
+    def _publish_chain(self, vc: int, stop: int, t: L2Table | None) -> None:
+        """Publish clusters [vc, stop) (unallocated here, not busy; ``t`` their
+        table or None for a span without one) as the chain places them,
+        read-only: a write to one is Python's (a copy-on-write)."""
+        assert self.extents is not None and self.place is not None
+        cbits, cs = self.cbits, self.cluster_size
+        stop = min(stop, (self.size + cs - 1) >> cbits)
+        pos, end = vc << cbits, stop << cbits
+        while pos < end:
+            got = self.place(pos, end - pos)
+            length = (got[2] >> cbits << cbits) if got is not None else 0
+            if got is None or not length or got[0] != ZERO_FD and got[1] & (cs - 1):
+                pos += cs  # (Python's, until a read of it publishes it alone)
+                continue
+            fd, host, _ = got
+            kind = ZERO if fd == ZERO_FD else MAP
+            try:
+                ok = self.extents.insert_kind(kind, pos, length, fd, host if fd >= 0 else 0)
+            except ExtentConflict:
+                log.error("qcow2 extent conflict: data plane off", image=self.path,
+                          cluster=pos >> cbits)
+                self.drop()
+                return
+            if not ok:
+                return  # the table is full
+            first = pos >> cbits
+            if t is not None:
+                k, count = first & self.l2_mask, length >> cbits
+                t.pub[k:k + count] = bytes((kind,)) * count
+            else:
+                l1i = first >> self.l2_bits
+                self.loose[l1i] = self.loose.get(l1i, 0) + (length >> cbits)
+            pos += length

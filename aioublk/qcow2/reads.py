@@ -9,6 +9,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from aioublk.dataplane.crossloop import run_in_thread
+from aioublk.dataplane.extents import ZERO_FD
 from aioublk.io.hostfile import aligned
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.base import OFFLOAD_BYTES, PARTIAL, _eio, _fill_zero
@@ -125,7 +126,8 @@ class Reads(ImageBase):
                 while stop < end and lookup(stop >> cbits) == 0:
                     stop = min(end, stop + cs)
                 sub = view[pos - offset:stop - offset]
-                pending.append(self._read_backing(pos, sub))
+                pending.append(self._read_through(pos, sub) if plane.on
+                               else self._read_backing(pos, sub))
             else:
                 _fill_zero(sub)
             pos = stop
@@ -165,6 +167,53 @@ class Reads(ImageBase):
             pos = stop
         if pending:
             await gather_all(pending)
+
+    async def _read_through(self, pos: int, view: memoryview) -> None:
+        """The backing file's bytes, then the clusters offered to the data
+        plane where the chain holds them (the chain's tables are cached now)."""
+        await self._read_backing(pos, view)
+        self.plane.through(range(pos >> self.cbits,
+                                 (pos + len(view) + self.cmask) >> self.cbits))
+
+    def place(self, pos: int, n: int) -> tuple[int, int, int] | None:
+        """Where this image (as a backing file: read only) holds bytes
+        [pos, pos + n), as far as its cached tables say without I/O: a run
+        (fd, offset, length), one file and contiguous or all zeros, at most
+        n long; None where the first cluster needs I/O or Python (a table
+        not cached, a compressed cluster, subclusters that differ, an entry
+        the coroutine path would refuse) (``aioublk.qcow2.publish.Place``)."""
+        cbits, cmask, cs = self.cbits, self.cmask, self.cluster_size
+        lookup, backing = self.l2.lookup, self.backing
+        fd = off = -2  # (the run so far: none)
+        got, end = 0, pos + n
+        while pos + got < end:
+            at = pos + got
+            take = min(end - at, cs - (at & cmask), self.size - at)
+            if at >= self.size:
+                piece: tuple[int, int, int] | None = (ZERO_FD, 0, end - at)
+            else:
+                e = lookup(at >> cbits)
+                if e is None or e & (COMPRESSED | PARTIAL):
+                    piece = None
+                elif e & ZERO:
+                    piece = (ZERO_FD, 0, take)
+                elif e & OFFSET_MASK:
+                    host = e & OFFSET_MASK
+                    piece = None if host & cmask or host >= self.refs.used_end or \
+                        host >> cbits in self.meta else (self.file.fd, host + (at & cmask), take)
+                elif backing is not None and at < backing.size:
+                    piece = backing.place(at, take)
+                else:
+                    piece = (ZERO_FD, 0, take)
+            if piece is None:
+                break
+            pfd, poff, plen = piece
+            if got and (pfd != fd or pfd != ZERO_FD and poff != off + got):
+                break
+            if not got:
+                fd, off = pfd, poff
+            got += plen
+        return (fd, off, got) if got else None
 
     async def _read_backing(self, pos: int, view: memoryview) -> None:
         b = self.backing

@@ -5,7 +5,7 @@ the cache, and takes clusters back before any change of where their data
 lives (the invariant in ``aioublk.qcow2.image``, "The data plane"). Here:
 
 - which clusters are published, writable, read-only or as zeros, and which
-  never are (compressed, backing, metadata);
+  never are (compressed, metadata); backing data as the chain places it;
 - every change of a mapping takes its extents back: discard, write_zeroes,
   copy-on-write, L2 eviction, a corrupt mark;
 - an extent a request holds (``ExtentTable.acquire``, as C does) keeps the
@@ -18,6 +18,7 @@ lives (the invariant in ``aioublk.qcow2.image``, "The data plane"). Here:
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import random
 from pathlib import Path
@@ -192,7 +193,10 @@ async def test_no_table_until_asked(tmp_path: Path, ring: Ring) -> None:
         await img.close()
 
 
-async def test_backing_clusters_are_not_published(tmp_path: Path, ring: Ring) -> None:
+async def test_backing_clusters_are_published_read_only(tmp_path: Path, ring: Ring) -> None:
+    """A read through the backing file publishes what it read, and the rest
+    of its L2 span, where the backing image holds it: read-only, in the
+    backing file; a write copies the cluster up and publishes it writable."""
     base = create(tmp_path / "base.qcow2", 4 * M, cluster_size=CS)
     qemu_io(base, "write -P 7 0 256k")
     top = create(tmp_path / "top.qcow2", None, cluster_size=CS, backing=base)
@@ -202,8 +206,15 @@ async def test_backing_clusters_are_not_published(tmp_path: Path, ring: Ring) ->
         table = img.extent_table()
         assert table is not None
         await read_all(img, 4 * CS)
-        assert [published(table, vc) for vc in range(64)] == ["-", "rw"] + ["-"] * 62
-        # a write to a backing cluster allocates it: then it is published
+        assert [published(table, vc) for vc in range(64)] == \
+            ["ro", "rw", "ro", "ro"] + ["zero"] * 60
+        pieces = table.lookup(0, CS, write=False)
+        assert pieces is not None and len(pieces) == 1
+        fd, host, n = pieces[0]
+        assert os.path.samestat(os.fstat(fd), os.stat(base))
+        got = mmap.mmap(-1, n)  # (the backing file is open O_DIRECT: an aligned buffer)
+        assert os.preadv(fd, [got], host) == n and got[:] == b"\x07" * CS
+        # a write to a backing cluster copies it up: then it is published
         await img.write(0, b"y" * 4096)
         assert published(table, 0) == "rw"
     finally:
@@ -214,7 +225,10 @@ async def test_zeros_past_the_backing_file_are_published(tmp_path: Path, ring: R
     """Unallocated clusters read as zeros where no backing data lies under
     them (wholly past the backing file's end), and a zero-flagged cluster
     hides the backing file: both are published as zeros. A cluster the
-    backing file covers even in part is not."""
+    backing file covers is published once a read goes through the backing
+    file, as the backing image's data; one it covers in part stays Python's
+    (the backing cluster's bytes past its disk's end are not zeros by any
+    rule)."""
     base = create(tmp_path / "base.qcow2", 160 * K, cluster_size=CS)   # 2.5 clusters
     qemu_io(base, "write -P 7 0 160k")
     top = create(tmp_path / "top.qcow2", 1 * M, cluster_size=CS, backing=base)
@@ -223,9 +237,12 @@ async def test_zeros_past_the_backing_file_are_published(tmp_path: Path, ring: R
     try:
         table = img.extent_table()
         assert table is not None
-        await img.read(CS, bytearray(4096))
+        await img.read(4 * CS, bytearray(4096))  # (no backing data: publishes no more)
         assert [published(table, vc) for vc in range(16)] == \
             ["zero", "-", "-", "zero", "rw"] + ["zero"] * 11
+        await img.read(CS, bytearray(4096))
+        assert [published(table, vc) for vc in range(16)] == \
+            ["zero", "ro", "-", "zero", "rw"] + ["zero"] * 11
         buf = bytearray(16 * CS)
         await img.read(0, buf)
         assert buf[CS:2 * CS] == b"\x07" * CS and buf[2 * CS:160 * K] == b"\x07" * (32 * K)

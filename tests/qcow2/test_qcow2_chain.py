@@ -1,0 +1,237 @@
+"""Reads through a backing chain from the data plane (host only: no ublk).
+
+An unallocated cluster of an overlay whose data a backing image holds is
+published read-only at its place in the backing file: a raw base at the
+same offset, a qcow2 base where its own L2 entry says, at any depth, and
+as zeros where the chain reads as zeros. A read through the backing file
+publishes what it read and the rest of its L2 span; a write to such a
+cluster is Python's (a copy-on-write), which takes the extent back first.
+
+Here, for chains of depth 1 to 3 (raw and qcow2 bases, cluster sizes that
+differ between layers, compressed and zeroed clusters below):
+- every published cluster's pieces hold the chain's bytes (``qemu-img
+  convert`` of the top is the reference), and what the data plane cannot
+  serve (compressed below, a partial cluster at a backing file's end) is
+  not published;
+- a held backing extent keeps the copy-on-write waiting;
+- random I/O served as C serves it (``DataPlaneStandIn``) leaves an image
+  QEMU agrees with, and never writes a backing file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from aioublk.dataplane.extents import ZERO_FD, ExtentTable
+from aioublk.qcow2 import Qcow2Image
+from aioublk.ring import Ring
+from tests.qcow2.test_qcow2_extents import DataPlaneStandIn, _held_then_released, published
+from tests.qcow2.test_qcow2_writes import (
+    chain2,
+    chain3,
+    hot_spots,
+    new_case,
+    random_io,
+    read_matches_mirror,
+    verify,
+)
+from tests.support.qcow2_util import K, M, create, mixed_content, qemu_io, read_file, to_raw
+
+pytestmark = pytest.mark.asyncio
+
+CHAINS = ["raw-base", "qcow2-base", "depth2-compressed", "depth3-raw-base"]
+
+
+def chain1(d: Path, fmt: str) -> Path:
+    """top (64k clusters, 6 MiB) over a 4 MiB base of data (raw, or qcow2
+    with 64k clusters, some zeroed and some never written): the top larger
+    than its base, a few clusters of its own."""
+    data = mixed_content(4 * M, seed=41)
+    if fmt == "raw":
+        (d / "base.raw").write_bytes(data)
+        base = "base.raw"
+    else:
+        src = d / "pattern"
+        src.write_bytes(data)
+        create(d / "base.qcow2", 4 * M)
+        qemu_io(d / "base.qcow2", f"write -s {src} 0 {3 * M}", f"write -z {M} {128 * K}")
+        base = "base.qcow2"
+    top = create(d / "top.qcow2", 6 * M, backing=base, backing_fmt=fmt)
+    qemu_io(top, f"write -P 0x71 {192 * K} {64 * K}", f"write -P 0x72 {2 * M + 512} 1024")
+    return top
+
+
+def build(chain: str, d: Path) -> Path:
+    if chain == "raw-base":
+        return chain1(d, "raw")
+    if chain == "qcow2-base":
+        return chain1(d, "qcow2")
+    if chain == "depth2-compressed":
+        return chain2(d, "1.1")[0]
+    return chain3(d)[0]
+
+
+def piece_bytes(pieces: list[tuple[int, int, int]]) -> bytes:
+    out = bytearray()
+    for fd, host, n in pieces:
+        if fd == ZERO_FD:
+            out += bytes(n)
+            continue
+        buf = mmap.mmap(-1, n)  # (files open O_DIRECT: an aligned buffer)
+        assert os.preadv(fd, [buf], host) == n
+        out += buf[:]
+    return bytes(out)
+
+
+async def read_whole(img: Qcow2Image) -> None:
+    step = img.cluster_size
+    for off in range(0, img.size, step):
+        await img.read(off, bytearray(min(step, img.size - off)))
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+async def test_published_backing_clusters_hold_the_chains_bytes(chain: str, tmp_path: Path,
+                                                                ring: Ring) -> None:
+    top = build(chain, tmp_path)
+    want = read_file(to_raw(top, tmp_path / "want.raw"))
+    img = Qcow2Image.open(str(top))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await read_whole(img)
+        cs = img.cluster_size
+        kinds = {"rw": 0, "ro": 0, "zero": 0, "-": 0}
+        for vc in range(-(-img.size // cs)):
+            kind = published(table, vc, cs)
+            kinds[kind] += 1
+            if kind == "-":
+                continue
+            n = min(cs, img.size - vc * cs)
+            pieces = table.lookup(vc * cs, n, write=False)
+            assert pieces is not None
+            assert piece_bytes(pieces) == want[vc * cs:vc * cs + n], \
+                f"{chain}: cluster {vc} ({kind}) is published with other bytes"
+    finally:
+        await img.close()
+    total = sum(kinds.values())
+    # what stays Python's: clusters over compressed ones below; a top
+    # cluster whose bytes lie in more than one place (chain3's mid has 512
+    # byte clusters: its writes at 1M, 2M, 3M, 5M (two clusters) and 7M each
+    # leave a 64k cluster of the top part in mid, part in base.raw or zeros)
+    unpublished = {"raw-base": 0, "qcow2-base": 0, "depth2-compressed": M // (4 * K),
+                   "depth3-raw-base": 6}[chain]
+    assert kinds["-"] == unpublished, (chain, kinds)
+    assert kinds["ro"] > total // 4, (chain, kinds)
+
+
+async def test_a_raw_base_is_published_in_one_piece_per_run(tmp_path: Path, ring: Ring) -> None:
+    """One read of a fresh overlay over a raw base publishes its whole L2
+    span at the base's own offsets, no table of the overlay needed."""
+    top = chain1(tmp_path, "raw")
+    fresh = create(tmp_path / "fresh.qcow2", None, backing="base.raw", backing_fmt="raw")
+    img = Qcow2Image.open(str(fresh))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await img.read(5 * img.cluster_size, bytearray(4096))
+        assert not img.l2.tables  # (nothing allocated: the overlay has no L2 table)
+        span = 4 * M // img.cluster_size
+        assert [published(table, vc) for vc in range(span)] == ["ro"] * span
+        assert table.lookup(0, 4 * M, write=False) == [(img.backing.file.fd, 0, 4 * M)]
+    finally:
+        await img.close()
+    assert top.exists()
+
+
+async def test_loose_backing_extents_are_bounded(tmp_path: Path, ring: Ring) -> None:
+    """Extents published where the overlay has no L2 table are not forgotten
+    with a table: past their bound they are all taken back, and published
+    again by the next read through the backing file."""
+    chain1(tmp_path, "raw")
+    fresh = create(tmp_path / "fresh.qcow2", 4 * M, cluster_size=4 * K, backing="base.raw",
+                   backing_fmt="raw")  # (4k clusters: a span is 2 MiB, two spans)
+    img = Qcow2Image.open(str(fresh))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        span = 512
+        img.plane.loose_cap = span + 10
+        await img.read(0, bytearray(4096))
+        assert len(table) == span
+        await img.read(2 * M, bytearray(4096))  # a second span: over the bound
+        assert len(table) == span and published(table, 0, 4 * K) == "-"
+        assert published(table, span, 4 * K) == "ro"
+        await img.read(0, bytearray(4096))
+        assert published(table, 0, 4 * K) == "ro"
+    finally:
+        await img.close()
+
+
+async def test_held_backing_extent_delays_copy_on_write(tmp_path: Path, ring: Ring) -> None:
+    top = chain1(tmp_path, "qcow2")
+    img = Qcow2Image.open(str(top))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        await img.read(0, bytearray(4096))
+        assert published(table, 1) == "ro"
+        events, after = await _held_then_released(img, 1, img.write(64 * K, b"c" * 4096),
+                                                  write=False)
+        assert events == ["released", "changed"] and after
+        assert published(table, 1) == "rw"
+        pieces = table.lookup(64 * K, 64 * K, write=False)
+        assert pieces is not None and pieces[0][0] == img.file.fd
+        assert piece_bytes(pieces)[:4096] == b"c" * 4096
+    finally:
+        await img.close()
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+@pytest.mark.parametrize("planes", [0, 1])
+async def test_random_io_through_a_chain_with_the_data_plane(chain: str, planes: int,
+                                                             tmp_path: Path,
+                                                             ring: Ring) -> None:
+    """Reads the table covers are served from the backing files, writes
+    over them copy up in Python, with or without C allocating; the image
+    ends as QEMU reads the same operations, the backing files untouched."""
+    top = build(chain, tmp_path)
+    backing = {p: read_file(p) for p in tmp_path.iterdir()
+               if p != top and p.suffix in (".qcow2", ".raw")}
+    case = new_case(top, tmp_path / "mirror.raw")
+    rng = random.Random(f"through-{chain}-{planes}")
+    spots = hot_spots(case.size, case.cs, extra=[M, 4 * M, 5 * M])
+    img = Qcow2Image.open(str(top), direct=False)  # the stand-in's I/O is buffered
+    try:
+        dp = DataPlaneStandIn(img, rng, c_alloc=bool(planes))
+        await read_matches_mirror(case, dp, chain)  # (publishes through the chain)
+        assert through_backing(img, dp.table) > 0
+        served = dp.served
+        for _ in range(3):  # (the writes copy up most of the small disk)
+            await random_io(case, dp, rng, batches=8, per_batch=24, spots=spots)
+            await read_matches_mirror(case, dp, chain)
+        assert served > 0 and dp.served > served
+    finally:
+        await img.close()
+    await verify(case, f"random I/O through the {chain} chain")
+    for p, content in backing.items():
+        assert read_file(p) == content, f"backing file {p.name} was modified"
+
+
+def through_backing(img: Qcow2Image, table: ExtentTable) -> int:
+    """How many clusters are published in a file of the chain below."""
+    below = set()
+    b = img.backing
+    while b is not None:
+        below.add(b.file.fd)
+        b = getattr(b, "backing", None)
+    cs = img.cluster_size
+    n = 0
+    for vc in range(-(-img.size // cs)):
+        pieces = table.lookup(vc * cs, min(cs, img.size - vc * cs), write=False)
+        n += bool(pieces) and pieces[0][0] in below  # type: ignore[index]
+    return n
