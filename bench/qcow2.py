@@ -503,9 +503,18 @@ class Guest:
 
     def device(self, server: Server, rnd: int, kind: str, steps: list[Step],
                counts: dict[str, int], folder: str) -> None:
-        """A fresh image of `kind` on `server`: the one-queue steps, then the
-        image attached again with two queues for the others; qemu-img check."""
+        """A fresh image of `kind` on `server` (``serve``), removed after."""
         image, err = _new_image(folder, kind, self.size)
+        self.serve(server, rnd, kind, steps, counts, image, err)
+        if os.path.exists(image):
+            os.unlink(image)
+        self.save()
+
+    def serve(self, server: Server, rnd: int, kind: str, steps: list[Step],
+              counts: dict[str, int], image: str, err: str | None) -> None:
+        """`image` on `server` (`err`: why it could not be made): the one-queue steps,
+        then the image attached again with two queues for the others; qemu-img check
+        (in the last device entry). Another bench brings images of its own here."""
         for queues in sorted({s.queues for s in steps}):
             t0 = time.monotonic()
             dev = None
@@ -536,8 +545,6 @@ class Guest:
             check, check_err = run(["qemu-img", "check", "-f", "qcow2", image], timeout=600)
             self.data["devices"][-1]["check"] = \
                 check_err or [ln for ln in check.splitlines() if ln.strip()]
-            os.unlink(image)
-        self.save()
 
     def ceiling(self, rnd: int) -> None:
         """aioublk's null target on NULL_STEPS: no backend at all."""

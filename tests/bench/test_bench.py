@@ -17,7 +17,10 @@ RESULTS = ROOT / "bench" / "results"
 SUITES = importlib.import_module("bench.suites.__main__").SUITES
 MODULES = {p.stem: f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py")
            if p.stem not in ("__init__", "common")} | {s: f"bench.suites.{s}" for s in SUITES}
-BENCHES = sorted(MODULES)
+#: benches whose first measured run is still to come (their report and goals are tested by
+#: tests/bench/test_bench_NAME.py on synthetic results)
+NO_RESULTS_YET = {"vm"}
+BENCHES = sorted(set(MODULES) - NO_RESULTS_YET)
 
 
 def test_every_bench_has_results() -> None:
