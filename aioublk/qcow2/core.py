@@ -21,6 +21,7 @@ from aioublk.qcow2.l2cache import L2Cache
 from aioublk.qcow2.pools import Pools
 from aioublk.qcow2.publish import Publisher
 from aioublk.qcow2.refcounts import Refcounts
+from aioublk.qcow2.zcache import ZCache
 
 
 class ImageBase:
@@ -55,6 +56,8 @@ class ImageBase:
     _drain_c: Callable[[], None]
     _busy: dict[int, asyncio.Future[None]]  # virtual clusters being changed
     _zcache: OrderedDict[int, bytes]  # decompressed clusters
+    #: a backing image's decompressed clusters, where the data plane reads them
+    zc: ZCache | None = None
     backing: Backing
     _aliased = False  # two L1 entries name one L2 table: no data plane (``extent_table``)
 

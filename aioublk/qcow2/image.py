@@ -141,6 +141,7 @@ from aioublk.qcow2.pools import Pools
 from aioublk.qcow2.publish import Publisher
 from aioublk.qcow2.refcounts import Refcounts, counted_end
 from aioublk.qcow2.writes import Writes
+from aioublk.qcow2.zcache import ZCache
 from aioublk.ring import Ring, bound_ring, queue_ring_flags
 
 __all__ = ["Qcow2Image"]
@@ -182,6 +183,9 @@ class Qcow2Image(Writes):
 
     #: the ring ``__aenter__`` made, closed with the image
     _own_ring: Ring | None = None
+    #: how many bytes of decompressed clusters a qcow2 backing image keeps
+    #: for the data plane (``aioublk.qcow2.zcache``)
+    ZCACHE_BYTES = 64 << 20
 
     # Sized as a queue ring at the default depth, 128 (aioublk.queue.worker): room
     # for a write-back's table writes beside the caller's requests.
@@ -285,6 +289,9 @@ class Qcow2Image(Writes):
         """Close the files of the image and its backing chain, without writing."""
         self.plane.drop()
         self.file.close()
+        if self.zc is not None:
+            self.zc.close()
+            self.zc = None
         if self.backing is not None:
             self.backing.release()
 
@@ -442,6 +449,11 @@ class Qcow2Image(Writes):
             lambda: not (self.read_only or self.metadata_write_through or self.compress),
             lambda: self.c_allocating, self._mark_corrupt,
             self.backing.place if self.backing is not None else None)
+        below = self.backing
+        while below is not None:  # (the chain's caches of decompressed clusters)
+            if getattr(below, "zc", None) is not None:
+                self.plane.hold(below.zc)
+            below = getattr(below, "backing", None)
         # the L2 cache, sized by how much of the disk it maps
         want = len(self.l1) * cs
         bound = cache_bytes if cache_bytes is not None else min(want, DEFAULT_CACHE_BYTES)
@@ -500,8 +512,14 @@ class Qcow2Image(Writes):
         checked = policy.open_dir(name, real, st)
         try:
             if fmt == "qcow2":
-                return Qcow2Image._open(policy.candidate(self.path, name), real, True, None,
-                                        direct, policy, chain, checked)
+                img = Qcow2Image._open(policy.candidate(self.path, name), real, True, None,
+                                       direct, policy, chain, checked)
+                try:
+                    img.zc = ZCache(img.cluster_size, self.ZCACHE_BYTES)
+                except BaseException:
+                    img.release()
+                    raise
+                return img
             raw = RawBacking(real, direct, checked)
         finally:
             checked.close()

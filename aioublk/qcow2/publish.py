@@ -22,6 +22,7 @@ from aioublk.qcow2.base import PARTIAL, L2Table, log
 from aioublk.qcow2.format import COPIED, OFFSET_MASK
 from aioublk.qcow2.pools import Pools
 from aioublk.qcow2.refcounts import Refcounts
+from aioublk.qcow2.zcache import ZCache
 
 #: where a backing chain holds bytes [pos, pos + n): a run (fd, offset,
 #: length), length > 0 and at most n, fd ``ZERO_FD`` for zeros; None where
@@ -69,6 +70,9 @@ class Publisher:
         #: table forgets them): L1 index -> count, bounded by ``loose_cap``
         self.loose: dict[int, int] = {}
         self.loose_cap = 0
+        #: memfd of a backing image's decompressed clusters -> the clusters
+        #: published in it (``hold``, ``take_back_fd``)
+        self.in_ram: dict[int, set[int]] = {}
         #: the data plane's map of this image; None until ``start``
         self.extents: ExtentTable | None = None
         self.on = False  # extents is set and may take new entries
@@ -292,6 +296,34 @@ class Publisher:
         if start < vcs.stop:
             self._publish_chain(start, vcs.stop, None)
 
+    def hold(self, zc: ZCache) -> None:
+        """Publish clusters in ``zc``'s memfd where the chain places them
+        there, and give them back when it empties."""
+        self.in_ram[zc.fd] = set()
+        zc.holders.append(self.take_back_fd)
+
+    async def take_back_fd(self, fd: int) -> None:
+        """Take back every cluster published in memfd ``fd`` (a cache about
+        to reuse its slots) and wait until no request C started on one is
+        in flight; those clusters are Python's until a read publishes them
+        again."""
+        vcs = sorted(self.in_ram.get(fd, ()))
+        self.in_ram[fd] = set()
+        if not vcs or self.extents is None:
+            return
+        start = prev = vcs[0]
+        for vc in [*vcs[1:], -1]:
+            if vc != prev + 1:
+                await self.extents.unmap(start << self.cbits, (prev + 1 - start) << self.cbits)
+                start = vc
+            prev = vc
+        for vc in vcs:
+            self.walked.discard(vc >> self.l2_bits)
+            t = self.tables.get(self.l1[vc >> self.l2_bits] & OFFSET_MASK)
+            i = vc & self.l2_mask
+            if t is not None and not t.entries[i]:  # (else a change published it since)
+                t.pub[i] = 0
+
     def _forget_loose(self) -> None:
         assert self.extents is not None
         span = self.l2_bits + self.cbits
@@ -342,6 +374,9 @@ class Publisher:
             if not ok:
                 return  # the table is full
             first = pos >> cbits
+            ram = self.in_ram.get(fd)
+            if ram is not None:
+                ram.update(range(first, first + (length >> cbits)))
             if t is not None:
                 k, count = first & self.l2_mask, length >> cbits
                 t.pub[k:k + count] = bytes((kind,)) * count

@@ -180,8 +180,9 @@ class Reads(ImageBase):
         [pos, pos + n), as far as its cached tables say without I/O: a run
         (fd, offset, length), one file and contiguous or all zeros, at most
         n long; None where the first cluster needs I/O or Python (a table
-        not cached, a compressed cluster, subclusters that differ, an entry
-        the coroutine path would refuse) (``aioublk.qcow2.publish.Place``)."""
+        not cached, a compressed cluster not in ``zc``, subclusters that
+        differ, an entry the coroutine path would refuse)
+        (``aioublk.qcow2.publish.Place``)."""
         cbits, cmask, cs = self.cbits, self.cmask, self.cluster_size
         lookup, backing = self.l2.lookup, self.backing
         fd = off = -2  # (the run so far: none)
@@ -193,7 +194,13 @@ class Reads(ImageBase):
                 piece: tuple[int, int, int] | None = (ZERO_FD, 0, end - at)
             else:
                 e = lookup(at >> cbits)
-                if e is None or e & (COMPRESSED | PARTIAL):
+                if e is None:
+                    piece = None
+                elif e & COMPRESSED:  # (before PARTIAL: a compressed entry's bits differ)
+                    ram = self.zc.where(e) if self.zc is not None else None
+                    piece = None if ram is None else \
+                        (self.zc.fd, ram + (at & cmask), take)  # type: ignore[union-attr]
+                elif e & PARTIAL:
                     piece = None
                 elif e & ZERO:
                     piece = (ZERO_FD, 0, take)
@@ -223,9 +230,12 @@ class Reads(ImageBase):
         if have < len(view):
             _fill_zero(view[have:])
 
-    async def _cluster_bytes(self, e: int) -> bytes:
-        """A compressed cluster, decompressed (a few are cached for sequential reads)."""
-        got = self._zcache.get(e)
+    async def _cluster_bytes(self, e: int) -> bytes | memoryview:
+        """A compressed cluster, decompressed (valid until the next await): a
+        few are cached for sequential reads, and a backing image keeps many
+        where the data plane reads them (``zc``)."""
+        zc = self.zc
+        got: bytes | memoryview | None = self._zcache.get(e) if zc is None else zc.get(e)
         if got is not None:
             return got
         span = fmt.compressed_span(e, self.cbits)
@@ -242,6 +252,8 @@ class Reads(ImageBase):
                 data = decompress(self.h.compression_type, raw, self.cluster_size)
         except ValueError as err:
             raise _eio(f"{self.path}: compressed cluster at {span.offset:#x}: {err}") from None
+        if zc is not None:
+            return await zc.put(e, data)
         self._zcache[e] = data
         if len(self._zcache) > 8:
             self._zcache.popitem(last=False)

@@ -11,8 +11,10 @@ Here, for chains of depth 1 to 3 (raw and qcow2 bases, cluster sizes that
 differ between layers, compressed and zeroed clusters below):
 - every published cluster's pieces hold the chain's bytes (``qemu-img
   convert`` of the top is the reference), and what the data plane cannot
-  serve (compressed below, a partial cluster at a backing file's end) is
-  not published;
+  serve (a cluster whose bytes lie in two places) is not published;
+- a qcow2 base's compressed clusters are published from its memfd of
+  decompressed clusters (``aioublk.qcow2.zcache``), and a full cache is
+  emptied only once no request C started on it is in flight;
 - a held backing extent keeps the copy-on-write waiting;
 - random I/O served as C serves it (``DataPlaneStandIn``) leaves an image
   QEMU agrees with, and never writes a backing file.
@@ -20,6 +22,7 @@ differ between layers, compressed and zeroed clusters below):
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import random
@@ -40,7 +43,16 @@ from tests.qcow2.test_qcow2_writes import (
     read_matches_mirror,
     verify,
 )
-from tests.support.qcow2_util import K, M, create, mixed_content, qemu_io, read_file, to_raw
+from tests.support.qcow2_util import (
+    K,
+    M,
+    check_clean,
+    create,
+    mixed_content,
+    qemu_io,
+    read_file,
+    to_raw,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -119,11 +131,12 @@ async def test_published_backing_clusters_hold_the_chains_bytes(chain: str, tmp_
     finally:
         await img.close()
     total = sum(kinds.values())
-    # what stays Python's: clusters over compressed ones below; a top
-    # cluster whose bytes lie in more than one place (chain3's mid has 512
-    # byte clusters: its writes at 1M, 2M, 3M, 5M (two clusters) and 7M each
-    # leave a 64k cluster of the top part in mid, part in base.raw or zeros)
-    unpublished = {"raw-base": 0, "qcow2-base": 0, "depth2-compressed": M // (4 * K),
+    # what stays Python's: a top cluster whose bytes lie in more than one
+    # place (chain3's mid has 512 byte clusters: its writes at 1M, 2M, 3M
+    # (compressed), 5M (two clusters) and 7M each leave a 64k cluster of the
+    # top part in mid, part in base.raw or zeros). Compressed clusters of a
+    # qcow2 base are published from its memfd of decompressed clusters
+    unpublished = {"raw-base": 0, "qcow2-base": 0, "depth2-compressed": 0,
                    "depth3-raw-base": 6}[chain]
     assert kinds["-"] == unpublished, (chain, kinds)
     assert kinds["ro"] > total // 4, (chain, kinds)
@@ -235,3 +248,55 @@ def through_backing(img: Qcow2Image, table: ExtentTable) -> int:
         pieces = table.lookup(vc * cs, min(cs, img.size - vc * cs), write=False)
         n += bool(pieces) and pieces[0][0] in below  # type: ignore[index]
     return n
+
+
+def compressed_chain(d: Path) -> Path:
+    """top (64k clusters) over a qcow2 base whose first 2 MiB (32 clusters,
+    each its own pattern) are compressed and the rest plain."""
+    src = d / "pattern"
+    src.write_bytes(mixed_content(256 * K, seed=43))
+    base = create(d / "base.qcow2", 4 * M)
+    qemu_io(base, *(f"write -c -P {vc + 1} {vc * 64 * K} 64k" for vc in range(32)),
+            f"write -s {src} {2 * M} {2 * M}")
+    assert check_clean(base).get("compressed-clusters") == 32
+    return create(d / "top.qcow2", None, backing="base.qcow2")
+
+
+async def test_a_full_cache_of_decompressed_clusters_empties_safely(
+        tmp_path: Path, ring: Ring, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache of 4 clusters under 32 compressed ones: each read of a fifth
+    empties it, taking back the top's extents in it first; a held extent in
+    it keeps the emptying waiting, and every cluster published at any time
+    holds its own bytes, never a slot's next tenant."""
+    monkeypatch.setattr(Qcow2Image, "ZCACHE_BYTES", 4 * 64 * K)
+    top = compressed_chain(tmp_path)
+    want = read_file(to_raw(top, tmp_path / "want.raw"))
+    img = Qcow2Image.open(str(top))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        zc = img.backing.zc
+        assert zc is not None and zc.nslots == 4
+        cs = img.cluster_size
+        for vc in range(32):
+            await img.read(vc * cs, bytearray(4096))
+            cached = [c for c in range(32) if published(table, c) == "ro"]
+            assert 1 <= len(cached) <= 4 and vc in cached, (vc, cached)
+            for c in cached:
+                got = table.lookup(c * cs, cs, write=False)
+                assert got is not None and got[0][0] == zc.fd
+                assert piece_bytes(got) == want[c * cs:(c + 1) * cs], f"cluster {c}"
+        # plain clusters of the base are published from the base file
+        await img.read(3 * M, bytearray(4096))
+        assert published(table, 48) == "ro"
+        # a request C holds on a cached cluster delays the emptying
+        held = table.acquire(31 * cs, 4096, write=False)
+        assert held is not None and held[0][0][0] == zc.fd
+        reads = [asyncio.create_task(img.read(vc * cs, bytearray(4096)))
+                 for vc in range(27, 32) if published(table, vc) == "-"]
+        await asyncio.sleep(0.01)
+        assert reads and not any(r.done() for r in reads), "the cache emptied under a held slot"
+        table.release(held[1])
+        await asyncio.wait_for(asyncio.gather(*reads), 5)
+    finally:
+        await img.close()
