@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from aioublk.dataplane.extents import MAP, ZERO, ZERO_FD, ExtentConflict, ExtentTable
+from aioublk.dataplane.extents import ALLOC, MAP, ZERO, ZERO_FD, ExtentConflict, ExtentTable
 from aioublk.qcow2.base import PARTIAL, L2Table, log
 from aioublk.qcow2.format import COPIED, OFFSET_MASK
 from aioublk.qcow2.pools import Pools
@@ -350,10 +350,14 @@ class Publisher:
 
     def _publish_chain(self, vc: int, stop: int, t: L2Table | None) -> None:
         """Publish clusters [vc, stop) (unallocated here, not busy; ``t`` their
-        table or None for a span without one) as the chain places them,
-        read-only: a write to one is Python's (a copy-on-write)."""
+        table or None for a span without one) as the chain places them: data
+        read-only, a write to it Python's (a copy-on-write); zeros as ALLOC
+        where C may allocate in ``t`` (as ``run`` decides for a cluster with
+        no backing data: a pool cluster reads as zeros too), else ZERO."""
         assert self.extents is not None and self.place is not None
         cbits, cs = self.cbits, self.cluster_size
+        zeros = ALLOC if t is not None and self.allocating() and \
+            bool(self.l1[t.l1i] & COPIED) else ZERO
         stop = min(stop, (self.size + cs - 1) >> cbits)
         pos, end = vc << cbits, stop << cbits
         while pos < end:
@@ -363,7 +367,7 @@ class Publisher:
                 pos += cs  # (Python's, until a read of it publishes it alone)
                 continue
             fd, host, _ = got
-            kind = ZERO if fd == ZERO_FD else MAP
+            kind = zeros if fd == ZERO_FD else MAP
             try:
                 ok = self.extents.insert_kind(kind, pos, length, fd, host if fd >= 0 else 0)
             except ExtentConflict:

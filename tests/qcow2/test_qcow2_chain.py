@@ -300,3 +300,37 @@ async def test_a_full_cache_of_decompressed_clusters_empties_safely(
         await asyncio.wait_for(asyncio.gather(*reads), 5)
     finally:
         await img.close()
+
+
+async def test_zeros_of_the_chain_are_allocated_by_c(tmp_path: Path, ring: Ring) -> None:
+    """Where the chain reads as zeros (a qcow2 base's zeroed or never
+    written clusters) and C may allocate in the overlay's table, a first
+    write takes a pool cluster in C: the rest of it reads as zeros, as the
+    chain does. Data of the base stays read-only: its first writes copy up
+    in Python."""
+    top = chain1(tmp_path, "qcow2")  # base: data in [0, 3M) but zeros at [1M, 1M+128k)
+    rng = random.Random("zeros")
+    img = Qcow2Image.open(str(top), direct=False)
+    try:
+        dp = DataPlaneStandIn(img, rng, c_alloc=True)
+        await img.write(0, b"t" * 4096)  # (the overlay's table made: private, C may allocate)
+        img.service()
+        if img.pools.filling is not None:
+            await img.pools.filling  # (the pool filled, as C's notification has it)
+        await img.read(M, bytearray(4096))
+        cs = img.cluster_size
+        assert [published(dp.table, vc) for vc in (16, 17, 18, 48, 63)] == \
+            ["zero", "zero", "ro", "zero", "zero"]
+        assert dp.table.lookup(16 * cs, 4096, write=True) is None  # (no slot: a miss)
+        for off in (M + 8 * K, 3 * M + 512, 2 * M):
+            await dp.write(off, b"w" * 1024)
+        # the zero clusters (the stand-in fails or drops one in 50 after or
+        # before writing); 2M is base data: Python's copy-up
+        stats = dp.table.stats()
+        assert dp.allocated + stats["failed"] + stats["unused"] == 2, stats
+        got = bytearray(2 * cs)
+        await dp.read(M, got)
+        assert got == bytes(8 * K) + b"w" * 1024 + bytes(2 * cs - 9 * K)
+    finally:
+        await img.close()
+    check_clean(top)
