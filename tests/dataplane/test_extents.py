@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from aioublk._uring import ffi, lib
 from aioublk.dataplane.extents import (
+    COW,
     DONE,
     FAILED,
     MAP,
@@ -640,6 +642,68 @@ def test_failed_records_the_cluster_and_unused_puts_it_back_first() -> None:
     assert (s["done"], s["failed"], s["unused"], s["allocating"]) == (1, 1, 1, 0)
     with pytest.raises(ValueError):
         t.release(Handle(held[1]._ids, 1), 7)
+
+
+# -- copy-on-write: COW granules ------------------------------------------------
+
+BFD = 7             # the fd a COW granule's data is in (a backing file's)
+
+
+def test_a_write_to_a_cow_granule_allocates_and_says_what_to_copy() -> None:
+    """Reads of a COW granule go to its data; a write takes a pool cluster
+    like ALLOC, and the acquisition says which bytes of the old data to copy
+    into it: the first granule's head before the write, the last one's tail
+    after it, nothing for a granule the write covers."""
+    t, slot = alloc_table()
+    t.pool_add(slot, [100 * G, 101 * G, 102 * G, 103 * G])
+    assert t.insert_kind(COW, 0, 4 * G, BFD, 50 * G)
+    assert t.lookup(G + 512, 1024, write=False) == [(BFD, 51 * G + 512, 1024)]
+    assert t.acquire(0, G, write=True) is None               # no slot: the target's
+    held = t.acquire(G + 512, 2 * G - 1024, write=True, slot=slot)
+    assert held is not None
+    assert held[0] == [(AFD, 100 * G + 512, 2 * G - 1024)]
+    assert held[1].copies == [(BFD, 51 * G, AFD, 100 * G, 512),
+                              (BFD, 53 * G - 512, AFD, 102 * G - 512, 512)]
+    assert t.acquire(G, 512, write=False) is None            # allocating: no reads
+    assert t.release(held[1]) == 2
+    assert t.drain() == [(1, 100 * G, True, slot), (2, 101 * G, True, slot)]
+    assert t.lookup(G, 2 * G, write=True) == [(AFD, 100 * G, 2 * G)]
+    # a whole granule copies nothing; one the request's middle covers neither
+    held = t.acquire(3 * G, G, write=True, slot=slot)
+    assert held is not None and held[1].copies == [] and held[0] == [(AFD, 102 * G, G)]
+    t.release(held[1])
+    # the old acquire (what C served before COW) leaves COW writes to the target
+    assert t.insert_kind(COW, 4 * G, G, BFD, 60 * G)
+    ids = ffi.new("uint32_t[]", 1)
+    pieces = ffi.new("struct aur_ext_piece[]", 1)
+    assert lib.aur_ext_acquire(t.cdata, 4 * G, 512, 1, slot, pieces, 1, ids, 1) == 0
+
+
+@pytest.mark.parametrize("outcome", [FAILED, UNUSED])
+def test_a_cow_write_that_did_not_land_leaves_the_old_data(outcome: int) -> None:
+    t, slot = alloc_table()
+    t.pool_add(slot, [100 * G, 101 * G])
+    t.insert_kind(COW, 0, G, BFD, 50 * G)
+    held = t.acquire(512, 512, write=True, slot=slot)
+    assert held is not None and len(held[1].copies) == 2
+    assert t.release(held[1], outcome) == 0
+    assert t.drain() == ([(0, 100 * G, False, slot)] if outcome == FAILED else [])
+    assert t.lookup(0, G, write=False) == [(BFD, 50 * G, G)]  # COW again, where it was
+    held = t.acquire(0, 512, write=True, slot=slot)
+    assert held is not None
+    assert held[0] == [(AFD, (100 if outcome == UNUSED else 101) * G, 512)]
+    assert held[1].copies == [(BFD, 50 * G + 512, AFD, held[0][0][1] + 512, G - 512)]
+    t.release(held[1])
+
+
+def test_cow_granules_are_never_written_in_place_and_invalidate_like_any() -> None:
+    t, slot = alloc_table()
+    t.insert_kind(COW, 0, 2 * G, BFD, 50 * G)
+    assert t.insert_kind(COW, 0, G, BFD, 50 * G)             # the same again: no change
+    with pytest.raises(ExtentConflict):
+        t.insert(0, G, BFD, 50 * G, writable=False)          # as MAP: mapped otherwise
+    assert t.acquire(0, G, write=True, slot=slot) is None    # empty pool: a miss
+    assert t.invalidate(0, 2 * G) == 2 and len(t) == 0
 
 
 def test_an_empty_pool_or_no_such_slot_makes_a_write_a_miss() -> None:
