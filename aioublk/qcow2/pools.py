@@ -46,7 +46,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
-from aioublk.dataplane.extents import ALLOC, MAP, ExtentTable
+from aioublk.dataplane.extents import ALLOC, COW, MAP, ExtentTable
 from aioublk.qcow2.base import L2Table, log
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK
 from aioublk.qcow2.refcounts import Refcounts
@@ -185,7 +185,7 @@ class Pools:
         if t is None:
             return
         m = self.l2_mask
-        if any(t.pub[vc & m] == ALLOC for vc in vcs):
+        if any(t.pub[vc & m] in (ALLOC, COW) for vc in vcs):
             await table.unmap(vcs.start << self.cbits, len(vcs) << self.cbits)
             self.drain()
             for vc in vcs:  # (unmapped: whatever the records said, nothing is published)
