@@ -51,6 +51,8 @@ class _Lib:
     AUR_EXT_ZERO: int
     AUR_EXT_ALLOC: int
     AUR_EXT_COW: int
+    AUR_EXT_COW_SUB: int
+    AUR_EXT_SUBCLUSTERS: int
     AUR_EXT_SLOTS: int
     AUR_EXT_DONE: int
     AUR_EXT_FAILED: int

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 from aioublk._uring import ffi, lib
 from aioublk.errors import Error
 
-__all__ = ["ALLOC", "COW", "DONE", "FAILED", "MAP", "UNUSED", "ZERO", "ZERO_FD", "Copy",
+__all__ = ["ALLOC", "COW", "COW_SUB", "DONE", "FAILED", "MAP", "UNUSED", "ZERO", "ZERO_FD", "Copy",
            "ExtentConflict", "ExtentTable", "Handle", "Piece", "Record"]
 
 #: (fd, host offset, length) of one run of a request's data; a run of zeros
@@ -66,6 +66,10 @@ Copy = tuple[int, int, int, int, int]
 #: and COW: data read-only at (fd, host offset) whose first write allocates
 #: from the writer's pool and copies what it does not cover
 MAP, ZERO, ALLOC, COW = lib.AUR_EXT_MAP, lib.AUR_EXT_ZERO, lib.AUR_EXT_ALLOC, lib.AUR_EXT_COW
+#: COW in 32 subclusters: a write copies only the rest of the subclusters it
+#: touches, its record says which (``Record.subs``), and the granule leaves
+#: the table
+COW_SUB = lib.AUR_EXT_COW_SUB
 #: what became of an acquisition's writes (:meth:`ExtentTable.release`)
 DONE, FAILED, UNUSED = lib.AUR_EXT_DONE, lib.AUR_EXT_FAILED, lib.AUR_EXT_UNUSED
 #: the fd of a piece of zeros
@@ -91,6 +95,9 @@ class Record(NamedTuple):
     host_off: int
     ok: bool
     slot: int
+    #: for a COW_SUB granule, the subclusters the write made data (bit i: the
+    #: i-th 32nd of the granule); 0: the whole granule
+    subs: int = 0
 
 
 class ExtentConflict(Error, ValueError):
@@ -402,7 +409,7 @@ class ExtentTable:
         while True:
             got = int(lib.aur_ext_drain(self.cdata, out, n))
             recs += [Record(int(r.gran), int(r.host_off), r.flags == lib.AUR_EXT_REC_OK,
-                            int(r.slot)) for r in out[0:got]]
+                            int(r.slot), int(r.subs)) for r in out[0:got]]
             if got < n:
                 return recs
 

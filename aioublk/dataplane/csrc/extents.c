@@ -82,6 +82,10 @@
  * the new cluster before it releases DONE. The entry keeps where its data
  * was while ALLOCATING, so FAILED and UNUSED make it COW again there; DONE
  * makes it MAP in the new cluster and pushes a record as for ALLOC.
+ * COW_SUB is COW for an image with subclusters (qcow2's extended L2): a write
+ * copies only the rest of the subclusters it touches, and its record says
+ * which (subs); the granule then leaves the table, since part of it is new
+ * data and the rest still where it was, which is no kind of granule.
  *
  * Why a notify eventfd: Python's owner loop must refill pools, drain the log
  * and finish unmaps promptly while the data plane threads never enter
@@ -119,6 +123,8 @@ struct aur_ext_entry {
     uint64_t host_off;  /* host byte offset of the granule's first byte */
     uint64_t src_off;   /* EXT_ALLOCATING from COW: the data it copies from, at */
     int32_t src_fd;     /* src_off in src_fd (-1: from ALLOC, nothing to copy) */
+    uint32_t subs;      /* EXT_ALLOCATING from COW_SUB: the subclusters written */
+    uint8_t src_kind;   /* EXT_ALLOCATING from COW or COW_SUB: which */
     int32_t fd;
     uint32_t inflight;  /* acquisitions not yet released */
     uint32_t next;      /* LIVE: hash chain; GONE: removed list; FREE: free list */
@@ -328,7 +334,7 @@ static int ext_same(const struct aur_ext_entry *x, int kind, int fd, uint64_t ho
 {
     if (x->kind != kind)
         return 0;
-    return (kind != AUR_EXT_MAP && kind != AUR_EXT_COW) ||
+    return (kind != AUR_EXT_MAP && kind != AUR_EXT_COW && kind != AUR_EXT_COW_SUB) ||
            (x->fd == fd && x->host_off == host_off && x->writable == !!writable);
 }
 
@@ -364,7 +370,7 @@ static int ext_insert_locked(struct aur_ext *t, uint64_t g0, uint64_t n, int kin
         t->e[i] = (struct aur_ext_entry){
             .gran = g0 + k, .state = EXT_LIVE, .kind = (uint8_t)kind,
         };
-        if (kind == AUR_EXT_MAP || kind == AUR_EXT_COW) {
+        if (kind == AUR_EXT_MAP || kind == AUR_EXT_COW || kind == AUR_EXT_COW_SUB) {
             t->e[i].host_off = host_off + (k << t->shift);
             t->e[i].fd = fd;
             t->e[i].writable = !!writable;
@@ -388,7 +394,9 @@ int aur_ext_insert_kind(struct aur_ext *t, uint64_t dev_off, uint64_t len, int k
         fd = -1;
         host_off = 0;
         writable = 0;
-    } else if (kind == AUR_EXT_COW && fd >= 0) {
+    } else if ((kind == AUR_EXT_COW || kind == AUR_EXT_COW_SUB) && fd >= 0) {
+        if (kind == AUR_EXT_COW_SUB && t->shift < 9 + 5)
+            return -EINVAL;     /* (a subcluster is at least a sector) */
         writable = 0;
     } else if (kind != AUR_EXT_MAP || fd < 0) {
         return -EINVAL;
@@ -620,12 +628,16 @@ static int ext_alloc(struct aur_ext *t, struct aur_ext_entry *x, unsigned slot)
 {
     struct ext_pool *p = &t->pool[slot];
 
-    if (x->kind == AUR_EXT_COW) {   /* (restored if the write does not land) */
+    if (x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB) {  /* (restored if the
+                                                                     write does not land) */
         x->src_fd = x->fd;
         x->src_off = x->host_off;
+        x->src_kind = x->kind;
     } else {
         x->src_fd = -1;
+        x->src_kind = 0;
     }
+    x->subs = 0;
     x->host_off = p->c[p->head];
     p->head = (p->head + 1) % t->pool_cap;
     p->n--;
@@ -682,29 +694,43 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
         end = (g0 + k) << t->shift | gmask;    /* last byte of this granule */
         if (x->kind == EXT_ALLOCATING) {    /* neither zeros nor settled yet */
             goto miss;
-        } else if (write && (x->kind == AUR_EXT_ALLOC || (x->kind == AUR_EXT_COW && copies))) {
+        } else if (write && (x->kind == AUR_EXT_ALLOC ||
+                             ((x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB) &&
+                              copies))) {
+            uint64_t a = pos & gmask, b = (end > last ? last : end) & gmask;  /* in it */
+
             if (!ext_can_alloc(t, slot, taken))
                 goto miss;
             /* the cluster the commit below gives it (in order: the taken-th) */
             fd = t->alloc_fd;
             h = ext_pool_at(t, &t->pool[slot], taken++);
-            if (x->kind == AUR_EXT_COW) {   /* what the write leaves of the granule */
-                if (pos & gmask)
+            if (x->kind != AUR_EXT_ALLOC) {  /* what the write leaves of the granule, or
+                                                of the subclusters it touches */
+                uint64_t from = 0, to = gmask;
+
+                if (x->kind == AUR_EXT_COW_SUB) {
+                    unsigned sshift = t->shift - 5;
+
+                    from = a >> sshift << sshift;
+                    to = (b >> sshift << sshift) + ((uint64_t)1 << sshift) - 1;
+                }
+                if (a > from)
                     copies[nc++] = (struct aur_ext_copy){
-                        x->fd, t->alloc_fd, (uint32_t)(pos & gmask), x->host_off, h };
-                if (end > last)
+                        x->fd, t->alloc_fd, (uint32_t)(a - from), x->host_off + from,
+                        h + from };
+                if (to > b)
                     copies[nc++] = (struct aur_ext_copy){
-                        x->fd, t->alloc_fd, (uint32_t)(end - last),
-                        x->host_off + ((last + 1) & gmask), h + ((last + 1) & gmask) };
+                        x->fd, t->alloc_fd, (uint32_t)(to - b), x->host_off + b + 1,
+                        h + b + 1 };
             }
-            h += pos & gmask;
+            h += a;
             ids[k] |= AUR_EXT_ID_ALLOC;
         } else if (write && !x->writable) {  /* (ZERO, ALLOC and COW are never writable) */
             goto miss;
         } else {
             fd = x->fd;
-            h = x->kind == AUR_EXT_MAP || x->kind == AUR_EXT_COW ? x->host_off + (pos & gmask)
-                                                                  : 0;
+            h = x->kind == AUR_EXT_MAP || x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB
+                ? x->host_off + (pos & gmask) : 0;
         }
         if (end > last)
             end = last;
@@ -724,8 +750,16 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
     for (k = 0; k < n; k++) {
         x = &t->e[ids[k] & ~AUR_EXT_ID_ALLOC];
         x->inflight++;
-        if (ids[k] & AUR_EXT_ID_ALLOC)
-            notify |= ext_alloc(t, x, (unsigned)slot);
+        if (!(ids[k] & AUR_EXT_ID_ALLOC))
+            continue;
+        notify |= ext_alloc(t, x, (unsigned)slot);
+        if (x->src_kind == AUR_EXT_COW_SUB) {  /* the subclusters it makes data */
+            unsigned ss = t->shift - 5;
+            unsigned i0 = k ? 0 : (unsigned)((dev_off & gmask) >> ss);
+            unsigned i1 = k < n - 1 ? 31 : (unsigned)((last & gmask) >> ss);
+
+            x->subs = (i1 == 31 ? 0xffffffffu : (1u << (i1 + 1)) - 1) & ~((1u << i0) - 1);
+        }
     }
     ext_unlock(t, notify);
     if (ncopies)
@@ -743,12 +777,16 @@ static int ext_log_push(struct aur_ext *t, const struct aur_ext_entry *x, uint32
 
     t->log[(t->log_head + t->log_n) % t->log_cap] = (struct aur_ext_rec){
         .gran = x->gran, .host_off = x->host_off, .flags = flags, .slot = x->slot,
+        .subs = x->subs,
     };
     return ++t->log_n == half;
 }
 
-/* What became of an ALLOCATING entry's write; 1 if the owner should hear. */
-static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, unsigned *done)
+/* What became of an ALLOCATING entry's write; 1 if the owner should hear.
+   *drop: the entry leaves the table (COW_SUB done: part of its granule is
+   new data, the rest still where it was, which no kind says). */
+static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, unsigned *done,
+                      int *drop)
 {
     struct ext_pool *p = &t->pool[x->slot];
     int notify = 0;
@@ -756,8 +794,9 @@ static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, u
     p->out--;
     t->allocating--;
     if (outcome == AUR_EXT_DONE) {
+        *drop = x->src_kind == AUR_EXT_COW_SUB;
         x->kind = AUR_EXT_MAP;
-        x->writable = 1;
+        x->writable = !*drop;
         x->src_fd = -1;
         t->done++;
         ++*done;
@@ -773,7 +812,7 @@ static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, u
         t->failed++;
     }
     if (x->src_fd >= 0) {   /* COW again: its data where it was */
-        x->kind = AUR_EXT_COW;
+        x->kind = x->src_kind;
         x->fd = x->src_fd;
         x->host_off = x->src_off;
         x->src_fd = -1;
@@ -789,7 +828,7 @@ unsigned aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n, int
 {
     struct aur_ext_entry *x;
     unsigned k, j, done = 0;
-    int notify = 0;
+    int notify = 0, drop;
     uint32_t i;
 
     ext_lock(t);
@@ -800,8 +839,17 @@ unsigned aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n, int
         if (i >= t->hw || !t->e[i].inflight)
             continue;   /* not held: a caller's bug, not worth a crash here */
         x = &t->e[i];
+        drop = 0;
         if (ids[j] & AUR_EXT_ID_ALLOC && x->kind == EXT_ALLOCATING)
-            notify |= ext_settle(t, x, outcome, &done);
+            notify |= ext_settle(t, x, outcome, &done, &drop);
+        if (drop && x->state == EXT_LIVE) {  /* (its one holder: allocating is exclusive) */
+            unsigned removed = 0;
+
+            x->inflight = 0;
+            ext_remove(t, i, &removed);
+            notify |= t->waiters > 0;
+            continue;
+        }
         if (--x->inflight || x->state != EXT_GONE)
             continue;
         if (x->prev != EXT_NIL)
