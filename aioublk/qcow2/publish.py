@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from aioublk.dataplane.extents import (
     ALLOC,
     COW,
+    COW_SUB,
     MAP,
     ZERO,
     ZERO_FD,
@@ -360,13 +361,16 @@ class Publisher:
         """Publish clusters [vc, stop) (unallocated here, not busy; ``t`` their
         table or None for a span without one) as the chain places them. Where
         C may allocate in ``t`` (as ``run`` decides for a cluster with no
-        backing data): data as COW, a write allocating and copying in C, and
-        zeros as ALLOC (a pool cluster reads as zeros too). Elsewhere data
+        backing data): data as COW, a write allocating and copying in C (on
+        an extended-L2 image COW_SUB: it copies only the rest of the
+        subclusters it touches), and zeros as ALLOC (a pool cluster reads as
+        zeros too). Elsewhere data
         read-only, a write to it Python's copy-on-write, and zeros as ZERO."""
         assert self.extents is not None and self.place is not None
         cbits, cs = self.cbits, self.cluster_size
         c_allocates = t is not None and self.allocating() and bool(self.l1[t.l1i] & COPIED)
-        zeros, data = (ALLOC, COW) if c_allocates else (ZERO, MAP)
+        zeros, data = (ALLOC, COW if t is None or t.subs is None else COW_SUB) \
+            if c_allocates else (ZERO, MAP)
         stop = min(stop, (self.size + cs - 1) >> cbits)
         pos, end = vc << cbits, stop << cbits
         while pos < end:

@@ -56,13 +56,14 @@ from tests.support.qcow2_util import (
 
 pytestmark = pytest.mark.asyncio
 
-CHAINS = ["raw-base", "qcow2-base", "depth2-compressed", "depth3-raw-base"]
+CHAINS = ["raw-base", "qcow2-base", "depth2-compressed", "depth3-raw-base", "extl2-raw-base"]
 
 
-def chain1(d: Path, fmt: str) -> Path:
+def chain1(d: Path, fmt: str, extended_l2: bool = False) -> Path:
     """top (64k clusters, 6 MiB) over a 4 MiB base of data (raw, or qcow2
     with 64k clusters, some zeroed and some never written): the top larger
-    than its base, a few clusters of its own."""
+    than its base, a few clusters of its own (with ``extended_l2``, one of
+    them in part: its other subclusters show the base)."""
     data = mixed_content(4 * M, seed=41)
     if fmt == "raw":
         (d / "base.raw").write_bytes(data)
@@ -73,7 +74,8 @@ def chain1(d: Path, fmt: str) -> Path:
         create(d / "base.qcow2", 4 * M)
         qemu_io(d / "base.qcow2", f"write -s {src} 0 {3 * M}", f"write -z {M} {128 * K}")
         base = "base.qcow2"
-    top = create(d / "top.qcow2", 6 * M, backing=base, backing_fmt=fmt)
+    top = create(d / "top.qcow2", 6 * M, backing=base, backing_fmt=fmt,
+                 extended_l2=extended_l2)
     qemu_io(top, f"write -P 0x71 {192 * K} {64 * K}", f"write -P 0x72 {2 * M + 512} 1024")
     return top
 
@@ -85,6 +87,8 @@ def build(chain: str, d: Path) -> Path:
         return chain1(d, "qcow2")
     if chain == "depth2-compressed":
         return chain2(d, "1.1")[0]
+    if chain == "extl2-raw-base":
+        return chain1(d, "raw", extended_l2=True)
     return chain3(d)[0]
 
 
@@ -135,9 +139,10 @@ async def test_published_backing_clusters_hold_the_chains_bytes(chain: str, tmp_
     # place (chain3's mid has 512 byte clusters: its writes at 1M, 2M, 3M
     # (compressed), 5M (two clusters) and 7M each leave a 64k cluster of the
     # top part in mid, part in base.raw or zeros). Compressed clusters of a
-    # qcow2 base are published from its memfd of decompressed clusters
+    # qcow2 base are published from its memfd of decompressed clusters; an
+    # extended-L2 cluster whose subclusters differ is the engine's
     unpublished = {"raw-base": 0, "qcow2-base": 0, "depth2-compressed": 0,
-                   "depth3-raw-base": 6}[chain]
+                   "depth3-raw-base": 6, "extl2-raw-base": 1}[chain]
     assert kinds["-"] == unpublished, (chain, kinds)
     assert kinds["ro"] > total // 4, (chain, kinds)
 
@@ -374,3 +379,45 @@ async def test_copy_on_write_of_backing_data_in_c(tmp_path: Path, ring: Ring) ->
     check_clean(top)
     qemu_raw = read_file(to_raw(top, tmp_path / "after.raw"))
     assert qemu_raw[5 * cs:10 * cs] == want
+
+
+async def test_copy_on_write_of_subclusters_in_c(tmp_path: Path, ring: Ring) -> None:
+    """On an extended-L2 overlay a first write in C copies only the rest of
+    the subclusters it touches (2 KiB each at 64 KiB clusters), and the
+    engine applies the record as a cluster whose other subclusters still
+    show the backing file, as QEMU writes it."""
+    chain1(tmp_path, "raw")
+    top = create(tmp_path / "ext.qcow2", 6 * M, backing="base.raw", backing_fmt="raw",
+                 extended_l2=True)
+    base = read_file(tmp_path / "base.raw")
+    img = Qcow2Image.open(str(top), direct=False)
+    try:
+        dp = DataPlaneStandIn(img, random.Random("sub"), c_alloc=True)
+        await img.write(0, b"t" * 4096)  # (the overlay's table made: private, C may allocate)
+        img.service()
+        if img.pools.filling is not None:
+            await img.pools.filling
+        cs, sub = img.cluster_size, img.cluster_size // 32
+        await img.read(5 * cs, bytearray(4096))  # (through the chain: publishes the span)
+        writes = [(5 * cs + sub + 512, 1024), (6 * cs + 4 * sub, 2 * sub),
+                  (7 * cs + cs - sub, 2 * sub)]
+        for off, n in writes:
+            await dp.write(off, b"w" * n)
+        stats = dp.table.stats()
+        assert stats["done"] + stats["failed"] + stats["unused"] == 4, stats
+        assert stats["done"] >= 2 and dp.copied >= 2  # (5: the rest of subcluster 1)
+        img.pools.drain()
+        t = img.l2.table_of(5)
+        assert t is not None and t.subs is not None
+        got = bytearray(5 * cs)
+        await img.read(5 * cs, got)
+        words = [t.subs[vc] for vc in (5, 6)]
+    finally:
+        await img.close()
+    want = bytearray(base[5 * cs:10 * cs])
+    for off, n in writes:
+        want[off - 5 * cs:off - 5 * cs + n] = b"w" * n
+    assert got == want
+    assert words[0] in (0b10, 0) and words[1] in (0b11 << 4, 0), [bin(w) for w in words]
+    check_clean(top)
+    assert read_file(to_raw(top, tmp_path / "after.raw"))[5 * cs:10 * cs] == want

@@ -602,6 +602,13 @@ def image_backing(d: Path) -> Path:
     return create(d / "over.qcow2", 4 * M, backing=base)
 
 
+def image_backing_extl2(d: Path) -> Path:
+    """As ``image_backing``, the overlay with subclusters (extended L2)."""
+    base = create(d / "base.qcow2", 4 * M)
+    qemu_io(base, f"write -P 0x5a 0 {4 * M}")
+    return create(d / "over.qcow2", 4 * M, backing=base, extended_l2=True)
+
+
 def image_snapshot(d: Path) -> Path:
     path = create(d / "snap.qcow2", 4 * M)
     qemu_io(path, f"write -P 0x3c 0 {3 * M}")
@@ -654,6 +661,7 @@ WORKLOADS: dict[str, Case] = {
     "c-alloc-flush-concurrently": Case(image_tables, partial(c_alloc, rounds=4, flushes=1),
                                        queues=2, over_c=True),
     "c-cow-backing": Case(image_backing, c_cow, queues=2),
+    "c-cow-subclusters": Case(image_backing_extl2, c_cow, queues=2),
 }
 
 
