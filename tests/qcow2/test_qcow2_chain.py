@@ -308,6 +308,18 @@ async def test_a_full_cache_of_decompressed_clusters_empties_safely(
         await img.close()
 
 
+async def c_allocating(img: Qcow2Image, seed: str) -> DataPlaneStandIn:
+    """A stand-in data plane allocating in C over ``img``, an overlay whose
+    first cluster is then written (its L2 table made, private: C may
+    allocate in it) and whose pool is filled, as C's notification has it."""
+    dp = DataPlaneStandIn(img, random.Random(seed), c_alloc=True)
+    await img.write(0, b"t" * 4096)
+    img.service()
+    if img.pools.filling is not None:
+        await img.pools.filling
+    return dp
+
+
 async def test_zeros_of_the_chain_are_allocated_by_c(tmp_path: Path, ring: Ring) -> None:
     """Where the chain reads as zeros (a qcow2 base's zeroed or never
     written clusters) and C may allocate in the overlay's table, a first
@@ -315,14 +327,9 @@ async def test_zeros_of_the_chain_are_allocated_by_c(tmp_path: Path, ring: Ring)
     chain does. Data of the base stays read-only: its first writes copy up
     in Python."""
     top = chain1(tmp_path, "qcow2")  # base: data in [0, 3M) but zeros at [1M, 1M+128k)
-    rng = random.Random("zeros")
     img = Qcow2Image.open(str(top), direct=False)
     try:
-        dp = DataPlaneStandIn(img, rng, c_alloc=True)
-        await img.write(0, b"t" * 4096)  # (the overlay's table made: private, C may allocate)
-        img.service()
-        if img.pools.filling is not None:
-            await img.pools.filling  # (the pool filled, as C's notification has it)
+        dp = await c_allocating(img, "zeros")
         await img.read(M, bytearray(4096))
         cs = img.cluster_size
         assert [published(dp.table, vc) for vc in (16, 17, 18, 48, 63)] == \
@@ -351,11 +358,7 @@ async def test_copy_on_write_of_backing_data_in_c(tmp_path: Path, ring: Ring) ->
     base = read_file(tmp_path / "base.raw")
     img = Qcow2Image.open(str(top), direct=False)
     try:
-        dp = DataPlaneStandIn(img, random.Random("cow"), c_alloc=True)
-        await img.write(0, b"t" * 4096)  # (the overlay's table made: private, C may allocate)
-        img.service()
-        if img.pools.filling is not None:
-            await img.pools.filling
+        dp = await c_allocating(img, "cow")
         cs = img.cluster_size
         await img.read(5 * cs, bytearray(4096))  # (through the chain: publishes the span)
         assert dp.table.lookup(5 * cs, 4096, write=True) is None  # (no slot: the target's)
@@ -392,11 +395,7 @@ async def test_copy_on_write_of_subclusters_in_c(tmp_path: Path, ring: Ring) -> 
     base = read_file(tmp_path / "base.raw")
     img = Qcow2Image.open(str(top), direct=False)
     try:
-        dp = DataPlaneStandIn(img, random.Random("sub"), c_alloc=True)
-        await img.write(0, b"t" * 4096)  # (the overlay's table made: private, C may allocate)
-        img.service()
-        if img.pools.filling is not None:
-            await img.pools.filling
+        dp = await c_allocating(img, "sub")
         cs, sub = img.cluster_size, img.cluster_size // 32
         await img.read(5 * cs, bytearray(4096))  # (through the chain: publishes the span)
         writes = [(5 * cs + sub + 512, 1024), (6 * cs + 4 * sub, 2 * sub),
