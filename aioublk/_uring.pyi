@@ -50,6 +50,9 @@ class _Lib:
     AUR_EXT_MAP: int
     AUR_EXT_ZERO: int
     AUR_EXT_ALLOC: int
+    AUR_EXT_COW: int
+    AUR_EXT_COW_SUB: int
+    AUR_EXT_SUBCLUSTERS: int
     AUR_EXT_SLOTS: int
     AUR_EXT_DONE: int
     AUR_EXT_FAILED: int
@@ -135,6 +138,9 @@ class _Lib:
     def aur_ext_count(self, t: Any, /) -> int: ...
     def aur_ext_acquire(self, t: Any, dev_off: int, len: int, write: int, slot: int,
                         pieces: Any, max_pieces: int, ids: Any, max_ids: int, /) -> int: ...
+    def aur_ext_acquire_cow(self, t: Any, dev_off: int, len: int, write: int, slot: int,
+                            pieces: Any, max_pieces: int, ids: Any, max_ids: int,
+                            copies: Any, ncopies: Any, /) -> int: ...
     def aur_ext_release(self, t: Any, ids: Any, n: int, outcome: int, /) -> int: ...
     def aur_ext_attach(self, t: Any, /) -> int: ...
     def aur_ext_set_alloc(self, t: Any, fd: int, pool_cap: int, log_cap: int, /) -> int: ...

@@ -5,9 +5,10 @@ by granule (a qcow2 cluster, say), and the data plane serves requests whose
 every granule is mapped without entering Python. Everything else (a granule
 not mapped, a write to a read-only one) goes to the target's coroutines.
 
-A granule is one of three kinds: MAP, its data at (fd, host offset), ZERO,
+A granule is one of four kinds: MAP, its data at (fd, host offset), ZERO,
 known to read as zeros (a qcow2 cluster that is unallocated, or has its
-zero flag), or ALLOC, zeros that a write may allocate. A read of ZERO or
+zero flag), ALLOC, zeros that a write may allocate, or COW, data read-only
+at (fd, host offset) that a write may allocate and copy. A read of ZERO or
 ALLOC granules needs no backend I/O at all: C fills the buffer. A write to
 ZERO is a miss, because where its data goes is the target's decision; the
 target unmaps it first like any other granule.
@@ -22,6 +23,12 @@ target learns where the data went from the records C keeps
 :class:`Record` with ``ok``, the granule now MAP there), failed (not ``ok``:
 the cluster may hold part of a write, free it), or back in its pool. An
 empty pool or a full log makes such a write a miss, never a wait.
+
+A write to COW is the same allocation, for a granule whose data lives
+elsewhere (a qcow2 overlay's cluster still in its backing file): the writer
+first copies what its write does not cover of the granule from there into
+the new cluster (the acquisition's ``copies``), and releases it as DONE only
+once the copies and the write are all in.
 
 The invariant a target relies on: before it changes where a granule's data
 lives (COW, discard, a freed or shared cluster, an evicted L2 table) it calls
@@ -44,15 +51,25 @@ from typing import Any, NamedTuple
 from aioublk._uring import ffi, lib
 from aioublk.errors import Error
 
-__all__ = ["ALLOC", "DONE", "FAILED", "MAP", "UNUSED", "ZERO", "ZERO_FD", "ExtentConflict",
-           "ExtentTable", "Handle", "Piece", "Record"]
+__all__ = ["ALLOC", "COW", "COW_SUB", "DONE", "FAILED", "MAP", "UNUSED", "ZERO", "ZERO_FD", "Copy",
+           "ExtentConflict", "ExtentTable", "Handle", "Piece", "Record"]
 
 #: (fd, host offset, length) of one run of a request's data; a run of zeros
 #: is (ZERO_FD, 0, length)
 Piece = tuple[int, int, int]
 
-#: the kinds of granule (0: not in the table), as ``publish_l2`` reports them
-MAP, ZERO, ALLOC = lib.AUR_EXT_MAP, lib.AUR_EXT_ZERO, lib.AUR_EXT_ALLOC
+#: (source fd, source offset, destination fd, destination offset, length):
+#: bytes of a COW granule a write leaves for its new cluster, copied first
+Copy = tuple[int, int, int, int, int]
+
+#: the kinds of granule (0: not in the table), as ``publish_l2`` reports them,
+#: and COW: data read-only at (fd, host offset) whose first write allocates
+#: from the writer's pool and copies what it does not cover
+MAP, ZERO, ALLOC, COW = lib.AUR_EXT_MAP, lib.AUR_EXT_ZERO, lib.AUR_EXT_ALLOC, lib.AUR_EXT_COW
+#: COW in 32 subclusters: a write copies only the rest of the subclusters it
+#: touches, its record says which (``Record.subs``), and the granule leaves
+#: the table
+COW_SUB = lib.AUR_EXT_COW_SUB
 #: what became of an acquisition's writes (:meth:`ExtentTable.release`)
 DONE, FAILED, UNUSED = lib.AUR_EXT_DONE, lib.AUR_EXT_FAILED, lib.AUR_EXT_UNUSED
 #: the fd of a piece of zeros
@@ -78,6 +95,9 @@ class Record(NamedTuple):
     host_off: int
     ok: bool
     slot: int
+    #: for a COW_SUB granule, the subclusters the write made data (bit i: the
+    #: i-th 32nd of the granule); 0: the whole granule
+    subs: int = 0
 
 
 class ExtentConflict(Error, ValueError):
@@ -87,11 +107,14 @@ class ExtentConflict(Error, ValueError):
 class Handle:
     """Entries a request holds (from :meth:`ExtentTable.acquire`) until released."""
 
-    __slots__ = ("_ids", "_n")
+    __slots__ = ("_ids", "_n", "copies")
 
-    def __init__(self, ids: Any, n: int) -> None:
+    def __init__(self, ids: Any, n: int, copies: list[Copy] | None = None) -> None:
         self._ids = ids
         self._n = n
+        #: what a write to COW granules must copy into their new clusters
+        #: before it is released as DONE
+        self.copies: list[Copy] = copies or []
 
     @property
     def allocates(self) -> bool:
@@ -169,10 +192,11 @@ class ExtentTable:
 
     def insert_kind(self, kind: int, dev_off: int, length: int, fd: int = -1,
                     host_off: int = 0, *, writable: bool = False) -> bool:
-        """:meth:`insert` (``MAP``), :meth:`insert_zero` (``ZERO``) or
+        """:meth:`insert` (``MAP``), :meth:`insert_zero` (``ZERO``),
         :meth:`insert_alloc` (``ALLOC``; neither of the last two takes an fd, a
-        host offset or writability) by kind: the one entry point each new kind
-        of granule joins."""
+        host offset or writability) or ``COW`` (data read-only at ``fd``,
+        ``host_off``) by kind: the one entry point each new kind of granule
+        joins."""
         _check("dev_off", dev_off)
         _check("length", length)
         _check("host_off", host_off)
@@ -286,10 +310,12 @@ class ExtentTable:
 
         Returns the pieces in device order and a handle to pass to release(),
         or None when some granule is unmapped (or read-only or ZERO, for a
-        write; or ALLOC, for a write with no ``slot``, an empty pool or a full
-        log; or allocating, for anything). A run of ZERO or ALLOC granules
-        read is one piece ``(ZERO_FD, 0, length)``. A write to ALLOC granules
-        gets clusters from ``slot``'s pool: its pieces point there.
+        write; or ALLOC or COW, for a write with no ``slot``, an empty pool or
+        a full log; or allocating, for anything). A run of ZERO or ALLOC
+        granules read is one piece ``(ZERO_FD, 0, length)``. A write to ALLOC
+        or COW granules gets clusters from ``slot``'s pool: its pieces point
+        there, and the handle's ``copies`` say what of the COW granules' data
+        the writer copies there too.
         """
         _check("dev_off", dev_off)
         if not 0 < length <= _U32:
@@ -298,11 +324,16 @@ class ExtentTable:
         n = ((dev_off + length - 1) >> g) - (dev_off >> g) + 1
         pieces = ffi.new("struct aur_ext_piece[]", n)
         ids = ffi.new("uint32_t[]", n)
-        got = lib.aur_ext_acquire(self.cdata, dev_off, length, write,
-                                  -1 if slot is None else slot, pieces, n, ids, n)
+        copies = ffi.new("struct aur_ext_copy[2]")
+        nc = ffi.new("unsigned *")
+        got = lib.aur_ext_acquire_cow(self.cdata, dev_off, length, write,
+                                      -1 if slot is None else slot, pieces, n, ids, n,
+                                      copies, nc)
         if not got:
             return None
-        return [(p.fd, p.host_off, p.len) for p in pieces[0:got]], Handle(ids, n)
+        return [(p.fd, p.host_off, p.len) for p in pieces[0:got]], Handle(
+            ids, n, [(c.src_fd, c.src_off, c.dst_fd, c.dst_off, c.len)
+                     for c in copies[0:nc[0]]])
 
     def release(self, handle: Handle, outcome: int = DONE) -> int:
         """Let go of what acquire() held; a handle is released once. For the
@@ -378,7 +409,7 @@ class ExtentTable:
         while True:
             got = int(lib.aur_ext_drain(self.cdata, out, n))
             recs += [Record(int(r.gran), int(r.host_off), r.flags == lib.AUR_EXT_REC_OK,
-                            int(r.slot)) for r in out[0:got]]
+                            int(r.slot), int(r.subs)) for r in out[0:got]]
             if got < n:
                 return recs
 

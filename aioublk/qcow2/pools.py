@@ -46,9 +46,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
-from aioublk.dataplane.extents import ALLOC, MAP, ExtentTable
-from aioublk.qcow2.base import L2Table, log
-from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK
+from aioublk.dataplane.extents import ALLOC, COW, COW_SUB, MAP, ExtentTable
+from aioublk.qcow2.base import PARTIAL, L2Table, log
+from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, SUB_ALLOC
 from aioublk.qcow2.refcounts import Refcounts
 
 #: what one queue's pool may hold: the most a crash can leak per queue
@@ -119,9 +119,15 @@ class Pools:
                           "cache; the cluster is leaked", image=self.path, cluster=vc,
                           host=r.host_off)
                 continue
-            t.entries[i] = r.host_off | COPIED
-            t.pub[i] = MAP
-            self.pub_host[c] = vc
+            if r.subs and r.subs != SUB_ALLOC:  # (C's COW_SUB: some subclusters data)
+                assert t.subs is not None
+                t.entries[i] = r.host_off | COPIED | PARTIAL
+                t.subs[i] = r.subs  # (the others still show the backing file)
+                t.pub[i] = 0  # (and C took the granule out of its table)
+            else:
+                t.entries[i] = r.host_off | COPIED
+                t.pub[i] = 0 if r.subs else MAP
+                self.pub_host[c] = vc
             t.touch()
             n += 1
         if n:
@@ -185,7 +191,7 @@ class Pools:
         if t is None:
             return
         m = self.l2_mask
-        if any(t.pub[vc & m] == ALLOC for vc in vcs):
+        if any(t.pub[vc & m] in (ALLOC, COW, COW_SUB) for vc in vcs):
             await table.unmap(vcs.start << self.cbits, len(vcs) << self.cbits)
             self.drain()
             for vc in vcs:  # (unmapped: whatever the records said, nothing is published)

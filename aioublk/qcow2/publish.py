@@ -17,7 +17,16 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from aioublk.dataplane.extents import ALLOC, MAP, ZERO, ZERO_FD, ExtentConflict, ExtentTable
+from aioublk.dataplane.extents import (
+    ALLOC,
+    COW,
+    COW_SUB,
+    MAP,
+    ZERO,
+    ZERO_FD,
+    ExtentConflict,
+    ExtentTable,
+)
 from aioublk.qcow2.base import PARTIAL, L2Table, log
 from aioublk.qcow2.format import COPIED, OFFSET_MASK
 from aioublk.qcow2.pools import Pools
@@ -317,12 +326,12 @@ class Publisher:
                 await self.extents.unmap(start << self.cbits, (prev + 1 - start) << self.cbits)
                 start = vc
             prev = vc
-        for vc in vcs:
+        self.pools.drain()  # (a copy-on-write C finished meanwhile: its record applied)
+        for vc in vcs:  # (unmapped: whatever the records said, nothing is published)
             self.walked.discard(vc >> self.l2_bits)
             t = self.tables.get(self.l1[vc >> self.l2_bits] & OFFSET_MASK)
-            i = vc & self.l2_mask
-            if t is not None and not t.entries[i]:  # (else a change published it since)
-                t.pub[i] = 0
+            if t is not None:
+                t.pub[vc & self.l2_mask] = 0
 
     def _forget_loose(self) -> None:
         assert self.extents is not None
@@ -350,14 +359,18 @@ class Publisher:
 
     def _publish_chain(self, vc: int, stop: int, t: L2Table | None) -> None:
         """Publish clusters [vc, stop) (unallocated here, not busy; ``t`` their
-        table or None for a span without one) as the chain places them: data
-        read-only, a write to it Python's (a copy-on-write); zeros as ALLOC
-        where C may allocate in ``t`` (as ``run`` decides for a cluster with
-        no backing data: a pool cluster reads as zeros too), else ZERO."""
+        table or None for a span without one) as the chain places them. Where
+        C may allocate in ``t`` (as ``run`` decides for a cluster with no
+        backing data): data as COW, a write allocating and copying in C (on
+        an extended-L2 image COW_SUB: it copies only the rest of the
+        subclusters it touches), and zeros as ALLOC (a pool cluster reads as
+        zeros too). Elsewhere data
+        read-only, a write to it Python's copy-on-write, and zeros as ZERO."""
         assert self.extents is not None and self.place is not None
         cbits, cs = self.cbits, self.cluster_size
-        zeros = ALLOC if t is not None and self.allocating() and \
-            bool(self.l1[t.l1i] & COPIED) else ZERO
+        c_allocates = t is not None and self.allocating() and bool(self.l1[t.l1i] & COPIED)
+        zeros, data = (ALLOC, COW if t is None or t.subs is None else COW_SUB) \
+            if c_allocates else (ZERO, MAP)
         stop = min(stop, (self.size + cs - 1) >> cbits)
         pos, end = vc << cbits, stop << cbits
         while pos < end:
@@ -367,7 +380,7 @@ class Publisher:
                 pos += cs  # (Python's, until a read of it publishes it alone)
                 continue
             fd, host, _ = got
-            kind = zeros if fd == ZERO_FD else MAP
+            kind = zeros if fd == ZERO_FD else data
             try:
                 ok = self.extents.insert_kind(kind, pos, length, fd, host if fd >= 0 else 0)
             except ExtentConflict:

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from aioublk._uring import ffi, lib
 from aioublk.dataplane.extents import (
+    COW,
+    COW_SUB,
     DONE,
     FAILED,
     MAP,
@@ -609,12 +612,12 @@ def test_a_write_to_alloc_granules_takes_clusters_from_its_slots_pool() -> None:
     assert t.busy(G, 2 * G) == 2 and t.stats()["allocating"] == 2
     assert t.drain() == []
     assert t.release(held[1]) == 2
-    assert t.drain() == [(1, 100 * G, True, slot), (2, 101 * G, True, slot)]
+    assert t.drain() == [Record(1, 100 * G, True, slot), Record(2, 101 * G, True, slot)]
     assert t.drain() == []
     assert t.lookup(G, 2 * G, write=True) == [(AFD, 100 * G, 2 * G)]
     # part of a granule allocates the whole (the rest is the pool's zeros)
     assert t.lookup(3 * G + 512, 512, write=True, slot=slot) == [(AFD, 102 * G + 512, 512)]
-    assert t.drain() == [(3, 102 * G, True, slot)]
+    assert t.drain() == [Record(3, 102 * G, True, slot)]
     assert t.pool_level(slot) == 0
     assert t.stats()["done"] == 3
 
@@ -630,7 +633,7 @@ def test_failed_records_the_cluster_and_unused_puts_it_back_first() -> None:
     held = t.acquire(0, G, write=True, slot=slot)      # the same cluster, first again
     assert held is not None and held[0] == [(AFD, 10 * G, G)]
     assert t.release(held[1], FAILED) == 0
-    assert t.drain() == [(0, 10 * G, False, slot)]
+    assert t.drain() == [Record(0, 10 * G, False, slot)]
     assert t.lookup(0, G, write=False) == [(ZERO_FD, 0, G)]    # ALLOC again
     held = t.acquire(0, G, write=True, slot=slot)      # 10 G is never handed out again
     assert held is not None and held[0] == [(AFD, 11 * G, G)]
@@ -640,6 +643,104 @@ def test_failed_records_the_cluster_and_unused_puts_it_back_first() -> None:
     assert (s["done"], s["failed"], s["unused"], s["allocating"]) == (1, 1, 1, 0)
     with pytest.raises(ValueError):
         t.release(Handle(held[1]._ids, 1), 7)
+
+
+# -- copy-on-write: COW granules ------------------------------------------------
+
+BFD = 7             # the fd a COW granule's data is in (a backing file's)
+
+
+def test_a_write_to_a_cow_granule_allocates_and_says_what_to_copy() -> None:
+    """Reads of a COW granule go to its data; a write takes a pool cluster
+    like ALLOC, and the acquisition says which bytes of the old data to copy
+    into it: the first granule's head before the write, the last one's tail
+    after it, nothing for a granule the write covers."""
+    t, slot = alloc_table()
+    t.pool_add(slot, [100 * G, 101 * G, 102 * G, 103 * G])
+    assert t.insert_kind(COW, 0, 4 * G, BFD, 50 * G)
+    assert t.lookup(G + 512, 1024, write=False) == [(BFD, 51 * G + 512, 1024)]
+    assert t.acquire(0, G, write=True) is None               # no slot: the target's
+    held = t.acquire(G + 512, 2 * G - 1024, write=True, slot=slot)
+    assert held is not None
+    assert held[0] == [(AFD, 100 * G + 512, 2 * G - 1024)]
+    assert held[1].copies == [(BFD, 51 * G, AFD, 100 * G, 512),
+                              (BFD, 53 * G - 512, AFD, 102 * G - 512, 512)]
+    assert t.acquire(G, 512, write=False) is None            # allocating: no reads
+    assert t.release(held[1]) == 2
+    assert t.drain() == [Record(1, 100 * G, True, slot), Record(2, 101 * G, True, slot)]
+    assert t.lookup(G, 2 * G, write=True) == [(AFD, 100 * G, 2 * G)]
+    # a whole granule copies nothing; one the request's middle covers neither
+    held = t.acquire(3 * G, G, write=True, slot=slot)
+    assert held is not None and held[1].copies == [] and held[0] == [(AFD, 102 * G, G)]
+    t.release(held[1])
+    # the old acquire (what C served before COW) leaves COW writes to the target
+    assert t.insert_kind(COW, 4 * G, G, BFD, 60 * G)
+    ids = ffi.new("uint32_t[]", 1)
+    pieces = ffi.new("struct aur_ext_piece[]", 1)
+    assert lib.aur_ext_acquire(t.cdata, 4 * G, 512, 1, slot, pieces, 1, ids, 1) == 0
+
+
+@pytest.mark.parametrize("outcome", [FAILED, UNUSED])
+def test_a_cow_write_that_did_not_land_leaves_the_old_data(outcome: int) -> None:
+    t, slot = alloc_table()
+    t.pool_add(slot, [100 * G, 101 * G])
+    t.insert_kind(COW, 0, G, BFD, 50 * G)
+    held = t.acquire(512, 512, write=True, slot=slot)
+    assert held is not None and len(held[1].copies) == 2
+    assert t.release(held[1], outcome) == 0
+    assert t.drain() == ([Record(0, 100 * G, False, slot)] if outcome == FAILED else [])
+    assert t.lookup(0, G, write=False) == [(BFD, 50 * G, G)]  # COW again, where it was
+    held = t.acquire(0, 512, write=True, slot=slot)
+    assert held is not None
+    assert held[0] == [(AFD, (100 if outcome == UNUSED else 101) * G, 512)]
+    assert held[1].copies == [(BFD, 50 * G + 512, AFD, held[0][0][1] + 512, G - 512)]
+    t.release(held[1])
+
+
+def test_a_write_to_a_cow_sub_granule_copies_only_its_subclusters() -> None:
+    """With subclusters (a 32nd of the granule each, 2 KiB here) a write
+    copies only the rest of the subclusters it touches, its record says
+    which it made data, and the granule leaves the table: part of it is in
+    the new cluster, the rest still where it was."""
+    t, slot = alloc_table()
+    t.pool_add(slot, [100 * G, 101 * G, 102 * G])
+    sub = G // 32
+    assert t.insert_kind(COW_SUB, 0, 3 * G, BFD, 50 * G)
+    assert t.lookup(512, 512, write=False) == [(BFD, 50 * G + 512, 512)]
+    held = t.acquire(sub + 512, 2 * sub, write=True, slot=slot)  # subclusters 1-3, in part
+    assert held is not None and held[0] == [(AFD, 100 * G + sub + 512, 2 * sub)]
+    assert held[1].copies == [(BFD, 50 * G + sub, AFD, 100 * G + sub, 512),
+                              (BFD, 50 * G + 3 * sub + 512, AFD, 100 * G + 3 * sub + 512,
+                               sub - 512)]
+    assert t.release(held[1]) == 1
+    assert t.drain() == [Record(0, 100 * G, True, slot, 0b1110)]
+    assert t.lookup(0, 512, write=False) is None and len(t) == 2  # (gone from the table)
+    # aligned to subclusters: nothing to copy; across granules: each its own
+    held = t.acquire(2 * G - 2 * sub, 4 * sub, write=True, slot=slot)
+    assert held is not None and held[1].copies == []
+    t.release(held[1])
+    assert t.drain() == [Record(1, 101 * G, True, slot, 0b11 << 30),
+                         Record(2, 102 * G, True, slot, 0b11)]
+    assert len(t) == 0
+    # a write that did not land leaves it COW_SUB where it was
+    t.pool_add(slot, [103 * G])
+    t.insert_kind(COW_SUB, 3 * G, G, BFD, 60 * G)
+    held = t.acquire(3 * G, 512, write=True, slot=slot)
+    assert held is not None
+    t.release(held[1], UNUSED)
+    assert t.lookup(3 * G, G, write=False) == [(BFD, 60 * G, G)]
+    with pytest.raises(ValueError):
+        ExtentTable(8 * 1024).insert_kind(COW_SUB, 0, 8 * 1024, BFD, 0)  # 256 B subclusters
+
+
+def test_cow_granules_are_never_written_in_place_and_invalidate_like_any() -> None:
+    t, slot = alloc_table()
+    t.insert_kind(COW, 0, 2 * G, BFD, 50 * G)
+    assert t.insert_kind(COW, 0, G, BFD, 50 * G)             # the same again: no change
+    with pytest.raises(ExtentConflict):
+        t.insert(0, G, BFD, 50 * G, writable=False)          # as MAP: mapped otherwise
+    assert t.acquire(0, G, write=True, slot=slot) is None    # empty pool: a miss
+    assert t.invalidate(0, 2 * G) == 2 and len(t) == 0
 
 
 def test_an_empty_pool_or_no_such_slot_makes_a_write_a_miss() -> None:
@@ -780,7 +881,7 @@ def test_an_allocating_granule_invalidated_still_records_its_cluster() -> None:
     assert t.invalidate(0, G) == 1
     assert len(t) == 0 and t.busy(0, G) == 1
     assert t.release(held[1]) == 1
-    assert t.drain() == [(0, 30 * G, True, slot)]
+    assert t.drain() == [Record(0, 30 * G, True, slot)]
     assert t.busy(0, G) == 0 and t.lookup(0, G, write=False) is None
 
 

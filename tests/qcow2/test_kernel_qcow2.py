@@ -54,11 +54,14 @@ def qemu_img(*args: str, check: bool = True,
 
 
 def create(path: Path, size: int | None = None, *, backing: Path | None = None,
-           backing_fmt: str = "qcow2", cluster_size: int | None = None) -> Path:
+           backing_fmt: str = "qcow2", cluster_size: int | None = None,
+           extended_l2: bool = False) -> Path:
     """``qemu-img create -f qcow2``, optionally over a backing file."""
     args = ["create", "-q", "-f", "qcow2"]
     if cluster_size:
         args += ["-o", f"cluster_size={cluster_size}"]
+    if extended_l2:
+        args += ["-o", "extended_l2=on"]
     if backing is not None:
         args += ["-b", str(backing.absolute()), "-F", backing_fmt]
     args.append(str(path))
@@ -689,11 +692,13 @@ def test_c_serves_all_but_the_first_touch(args: list[str], tmp_path: Path) -> No
     assert_clean(img)
 
 
-def chain_of(depth: int, d: Path, size: int, compressed: bool = False) -> tuple[Path, Path]:
+def chain_of(depth: int, d: Path, size: int, compressed: bool = False,
+             extended_l2: bool = False) -> tuple[Path, Path]:
     """A chain ``depth`` images deep over a raw base of distinct data, each
     overlay writing a little of its own, and the top's content as raw:
     1: top -> base.raw; 2: top -> base.qcow2 (a copy of the raw base,
-    ``compressed`` or not); 3: top -> mid.qcow2 -> base.raw."""
+    ``compressed`` or not); 3: top -> mid.qcow2 -> base.raw. The top has
+    subclusters with ``extended_l2``."""
     body = compressible(5, size) if compressed else data(5, size)
     raw = raw_file(d / "base.raw", size, [(0, body)])
     if depth == 2:
@@ -710,7 +715,7 @@ def chain_of(depth: int, d: Path, size: int, compressed: bool = False) -> tuple[
                         "-c", f"write -z {12 * MiB} 256k", str(mid)],
                        check=True, capture_output=True, timeout=60)
         below, fmt = mid, "qcow2"
-    top = create(d / "top.qcow2", backing=below, backing_fmt=fmt)
+    top = create(d / "top.qcow2", backing=below, backing_fmt=fmt, extended_l2=extended_l2)
     subprocess.run(["qemu-io", "-f", "qcow2", "-c", f"write -P 0x7c {16 * MiB} 64k",
                     str(top)], check=True, capture_output=True, timeout=60)
     want = d / "want.raw"
@@ -761,6 +766,59 @@ def test_c_serves_reads_through_the_chain(depth: int, compressed: bool, args: li
     assert {p.name: sha256(p) for p in tmp_path.iterdir() if p.name in sums} == sums, \
         "a backing file changed"
     assert_clean(top)
+
+
+@pytest.mark.parametrize("depth,compressed,extended,args", [
+    (1, False, False, ["-b", "-q", "1"]),
+    (2, False, False, ["--no-batch", "-q", "2", "-u"]),
+    (2, True, False, ["-b", "-q", "2", "-u"]),
+    (3, False, False, ["--no-batch", "-q", "1"]),
+    (1, False, True, ["-b", "-q", "2"]),
+], ids=["depth1-batch", "depth2-per_io-u", "depth2-compressed-batch-u", "depth3-per_io",
+        "depth1-subclusters-batch"])
+def test_c_copies_on_write_over_the_chain(depth: int, compressed: bool, extended: bool,
+                                          args: list[str], tmp_path: Path) -> None:
+    """First writes of part of a cluster whose data is in the backing chain:
+    once the overlay's L2 table is private and a read went through the chain
+    (the first touch), C takes a cluster from its queue's pool, copies the
+    rest of the cluster (of the subclusters it touches, ``extended``) from
+    the backing file (or a compressed base's decompressed copy in RAM)
+    around the write, and records it: at most 1% of the writes reach
+    Python, the device and then QEMU read the base's bytes around every
+    write, and the image checks clean."""
+    size = 64 * MiB
+    top, want = chain_of(depth, tmp_path, size, compressed, extended)
+    expected = bytearray(want.read_bytes())
+    rng = random.Random(f"cow-{depth}-{compressed}")
+    # one write in each of 600 distinct clusters past the first, at a random
+    # 4 KiB-aligned place inside it, 4-12 KiB long (within the cluster)
+    writes = []
+    for c in rng.sample(range(1, size // (64 * KiB)), 600):
+        n = rng.choice((4, 8, 12)) * KiB
+        off = c * 64 * KiB + rng.randrange(0, (64 * KiB - n) // (4 * KiB) + 1) * 4 * KiB
+        writes.append((off, data(c, n)))
+    dev = add("-t", "qcow2", str(top), *args)
+    blk = f"/dev/ublkb{dev.dev_id}"
+    try:
+        write_device(blk, [(0, b"f" * 4096)])  # the overlay's L2 table, made private
+        read_device(blk, 0, size if compressed else 64 * KiB + 4096)  # the first touch
+        s0 = served(dev.dev_id, time.time())
+        write_device(blk, writes)
+        s1 = served(dev.dev_id, time.time())
+        got = read_device(blk, 0, size)
+    finally:
+        delete(dev.dev_id)
+    d = delta(s0, s1)
+    total = d["c_served"] + d["py_handed"]
+    assert total >= len(writes), f"only {total} requests counted: {d}"
+    assert d["py_handed"] <= total // 100, f"Python served {d} (over 1%)"
+    assert d["c_alloc"] >= len(writes) - d["py_handed"], f"C copied few clusters: {d}"
+    expected[:4096] = b"f" * 4096
+    for off, body in writes:
+        expected[off:off + len(body)] = body
+    assert_bytes(got, expected, f"the device after copy-on-writes over a chain {depth} deep")
+    assert_clean(top)
+    assert_same(top, raw_file(tmp_path / "expected.raw", size, [(0, bytes(expected))]))
 
 
 # ------------------------------------------------------------- kill -9 test --

@@ -56,13 +56,14 @@ from tests.support.qcow2_util import (
 
 pytestmark = pytest.mark.asyncio
 
-CHAINS = ["raw-base", "qcow2-base", "depth2-compressed", "depth3-raw-base"]
+CHAINS = ["raw-base", "qcow2-base", "depth2-compressed", "depth3-raw-base", "extl2-raw-base"]
 
 
-def chain1(d: Path, fmt: str) -> Path:
+def chain1(d: Path, fmt: str, extended_l2: bool = False) -> Path:
     """top (64k clusters, 6 MiB) over a 4 MiB base of data (raw, or qcow2
     with 64k clusters, some zeroed and some never written): the top larger
-    than its base, a few clusters of its own."""
+    than its base, a few clusters of its own (with ``extended_l2``, one of
+    them in part: its other subclusters show the base)."""
     data = mixed_content(4 * M, seed=41)
     if fmt == "raw":
         (d / "base.raw").write_bytes(data)
@@ -73,7 +74,8 @@ def chain1(d: Path, fmt: str) -> Path:
         create(d / "base.qcow2", 4 * M)
         qemu_io(d / "base.qcow2", f"write -s {src} 0 {3 * M}", f"write -z {M} {128 * K}")
         base = "base.qcow2"
-    top = create(d / "top.qcow2", 6 * M, backing=base, backing_fmt=fmt)
+    top = create(d / "top.qcow2", 6 * M, backing=base, backing_fmt=fmt,
+                 extended_l2=extended_l2)
     qemu_io(top, f"write -P 0x71 {192 * K} {64 * K}", f"write -P 0x72 {2 * M + 512} 1024")
     return top
 
@@ -85,6 +87,8 @@ def build(chain: str, d: Path) -> Path:
         return chain1(d, "qcow2")
     if chain == "depth2-compressed":
         return chain2(d, "1.1")[0]
+    if chain == "extl2-raw-base":
+        return chain1(d, "raw", extended_l2=True)
     return chain3(d)[0]
 
 
@@ -135,9 +139,10 @@ async def test_published_backing_clusters_hold_the_chains_bytes(chain: str, tmp_
     # place (chain3's mid has 512 byte clusters: its writes at 1M, 2M, 3M
     # (compressed), 5M (two clusters) and 7M each leave a 64k cluster of the
     # top part in mid, part in base.raw or zeros). Compressed clusters of a
-    # qcow2 base are published from its memfd of decompressed clusters
+    # qcow2 base are published from its memfd of decompressed clusters; an
+    # extended-L2 cluster whose subclusters differ is the engine's
     unpublished = {"raw-base": 0, "qcow2-base": 0, "depth2-compressed": 0,
-                   "depth3-raw-base": 6}[chain]
+                   "depth3-raw-base": 6, "extl2-raw-base": 1}[chain]
     assert kinds["-"] == unpublished, (chain, kinds)
     assert kinds["ro"] > total // 4, (chain, kinds)
 
@@ -228,6 +233,7 @@ async def test_random_io_through_a_chain_with_the_data_plane(chain: str, planes:
             await random_io(case, dp, rng, batches=8, per_batch=24, spots=spots)
             await read_matches_mirror(case, dp, chain)
         assert served > 0 and dp.served > served
+        assert not planes or dp.copied > 0, "no copy-on-write was C's"
     finally:
         await img.close()
     await verify(case, f"random I/O through the {chain} chain")
@@ -302,6 +308,18 @@ async def test_a_full_cache_of_decompressed_clusters_empties_safely(
         await img.close()
 
 
+async def c_allocating(img: Qcow2Image, seed: str) -> DataPlaneStandIn:
+    """A stand-in data plane allocating in C over ``img``, an overlay whose
+    first cluster is then written (its L2 table made, private: C may
+    allocate in it) and whose pool is filled, as C's notification has it."""
+    dp = DataPlaneStandIn(img, random.Random(seed), c_alloc=True)
+    await img.write(0, b"t" * 4096)
+    img.service()
+    if img.pools.filling is not None:
+        await img.pools.filling
+    return dp
+
+
 async def test_zeros_of_the_chain_are_allocated_by_c(tmp_path: Path, ring: Ring) -> None:
     """Where the chain reads as zeros (a qcow2 base's zeroed or never
     written clusters) and C may allocate in the overlay's table, a first
@@ -309,14 +327,9 @@ async def test_zeros_of_the_chain_are_allocated_by_c(tmp_path: Path, ring: Ring)
     chain does. Data of the base stays read-only: its first writes copy up
     in Python."""
     top = chain1(tmp_path, "qcow2")  # base: data in [0, 3M) but zeros at [1M, 1M+128k)
-    rng = random.Random("zeros")
     img = Qcow2Image.open(str(top), direct=False)
     try:
-        dp = DataPlaneStandIn(img, rng, c_alloc=True)
-        await img.write(0, b"t" * 4096)  # (the overlay's table made: private, C may allocate)
-        img.service()
-        if img.pools.filling is not None:
-            await img.pools.filling  # (the pool filled, as C's notification has it)
+        dp = await c_allocating(img, "zeros")
         await img.read(M, bytearray(4096))
         cs = img.cluster_size
         assert [published(dp.table, vc) for vc in (16, 17, 18, 48, 63)] == \
@@ -334,3 +347,76 @@ async def test_zeros_of_the_chain_are_allocated_by_c(tmp_path: Path, ring: Ring)
     finally:
         await img.close()
     check_clean(top)
+
+
+async def test_copy_on_write_of_backing_data_in_c(tmp_path: Path, ring: Ring) -> None:
+    """Where C may allocate in the overlay's table, backing data is published
+    COW: a first write there takes a pool cluster, copies the rest of the
+    cluster from the backing file around the write, and records it; the
+    image then reads the backing bytes around the write, as QEMU does."""
+    top = chain1(tmp_path, "raw")
+    base = read_file(tmp_path / "base.raw")
+    img = Qcow2Image.open(str(top), direct=False)
+    try:
+        dp = await c_allocating(img, "cow")
+        cs = img.cluster_size
+        await img.read(5 * cs, bytearray(4096))  # (through the chain: publishes the span)
+        assert dp.table.lookup(5 * cs, 4096, write=True) is None  # (no slot: the target's)
+        writes = [(5 * cs + 512, 1024), (6 * cs, cs), (7 * cs + cs - 4096, 4096 + 512)]
+        for off, n in writes:
+            await dp.write(off, b"w" * n)
+        stats = dp.table.stats()
+        # clusters 5, 6, 7 and 8 taken by "C" (the stand-in fails after, or
+        # drops before writing, one request in 50: Python then serves it)
+        assert stats["done"] + stats["failed"] + stats["unused"] == 4, stats
+        assert stats["done"] >= 2 and dp.copied >= 2  # (5's head and tail; 6 whole)
+        img.pools.drain()
+        got = bytearray(5 * cs)
+        await img.read(5 * cs, got)
+    finally:
+        await img.close()
+    want = bytearray(base[5 * cs:10 * cs])
+    for off, n in writes:
+        want[off - 5 * cs:off - 5 * cs + n] = b"w" * n
+    assert got == want
+    check_clean(top)
+    qemu_raw = read_file(to_raw(top, tmp_path / "after.raw"))
+    assert qemu_raw[5 * cs:10 * cs] == want
+
+
+async def test_copy_on_write_of_subclusters_in_c(tmp_path: Path, ring: Ring) -> None:
+    """On an extended-L2 overlay a first write in C copies only the rest of
+    the subclusters it touches (2 KiB each at 64 KiB clusters), and the
+    engine applies the record as a cluster whose other subclusters still
+    show the backing file, as QEMU writes it."""
+    chain1(tmp_path, "raw")
+    top = create(tmp_path / "ext.qcow2", 6 * M, backing="base.raw", backing_fmt="raw",
+                 extended_l2=True)
+    base = read_file(tmp_path / "base.raw")
+    img = Qcow2Image.open(str(top), direct=False)
+    try:
+        dp = await c_allocating(img, "sub")
+        cs, sub = img.cluster_size, img.cluster_size // 32
+        await img.read(5 * cs, bytearray(4096))  # (through the chain: publishes the span)
+        writes = [(5 * cs + sub + 512, 1024), (6 * cs + 4 * sub, 2 * sub),
+                  (7 * cs + cs - sub, 2 * sub)]
+        for off, n in writes:
+            await dp.write(off, b"w" * n)
+        stats = dp.table.stats()
+        assert stats["done"] + stats["failed"] + stats["unused"] == 4, stats
+        assert stats["done"] >= 2 and dp.copied >= 2  # (5: the rest of subcluster 1)
+        img.pools.drain()
+        t = img.l2.table_of(5)
+        assert t is not None and t.subs is not None
+        got = bytearray(5 * cs)
+        await img.read(5 * cs, got)
+        words = [t.subs[vc] for vc in (5, 6)]
+    finally:
+        await img.close()
+    want = bytearray(base[5 * cs:10 * cs])
+    for off, n in writes:
+        want[off - 5 * cs:off - 5 * cs + n] = b"w" * n
+    assert got == want
+    assert words[0] in (0b10, 0) and words[1] in (0b11 << 4, 0), [bin(w) for w in words]
+    check_clean(top)
+    assert read_file(to_raw(top, tmp_path / "after.raw"))[5 * cs:10 * cs] == want

@@ -480,7 +480,8 @@ class DataPlaneStandIn:
     that fails, goes to the image (from the start), as C hands it to Python.
 
     With ``c_alloc`` it attaches a pool as a queue's data plane does, and a
-    write to an ALLOC granule takes a cluster from it: one in 50 such writes
+    write to an ALLOC or COW granule takes a cluster from it (copying what it
+    does not cover of a COW granule there first, as C does): one in 50 such writes
     then "fails" after writing (FAILED: Python serves it anew) and one in 50
     never starts (UNUSED); the pool is refilled as C's notification would
     have the engine do."""
@@ -496,6 +497,7 @@ class DataPlaneStandIn:
         self.served = 0
         self.zeros = 0  # reads that had a run of ZERO granules
         self.allocated = 0  # writes that allocated and were answered by "C"
+        self.copied = 0  # copies of backing data a copy-on-write made
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.img, name)
@@ -516,6 +518,11 @@ class DataPlaneStandIn:
                 return False
         try:
             await asyncio.sleep(self.rng.choice((0, 0, 0.0005, 0.002)))
+            for sfd, soff, dfd, doff, n in handle.copies:  # (a COW's rest, copied first)
+                if os.pwrite(dfd, os.pread(sfd, n, soff), doff) != n:
+                    outcome = FAILED
+                    return False
+                self.copied += 1
             pos = 0
             for fd, host, n in pieces:
                 if fd == ZERO_FD:  # (reads only) C fills the buffer

@@ -16,19 +16,22 @@ last completed flush made durable (the sectors no later request touched).
 Workloads: allocation, copy-on-write over a backing file, copy-on-write
 over an internal snapshot (``qemu-img snapshot -c``), refcount-table growth,
 discard and reuse of the freed clusters, the metadata write-through mode,
-and allocation in C (``aioublk.qcow2.pools``): stand-ins for the queues'
-data planes write through the image's real extent table and pools, and
-record their writes themselves, since C's bypass the image file's layer.
-The checker is checked too: a write-back plan with a barrier dropped, or
-with refcount blocks and L2 tables swapped, pools refilled with clusters
-never counted, and a data plane that records an allocation (and answers)
-before its data is written, must be caught.
+and allocation and copy-on-write in C (``aioublk.qcow2.pools``): stand-ins
+for the queues' data planes write through the image's real extent table and
+pools, copy a backing file's data into the clusters they allocate for it as
+C does, and record their writes themselves, since C's bypass the image
+file's layer. The checker is checked too: a write-back plan with a barrier
+dropped, or with refcount blocks and L2 tables swapped, pools refilled with
+clusters never counted, a data plane that records an allocation (and
+answers) before its data is written, and one whose copy-on-write copies
+land after the next FLUSH, must be caught.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import mmap
 import os
 import random
 import subprocess
@@ -43,7 +46,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from aioublk.dataplane.extents import DONE, FAILED, UNUSED, ZERO_FD, Handle
+from aioublk.dataplane.extents import DONE, FAILED, UNUSED, ZERO_FD, Copy, Handle
 from aioublk.io.hostfile import HostFile
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2 import writeback as wbplan
@@ -168,6 +171,10 @@ class CStandIn:
     #: answer before the data of an allocating write is written, the data
     #: landing only after the next FLUSH (the worst a data write may take)
     record_before_data = False
+    #: the mutation the checker must catch: a copy-on-write's copies of the
+    #: backing data land only after the next FLUSH, while its data and record
+    #: (so its L2 entry) are on time
+    copies_late = False
     #: the odds of DONE, FAILED and UNUSED for an allocating write
     outcomes = (48, 1, 1)
 
@@ -180,6 +187,7 @@ class CStandIn:
         assert self.slot >= 0, "no pool: allocation in C is off"
         self.fd = os.open(img.path, os.O_WRONLY)  # (buffered: the pieces are unaligned)
         self.allocated = 0  # clusters C allocated that became data
+        self.copied = 0  # copies of backing data made for a copy-on-write
         self.held = 0  # writes acquired and not yet answered
         self.late: list[asyncio.Task[None]] = []  # data written after the answer (mutation)
         self.closing = False
@@ -189,6 +197,18 @@ class CStandIn:
             return await asyncio.to_thread(fn)
         await asyncio.sleep(self.rng.choice((0, 0, 0.0002, 0.001)))
         return fn()
+
+    def _copy(self, copies: list[Copy]) -> None:
+        """A copy-on-write's copies, as C makes them: the backing data read
+        into a buffer, written into the new cluster (recorded)."""
+        for sfd, soff, dfd, doff, n in copies:
+            assert dfd == self.img.file.fd, "a copy into another file than the image"
+            buf = mmap.mmap(-1, n)  # (the backing file may be open O_DIRECT)
+            assert os.preadv(sfd, [buf], soff) == n
+            ev = WriteEv(doff, bytes(buf), self.rec.tick())
+            self.rec.writes.append(ev)
+            assert os.pwrite(self.fd, ev.data, doff) == n
+            ev.complete = self.rec.tick()
 
     def _pwrite(self, pieces: list[tuple[int, int, int]], data: bytes) -> None:
         pos = 0
@@ -225,11 +245,18 @@ class CStandIn:
                 await self._step(partial(self.table.release, handle, UNUSED))
                 return False
             if outcome == DONE and self.record_before_data:
-                self.allocated += await self._step(partial(self.table.release, handle, DONE))
+                done = await self._step(partial(self.table.release, handle, DONE))
+                self.allocated += done  # (not `+= await`: that reads the count before)
                 self.late.append(asyncio.create_task(self._late(pieces, data)))
                 return True
+        if handle.copies and outcome == DONE and self.copies_late:
+            self.late.append(asyncio.create_task(self._late_copies(handle.copies)))
+        elif handle.copies:
+            await self._step(partial(self._copy, handle.copies))
+            self.copied += len(handle.copies)
         await self._step(partial(self._pwrite, pieces, data))
-        self.allocated += await self._step(partial(self.table.release, handle, outcome))
+        done = await self._step(partial(self.table.release, handle, outcome))
+        self.allocated += done
         return outcome == DONE
 
     async def _late(self, pieces: list[tuple[int, int, int]], data: bytes) -> None:
@@ -237,6 +264,12 @@ class CStandIn:
         while len(self.rec.flushes) == flushes and not self.closing:
             await asyncio.sleep(0)
         await self._step(partial(self._pwrite, pieces, data))
+
+    async def _late_copies(self, copies: list[Copy]) -> None:
+        flushes = len(self.rec.flushes)
+        while len(self.rec.flushes) == flushes and not self.closing:
+            await asyncio.sleep(0)
+        await self._step(partial(self._copy, copies))
 
     async def close(self) -> None:
         self.closing = True
@@ -538,6 +571,20 @@ async def c_alloc(s: Session, rng: random.Random, *, rounds: int = 6, flushes: i
             await s.flush()
 
 
+async def c_cow(s: Session, rng: random.Random, *, rounds: int = 6) -> None:
+    """Copy-on-write of a backing file's data, most first writes served by
+    the C stand-ins: the overlay's L2 table made (a first write) and a read
+    through the chain publish its clusters COW, so a partial first write
+    takes a pool cluster and copies the rest of it from the backing file."""
+    await s.batch([("write", 0, SECTOR)], rng)
+    await s.img.read(64 * K, bytearray(SECTOR))  # (through the backing file)
+    await s.cache_tables()
+    for round_ in range(rounds):
+        await s.batch(spread(rng, s.img.size, 64 * K, 10), rng, flushes=round_ % 2)
+        if round_ % 2:
+            await s.flush()
+
+
 def image_alloc(d: Path) -> Path:
     return create(d / "alloc.qcow2", 4 * M, cluster_size=4 * K)
 
@@ -553,6 +600,13 @@ def image_backing(d: Path) -> Path:
     base = create(d / "base.qcow2", 4 * M)
     qemu_io(base, f"write -P 0x5a 0 {4 * M}")
     return create(d / "over.qcow2", 4 * M, backing=base)
+
+
+def image_backing_extl2(d: Path) -> Path:
+    """As ``image_backing``, the overlay with subclusters (extended L2)."""
+    base = create(d / "base.qcow2", 4 * M)
+    qemu_io(base, f"write -P 0x5a 0 {4 * M}")
+    return create(d / "over.qcow2", 4 * M, backing=base, extended_l2=True)
 
 
 def image_snapshot(d: Path) -> Path:
@@ -606,6 +660,8 @@ WORKLOADS: dict[str, Case] = {
     "c-alloc-threads": Case(image_tables, c_alloc, queues=2, threads=True),
     "c-alloc-flush-concurrently": Case(image_tables, partial(c_alloc, rounds=4, flushes=1),
                                        queues=2, over_c=True),
+    "c-cow-backing": Case(image_backing, c_cow, queues=2),
+    "c-cow-subclusters": Case(image_backing_extl2, c_cow, queues=2),
 }
 
 
@@ -687,6 +743,10 @@ def record_before_data(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CStandIn, "record_before_data", True)
 
 
+def copies_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CStandIn, "copies_late", True)
+
+
 #: name -> (install the mutation, workload, what a bad image must say). Data written
 #: after its record also makes images that qemu-img check refuses (their L2 entries
 #: point past the end of the file), and which kind comes first depends on the
@@ -696,6 +756,7 @@ MUTATIONS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str, str]] = {
     "swap-refblock-l2": (plan_mutation(swap_refblocks_and_l2), "allocation", ""),
     "pool-uncounted": (pool_uncounted, "c-alloc", ""),
     "record-before-data": (record_before_data, "c-alloc-flush-concurrently", "reads back wrong"),
+    "cow-copies-late": (copies_late, "c-cow-backing", "reads back wrong"),
 }
 
 

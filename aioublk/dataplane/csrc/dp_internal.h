@@ -142,6 +142,9 @@ struct dp_tag {
     uint8_t has_lba;     /* zoned: the next commit carries zone_lba */
     uint64_t zone_lba;   /* zoned: where a zone append landed, in sectors */
     uint8_t fua;         /* nvme: the write carries the FUA bit */
+    uint8_t nr_copies;   /* a write's copy-on-write copies (extent table COW) */
+    struct aur_ext_copy copies[2];
+    void *bounce;        /* the copies' bytes in passing: 2 granules, made on first use */
     uint32_t *ids;       /* DP_MAX_PIECES extent ids */
     struct dp_piece *pieces;  /* -u: DP_MAX_PIECES */
     /* nvme: a discard's one range (context attributes, blocks, starting LBA,
@@ -278,6 +281,7 @@ static inline void dp_tag_start(struct dp_tag *t, uint32_t len, int write, int f
     t->fua = (uint8_t)fua;
     t->then = 0;
     t->nr_ids = 0;
+    t->nr_copies = 0;
     t->pending = 0;
     t->cqes = 0;
 }

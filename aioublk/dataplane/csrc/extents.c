@@ -72,6 +72,21 @@
  * miss when its pool is empty or the log has no room for every record the
  * allocations in flight will push (the log's room is reserved at acquire).
  *
+ * Why COW: an overlay's cluster whose data is still in its backing file is
+ * read from there (MAP, read-only), but its first write would go to Python
+ * for a copy-on-write: a cluster, the rest of the old data copied around the
+ * write, an L2 entry. A COW granule is that data with the allocation above
+ * delegated too: a write takes the head of the writer's pool as for ALLOC,
+ * and acquire also says which bytes of the old data the write leaves (the
+ * first granule's head, the last one's tail), which the writer copies into
+ * the new cluster before it releases DONE. The entry keeps where its data
+ * was while ALLOCATING, so FAILED and UNUSED make it COW again there; DONE
+ * makes it MAP in the new cluster and pushes a record as for ALLOC.
+ * COW_SUB is COW for an image with subclusters (qcow2's extended L2): a write
+ * copies only the rest of the subclusters it touches, and its record says
+ * which (subs); the granule then leaves the table, since part of it is new
+ * data and the rest still where it was, which is no kind of granule.
+ *
  * Why a notify eventfd: Python's owner loop must refill pools, drain the log
  * and finish unmaps promptly while the data plane threads never enter
  * Python. C adds 1 to it when a slot's pool drops to half its capacity (once
@@ -106,14 +121,19 @@ enum { EXT_FREE, EXT_LIVE, EXT_GONE };
 struct aur_ext_entry {
     uint64_t gran;      /* device granule number */
     uint64_t host_off;  /* host byte offset of the granule's first byte */
+    uint64_t src_off;   /* EXT_ALLOCATING from COW: the data it copies from, at */
+    int32_t src_fd;     /* src_off in src_fd (-1: from ALLOC, nothing to copy) */
+    uint32_t subs;      /* EXT_ALLOCATING from COW_SUB: the subclusters written */
+    uint8_t src_kind;   /* EXT_ALLOCATING from COW or COW_SUB: which */
     int32_t fd;
     uint32_t inflight;  /* acquisitions not yet released */
     uint32_t next;      /* LIVE: hash chain; GONE: removed list; FREE: free list */
     uint32_t prev;      /* GONE: removed list */
     uint8_t state;
     uint8_t writable;
-    uint8_t kind;       /* AUR_EXT_MAP, AUR_EXT_ZERO, AUR_EXT_ALLOC (fd, host_off
-                           unused) or EXT_ALLOCATING (host_off, slot and fd set) */
+    uint8_t kind;       /* AUR_EXT_MAP, AUR_EXT_COW, AUR_EXT_ZERO, AUR_EXT_ALLOC (fd,
+                           host_off unused) or EXT_ALLOCATING (host_off, slot and
+                           fd set; src_fd and src_off what it was as COW) */
     uint8_t slot;       /* EXT_ALLOCATING: the pool its cluster came from */
 };
 
@@ -314,7 +334,7 @@ static int ext_same(const struct aur_ext_entry *x, int kind, int fd, uint64_t ho
 {
     if (x->kind != kind)
         return 0;
-    return kind != AUR_EXT_MAP ||
+    return (kind != AUR_EXT_MAP && kind != AUR_EXT_COW && kind != AUR_EXT_COW_SUB) ||
            (x->fd == fd && x->host_off == host_off && x->writable == !!writable);
 }
 
@@ -350,13 +370,14 @@ static int ext_insert_locked(struct aur_ext *t, uint64_t g0, uint64_t n, int kin
         t->e[i] = (struct aur_ext_entry){
             .gran = g0 + k, .state = EXT_LIVE, .kind = (uint8_t)kind,
         };
-        if (kind == AUR_EXT_MAP) {
+        if (kind == AUR_EXT_MAP || kind == AUR_EXT_COW || kind == AUR_EXT_COW_SUB) {
             t->e[i].host_off = host_off + (k << t->shift);
             t->e[i].fd = fd;
             t->e[i].writable = !!writable;
         } else {
             t->e[i].fd = -1;
         }
+        t->e[i].src_fd = -1;
         ext_link(t, i);
         t->live++;
     }
@@ -372,6 +393,10 @@ int aur_ext_insert_kind(struct aur_ext *t, uint64_t dev_off, uint64_t len, int k
     if (kind == AUR_EXT_ZERO || kind == AUR_EXT_ALLOC) {
         fd = -1;
         host_off = 0;
+        writable = 0;
+    } else if ((kind == AUR_EXT_COW || kind == AUR_EXT_COW_SUB) && fd >= 0) {
+        if (kind == AUR_EXT_COW_SUB && t->shift < 9 + 5)
+            return -EINVAL;     /* (a subcluster is at least a sector) */
         writable = 0;
     } else if (kind != AUR_EXT_MAP || fd < 0) {
         return -EINVAL;
@@ -603,6 +628,16 @@ static int ext_alloc(struct aur_ext *t, struct aur_ext_entry *x, unsigned slot)
 {
     struct ext_pool *p = &t->pool[slot];
 
+    if (x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB) {  /* (restored if the
+                                                                     write does not land) */
+        x->src_fd = x->fd;
+        x->src_off = x->host_off;
+        x->src_kind = x->kind;
+    } else {
+        x->src_fd = -1;
+        x->src_kind = 0;
+    }
+    x->subs = 0;
     x->host_off = p->c[p->head];
     p->head = (p->head + 1) % t->pool_cap;
     p->n--;
@@ -622,13 +657,24 @@ int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write
                     struct aur_ext_piece *pieces, unsigned max_pieces,
                     uint32_t *ids, unsigned max_ids)
 {
+    return aur_ext_acquire_cow(t, dev_off, len, write, slot, pieces, max_pieces, ids, max_ids,
+                               NULL, NULL);
+}
+
+int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write, int slot,
+                        struct aur_ext_piece *pieces, unsigned max_pieces,
+                        uint32_t *ids, unsigned max_ids,
+                        struct aur_ext_copy *copies, unsigned *ncopies)
+{
     uint64_t gmask = ((uint64_t)1 << t->shift) - 1, last, g0, g1, n, k, pos, end, h;
     struct aur_ext_piece *p = NULL;
     struct aur_ext_entry *x;
     uint32_t i, plen, taken = 0;
-    unsigned np = 0;
+    unsigned np = 0, nc = 0;
     int fd, notify = 0;
 
+    if (ncopies)
+        *ncopies = 0;
     if (!len || len - 1 > UINT64_MAX - dev_off)
         return 0;
     last = dev_off + (len - 1);
@@ -645,22 +691,47 @@ int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write
             goto miss;
         x = &t->e[i];
         ids[k] = i;
+        end = (g0 + k) << t->shift | gmask;    /* last byte of this granule */
         if (x->kind == EXT_ALLOCATING) {    /* neither zeros nor settled yet */
             goto miss;
-        } else if (write && x->kind == AUR_EXT_ALLOC) {
+        } else if (write && (x->kind == AUR_EXT_ALLOC ||
+                             ((x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB) &&
+                              copies))) {
+            uint64_t a = pos & gmask, b = (end > last ? last : end) & gmask;  /* in it */
+
             if (!ext_can_alloc(t, slot, taken))
                 goto miss;
             /* the cluster the commit below gives it (in order: the taken-th) */
             fd = t->alloc_fd;
-            h = ext_pool_at(t, &t->pool[slot], taken++) + (pos & gmask);
+            h = ext_pool_at(t, &t->pool[slot], taken++);
+            if (x->kind != AUR_EXT_ALLOC) {  /* what the write leaves of the granule, or
+                                                of the subclusters it touches */
+                uint64_t from = 0, to = gmask;
+
+                if (x->kind == AUR_EXT_COW_SUB) {
+                    unsigned sshift = t->shift - 5;
+
+                    from = a >> sshift << sshift;
+                    to = (b >> sshift << sshift) + ((uint64_t)1 << sshift) - 1;
+                }
+                if (a > from)
+                    copies[nc++] = (struct aur_ext_copy){
+                        x->fd, t->alloc_fd, (uint32_t)(a - from), x->host_off + from,
+                        h + from };
+                if (to > b)
+                    copies[nc++] = (struct aur_ext_copy){
+                        x->fd, t->alloc_fd, (uint32_t)(to - b), x->host_off + b + 1,
+                        h + b + 1 };
+            }
+            h += a;
             ids[k] |= AUR_EXT_ID_ALLOC;
-        } else if (write && !x->writable) {  /* (ZERO and ALLOC are never writable) */
+        } else if (write && !x->writable) {  /* (ZERO, ALLOC and COW are never writable) */
             goto miss;
         } else {
             fd = x->fd;
-            h = x->kind == AUR_EXT_MAP ? x->host_off + (pos & gmask) : 0;
+            h = x->kind == AUR_EXT_MAP || x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB
+                ? x->host_off + (pos & gmask) : 0;
         }
-        end = (g0 + k) << t->shift | gmask;    /* last byte of this granule */
         if (end > last)
             end = last;
         plen = (uint32_t)(end - pos + 1);
@@ -679,10 +750,20 @@ int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write
     for (k = 0; k < n; k++) {
         x = &t->e[ids[k] & ~AUR_EXT_ID_ALLOC];
         x->inflight++;
-        if (ids[k] & AUR_EXT_ID_ALLOC)
-            notify |= ext_alloc(t, x, (unsigned)slot);
+        if (!(ids[k] & AUR_EXT_ID_ALLOC))
+            continue;
+        notify |= ext_alloc(t, x, (unsigned)slot);
+        if (x->src_kind == AUR_EXT_COW_SUB) {  /* the subclusters it makes data */
+            unsigned ss = t->shift - 5;
+            unsigned i0 = k ? 0 : (unsigned)((dev_off & gmask) >> ss);
+            unsigned i1 = k < n - 1 ? 31 : (unsigned)((last & gmask) >> ss);
+
+            x->subs = (i1 == 31 ? 0xffffffffu : (1u << (i1 + 1)) - 1) & ~((1u << i0) - 1);
+        }
     }
     ext_unlock(t, notify);
+    if (ncopies)
+        *ncopies = nc;
     return (int)np;
 miss:
     pthread_mutex_unlock(&t->mu);
@@ -696,12 +777,16 @@ static int ext_log_push(struct aur_ext *t, const struct aur_ext_entry *x, uint32
 
     t->log[(t->log_head + t->log_n) % t->log_cap] = (struct aur_ext_rec){
         .gran = x->gran, .host_off = x->host_off, .flags = flags, .slot = x->slot,
+        .subs = x->subs,
     };
     return ++t->log_n == half;
 }
 
-/* What became of an ALLOCATING entry's write; 1 if the owner should hear. */
-static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, unsigned *done)
+/* What became of an ALLOCATING entry's write; 1 if the owner should hear.
+   *drop: the entry leaves the table (COW_SUB done: part of its granule is
+   new data, the rest still where it was, which no kind says). */
+static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, unsigned *done,
+                      int *drop)
 {
     struct ext_pool *p = &t->pool[x->slot];
     int notify = 0;
@@ -709,8 +794,10 @@ static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, u
     p->out--;
     t->allocating--;
     if (outcome == AUR_EXT_DONE) {
+        *drop = x->src_kind == AUR_EXT_COW_SUB;
         x->kind = AUR_EXT_MAP;
-        x->writable = 1;
+        x->writable = !*drop;
+        x->src_fd = -1;
         t->done++;
         ++*done;
         return ext_log_push(t, x, AUR_EXT_REC_OK);
@@ -724,6 +811,13 @@ static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, u
         notify = ext_log_push(t, x, AUR_EXT_REC_FAILED);
         t->failed++;
     }
+    if (x->src_fd >= 0) {   /* COW again: its data where it was */
+        x->kind = x->src_kind;
+        x->fd = x->src_fd;
+        x->host_off = x->src_off;
+        x->src_fd = -1;
+        return notify;
+    }
     x->kind = AUR_EXT_ALLOC;
     x->fd = -1;
     x->host_off = 0;
@@ -734,7 +828,7 @@ unsigned aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n, int
 {
     struct aur_ext_entry *x;
     unsigned k, j, done = 0;
-    int notify = 0;
+    int notify = 0, drop;
     uint32_t i;
 
     ext_lock(t);
@@ -745,8 +839,17 @@ unsigned aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n, int
         if (i >= t->hw || !t->e[i].inflight)
             continue;   /* not held: a caller's bug, not worth a crash here */
         x = &t->e[i];
+        drop = 0;
         if (ids[j] & AUR_EXT_ID_ALLOC && x->kind == EXT_ALLOCATING)
-            notify |= ext_settle(t, x, outcome, &done);
+            notify |= ext_settle(t, x, outcome, &done, &drop);
+        if (drop && x->state == EXT_LIVE) {  /* (its one holder: allocating is exclusive) */
+            unsigned removed = 0;
+
+            x->inflight = 0;
+            ext_remove(t, i, &removed);
+            notify |= t->waiters > 0;
+            continue;
+        }
         if (--x->inflight || x->state != EXT_GONE)
             continue;
         if (x->prev != EXT_NIL)

@@ -17,6 +17,12 @@ struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off; };
 #define AUR_EXT_MAP 1     /* data at (fd, host_off); written in place if writable */
 #define AUR_EXT_ZERO 2    /* reads as zeros; a write is a miss */
 #define AUR_EXT_ALLOC 3   /* reads as zeros; a write allocates from the writer's pool */
+#define AUR_EXT_COW 5     /* data at (fd, host_off), read-only; a write allocates from
+                             the writer's pool and copies the rest of the granule */
+#define AUR_EXT_COW_SUB 6 /* as COW, in 32 subclusters: a write allocates and copies
+                             only the rest of the subclusters it touches, and its
+                             record says which (the granule then leaves the table) */
+#define AUR_EXT_SUBCLUSTERS 32
 
 /* pools of host clusters, one per attached slot (a data plane) */
 #define AUR_EXT_SLOTS 64
@@ -29,8 +35,13 @@ struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off; };
 /* a record's flags */
 #define AUR_EXT_REC_OK 1      /* gran's data is now at host_off */
 #define AUR_EXT_REC_FAILED 2  /* host_off was allocated and holds garbage: free it */
+/* bytes a write to a COW granule leaves to copy into its new cluster: from
+   (src_fd, src_off) to (dst_fd, dst_off), dst_fd the allocation fd */
+struct aur_ext_copy { int32_t src_fd, dst_fd; uint32_t len; uint64_t src_off, dst_off; };
 /* an allocation's outcome, for the owner (aur_ext_drain) */
-struct aur_ext_rec { uint64_t gran, host_off; uint32_t flags, slot; };
+/* subs: AUR_EXT_COW_SUB's subclusters the write made data (bit i: the i-th
+   32nd of the granule), 0 for a whole granule */
+struct aur_ext_rec { uint64_t gran, host_off; uint32_t flags, slot, subs; };
 struct aur_ext_stats {
     uint64_t locks, contended;        /* lock operations, and those that had to wait */
     uint64_t done, failed, unused;    /* allocations released with each outcome */
@@ -53,8 +64,9 @@ struct aur_ext *aur_ext_new(unsigned granule_shift, unsigned max_entries);
 void aur_ext_free(struct aur_ext *t);
 int aur_ext_insert(struct aur_ext *t, uint64_t dev_off, uint64_t len, int fd,
                    uint64_t host_off, int writable);
-/* kind AUR_EXT_MAP: as aur_ext_insert; AUR_EXT_ZERO, AUR_EXT_ALLOC: fd, host_off
-   and writable unused */
+/* kind AUR_EXT_MAP: as aur_ext_insert; AUR_EXT_COW, AUR_EXT_COW_SUB: read-only
+   data at (fd, host_off); AUR_EXT_ZERO, AUR_EXT_ALLOC: fd, host_off and
+   writable unused */
 int aur_ext_insert_kind(struct aur_ext *t, uint64_t dev_off, uint64_t len, int kind, int fd,
                         uint64_t host_off, int writable);
 /* Publish the n qcow2 L2 entries (host byte order) of the granules from dev_base
@@ -72,6 +84,13 @@ unsigned aur_ext_count(struct aur_ext *t);
 int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write, int slot,
                     struct aur_ext_piece *pieces, unsigned max_pieces,
                     uint32_t *ids, unsigned max_ids);
+/* As aur_ext_acquire, and a write to COW granules allocates too: copies gets
+   what the write does not cover of them (at most 2: the first granule's head,
+   the last one's tail), *ncopies how many. aur_ext_acquire misses there. */
+int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write, int slot,
+                        struct aur_ext_piece *pieces, unsigned max_pieces,
+                        uint32_t *ids, unsigned max_ids,
+                        struct aur_ext_copy *copies, unsigned *ncopies);
 /* outcome: AUR_EXT_DONE/FAILED/UNUSED, for the granules the ids allocated;
    returns how many of them became data (records pushed with AUR_EXT_REC_OK) */
 unsigned aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n, int outcome);

@@ -9,6 +9,7 @@
 
 #include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include <sys/vfs.h>
@@ -35,6 +36,15 @@ static void dp_complete(struct aur_dp *dp, struct dp_out *o, unsigned local, uin
     dp_idle_check(dp, o);
 }
 
+/* Whether a write may copy-on-write here: the copies go through the tag's
+   bounce buffer (2 granules), so the granule is at most 2 MiB, and the modes
+   whose data never enters the buffer (-z, --auto_zc) leave them to Python. */
+static int dp_can_cow(const struct aur_dp *dp)
+{
+    return dp->ext_shift <= 21 && dp->s.mode != AUR_DP_ZERO_COPY &&
+           dp->s.mode != AUR_DP_AUTO_ZC;
+}
+
 /* The pieces of [off, off+len) under the map; 0: not C's to serve. A piece
    with fd -1 is zeros (an extent table's ZERO granules): those need the
    tag's buffer, so in the zero-copy modes such a request is Python's. */
@@ -43,7 +53,7 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
 {
     struct aur_ext_piece ep[DP_MAX_PIECES];
     uint32_t pos = 0;
-    unsigned n = 0, i;
+    unsigned n = 0, i, nc = 0;
     int got;
 
     switch (dp->map) {
@@ -65,11 +75,21 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
         }
         return n;
     case AUR_MAP_EXTENTS:
-        got = aur_ext_acquire(dp->ext, off, len, write, dp->ext_slot, ep, DP_MAX_PIECES,
-                              t->ids, DP_MAX_PIECES);
+        got = aur_ext_acquire_cow(dp->ext, off, len, write, dp->ext_slot, ep, DP_MAX_PIECES,
+                                  t->ids, DP_MAX_PIECES, dp_can_cow(dp) ? t->copies : NULL,
+                                  &nc);
         if (got <= 0)
             return 0;
         t->nr_ids = (uint16_t)(((off + len - 1) >> dp->ext_shift) - (off >> dp->ext_shift) + 1);
+        t->nr_copies = (uint8_t)nc;
+        if (nc && !t->bounce &&
+            posix_memalign(&t->bounce, 4096, (size_t)2 << dp->ext_shift)) {
+            t->bounce = NULL;   /* (no memory for the copies: Python's) */
+            aur_ext_release(dp->ext, t->ids, t->nr_ids, AUR_EXT_UNUSED);
+            t->nr_ids = 0;
+            t->nr_copies = 0;
+            return 0;
+        }
         for (i = 0; i < (unsigned)got; i++) {
             if (ep[i].fd < 0 && dp_zero_copy(dp)) {
                 aur_ext_release(dp->ext, t->ids, t->nr_ids, AUR_EXT_UNUSED);
@@ -223,6 +243,43 @@ static int dp_sq_room(struct aur_dp *dp, unsigned n)
     return io_uring_sq_space_left(ring) >= n;
 }
 
+/* A copy-on-write's copies: each a read of the backing data into the tag's
+   bounce buffer linked to its write into the new cluster (a failed or short
+   read cancels the write), two pending pieces; the first that cannot be
+   queued marks the request bad and stops there. */
+static void dp_queue_copies(struct aur_dp *dp, unsigned local, uint16_t tag)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+    size_t at = 0;
+    unsigned i;
+
+    for (i = 0; i < t->nr_copies; i++) {
+        const struct aur_ext_copy *c = &t->copies[i];
+        uint64_t buf = (uint64_t)(uintptr_t)((char *)t->bounce + at);
+        uint64_t ud = DP_UD(DP_K_RW, local, tag, c->len >> 9);
+
+        if (!dp_sq_room(dp, 2)) {  /* (the pair in one submission: see dp_sq_room) */
+            t->bad = -EBUSY;
+            return;
+        }
+        aur_fix_file(dp->r, c->src_fd);
+        aur_fix_file(dp->r, c->dst_fd);
+        if (aur_prep(dp->r, IORING_OP_READ, c->src_fd, buf, c->len, c->src_off, 0, 0,
+                     IOSQE_IO_LINK, ud) < 0) {
+            t->bad = -EBUSY;
+            return;
+        }
+        t->pending++;
+        if (aur_prep(dp->r, IORING_OP_WRITE, c->dst_fd, buf, c->len, c->dst_off, 0, 0, 0,
+                     ud) < 0) {  /* (cannot be: room for both was made) */
+            t->bad = -EBUSY;
+            return;
+        }
+        t->pending++;
+        at += c->len;
+    }
+}
+
 /* Zero pieces (copy and -u modes only, see dp_resolve): how many of p[0..n). */
 static unsigned dp_nr_zero(const struct dp_piece *p, unsigned n)
 {
@@ -310,8 +367,10 @@ DP_HIDDEN int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint
     if (!n)
         return 0;
     nz = dp_nr_zero(p, n);  /* (only in a read, in copy or -u mode) */
-    /* its CQEs at most: the pieces, -z's register and unregister, -u's copy */
-    need = n - nz + (dp->s.mode == AUR_DP_ZERO_COPY ? 2 : 0) + (unsigned)uc;
+    /* its CQEs at most: the pieces, -z's register and unregister, -u's copy,
+       a copy-on-write's reads and writes */
+    need = n - nz + (dp->s.mode == AUR_DP_ZERO_COPY ? 2 : 0) + (unsigned)uc +
+           2u * t->nr_copies;
     if (dp->cqes + need > dp->max_cqes ||  /* the CQ could overflow */
         (dp->s.mode == AUR_DP_ZERO_COPY && !dp_sq_room(dp, need))) {  /* a chain, whole */
         dp_release(dp, t, local, AUR_EXT_UNUSED);
@@ -324,6 +383,8 @@ DP_HIDDEN int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint
     t->served = 1;
     if (nz)
         n = dp_fill_zeros(dp, local, tag, p, n);
+    if (t->nr_copies)  /* (a write: it has pieces, the copies go beside them) */
+        dp_queue_copies(dp, local, tag);
     if (!n && !uc) {  /* zeros only, in the buffer already: done, as the null map */
         dp_release(dp, t, local, AUR_EXT_DONE);
         dp_complete(dp, o, local, tag, (int32_t)len);

@@ -23,6 +23,7 @@ void aur_dp_free(struct aur_dp *dp)
             for (j = 0; j < dp->s.depth; j++) {
                 free(q->tags[j].ids);
                 free(q->tags[j].pieces);
+                free(q->tags[j].bounce);
             }
             free(q->tags);
         }
