@@ -266,12 +266,14 @@ class Publisher:
 
     # --------------------------------------------- the backing chain's data
     def through(self, vcs: range) -> None:
-        """Clusters ``vcs`` were just read through the backing chain (the
-        chain's tables they needed are cached now): publish them where the
-        chain holds their data and, the first time since the extents of an
-        L2 span of theirs were last taken back, every unallocated cluster of
-        that span. A cluster the chain cannot place without I/O stays
-        Python's until a read of it comes here."""
+        """Clusters ``vcs`` were just read through the backing chain, or
+        written (a copy-on-write read it): the chain's tables they needed
+        are cached now. Publish those still unallocated where the chain
+        holds their data and, the first time since the extents of an L2 span
+        of theirs were last taken back, every unallocated cluster of that
+        span: so a guest that only writes finds the rest of the span COW
+        after its first write there. A cluster the chain cannot place
+        without I/O stays Python's until a read of it comes here."""
         if not self.on or self.place is None:
             return
         span = 1 << self.l2_bits

@@ -125,6 +125,8 @@ class Writes(Reads):
             self._unlock(vcs)
         if self.plane.on:  # what it wrote, in place or into new clusters
             self.plane.publish_vcs(vcs)
+            if self.backing is not None:  # (the first time: the rest of the span, COW)
+                self.plane.through(vcs)
 
     async def _compress_chunk(self, s: int, e: int, base: int, view: memoryview) -> None:
         """With ``compress``: the whole clusters of [s, e) compressed (runs of

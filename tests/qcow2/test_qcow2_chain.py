@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk.dataplane.extents import ZERO_FD, ExtentTable
+from aioublk.dataplane.extents import UNUSED, ZERO_FD, ExtentTable
 from aioublk.qcow2 import Qcow2Image
 from aioublk.ring import Ring
 from tests.qcow2.test_qcow2_extents import DataPlaneStandIn, _held_then_released, published
@@ -420,3 +420,22 @@ async def test_copy_on_write_of_subclusters_in_c(tmp_path: Path, ring: Ring) -> 
     assert words[0] in (0b10, 0) and words[1] in (0b11 << 4, 0), [bin(w) for w in words]
     check_clean(top)
     assert read_file(to_raw(top, tmp_path / "after.raw"))[5 * cs:10 * cs] == want
+
+
+async def test_a_first_write_publishes_the_span_for_copy_on_write(tmp_path: Path,
+                                                                  ring: Ring) -> None:
+    """A guest that only writes: its first write to a fresh overlay makes
+    the L2 table, and the rest of the table's span is published COW from
+    there, with no read through the chain."""
+    chain1(tmp_path, "raw")
+    fresh = create(tmp_path / "fresh.qcow2", None, backing="base.raw", backing_fmt="raw")
+    img = Qcow2Image.open(str(fresh), direct=False)
+    try:
+        dp = await c_allocating(img, "write-only")
+        cs = img.cluster_size
+        assert [published(dp.table, vc) for vc in (0, 1, 9, 63)] == ["rw", "ro", "ro", "ro"]
+        held = dp.table.acquire(9 * cs + 512, 512, write=True, slot=dp.slot)
+        assert held is not None and len(held[1].copies) == 2
+        dp.table.release(held[1], UNUSED)
+    finally:
+        await img.close()
