@@ -52,7 +52,11 @@ class _Lib:
     AUR_EXT_ALLOC: int
     AUR_EXT_COW: int
     AUR_EXT_COW_SUB: int
+    AUR_EXT_ZIP: int
+    AUR_EXT_ZIP_COW: int
     AUR_EXT_SUBCLUSTERS: int
+    AUR_EXT_ZLIB: int
+    AUR_EXT_ZSTD: int
     AUR_EXT_SLOTS: int
     AUR_EXT_DONE: int
     AUR_EXT_FAILED: int
@@ -131,6 +135,8 @@ class _Lib:
                        /) -> int: ...
     def aur_ext_insert_kind(self, t: Any, dev_off: int, len: int, kind: int, fd: int,
                             host_off: int, writable: int, /) -> int: ...
+    def aur_ext_insert_zip(self, t: Any, dev_off: int, kind: int, fd: int, zoff: int,
+                           zlen: int, zalg: int, /) -> int: ...
     def aur_ext_publish_l2(self, t: Any, fd: int, dev_base: int, entries: Any, n: int,
                            r: Any, pub_out: Any, host_out: Any, gran_out: Any, /) -> int: ...
     def aur_ext_invalidate(self, t: Any, dev_off: int, len: int, /) -> int: ...

@@ -25,7 +25,7 @@ PARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("csrc", "ring.h", ("ring.c",)),
     ("dataplane/csrc", "extents.h", ("extents.c",)),
     ("dataplane/csrc", "dataplane.h",
-     ("setup.c", "commands.c", "serve.c", "plugin.c", "reap.c", "uvhook.c")),
+     ("setup.c", "commands.c", "serve.c", "inflate.c", "plugin.c", "reap.c", "uvhook.c")),
 )
 _HERE = Path(__file__).parent
 
@@ -94,8 +94,14 @@ def include_dirs() -> list[str]:
 _PART_CDEF, _SOURCES = _parts()
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF + _PART_CDEF)
-_LINK = runpy.run_path(str(Path(__file__).parent.parent / "buildlibs.py"))["source_args"](
-    "liburing", ["uring"], include_dirs=include_dirs())
+_SOURCE_ARGS = runpy.run_path(str(Path(__file__).parent.parent / "buildlibs.py"))["source_args"]
+#: liburing, and the two inflaters the data plane calls for a compressed
+#: qcow2 cluster (zlib's raw deflate, zstd)
+_LINK = _SOURCE_ARGS("liburing", ["uring"], include_dirs=include_dirs())
+for _pkg, _lib in (("zlib", "z"), ("libzstd", "zstd")):
+    for _key, _values in _SOURCE_ARGS(_pkg, [_lib]).items():
+        _LINK.setdefault(_key, [])
+        _LINK[_key] += [v for v in _values if v not in _LINK[_key]]
 ffibuilder.set_source("aioublk._uring", "".join(f'#include "{h}"\n' for _f, h, _c in PARTS),
                       sources=_SOURCES, **_LINK)
 

@@ -5,10 +5,11 @@ by granule (a qcow2 cluster, say), and the data plane serves requests whose
 every granule is mapped without entering Python. Everything else (a granule
 not mapped, a write to a read-only one) goes to the target's coroutines.
 
-A granule is one of four kinds: MAP, its data at (fd, host offset), ZERO,
+A granule is one of these kinds: MAP, its data at (fd, host offset), ZERO,
 known to read as zeros (a qcow2 cluster that is unallocated, or has its
-zero flag), ALLOC, zeros that a write may allocate, or COW, data read-only
-at (fd, host offset) that a write may allocate and copy. A read of ZERO or
+zero flag), ALLOC, zeros that a write may allocate, COW, data read-only
+at (fd, host offset) that a write may allocate and copy, or ZIP, a
+compressed cluster whose bytes the reader inflates (read only). A read of ZERO or
 ALLOC granules needs no backend I/O at all: C fills the buffer. A write to
 ZERO is a miss, because where its data goes is the target's decision; the
 target unmaps it first like any other granule.
@@ -51,8 +52,9 @@ from typing import Any, NamedTuple
 from aioublk._uring import ffi, lib
 from aioublk.errors import Error
 
-__all__ = ["ALLOC", "COW", "COW_SUB", "DONE", "FAILED", "MAP", "UNUSED", "ZERO", "ZERO_FD", "Copy",
-           "ExtentConflict", "ExtentTable", "Handle", "Piece", "Record"]
+__all__ = ["ALLOC", "ALLOCATING", "COW", "COW_SUB", "DONE", "FAILED", "MAP", "UNUSED", "ZERO",
+           "ZERO_FD", "ZIP", "ZIP_COW", "ZLIB", "ZSTD", "Copy", "ExtentConflict", "ExtentTable",
+           "Handle", "Piece", "Record", "ZipCopy", "Zipped"]
 
 #: (fd, host offset, length) of one run of a request's data; a run of zeros
 #: is (ZERO_FD, 0, length)
@@ -70,10 +72,41 @@ MAP, ZERO, ALLOC, COW = lib.AUR_EXT_MAP, lib.AUR_EXT_ZERO, lib.AUR_EXT_ALLOC, li
 #: touches, its record says which (``Record.subs``), and the granule leaves
 #: the table
 COW_SUB = lib.AUR_EXT_COW_SUB
+#: a compressed cluster: its compressed bytes at (fd, offset), inflated by
+#: the reader (ZLIB: raw deflate, ZSTD: one frame), read only; ZIP_COW: and a
+#: write allocates and copies the rest of it, inflated, as for COW
+ZIP, ZIP_COW = lib.AUR_EXT_ZIP, lib.AUR_EXT_ZIP_COW
+ZLIB, ZSTD = lib.AUR_EXT_ZLIB, lib.AUR_EXT_ZSTD
+#: the kinds a write may allocate in (from the writer's pool)
+ALLOCATING = (ALLOC, COW, COW_SUB, ZIP_COW)
 #: what became of an acquisition's writes (:meth:`ExtentTable.release`)
 DONE, FAILED, UNUSED = lib.AUR_EXT_DONE, lib.AUR_EXT_FAILED, lib.AUR_EXT_UNUSED
 #: the fd of a piece of zeros
 ZERO_FD = -1
+
+
+
+class Zipped(NamedTuple):
+    """A request's run in a ZIP granule: bytes [skip, skip + length) of what
+    the ``zlen`` compressed bytes at (``fd``, ``zoff``) inflate to (``alg``)."""
+
+    fd: int
+    zoff: int
+    length: int
+    zlen: int
+    skip: int
+    alg: int
+
+
+class ZipCopy(NamedTuple):
+    """What a write to a ZIP_COW granule leaves to copy: ``src.length``
+    bytes of the inflated granule from ``src.skip`` on, to (``dst_fd``,
+    ``dst_off``)."""
+
+    src: Zipped
+    dst_fd: int
+    dst_off: int
+
 
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
@@ -109,12 +142,12 @@ class Handle:
 
     __slots__ = ("_ids", "_n", "copies")
 
-    def __init__(self, ids: Any, n: int, copies: list[Copy] | None = None) -> None:
+    def __init__(self, ids: Any, n: int, copies: list[Copy | ZipCopy] | None = None) -> None:
         self._ids = ids
         self._n = n
         #: what a write to COW granules must copy into their new clusters
         #: before it is released as DONE
-        self.copies: list[Copy] = copies or []
+        self.copies: list[Copy | ZipCopy] = copies or []
 
     @property
     def allocates(self) -> bool:
@@ -126,6 +159,20 @@ class Handle:
 def _check(name: str, value: int, limit: int = _U64) -> None:
     if not 0 <= value <= limit:
         raise ValueError(f"{name} {value} out of range")
+
+
+def _inserted(ret: int, dev_off: int, length: int, what: str, granule: int) -> bool:
+    """An insert's result: True, False when the table has no room, or raised."""
+    if ret == 0:
+        return True
+    if ret == -errno.ENOSPC:
+        return False
+    if ret == -errno.EEXIST:
+        raise ExtentConflict(f"[{dev_off}, +{length}) is mapped elsewhere")
+    if ret == -errno.EINVAL:
+        raise ValueError(f"[{dev_off}, +{length}) -> {what}: not aligned to {granule}, out of "
+                         "range or no such kind")
+    raise OSError(-ret, f"extent insert: {errno.errorcode.get(-ret, ret)}")
 
 
 class ExtentTable:
@@ -201,16 +248,21 @@ class ExtentTable:
         _check("length", length)
         _check("host_off", host_off)
         ret = lib.aur_ext_insert_kind(self.cdata, dev_off, length, kind, fd, host_off, writable)
-        if ret == 0:
-            return True
-        if ret == -errno.ENOSPC:
-            return False
-        if ret == -errno.EEXIST:
-            raise ExtentConflict(f"[{dev_off}, +{length}) is mapped elsewhere")
-        if ret == -errno.EINVAL:
-            raise ValueError(f"[{dev_off}, +{length}) -> kind {kind}, fd {fd} at {host_off}: "
-                             f"not aligned to {self.granule}, out of range or no such kind")
-        raise OSError(-ret, f"extent insert: {errno.errorcode.get(-ret, ret)}")
+        return _inserted(ret, dev_off, length, f"kind {kind}, fd {fd} at {host_off}",
+                         self.granule)
+
+    def insert_zip(self, dev_off: int, fd: int, zoff: int, zlen: int, alg: int, *,
+                   kind: int = ZIP) -> bool:
+        """Publish granule ``dev_off`` as ZIP: it reads as the granule the
+        ``zlen`` bytes at (``fd``, ``zoff``) inflate to (``alg``: ZLIB or
+        ZSTD); a write to it is a miss (``kind`` ZIP_COW: a write with a slot
+        allocates, as for COW). Otherwise as :meth:`insert`."""
+        _check("dev_off", dev_off)
+        _check("zoff", zoff)
+        _check("zlen", zlen, _U32)
+        ret = lib.aur_ext_insert_zip(self.cdata, dev_off, kind, fd, zoff, zlen, alg)
+        return _inserted(ret, dev_off, self.granule,
+                         f"kind {kind}, fd {fd} at {zoff}, {zlen} bytes, type {alg}", self.granule)
 
     def publish_l2(self, fd: int, dev_base: int, entries: Any, pub: Any, *, used_end: int,
                    size: int, writable_ok: bool, alloc_ok: bool = False, backing_end: int = 0,
@@ -305,7 +357,7 @@ class ExtentTable:
                 f.set_result(None)
 
     def acquire(self, dev_off: int, length: int, *, write: bool,
-                slot: int | None = None) -> tuple[list[Piece], Handle] | None:
+                slot: int | None = None) -> tuple[list[Piece | Zipped], Handle] | None:
         """Resolve and hold [dev_off, dev_off + length) as the data plane does.
 
         Returns the pieces in device order and a handle to pass to release(),
@@ -331,8 +383,11 @@ class ExtentTable:
                                       copies, nc)
         if not got:
             return None
-        return [(p.fd, p.host_off, p.len) for p in pieces[0:got]], Handle(
-            ids, n, [(c.src_fd, c.src_off, c.dst_fd, c.dst_off, c.len)
+        return [Zipped(p.fd, p.host_off, p.len, p.zlen, p.zskip, p.zalg) if p.zalg
+                else (p.fd, p.host_off, p.len) for p in pieces[0:got]], Handle(
+            ids, n, [ZipCopy(Zipped(c.src_fd, c.src_off, c.len, c.zlen, c.zskip, c.zalg),
+                             c.dst_fd, c.dst_off) if c.zalg
+                     else (c.src_fd, c.src_off, c.dst_fd, c.dst_off, c.len)
                      for c in copies[0:nc[0]]])
 
     def release(self, handle: Handle, outcome: int = DONE) -> int:
@@ -432,7 +487,7 @@ class ExtentTable:
                                                 "unused", "log_n", "allocating")}
 
     def lookup(self, dev_off: int, length: int, *, write: bool,
-               slot: int | None = None) -> list[Piece] | None:
+               slot: int | None = None) -> list[Piece | Zipped] | None:
         """The pieces a request for the range would use, or None (tests,
         debugging). With a slot, a write allocates, and is released as DONE:
         records are pushed as for a completed write."""

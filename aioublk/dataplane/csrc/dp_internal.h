@@ -47,7 +47,8 @@
  * Its files: setup.c (a data plane made, given a map, freed), commands.c
  * (the commands to the kernel and their encoding: fetch, commit and
  * COMMIT_IO_CMDS's elements), serve.c (a request C takes: resolved against
- * the map, its data moved in the queue's copy mode), nvme.h (the NVMe
+ * the map, its data moved in the queue's copy mode), inflate.c (a
+ * compressed qcow2 cluster's part a read asks for), nvme.h (the NVMe
  * passthrough map's commands), plugin.h and plugin.c (an external map's
  * plug-in, dp_ext.h), reap.c (the ring's completions: aur_dp_reap) and
  * uvhook.c (C owns the worker loop's wait).
@@ -113,6 +114,8 @@ _Static_assert(AUR_DP_MAX_SECTORS == AUR_DP_UD_AUX_MASK, "a piece's sectors fill
 #define DP_K_UC 11     /* -u: the copy to or from /dev/ublkcN (aux: sectors) */
 #define DP_K_LOOP 12   /* the poll on the worker loop's epoll fd (aur_dp_own_wait) */
 #define DP_K_EXT 21    /* an external map's poll and its wake-ups (aux: see dp_ext) */
+#define DP_K_ZIP 22    /* a ZIP piece's compressed bytes read (aux: its index in zips) */
+#define DP_K_ZCOPY 23  /* a ZIP_COW copy's compressed bytes read (aux: its index in zcopy) */
 
 #define DP_MAX_PIECES AUR_DP_MAX_PIECES
 /* fds whose inline_io answer a data plane remembers */
@@ -123,7 +126,31 @@ _Static_assert(AUR_DP_MAX_SECTORS == AUR_DP_UD_AUX_MASK, "a piece's sectors fill
     ((uint64_t)UBLKSRV_IO_BUF_OFFSET + \
      (((uint64_t)(q) << UBLK_QID_OFF) | ((uint64_t)(tag) << UBLK_TAG_OFF)))
 
-struct dp_piece { int fd; uint32_t len; uint64_t host_off; uint32_t buf_off; };
+/* zalg set: a ZIP piece (zlen compressed bytes at host_off, of which the
+   request wants [zskip, zskip + len) inflated) */
+struct dp_piece { int fd; uint32_t len; uint64_t host_off; uint32_t buf_off;
+                  uint32_t zlen, zskip; uint8_t zalg; };
+
+/* A ZIP piece in flight: its compressed bytes are read (from a 4 KiB-aligned
+   offset, O_DIRECT's way) into the tag's zbuf at rd, the first of them lead
+   bytes in, and inflated to the tag's buffer at buf_off when they are in. */
+struct dp_zip { uint32_t rd, lead, zlen, skip, len, buf_off; uint8_t alg; };
+
+/* A copy-on-write's copies from a compressed granule (ZIP_COW): its
+   compressed bytes read once into zbuf at rd (as dp_zip's), inflated into
+   the bounce buffer at bounce_off as far as the last copy needs, and each
+   copy written from there. */
+struct dp_zcopy {
+    uint32_t rd, lead, zlen, bounce_off;
+    uint8_t alg, n;
+    const struct aur_ext_copy *c[2];
+};
+
+/* where a ZIP piece's read starts and its length */
+#define DP_ZIP_ALIGN 4096u
+#define DP_ZIP_LEAD(off) ((uint32_t)((off) & (DP_ZIP_ALIGN - 1)))
+#define DP_ZIP_READ(off, zlen) \
+    ((DP_ZIP_LEAD(off) + (uint64_t)(zlen) + DP_ZIP_ALIGN - 1) & ~(uint64_t)(DP_ZIP_ALIGN - 1))
 
 struct dp_tag {
     uint8_t served;      /* C holds this request */
@@ -145,6 +172,12 @@ struct dp_tag {
     uint8_t nr_copies;   /* a write's copy-on-write copies (extent table COW) */
     struct aur_ext_copy copies[2];
     void *bounce;        /* the copies' bytes in passing: 2 granules, made on first use */
+    uint8_t nr_zcopy;    /* compressed sources of its copies (ZIP_COW) */
+    struct dp_zcopy zcopy[2];
+    uint8_t nr_zips;     /* ZIP pieces queued (extent table ZIP granules) */
+    struct dp_zip *zips; /* DP_MAX_PIECES, made on first use */
+    char *zbuf;          /* their compressed bytes, zbuf_cap of room */
+    size_t zbuf_cap;
     uint32_t *ids;       /* DP_MAX_PIECES extent ids */
     struct dp_piece *pieces;  /* -u: DP_MAX_PIECES */
     /* nvme: a discard's one range (context attributes, blocks, starting LBA,
@@ -225,6 +258,7 @@ struct aur_dp {
     char *kept;
     unsigned nr_kept, out_cap;
     struct dp_ext *ext_map;  /* AUR_MAP_EXTERN */
+    struct dp_inflater *inflater;  /* inflate.c, made on first use */
     struct dp_queue q[];
 };
 
@@ -282,6 +316,8 @@ static inline void dp_tag_start(struct dp_tag *t, uint32_t len, int write, int f
     t->then = 0;
     t->nr_ids = 0;
     t->nr_copies = 0;
+    t->nr_zips = 0;
+    t->nr_zcopy = 0;
     t->pending = 0;
     t->cqes = 0;
 }
@@ -321,6 +357,11 @@ DP_HIDDEN void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int3
 DP_HIDDEN void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full,
                        int submit);
 DP_HIDDEN void dp_wake_loop(struct aur_dp *dp);
+/* inflate.c: bytes [skip, skip + len) of what src inflates to (alg: AUR_EXT_ZLIB
+   or AUR_EXT_ZSTD) into dst; 0, or -errno */
+DP_HIDDEN int dp_inflate(struct aur_dp *dp, int alg, const void *src, size_t srclen,
+                         char *dst, uint32_t skip, uint32_t len);
+DP_HIDDEN void dp_inflater_free(struct aur_dp *dp);
 /* plugin.c: ask the plug-in what it wants (o: a CQE's records, or NULL) */
 DP_HIDDEN int dp_ext_watch(struct aur_dp *dp, struct dp_out *o);
 

@@ -87,6 +87,18 @@
  * which (subs); the granule then leaves the table, since part of it is new
  * data and the rest still where it was, which is no kind of granule.
  *
+ * Why ZIP: a cloud image is a compressed qcow2 base under an overlay, and
+ * every read of a cluster the VM has not written inflates one of the base's
+ * compressed clusters. Going to Python for that costs a coroutine through
+ * two image layers per request; the compressed bytes' place (fd, offset,
+ * length) and algorithm are as fixed as any backing data, so they are
+ * published like it, and the reader inflates them itself. A ZIP granule is
+ * never merged with its neighbours (its piece says which part of the
+ * inflated granule the request wants) and is never written: a write is a
+ * miss, the target's copy-on-write. ZIP_COW is ZIP with that copy-on-write
+ * delegated as for COW: the copies acquire returns name the compressed
+ * bytes and the parts of the inflated granule the write leaves.
+ *
  * Why a notify eventfd: Python's owner loop must refill pools, drain the log
  * and finish unmaps promptly while the data plane threads never enter
  * Python. C adds 1 to it when a slot's pool drops to half its capacity (once
@@ -135,6 +147,8 @@ struct aur_ext_entry {
                            host_off unused) or EXT_ALLOCATING (host_off, slot and
                            fd set; src_fd and src_off what it was as COW) */
     uint8_t slot;       /* EXT_ALLOCATING: the pool its cluster came from */
+    uint8_t zalg;       /* AUR_EXT_ZIP: how host_off's zlen bytes are compressed */
+    uint32_t zlen;
 };
 
 /* host offsets [head, head + n) (mod cap); out: taken by allocations in flight */
@@ -330,17 +344,20 @@ void aur_ext_free(struct aur_ext *t)
 }
 
 static int ext_same(const struct aur_ext_entry *x, int kind, int fd, uint64_t host_off,
-                    int writable)
+                    int writable, uint32_t zlen, int zalg)
 {
     if (x->kind != kind)
         return 0;
+    if (kind == AUR_EXT_ZIP || kind == AUR_EXT_ZIP_COW)
+        return x->fd == fd && x->host_off == host_off && x->zlen == zlen && x->zalg == zalg;
     return (kind != AUR_EXT_MAP && kind != AUR_EXT_COW && kind != AUR_EXT_COW_SUB) ||
            (x->fd == fd && x->host_off == host_off && x->writable == !!writable);
 }
 
-/* Insert granules [g0, g0 + n) under the lock: all or nothing. */
+/* Insert granules [g0, g0 + n) under the lock: all or nothing (ZIP: n is 1,
+   host_off its compressed bytes' offset, zlen and zalg theirs). */
 static int ext_insert_locked(struct aur_ext *t, uint64_t g0, uint64_t n, int kind, int fd,
-                             uint64_t host_off, int writable)
+                             uint64_t host_off, int writable, uint32_t zlen, int zalg)
 {
     uint64_t k, need = 0;
     uint32_t i;
@@ -352,7 +369,8 @@ static int ext_insert_locked(struct aur_ext *t, uint64_t g0, uint64_t n, int kin
         i = ext_find(t, g0 + k);
         if (i == EXT_NIL)
             need++;
-        else if (!ext_same(&t->e[i], kind, fd, host_off + (k << t->shift), writable))
+        else if (!ext_same(&t->e[i], kind, fd, host_off + (k << t->shift), writable, zlen,
+                           zalg))
             return -EEXIST;
     }
     if (!need)
@@ -374,6 +392,11 @@ static int ext_insert_locked(struct aur_ext *t, uint64_t g0, uint64_t n, int kin
             t->e[i].host_off = host_off + (k << t->shift);
             t->e[i].fd = fd;
             t->e[i].writable = !!writable;
+        } else if (kind == AUR_EXT_ZIP || kind == AUR_EXT_ZIP_COW) {
+            t->e[i].host_off = host_off;
+            t->e[i].fd = fd;
+            t->e[i].zlen = zlen;
+            t->e[i].zalg = (uint8_t)zalg;
         } else {
             t->e[i].fd = -1;
         }
@@ -408,7 +431,22 @@ int aur_ext_insert_kind(struct aur_ext *t, uint64_t dev_off, uint64_t len, int k
         return 0;
     ext_lock(t);
     ret = ext_insert_locked(t, dev_off >> t->shift, len >> t->shift, kind, fd, host_off,
-                            writable);
+                            writable, 0, 0);
+    pthread_mutex_unlock(&t->mu);
+    return ret;
+}
+
+int aur_ext_insert_zip(struct aur_ext *t, uint64_t dev_off, int kind, int fd, uint64_t zoff,
+                       uint32_t zlen, int zalg)
+{
+    int ret;
+
+    if ((kind != AUR_EXT_ZIP && kind != AUR_EXT_ZIP_COW) ||
+        fd < 0 || !zlen || (zalg != AUR_EXT_ZLIB && zalg != AUR_EXT_ZSTD) ||
+        dev_off & (((uint64_t)1 << t->shift) - 1) || zlen > UINT64_MAX - zoff)
+        return -EINVAL;
+    ext_lock(t);
+    ret = ext_insert_locked(t, dev_off >> t->shift, 1, kind, fd, zoff, 0, zlen, zalg);
     pthread_mutex_unlock(&t->mu);
     return ret;
 }
@@ -490,7 +528,7 @@ int aur_ext_publish_l2(struct aur_ext *t, int fd, uint64_t dev_base, const uint6
         kind = ext_l2_kind(t, r, entries[k], g, &host, &writable);
         if (!kind)
             continue;
-        ret = ext_insert_locked(t, g, 1, kind, fd, host, writable);
+        ret = ext_insert_locked(t, g, 1, kind, fd, host, writable, 0, 0);
         if (ret == -ENOSPC)
             break;      /* a cache, full: the rest stays Python's */
         if (ret < 0) {
@@ -628,8 +666,9 @@ static int ext_alloc(struct aur_ext *t, struct aur_ext_entry *x, unsigned slot)
 {
     struct ext_pool *p = &t->pool[slot];
 
-    if (x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB) {  /* (restored if the
-                                                                     write does not land) */
+    if (x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB ||
+        x->kind == AUR_EXT_ZIP_COW) {  /* (restored if the write does not land; a
+                                          ZIP_COW's zlen and zalg stay as they were) */
         x->src_fd = x->fd;
         x->src_off = x->host_off;
         x->src_kind = x->kind;
@@ -695,8 +734,8 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
         if (x->kind == EXT_ALLOCATING) {    /* neither zeros nor settled yet */
             goto miss;
         } else if (write && (x->kind == AUR_EXT_ALLOC ||
-                             ((x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB) &&
-                              copies))) {
+                             ((x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB ||
+                               x->kind == AUR_EXT_ZIP_COW) && copies))) {
             uint64_t a = pos & gmask, b = (end > last ? last : end) & gmask;  /* in it */
 
             if (!ext_can_alloc(t, slot, taken))
@@ -714,19 +753,42 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
                     from = a >> sshift << sshift;
                     to = (b >> sshift << sshift) + ((uint64_t)1 << sshift) - 1;
                 }
-                if (a > from)
-                    copies[nc++] = (struct aur_ext_copy){
-                        x->fd, t->alloc_fd, (uint32_t)(a - from), x->host_off + from,
-                        h + from };
-                if (to > b)
-                    copies[nc++] = (struct aur_ext_copy){
-                        x->fd, t->alloc_fd, (uint32_t)(to - b), x->host_off + b + 1,
-                        h + b + 1 };
+                if (x->kind == AUR_EXT_ZIP_COW) {  /* the inflated granule's parts */
+                    if (a > from)
+                        copies[nc++] = (struct aur_ext_copy){
+                            x->fd, t->alloc_fd, (uint32_t)(a - from), x->host_off,
+                            h + from, x->zlen, (uint32_t)from, x->zalg };
+                    if (to > b)
+                        copies[nc++] = (struct aur_ext_copy){
+                            x->fd, t->alloc_fd, (uint32_t)(to - b), x->host_off,
+                            h + b + 1, x->zlen, (uint32_t)(b + 1), x->zalg };
+                } else {
+                    if (a > from)
+                        copies[nc++] = (struct aur_ext_copy){
+                            x->fd, t->alloc_fd, (uint32_t)(a - from), x->host_off + from,
+                            h + from, 0, 0, 0 };
+                    if (to > b)
+                        copies[nc++] = (struct aur_ext_copy){
+                            x->fd, t->alloc_fd, (uint32_t)(to - b), x->host_off + b + 1,
+                            h + b + 1, 0, 0, 0 };
+                }
             }
             h += a;
             ids[k] |= AUR_EXT_ID_ALLOC;
-        } else if (write && !x->writable) {  /* (ZERO, ALLOC and COW are never writable) */
+        } else if (write && !x->writable) {  /* (ZERO, ALLOC, COW, ZIP never writable) */
             goto miss;
+        } else if (x->kind == AUR_EXT_ZIP || x->kind == AUR_EXT_ZIP_COW) {  /* a piece of
+                                                               its own, never merged */
+            if (np == max_pieces)
+                goto miss;
+            if (end > last)
+                end = last;
+            p = &pieces[np++];
+            *p = (struct aur_ext_piece){ x->fd, (uint32_t)(end - pos + 1), x->host_off,
+                                         x->zlen, (uint32_t)(pos & gmask), x->zalg };
+            p = NULL;
+            pos = end + 1;
+            continue;
         } else {
             fd = x->fd;
             h = x->kind == AUR_EXT_MAP || x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB
@@ -741,9 +803,7 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
             if (np == max_pieces)
                 goto miss;
             p = &pieces[np++];
-            p->fd = fd;
-            p->len = plen;
-            p->host_off = h;
+            *p = (struct aur_ext_piece){ fd, plen, h, 0, 0, 0 };
         }
         pos = end + 1;
     }

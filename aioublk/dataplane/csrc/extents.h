@@ -10,8 +10,11 @@
 
 /* cdef: begin (plain declarations and `#define NAME value` only) */
 struct aur_ext;
-/* a run of a request: fd at host_off, or zeros when fd is -1 (a ZERO run) */
-struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off; };
+/* a run of a request: fd at host_off, or zeros when fd is -1 (a ZERO run);
+   with zalg set, one ZIP granule's part: its compressed bytes are zlen at
+   (fd, host_off), and the run is [zskip, zskip + len) of what they inflate to */
+struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off;
+                       uint32_t zlen, zskip; int32_t zalg; };
 
 /* what a granule is (0: not in the table, as aur_ext_publish_l2's pub_out says) */
 #define AUR_EXT_MAP 1     /* data at (fd, host_off); written in place if writable */
@@ -22,7 +25,15 @@ struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off; };
 #define AUR_EXT_COW_SUB 6 /* as COW, in 32 subclusters: a write allocates and copies
                              only the rest of the subclusters it touches, and its
                              record says which (the granule then leaves the table) */
+#define AUR_EXT_ZIP 7     /* a compressed cluster: zlen bytes at (fd, host_off) that
+                             inflate (zalg) to the whole granule; read only, a write
+                             is a miss */
+#define AUR_EXT_ZIP_COW 8 /* as ZIP, and a write allocates from the writer's pool and
+                             copies the rest of the granule, inflated, as COW does */
 #define AUR_EXT_SUBCLUSTERS 32
+/* how a ZIP granule's bytes are compressed (qcow2's compression types) */
+#define AUR_EXT_ZLIB 1    /* raw deflate */
+#define AUR_EXT_ZSTD 2    /* one zstd frame; bytes after it are padding */
 
 /* pools of host clusters, one per attached slot (a data plane) */
 #define AUR_EXT_SLOTS 64
@@ -36,8 +47,11 @@ struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off; };
 #define AUR_EXT_REC_OK 1      /* gran's data is now at host_off */
 #define AUR_EXT_REC_FAILED 2  /* host_off was allocated and holds garbage: free it */
 /* bytes a write to a COW granule leaves to copy into its new cluster: from
-   (src_fd, src_off) to (dst_fd, dst_off), dst_fd the allocation fd */
-struct aur_ext_copy { int32_t src_fd, dst_fd; uint32_t len; uint64_t src_off, dst_off; };
+   (src_fd, src_off) to (dst_fd, dst_off), dst_fd the allocation fd; with zalg
+   set (ZIP_COW), the granule's [zskip, zskip + len) of what the zlen bytes at
+   (src_fd, src_off) inflate to */
+struct aur_ext_copy { int32_t src_fd, dst_fd; uint32_t len; uint64_t src_off, dst_off;
+                      uint32_t zlen, zskip; int32_t zalg; };
 /* an allocation's outcome, for the owner (aur_ext_drain) */
 /* subs: AUR_EXT_COW_SUB's subclusters the write made data (bit i: the i-th
    32nd of the granule), 0 for a whole granule */
@@ -77,6 +91,10 @@ int aur_ext_insert_kind(struct aur_ext *t, uint64_t dev_off, uint64_t len, int k
 int aur_ext_publish_l2(struct aur_ext *t, int fd, uint64_t dev_base, const uint64_t *entries,
                        unsigned n, const struct aur_pub_rules *r, uint8_t *pub_out,
                        uint64_t *host_out, uint64_t *gran_out);
+/* One ZIP (or ZIP_COW: kind) granule at dev_off; -EINVAL on a bad argument,
+   -EEXIST, -ENOSPC as aur_ext_insert_kind */
+int aur_ext_insert_zip(struct aur_ext *t, uint64_t dev_off, int kind, int fd, uint64_t zoff,
+                       uint32_t zlen, int zalg);
 unsigned aur_ext_invalidate(struct aur_ext *t, uint64_t dev_off, uint64_t len);
 unsigned aur_ext_busy(struct aur_ext *t, uint64_t dev_off, uint64_t len);
 unsigned aur_ext_count(struct aur_ext *t);

@@ -138,6 +138,8 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
     case DP_K_RW:
     case DP_K_REG:
     case DP_K_UC:
+    case DP_K_ZIP:
+    case DP_K_ZCOPY:
         dp_rw_done(dp, o, ud, cqe->res);
         return;
     case AUR_DP_EV_IO:

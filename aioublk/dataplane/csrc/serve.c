@@ -45,6 +45,36 @@ static int dp_can_cow(const struct aur_dp *dp)
            dp->s.mode != AUR_DP_AUTO_ZC;
 }
 
+/* Room in the tag for the ZIP pieces of p[0..n) and its compressed copies:
+   their state, and their compressed bytes' reads; 0 when there is no
+   memory for them. */
+static int dp_zip_room(struct dp_tag *t, const struct dp_piece *p, unsigned n)
+{
+    size_t need = 0;
+    unsigned i;
+
+    for (i = 0; i < n; i++)
+        if (p[i].zalg)
+            need += DP_ZIP_READ(p[i].host_off, p[i].zlen);
+    for (i = 0; i < t->nr_copies; i++)  /* (at most: two copies may share one read) */
+        if (t->copies[i].zalg)
+            need += DP_ZIP_READ(t->copies[i].src_off, t->copies[i].zlen);
+    if (!need || (t->zips && t->zbuf_cap >= need))
+        return 1;
+    if (!t->zips && !(t->zips = malloc(DP_MAX_PIECES * sizeof(*t->zips))))
+        return 0;
+    if (t->zbuf_cap < need) {
+        free(t->zbuf);
+        t->zbuf_cap = 0;
+        if (posix_memalign((void **)&t->zbuf, DP_ZIP_ALIGN, need)) {
+            t->zbuf = NULL;
+            return 0;
+        }
+        t->zbuf_cap = need;
+    }
+    return 1;
+}
+
 /* The pieces of [off, off+len) under the map; 0: not C's to serve. A piece
    with fd -1 is zeros (an extent table's ZERO granules): those need the
    tag's buffer, so in the zero-copy modes such a request is Python's. */
@@ -58,7 +88,7 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
 
     switch (dp->map) {
     case AUR_MAP_LINEAR:
-        p[0] = (struct dp_piece){ dp->fds[0], len, dp->base + off, 0 };
+        p[0] = (struct dp_piece){ dp->fds[0], len, dp->base + off, 0, 0, 0, 0 };
         return 1;
     case AUR_MAP_STRIPED:
         while (pos < len) {
@@ -70,7 +100,8 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
             if (n == DP_MAX_PIECES)
                 return 0;
             p[n++] = (struct dp_piece){ dp->fds[idx % dp->nr_fds], l,
-                                        (idx / dp->nr_fds) * dp->chunk + within, pos };
+                                        (idx / dp->nr_fds) * dp->chunk + within, pos,
+                                        0, 0, 0 };
             pos += l;
         }
         return n;
@@ -91,19 +122,25 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
             return 0;
         }
         for (i = 0; i < (unsigned)got; i++) {
-            if (ep[i].fd < 0 && dp_zero_copy(dp)) {
+            if ((ep[i].fd < 0 || ep[i].zalg) && dp_zero_copy(dp)) {
                 aur_ext_release(dp->ext, t->ids, t->nr_ids, AUR_EXT_UNUSED);
                 t->nr_ids = 0;
                 return 0;
             }
-            p[i] = (struct dp_piece){ ep[i].fd, ep[i].len, ep[i].host_off, pos };
+            p[i] = (struct dp_piece){ ep[i].fd, ep[i].len, ep[i].host_off, pos,
+                                      ep[i].zlen, ep[i].zskip, (uint8_t)ep[i].zalg };
             pos += ep[i].len;
+        }
+        if (!dp_zip_room(t, p, (unsigned)got)) {  /* (no memory: Python's) */
+            aur_ext_release(dp->ext, t->ids, t->nr_ids, AUR_EXT_UNUSED);
+            t->nr_ids = 0;
+            return 0;
         }
         return (unsigned)got;
     case AUR_MAP_NVME:  /* one command, in whole blocks, at most 2^16 of them */
         if (((off | len) & ((1u << dp->lba_shift) - 1)) || (len >> dp->lba_shift) > 65536)
             return 0;
-        p[0] = (struct dp_piece){ dp->fds[0], len, off, 0 };
+        p[0] = (struct dp_piece){ dp->fds[0], len, off, 0, 0, 0, 0 };
         return 1;
     }
     return 0;
@@ -178,13 +215,32 @@ static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
     struct dp_tag *t = dp_tag(dp, local, tag);
     unsigned i;
 
+    uint32_t zat = 0;
+
     for (i = 0; i < n; i++) {
         uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
         int op, ret;
 
         if (dp->map == AUR_MAP_EXTENTS)  /* (the table's fds live as long as the map) */
             aur_fix_file(dp->r, p[i].fd);
-        if (dp->map == AUR_MAP_NVME) {
+        if (p[i].zalg) {  /* its compressed bytes now, the inflate when they are in */
+            struct dp_zip *z = &t->zips[t->nr_zips];
+            uint32_t rd_len = (uint32_t)DP_ZIP_READ(p[i].host_off, p[i].zlen);
+            uint64_t rd_off = p[i].host_off - DP_ZIP_LEAD(p[i].host_off);
+
+            *z = (struct dp_zip){ zat, DP_ZIP_LEAD(p[i].host_off), p[i].zlen, p[i].zskip,
+                                  p[i].len, p[i].buf_off, p[i].zalg };
+            ud = DP_UD(DP_K_ZIP, local, tag, t->nr_zips++);
+            if (dp_inline_fd(dp, p[i].fd)) {
+                dp_inline_rw(dp, 0, p[i].fd, t->zbuf + zat, rd_len, rd_off, ud);
+                ret = 0;
+            } else {
+                ret = aur_prep(dp->r, IORING_OP_READ, p[i].fd,
+                               (uint64_t)(uintptr_t)(t->zbuf + zat), rd_len, rd_off, 0, 0, 0,
+                               ud);
+            }
+            zat += rd_len;
+        } else if (dp->map == AUR_MAP_NVME) {
             ret = dp_nvme_rw(dp, t, local, tag, &p[i], ud);
         } else if (dp_zero_copy(dp)) {
             op = t->write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
@@ -243,6 +299,82 @@ static int dp_sq_room(struct aur_dp *dp, unsigned n)
     return io_uring_sq_space_left(ring) >= n;
 }
 
+/* How many compressed bytes a read of them brought (res: its result, the
+   first lead bytes not theirs), at most zlen; < 0: none, why. A read short
+   of zlen (the file ends inside the last sector's padding) is fine if what
+   came inflates. */
+static int32_t dp_zip_have(int32_t res, uint32_t lead, uint32_t zlen)
+{
+    if (res < 0)
+        return res;
+    if ((uint32_t)res <= lead)
+        return -EIO;
+    return (uint32_t)res - lead > zlen ? (int32_t)zlen : (int32_t)((uint32_t)res - lead);
+}
+
+/* A compressed copy c, one more pending piece: the read of its granule's
+   compressed bytes, unless the copy before it read the same (a write inside
+   a granule leaves its head and its tail: one read, one inflate, two
+   writes). Inflated into the bounce buffer at bounce_off. */
+static int dp_queue_zcopy(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
+                          const struct aur_ext_copy *c, uint32_t bounce_off)
+{
+    struct dp_zcopy *z = t->nr_zcopy ? &t->zcopy[t->nr_zcopy - 1] : NULL;
+    uint32_t rd = z ? z->rd + (uint32_t)DP_ZIP_READ(z->c[0]->src_off, z->zlen) : 0;
+    uint32_t rd_len = (uint32_t)DP_ZIP_READ(c->src_off, c->zlen);
+    uint64_t ud;
+
+    if (z && z->c[0]->src_fd == c->src_fd && z->c[0]->src_off == c->src_off) {
+        z->c[z->n++] = c;   /* (its writes are queued with the first's) */
+        return 0;
+    }
+    z = &t->zcopy[t->nr_zcopy];
+    *z = (struct dp_zcopy){ rd, DP_ZIP_LEAD(c->src_off), c->zlen, bounce_off,
+                            (uint8_t)c->zalg, 1, { c, NULL } };
+    ud = DP_UD(DP_K_ZCOPY, local, tag, t->nr_zcopy++);
+    aur_fix_file(dp->r, c->src_fd);
+    aur_fix_file(dp->r, c->dst_fd);
+    if (!dp_sq_room(dp, 1) ||
+        aur_prep(dp->r, IORING_OP_READ, c->src_fd, (uint64_t)(uintptr_t)(t->zbuf + rd), rd_len,
+                 c->src_off - z->lead, 0, 0, 0, ud) < 0)
+        return -EBUSY;
+    t->pending++;
+    return 0;
+}
+
+/* A compressed copy's bytes are in (res: the read's result): inflated as far
+   as its last copy needs, and each copy's write queued (one more pending
+   piece each); 0, or why not. */
+static int32_t dp_zcopy_done(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
+                             unsigned k, int32_t res)
+{
+    const struct dp_zcopy *z = &t->zcopy[k];
+    char *out = (char *)t->bounce + z->bounce_off;
+    int32_t have = dp_zip_have(res, z->lead, z->zlen);
+    uint32_t end = 0;
+    unsigned i;
+
+    if (have < 0)
+        return have;
+    for (i = 0; i < z->n; i++)
+        if (z->c[i]->zskip + z->c[i]->len > end)
+            end = z->c[i]->zskip + z->c[i]->len;
+    if (dp_inflate(dp, z->alg, t->zbuf + z->rd + z->lead, (uint32_t)have, out, 0, end))
+        return -EIO;
+    if (!dp_sq_room(dp, z->n))
+        return -EBUSY;
+    for (i = 0; i < z->n; i++) {
+        const struct aur_ext_copy *c = z->c[i];
+
+        if (aur_prep(dp->r, IORING_OP_WRITE, c->dst_fd,
+                     (uint64_t)(uintptr_t)(out + c->zskip), c->len, c->dst_off, 0, 0, 0,
+                     DP_UD(DP_K_RW, local, tag, c->len >> 9)) < 0)
+            return -EBUSY;  /* (cannot be: room was made) */
+        t->pending++;
+    }
+    return 0;
+}
+
 /* A copy-on-write's copies: each a read of the backing data into the tag's
    bounce buffer linked to its write into the new cluster (a failed or short
    read cancels the write), two pending pieces; the first that cannot be
@@ -257,6 +389,15 @@ static void dp_queue_copies(struct aur_dp *dp, unsigned local, uint16_t tag)
         const struct aur_ext_copy *c = &t->copies[i];
         uint64_t buf = (uint64_t)(uintptr_t)((char *)t->bounce + at);
         uint64_t ud = DP_UD(DP_K_RW, local, tag, c->len >> 9);
+
+        if (c->zalg) {  /* compressed: read now, inflate and write when it is in */
+            if (dp_queue_zcopy(dp, t, local, tag, c, (uint32_t)at) < 0) {
+                t->bad = -EBUSY;
+                return;
+            }
+            at += (size_t)1 << dp->ext_shift;
+            continue;
+        }
 
         if (!dp_sq_room(dp, 2)) {  /* (the pair in one submission: see dp_sq_room) */
             t->bad = -EBUSY;
@@ -443,6 +584,20 @@ static int32_t dp_full(const struct aur_dp *dp, uint64_t ud)
     return (int32_t)(DP_AUX(ud) << 9);
 }
 
+/* A ZIP piece's compressed bytes are in (res: the read's result): its part
+   inflated into buf; 0, or why not. */
+static int32_t dp_zip_done(struct aur_dp *dp, struct dp_tag *t, char *buf, unsigned k,
+                           int32_t res)
+{
+    const struct dp_zip *z = &t->zips[k];
+    int32_t have = dp_zip_have(res, z->lead, z->zlen);
+
+    if (have < 0)
+        return have;
+    return dp_inflate(dp, z->alg, t->zbuf + z->rd + z->lead, (uint32_t)have,
+                      buf + z->buf_off, z->skip, z->len) ? -EIO : 0;
+}
+
 DP_HIDDEN void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int32_t res)
 {
     unsigned local = DP_LOCAL(ud);
@@ -452,6 +607,12 @@ DP_HIDDEN void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int3
     if (DP_KIND(ud) == DP_K_REG) {
         if (DP_AUX(ud) && res < 0 && !t->bad)  /* (an unregister's result changes nothing) */
             t->bad = res;
+    } else if (DP_KIND(ud) == DP_K_ZIP) {
+        if (!t->bad)
+            t->bad = dp_zip_done(dp, t, dp_buf(dp, local, tag), DP_AUX(ud), res);
+    } else if (DP_KIND(ud) == DP_K_ZCOPY) {
+        if (!t->bad)
+            t->bad = dp_zcopy_done(dp, t, local, tag, DP_AUX(ud), res);
     } else if (res != dp_full(dp, ud) && !t->bad) {
         t->bad = res < 0 ? res : -EIO;  /* (a positive NVMe status too) */
     }

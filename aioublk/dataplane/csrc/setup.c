@@ -24,6 +24,8 @@ void aur_dp_free(struct aur_dp *dp)
                 free(q->tags[j].ids);
                 free(q->tags[j].pieces);
                 free(q->tags[j].bounce);
+                free(q->tags[j].zips);
+                free(q->tags[j].zbuf);
             }
             free(q->tags);
         }
@@ -43,6 +45,7 @@ void aur_dp_free(struct aur_dp *dp)
     free(dp->done);
     free(dp->kept);
     free(dp->ext_map);
+    dp_inflater_free(dp);
     free(dp);
 }
 
