@@ -74,8 +74,12 @@ without any I/O.
   (``Publisher.through``: the clusters read, and the first time the rest of
   their L2 span); the backing files are read-only, so those places never
   change while the overlay is served, and a write to such a cluster is a
-  miss, a copy-on-write here. Never a compressed cluster, one whose bytes
-  lie in more than one place, one past the disk's end, or one being changed
+  miss, a copy-on-write here. A compressed cluster of a backing image is
+  published as ZIP (its compressed bytes' place; C reads and inflates the
+  part a request asks for) where the queues' copy mode gives C a buffer,
+  and as data in the backing image's cache of clusters it inflated
+  (``aioublk.qcow2.zcache``) elsewhere. Never this image's own compressed
+  cluster, one whose bytes lie in more than one place, one past the disk's end, or one being changed
   (``_busy``); nothing when the image is corrupt, or when its L1 table names
   one L2 table twice. ``pub`` of a cached table says what each entry is
   published as, and ``Publisher.pub_host`` which host cluster a MAP entry

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, Protocol
 
-from aioublk.dataplane.extents import ALLOC, COW, COW_SUB
+from aioublk.dataplane.extents import ALLOCATING
 from aioublk.io.hostfile import HostFile, aligned
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.base import L2Table, _eio
@@ -142,7 +142,7 @@ class L2Cache:
     async def make_room(self) -> None:
         while len(self.tables) >= self.capacity:
             for off, t in self.tables.items():
-                if not t.dirty and (ALLOC in t.pub or COW in t.pub or COW_SUB in t.pub):
+                if not t.dirty and any(k in t.pub for k in ALLOCATING):
                     # C may be allocating in it: a record must never name a
                     # table gone from the cache. Take it back, apply what C
                     # did (the table may be dirty now), and look again

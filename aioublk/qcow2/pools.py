@@ -46,7 +46,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
-from aioublk.dataplane.extents import ALLOC, COW, COW_SUB, MAP, ExtentTable
+from aioublk.dataplane.extents import ALLOCATING, MAP, ExtentTable
 from aioublk.qcow2.base import PARTIAL, L2Table, log
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, SUB_ALLOC
 from aioublk.qcow2.refcounts import Refcounts
@@ -191,7 +191,7 @@ class Pools:
         if t is None:
             return
         m = self.l2_mask
-        if any(t.pub[vc & m] in (ALLOC, COW, COW_SUB) for vc in vcs):
+        if any(t.pub[vc & m] in ALLOCATING for vc in vcs):
             await table.unmap(vcs.start << self.cbits, len(vcs) << self.cbits)
             self.drain()
             for vc in vcs:  # (unmapped: whatever the records said, nothing is published)

@@ -24,8 +24,11 @@ from aioublk.dataplane.extents import (
     MAP,
     ZERO,
     ZERO_FD,
+    ZIP,
+    ZIP_COW,
     ExtentConflict,
     ExtentTable,
+    Zipped,
 )
 from aioublk.qcow2.base import PARTIAL, L2Table, log
 from aioublk.qcow2.format import COPIED, OFFSET_MASK
@@ -34,9 +37,10 @@ from aioublk.qcow2.refcounts import Refcounts
 from aioublk.qcow2.zcache import ZCache
 
 #: where a backing chain holds bytes [pos, pos + n): a run (fd, offset,
-#: length), length > 0 and at most n, fd ``ZERO_FD`` for zeros; None where
-#: it cannot say without I/O (a table not cached, a compressed cluster)
-Place = Callable[[int, int], "tuple[int, int, int] | None"]
+#: length), length > 0 and at most n, fd ``ZERO_FD`` for zeros; one whole
+#: compressed cluster's compressed bytes (``Zipped``); None where it cannot
+#: say without I/O (a table not cached, part of a compressed cluster)
+Place = Callable[[int, int], "tuple[int, int, int] | Zipped | None"]
 
 
 class Publisher:
@@ -79,6 +83,11 @@ class Publisher:
         #: table forgets them): L1 index -> count, bounded by ``loose_cap``
         self.loose: dict[int, int] = {}
         self.loose_cap = 0
+        #: the chain's compressed clusters are published as ZIP, for the data
+        #: plane to inflate (not in the zero-copy modes, where it has no
+        #: buffer to inflate into: there a read inflates them in Python, and
+        #: a backing image's cache of them is published instead)
+        self.zip_ok = True
         #: memfd of a backing image's decompressed clusters -> the clusters
         #: published in it (``hold``, ``take_back_fd``)
         self.in_ram: dict[int, set[int]] = {}
@@ -307,6 +316,31 @@ class Publisher:
         if start < vcs.stop:
             self._publish_chain(start, vcs.stop, None)
 
+    def _publish_zip(self, pos: int, z: Zipped, t: L2Table | None, cow: bool) -> bool:
+        """Publish cluster ``pos`` as the compressed cluster ``z`` places
+        there, where it is one of ours and the data plane may inflate it:
+        ZIP, or ZIP_COW where ``cow`` (C may allocate in ``t``, whole
+        clusters: no subclusters); False when the table is full or
+        publishing stopped."""
+        assert self.extents is not None
+        if not self.zip_ok or z.length != self.cluster_size:
+            return True  # (Python's: a read inflates it)
+        kind = ZIP_COW if cow else ZIP
+        try:
+            if not self.extents.insert_zip(pos, z.fd, z.zoff, z.zlen, z.alg, kind=kind):
+                return False
+        except ExtentConflict:
+            log.error("qcow2 extent conflict: data plane off", image=self.path,
+                      cluster=pos >> self.cbits)
+            self.drop()
+            return False
+        vc = pos >> self.cbits
+        if t is not None:
+            t.pub[vc & self.l2_mask] = kind
+        else:
+            self.loose[vc >> self.l2_bits] = self.loose.get(vc >> self.l2_bits, 0) + 1
+        return True
+
     def hold(self, zc: ZCache) -> None:
         """Publish clusters in ``zc``'s memfd where the chain places them
         there, and give them back when it empties."""
@@ -367,7 +401,10 @@ class Publisher:
         an extended-L2 image COW_SUB: it copies only the rest of the
         subclusters it touches), and zeros as ALLOC (a pool cluster reads as
         zeros too). Elsewhere data
-        read-only, a write to it Python's copy-on-write, and zeros as ZERO."""
+        read-only, a write to it Python's copy-on-write, and zeros as ZERO.
+        A compressed cluster of the chain is ZIP_COW where C may allocate
+        (not on an extended-L2 image), elsewhere ZIP, a write to it Python's
+        (``_publish_zip``)."""
         assert self.extents is not None and self.place is not None
         cbits, cs = self.cbits, self.cluster_size
         c_allocates = t is not None and self.allocating() and bool(self.l1[t.l1i] & COPIED)
@@ -377,6 +414,11 @@ class Publisher:
         pos, end = vc << cbits, stop << cbits
         while pos < end:
             got = self.place(pos, end - pos)
+            if isinstance(got, Zipped):
+                if not self._publish_zip(pos, got, t, data == COW):
+                    return
+                pos += cs
+                continue
             length = (got[2] >> cbits << cbits) if got is not None else 0
             if got is None or not length or got[0] != ZERO_FD and got[1] & (cs - 1):
                 pos += cs  # (Python's, until a read of it publishes it alone)

@@ -9,7 +9,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from aioublk.dataplane.crossloop import run_in_thread
-from aioublk.dataplane.extents import ZERO_FD
+from aioublk.dataplane.extents import ZERO_FD, ZLIB, ZSTD, Zipped
 from aioublk.io.hostfile import aligned
 from aioublk.qcow2 import format as fmt
 from aioublk.qcow2.base import OFFLOAD_BYTES, PARTIAL, _eio, _fill_zero
@@ -175,14 +175,15 @@ class Reads(ImageBase):
         self.plane.through(range(pos >> self.cbits,
                                  (pos + len(view) + self.cmask) >> self.cbits))
 
-    def place(self, pos: int, n: int) -> tuple[int, int, int] | None:
+    def place(self, pos: int, n: int) -> tuple[int, int, int] | Zipped | None:
         """Where this image (as a backing file: read only) holds bytes
         [pos, pos + n), as far as its cached tables say without I/O: a run
         (fd, offset, length), one file and contiguous or all zeros, at most
-        n long; None where the first cluster needs I/O or Python (a table
-        not cached, a compressed cluster not in ``zc``, subclusters that
-        differ, an entry the coroutine path would refuse)
-        (``aioublk.qcow2.publish.Place``)."""
+        n long; a compressed cluster not in ``zc`` that [pos, pos + n) starts
+        with and covers, as its compressed bytes (``Zipped``); None where the
+        first cluster needs I/O or Python (a table not cached, part of a
+        compressed cluster, subclusters that differ, an entry the coroutine
+        path would refuse) (``aioublk.qcow2.publish.Place``)."""
         cbits, cmask, cs = self.cbits, self.cmask, self.cluster_size
         lookup, backing = self.l2.lookup, self.backing
         fd = off = -2  # (the run so far: none)
@@ -198,8 +199,10 @@ class Reads(ImageBase):
                     piece = None
                 elif e & COMPRESSED:  # (before PARTIAL: a compressed entry's bits differ)
                     ram = self.zc.where(e) if self.zc is not None else None
-                    piece = None if ram is None else \
-                        (self.zc.fd, ram + (at & cmask), take)  # type: ignore[union-attr]
+                    if ram is None:
+                        return self._zipped(e, take) if not got and take == cs else \
+                            (fd, off, got) if got else None
+                    piece = (self.zc.fd, ram + (at & cmask), take)  # type: ignore[union-attr]
                 elif e & PARTIAL:
                     piece = None
                 elif e & ZERO:
@@ -209,7 +212,10 @@ class Reads(ImageBase):
                     piece = None if host & cmask or host >= self.refs.used_end or \
                         host >> cbits in self.meta else (self.file.fd, host + (at & cmask), take)
                 elif backing is not None and at < backing.size:
-                    piece = backing.place(at, take)
+                    below = backing.place(at, take)
+                    if isinstance(below, Zipped):  # (one cluster, alone)
+                        return below if not got else (fd, off, got)
+                    piece = below
                 else:
                     piece = (ZERO_FD, 0, take)
             if piece is None:
@@ -221,6 +227,16 @@ class Reads(ImageBase):
                 fd, off = pfd, poff
             got += plen
         return (fd, off, got) if got else None
+
+    def _zipped(self, e: int, length: int) -> Zipped | None:
+        """Compressed entry ``e``'s bytes, for a reader that inflates them;
+        None where they lie past the end of the file (the coroutine path
+        reports that)."""
+        span = fmt.compressed_span(e, self.cbits)
+        if span.offset + span.length > max(self.refs.used_end, self.file.size) + 512:
+            return None
+        alg = ZSTD if self.h.compression_type == fmt.COMPRESSION_ZSTD else ZLIB
+        return Zipped(self.file.fd, span.offset, length, span.length, 0, alg)
 
     async def _read_backing(self, pos: int, view: memoryview) -> None:
         b = self.backing

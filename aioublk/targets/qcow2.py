@@ -89,6 +89,9 @@ class Qcow2Target(Target):
         self._others: asyncio.Event | None = None  # on the owner's loop
 
     def configure(self, device_flags: int) -> None:
+        if device_flags & (uapi.Feature.SUPPORT_ZERO_COPY | uapi.Feature.AUTO_BUF_REG):
+            # the data plane has no buffer to inflate a compressed cluster into
+            self.image.plane.zip_ok = False
         # the engine keeps L2 and refcount changes in memory until a FLUSH: a
         # device that outlives us needs them in the file before a write completes
         if device_flags & uapi.Feature.USER_RECOVERY:

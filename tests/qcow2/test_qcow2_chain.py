@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from aioublk.dataplane.extents import UNUSED, ZERO_FD, ExtentTable
+from aioublk.dataplane.extents import UNUSED, ZERO_FD, ExtentTable, Zipped
 from aioublk.qcow2 import Qcow2Image
 from aioublk.ring import Ring
 from tests.qcow2.test_qcow2_extents import DataPlaneStandIn, _held_then_released, published
@@ -52,6 +52,7 @@ from tests.support.qcow2_util import (
     qemu_io,
     read_file,
     to_raw,
+    zipped_bytes,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -92,9 +93,13 @@ def build(chain: str, d: Path) -> Path:
     return chain3(d)[0]
 
 
-def piece_bytes(pieces: list[tuple[int, int, int]]) -> bytes:
+def piece_bytes(pieces: list[tuple[int, int, int] | Zipped]) -> bytes:
     out = bytearray()
-    for fd, host, n in pieces:
+    for piece in pieces:
+        if isinstance(piece, Zipped):
+            out += zipped_bytes(piece)
+            continue
+        fd, host, n = piece
         if fd == ZERO_FD:
             out += bytes(n)
             continue
@@ -121,7 +126,7 @@ async def test_published_backing_clusters_hold_the_chains_bytes(chain: str, tmp_
         assert table is not None
         await read_whole(img)
         cs = img.cluster_size
-        kinds = {"rw": 0, "ro": 0, "zero": 0, "-": 0}
+        kinds = {"rw": 0, "ro": 0, "zero": 0, "zip": 0, "-": 0}
         for vc in range(-(-img.size // cs)):
             kind = published(table, vc, cs)
             kinds[kind] += 1
@@ -256,16 +261,49 @@ def through_backing(img: Qcow2Image, table: ExtentTable) -> int:
     return n
 
 
-def compressed_chain(d: Path) -> Path:
+def compressed_chain(d: Path, compression: str = "zlib") -> Path:
     """top (64k clusters) over a qcow2 base whose first 2 MiB (32 clusters,
     each its own pattern) are compressed and the rest plain."""
     src = d / "pattern"
     src.write_bytes(mixed_content(256 * K, seed=43))
-    base = create(d / "base.qcow2", 4 * M)
+    base = create(d / "base.qcow2", 4 * M, compression_type=compression)
     qemu_io(base, *(f"write -c -P {vc + 1} {vc * 64 * K} 64k" for vc in range(32)),
             f"write -s {src} {2 * M} {2 * M}")
     assert check_clean(base).get("compressed-clusters") == 32
     return create(d / "top.qcow2", None, backing="base.qcow2")
+
+
+@pytest.mark.parametrize("compression", ["zlib", "zstd"])
+async def test_compressed_clusters_of_the_base_are_published_for_c_to_inflate(
+        tmp_path: Path, ring: Ring, compression: str) -> None:
+    """A read through the chain publishes each compressed cluster of the base
+    as ZIP, its compressed bytes' place, before Python ever inflated it, and
+    those bytes inflate to the cluster's; a write to one is the engine's
+    copy-on-write, after which the cluster is the top's own data."""
+    top = compressed_chain(tmp_path, compression)
+    want = read_file(to_raw(top, tmp_path / "want.raw"))
+    img = Qcow2Image.open(str(top))
+    try:
+        table = img.extent_table()
+        assert table is not None
+        cs = img.cluster_size
+        await img.read(40 * cs, bytearray(4096))  # (a plain one: publishes the L2 span)
+        assert [published(table, vc) for vc in range(32)] == ["zip"] * 32
+        assert not img.backing.zc.slots, "inflated in Python"  # type: ignore[union-attr]
+        for vc in range(32):
+            for off, n in ((0, cs), (4096, 4096), (cs - 512, 512)):
+                got = table.lookup(vc * cs + off, n, write=False)
+                assert got is not None
+                assert piece_bytes(got) == want[vc * cs + off:vc * cs + off + n], (vc, off)
+        assert published(table, 40) == "ro"  # (plain clusters: the base's own)
+        await img.write(5 * cs + 100, b"\x99" * 100)
+        assert published(table, 5) in ("rw", "-")
+        back = bytearray(cs)
+        await img.read(5 * cs, back)
+        assert back == want[5 * cs:5 * cs + 100] + b"\x99" * 100 + want[5 * cs + 200:6 * cs]
+    finally:
+        await img.close()
+    assert check_clean(top)
 
 
 async def test_a_full_cache_of_decompressed_clusters_empties_safely(
@@ -278,6 +316,7 @@ async def test_a_full_cache_of_decompressed_clusters_empties_safely(
     top = compressed_chain(tmp_path)
     want = read_file(to_raw(top, tmp_path / "want.raw"))
     img = Qcow2Image.open(str(top))
+    img.plane.zip_ok = False  # (a zero-copy mode: C cannot inflate, the cache serves)
     try:
         table = img.extent_table()
         assert table is not None

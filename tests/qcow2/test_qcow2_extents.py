@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from aioublk.dataplane.extents import DONE, FAILED, UNUSED, ZERO_FD, ExtentTable
+from aioublk.dataplane.extents import DONE, FAILED, UNUSED, ZERO_FD, ExtentTable, ZipCopy, Zipped
 from aioublk.qcow2 import Qcow2Image
 from aioublk.qcow2.format import COPIED, OFFSET_MASK, ZERO
 from aioublk.ring import Ring
@@ -39,7 +39,7 @@ from tests.qcow2.test_qcow2_writes import (
     run_op,
     verify,
 )
-from tests.support.qcow2_util import K, M, create, qemu_img, qemu_io
+from tests.support.qcow2_util import K, M, create, qemu_img, qemu_io, zipped_bytes
 
 pytestmark = pytest.mark.asyncio
 
@@ -47,12 +47,15 @@ CS = 64 * K
 
 
 def published(table: ExtentTable, vc: int, cs: int = CS) -> str:
-    """'rw', 'ro', 'zero' or '-': how cluster ``vc`` is in the table."""
+    """'rw', 'ro', 'zero', 'zip' (compressed, C inflates) or '-': how cluster
+    ``vc`` is in the table."""
     if table.lookup(vc * cs, cs, write=True) is not None:
         return "rw"
     pieces = table.lookup(vc * cs, cs, write=False)
     if pieces is None:
         return "-"
+    if isinstance(pieces[0], Zipped):
+        return "zip"
     return "zero" if pieces[0][0] == ZERO_FD else "ro"
 
 
@@ -498,6 +501,7 @@ class DataPlaneStandIn:
         self.zeros = 0  # reads that had a run of ZERO granules
         self.allocated = 0  # writes that allocated and were answered by "C"
         self.copied = 0  # copies of backing data a copy-on-write made
+        self.inflated = 0  # compressed clusters' parts read
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.img, name)
@@ -518,13 +522,25 @@ class DataPlaneStandIn:
                 return False
         try:
             await asyncio.sleep(self.rng.choice((0, 0, 0.0005, 0.002)))
-            for sfd, soff, dfd, doff, n in handle.copies:  # (a COW's rest, copied first)
-                if os.pwrite(dfd, os.pread(sfd, n, soff), doff) != n:
+            for copy in handle.copies:  # (a COW's rest, copied first)
+                if isinstance(copy, ZipCopy):
+                    body, dfd, doff = zipped_bytes(copy.src), copy.dst_fd, copy.dst_off
+                else:
+                    sfd, soff, dfd, doff, n = copy
+                    body = os.pread(sfd, n, soff)
+                if os.pwrite(dfd, body, doff) != len(body):
                     outcome = FAILED
                     return False
                 self.copied += 1
             pos = 0
-            for fd, host, n in pieces:
+            for piece in pieces:
+                if isinstance(piece, Zipped):  # (reads only) C inflates it
+                    assert not write
+                    view[pos:pos + piece.length] = zipped_bytes(piece)
+                    pos += piece.length
+                    self.inflated += 1
+                    continue
+                fd, host, n = piece
                 if fd == ZERO_FD:  # (reads only) C fills the buffer
                     assert not write
                     view[pos:pos + n] = bytes(n)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import mmap
 import os
 import random
 import shlex
@@ -21,6 +22,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+
+from aioublk.dataplane.extents import ZSTD, Zipped
+from aioublk.qcow2.compress import decompress
+from aioublk.qcow2.format import COMPRESSION_ZLIB, COMPRESSION_ZSTD
 
 K = 1024
 M = 1024 * K
@@ -344,3 +349,15 @@ def held_by_qemu_io(image: Path) -> Iterator[None]:
     finally:
         holder.kill()
         holder.wait()
+
+
+def zipped_bytes(z: Zipped) -> bytes:
+    """The bytes a ZIP piece stands for, as the data plane makes them: its
+    compressed bytes read (aligned: the file may be open O_DIRECT) and
+    inflated, then the part it asks for."""
+    lead = z.zoff & 4095
+    buf = mmap.mmap(-1, (lead + z.zlen + 4095) & ~4095)
+    got = os.preadv(z.fd, [buf], z.zoff - lead)
+    kind = COMPRESSION_ZSTD if z.alg == ZSTD else COMPRESSION_ZLIB
+    whole = decompress(kind, buf[lead:min(got, lead + z.zlen)], z.skip + z.length)
+    return whole[z.skip:z.skip + z.length]
