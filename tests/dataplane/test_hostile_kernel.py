@@ -42,6 +42,7 @@ class Plane:
         self.ring = ring
         self.pipe = os.pipe()
         self.max_io = max_io
+        self.copy_in = copy_in
         self._fetcher: Any = None  # batch: the socket pair that plays the multishot fetch
         self.events: list[tuple[int, int, int, int]] = []  # kind, tag, aux, res
         self.descs = bytearray(depth * uapi.IO_DESC.size)
@@ -92,6 +93,18 @@ class Plane:
                             0, 0, 0, lib.IOSQE_BUFFER_SELECT, encode(EV_FETCH, 0, 0)) == 0
         self.ring.submit_now()
         self._fetcher[0].send(tag.to_bytes(2, "little") * times)
+
+    async def write(self, tag: int, dev: int, body: bytes) -> None:
+        """The kernel hands ``tag`` a write of ``body`` at byte ``dev`` (per-I/O
+        path), its data where the mode has it (copy_in: coming through the
+        pipe), and the first record comes back."""
+        if self.copy_in:
+            os.write(self.pipe[1], body)
+        else:
+            self.buf(tag)[:len(body)] = body
+        self.events.clear()
+        self.fetch(tag, uapi.Op.WRITE, len(body) >> 9, dev >> 9)
+        await self.wait_for(lambda: self.events)
 
     def buf(self, tag: int) -> memoryview:
         return memoryview(self.bufs)[tag * self.max_io:(tag + 1) * self.max_io]

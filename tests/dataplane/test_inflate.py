@@ -287,13 +287,7 @@ async def test_c_copies_on_write_from_a_compressed_granule(image: Image, tmp_pat
         writes = [(G + 4096, 8192), (3 * G - 4096, 4096), (0, G)]
         for k, (dev, length) in enumerate(writes):
             body = os.urandom(length)
-            if user_copy:
-                os.write(plane.pipe[1], body)
-            else:
-                plane.buf(0)[:length] = body
-            plane.events.clear()
-            plane.fetch(0, uapi.Op.WRITE, length >> 9, dev >> 9)
-            await plane.wait_for(lambda: plane.events)
+            await plane.write(0, dev, body)
             assert plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)], (dev, length)
             vc, at = divmod(dev, G)
             host = (2 + 2 * k) * G

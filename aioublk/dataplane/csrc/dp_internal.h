@@ -32,7 +32,12 @@
  * an extent table's ZERO granules needs none: in copy and -u mode C fills
  * those pieces of the tag's buffer with zeros itself (before -u's copy out),
  * and a read of zeros alone completes at once, as the null map does; the
- * zero-copy modes have no buffer to fill, so such a read is Python's. With
+ * zero-copy modes have no buffer to fill, so such a read is Python's. A
+ * read of ZIP granules (compressed) reads their compressed bytes and
+ * inflates the part asked for into the tag's buffer; a write to COW, COW_SUB
+ * or ZIP_COW granules copies the old data around it into its new cluster,
+ * merged with the write into one write when it stays inside a granule
+ * (copy mode), or as copies beside it; neither in the zero-copy modes. With
  * UBLK_F_NEED_GET_DATA (-g, per-I/O path, copy mode) a write's fetch
  * completes with UBLK_IO_RES_NEED_GET_DATA: C asks for the data with
  * UBLK_IO_NEED_GET_DATA on the tag's buffer, and that command's completion
@@ -116,6 +121,7 @@ _Static_assert(AUR_DP_MAX_SECTORS == AUR_DP_UD_AUX_MASK, "a piece's sectors fill
 #define DP_K_EXT 21    /* an external map's poll and its wake-ups (aux: see dp_ext) */
 #define DP_K_ZIP 22    /* a ZIP piece's compressed bytes read (aux: its index in zips) */
 #define DP_K_ZCOPY 23  /* a ZIP_COW copy's compressed bytes read (aux: its index in zcopy) */
+#define DP_K_MERGE 24  /* a copy-on-write's old data read, to merge with the write's */
 
 #define DP_MAX_PIECES AUR_DP_MAX_PIECES
 /* fds whose inline_io answer a data plane remembers */
@@ -172,6 +178,10 @@ struct dp_tag {
     uint8_t nr_copies;   /* a write's copy-on-write copies (extent table COW) */
     struct aur_ext_copy copies[2];
     void *bounce;        /* the copies' bytes in passing: 2 granules, made on first use */
+    /* a copy-on-write inside one granule (serve.c, dp_queue_merged): the new
+       cluster's bytes [d0, d0 + len) in fd, the write's own data at `data`
+       in them, the old data from the granule's byte `skip` on */
+    struct dp_merge { uint64_t d0; uint32_t len, data, skip; int32_t fd; } merge;
     uint8_t nr_zcopy;    /* compressed sources of its copies (ZIP_COW) */
     struct dp_zcopy zcopy[2];
     uint8_t nr_zips;     /* ZIP pieces queued (extent table ZIP granules) */

@@ -140,6 +140,7 @@ static void dp_cqe(struct aur_dp *dp, struct dp_out *o, struct io_uring_cqe *cqe
     case DP_K_UC:
     case DP_K_ZIP:
     case DP_K_ZCOPY:
+    case DP_K_MERGE:
         dp_rw_done(dp, o, ud, cqe->res);
         return;
     case AUR_DP_EV_IO:

@@ -375,6 +375,79 @@ static int32_t dp_zcopy_done(struct aur_dp *dp, struct dp_tag *t, unsigned local
     return 0;
 }
 
+/* A copy-on-write inside one granule, in copy mode (the write's data is in
+   the tag's buffer already), one pending piece: the old data the new
+   cluster needs around the write read into the bounce buffer in one read
+   (a compressed granule's: read and inflated), the write's data put over
+   it there when it is in, and all of it written in one write
+   (dp_merged_done). Two I/Os where the copies beside the write take five. */
+static void dp_queue_merged(struct aur_dp *dp, unsigned local, uint16_t tag,
+                            const struct dp_piece *p)
+{
+    struct dp_tag *t = dp_tag(dp, local, tag);
+    const struct aur_ext_copy *c = &t->copies[0];
+    uint64_t d0 = p->host_off, d1 = p->host_off + p->len, src;
+    uint32_t rd_len;
+    unsigned i;
+
+    for (i = 0; i < t->nr_copies; i++) {
+        if (t->copies[i].dst_off < d0)
+            d0 = t->copies[i].dst_off;
+        if (t->copies[i].dst_off + t->copies[i].len > d1)
+            d1 = t->copies[i].dst_off + t->copies[i].len;
+    }
+    t->merge = (struct dp_merge){ d0, (uint32_t)(d1 - d0), (uint32_t)(p->host_off - d0),
+                                  c->zalg ? (uint32_t)(c->zskip - (c->dst_off - d0)) : 0,
+                                  p->fd };
+    aur_fix_file(dp->r, c->src_fd);
+    aur_fix_file(dp->r, p->fd);
+    if (c->zalg) {  /* the compressed bytes, into zbuf (as dp_queue_zcopy's) */
+        t->zcopy[0] = (struct dp_zcopy){ 0, DP_ZIP_LEAD(c->src_off), c->zlen, 0,
+                                         (uint8_t)c->zalg, 0, { NULL, NULL } };
+        rd_len = (uint32_t)DP_ZIP_READ(c->src_off, c->zlen);
+        src = c->src_off - t->zcopy[0].lead;
+        if (aur_prep(dp->r, IORING_OP_READ, c->src_fd, (uint64_t)(uintptr_t)t->zbuf, rd_len,
+                     src, 0, 0, 0, DP_UD(DP_K_MERGE, local, tag, 0)) < 0) {
+            t->bad = -EBUSY;
+            return;
+        }
+    } else if (aur_prep(dp->r, IORING_OP_READ, c->src_fd, (uint64_t)(uintptr_t)t->bounce,
+                        t->merge.len, d0 + (c->src_off - c->dst_off), 0, 0, 0,
+                        DP_UD(DP_K_MERGE, local, tag, 0)) < 0) {
+        t->bad = -EBUSY;
+        return;
+    }
+    t->pending++;
+}
+
+/* The old data of a merged copy-on-write is in (res: its read's result):
+   the write's data over it, and the one write queued; 0, or why not. */
+static int32_t dp_merged_done(struct aur_dp *dp, struct dp_tag *t, unsigned local,
+                              uint16_t tag, int32_t res)
+{
+    const struct dp_merge *m = &t->merge;
+    char *b = t->bounce;
+
+    if (t->copies[0].zalg) {
+        const struct dp_zcopy *z = &t->zcopy[0];
+        int32_t have = dp_zip_have(res, z->lead, z->zlen);
+
+        if (have < 0)
+            return have;
+        if (dp_inflate(dp, z->alg, t->zbuf + z->lead, (uint32_t)have, b, m->skip, m->len))
+            return -EIO;
+    } else if (res != (int32_t)m->len) {
+        return res < 0 ? res : -EIO;
+    }
+    memcpy(b + m->data, dp_buf(dp, local, tag), t->len);
+    if (!dp_sq_room(dp, 1) ||
+        aur_prep(dp->r, IORING_OP_WRITE, m->fd, (uint64_t)(uintptr_t)b, m->len, m->d0, 0, 0, 0,
+                 DP_UD(DP_K_RW, local, tag, m->len >> 9)) < 0)
+        return -EBUSY;
+    t->pending++;
+    return 0;
+}
+
 /* A copy-on-write's copies: each a read of the backing data into the tag's
    bounce buffer linked to its write into the new cluster (a failed or short
    read cancels the write), two pending pieces; the first that cannot be
@@ -524,6 +597,10 @@ DP_HIDDEN int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint
     t->served = 1;
     if (nz)
         n = dp_fill_zeros(dp, local, tag, p, n);
+    if (t->nr_copies && n == 1 && t->nr_ids == 1 && !uc) {  /* one granule: merged */
+        dp_queue_merged(dp, local, tag, p);
+        goto queued;
+    }
     if (t->nr_copies)  /* (a write: it has pieces, the copies go beside them) */
         dp_queue_copies(dp, local, tag);
     if (!n && !uc) {  /* zeros only, in the buffer already: done, as the null map */
@@ -549,6 +626,7 @@ DP_HIDDEN int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint
         if (dp->s.mode == AUR_DP_ZERO_COPY && dp_zc_link(dp, t, local, tag, 0) < 0 && !t->bad)
             t->bad = -EBUSY;
     }
+queued:
     if (!t->pending) {  /* nothing queued: Python serves it from the start */
         dp_release(dp, t, local, AUR_EXT_UNUSED);
         dp->inflight--;
@@ -613,6 +691,9 @@ DP_HIDDEN void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int3
     } else if (DP_KIND(ud) == DP_K_ZCOPY) {
         if (!t->bad)
             t->bad = dp_zcopy_done(dp, t, local, tag, DP_AUX(ud), res);
+    } else if (DP_KIND(ud) == DP_K_MERGE) {
+        if (!t->bad)
+            t->bad = dp_merged_done(dp, t, local, tag, res);
     } else if (res != dp_full(dp, ud) && !t->bad) {
         t->bad = res < 0 ? res : -EIO;  /* (a positive NVMe status too) */
     }

@@ -1,0 +1,111 @@
+"""C's copy-on-write, on a real ring with the test playing the kernel
+(``test_hostile_kernel.Plane``): a write to COW or COW_SUB granules lands in
+its pool cluster with the old data around it, in one read and one write when
+it stays inside a granule (copy mode), or as copies beside the write (across
+granules, and with -u), and is recorded before its commit."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from aioublk._uring import lib
+from aioublk.dataplane.extents import COW, COW_SUB, ExtentTable, Record
+from aioublk.dataplane.maps import Extents
+from aioublk.dataplane.plane import EV_IO
+from aioublk.kernel import uapi
+from aioublk.ring import Ring
+from tests.dataplane.test_hostile_kernel import Plane
+
+G = 64 * 1024
+SUB = G // 32
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.mark.parametrize("kind", [COW, COW_SUB], ids=["cow", "cow_sub"])
+@pytest.mark.parametrize("user_copy", [False, True], ids=["copy", "user-copy"])
+async def test_c_copies_on_write_around_the_write(tmp_path: Path, kind: int,
+                                                  user_copy: bool) -> None:
+    """Writes inside a granule (head and tail to copy; only a head; a
+    whole granule: nothing) and one across two granules (the first's head,
+    the last's tail): each new cluster holds the old data with the write
+    over it (COW_SUB: only the subclusters it touched, the rest left zero
+    for the engine's bitmap), and a record says where."""
+    old = os.urandom(6 * G)
+    base = os.open(tmp_path / "base", os.O_RDWR | os.O_CREAT, 0o600)
+    os.pwrite(base, old, 0)
+    alloc = os.open(tmp_path / "alloc", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(alloc, 16 * G)
+    table = ExtentTable(G)
+    table.set_alloc(alloc, 8, 8)
+    slot = table.attach()
+    assert table.pool_add(slot, [k * 2 * G for k in range(6)]) == 6
+    assert table.insert_kind(kind, 0, 6 * G, base, 0)
+    ring = Ring(16)
+    mode = lib.AUR_DP_USER_COPY if user_copy else lib.AUR_DP_COPY
+    plane = Plane(ring, alloc, depth=2, max_io=2 * G, mode=mode,
+                  map=Extents(table, slot=slot), copy_in=user_copy)
+    host = 0
+    try:
+        for dev, length in ((4096 + 512, 8192), (2 * G - 4096, 4096), (2 * G, G),
+                            (3 * G + G // 2, G)):
+            body = os.urandom(length)
+            await plane.write(0, dev, body)
+            assert plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)], (dev, length)
+            records = table.drain()
+            first, last = dev // G, (dev + length - 1) // G
+            assert [(r.gran, r.ok) for r in records] == [(g, True) for g in range(first, last + 1)]
+            for r in records:
+                want = bytearray(old[r.gran * G:(r.gran + 1) * G])
+                lo, hi = max(dev, r.gran * G), min(dev + length, (r.gran + 1) * G)
+                want[lo - r.gran * G:hi - r.gran * G] = body[lo - dev:hi - dev]
+                if kind == COW_SUB:  # (outside the touched subclusters: the pool's zeros)
+                    s0, s1 = (lo - r.gran * G) // SUB * SUB, -(-(hi - r.gran * G) // SUB) * SUB
+                    want[:s0] = bytes(s0)
+                    want[s1:] = bytes(G - s1)
+                    assert r.subs != 0
+                assert os.pread(alloc, G, r.host_off) == want, (dev, length, r.gran)
+                assert r.host_off == host
+                host += 2 * G
+        c = plane.dp.counts[0]
+        assert (c.c_alloc, c.py_handed) == (5, 0)
+        assert plane.dp.inflight == 0 and table.busy(0, 6 * G) == 0
+        assert table.drain() == []
+    finally:
+        plane.close()
+        os.close(base)
+        os.close(alloc)
+
+
+async def test_a_merged_copy_whose_old_data_cannot_be_read_goes_to_python(
+        tmp_path: Path) -> None:
+    """The old data's read comes back short (the base ends inside the
+    granule): nothing is written, the cluster is recorded failed, and the
+    write goes to Python from the start."""
+    base = os.open(tmp_path / "base", os.O_RDWR | os.O_CREAT, 0o600)
+    os.pwrite(base, os.urandom(G // 2), 0)
+    alloc = os.open(tmp_path / "alloc", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(alloc, 4 * G)
+    table = ExtentTable(G)
+    table.set_alloc(alloc, 8, 8)
+    slot = table.attach()
+    assert table.pool_add(slot, [2 * G]) == 1
+    assert table.insert_kind(COW, 0, G, base, 0)
+    ring = Ring(16)
+    plane = Plane(ring, alloc, depth=2, max_io=G, map=Extents(table, slot=slot))
+    try:
+        plane.buf(0)[:4096] = b"\x11" * 4096
+        plane.fetch(0, uapi.Op.WRITE, 8, 8)
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events[0][:2] == (lib.AUR_DP_EV_RETRY, 0)
+        assert table.drain() == [Record(0, 2 * G, False, slot)]
+        assert os.pread(alloc, G, 2 * G) == bytes(G)
+        assert plane.dp.inflight == 0 and table.busy(0, G) == 0
+    finally:
+        plane.close()
+        os.close(base)
+        os.close(alloc)
