@@ -214,6 +214,42 @@ async def test_a_cluster_at_the_files_end_is_read_short_and_served(tmp_path: Pat
 
 
 @pytest.mark.asyncio
+async def test_a_cluster_inflated_once_is_read_again_from_the_planes_cache(
+        tmp_path: Path) -> None:
+    """A read within what the plane inflated of a cluster already is a copy
+    (its compressed bytes, garbled on disk since, are not read again); one
+    further than that inflates again, from the disk (and fails here: to
+    Python); a new map empties the cache."""
+    image = Image(tmp_path / "zipped", [ZLIB, ZSTD])
+    table = ExtentTable(G)
+    image.publish(table)
+    ring = Ring(16)
+    plane = Plane(ring, image.fd, depth=2, max_io=G, map=Extents(table))
+    try:
+        await _read(plane, 0, 0, G, 8192)
+        assert plane.events == _commit(0, 0)
+        off, n, _alg = image.spans[1]
+        with open(tmp_path / "zipped", "r+b") as f:
+            f.seek(off)
+            f.write(os.urandom(n))
+        for at, length in ((G, 8192), (G + 4096, 4096)):
+            plane.buf(1)[:] = bytes(G)
+            await _read(plane, 0, 1, at, length)
+            assert plane.events == _commit(0, 1)
+            assert plane.buf(1)[:length] == image.want[1][at - G:at - G + length]
+        await _read(plane, 0, 1, 2 * G - 4096, 4096)
+        assert plane.events == [(EV_RETRY, 1, 0, -errno.EIO)]
+        await _read(plane, 0, 0, 0, 4096)  # (the other cluster's bytes are as they were)
+        assert plane.events == _commit(0, 0)
+        plane.dp.set_map(Extents(table))
+        await _read(plane, 0, 1, G, 4096)
+        assert plane.events == [(EV_RETRY, 1, 0, -errno.EIO)]
+    finally:
+        plane.close()
+        image.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["ZERO_COPY", "AUTO_ZC"])
 async def test_zip_granules_are_pythons_in_the_zero_copy_modes(image: Image, mode: str) -> None:
     """No buffer of C's to inflate into: the read goes to Python as fetched."""

@@ -140,7 +140,8 @@ struct dp_piece { int fd; uint32_t len; uint64_t host_off; uint32_t buf_off;
 /* A ZIP piece in flight: its compressed bytes are read (from a 4 KiB-aligned
    offset, O_DIRECT's way) into the tag's zbuf at rd, the first of them lead
    bytes in, and inflated to the tag's buffer at buf_off when they are in. */
-struct dp_zip { uint32_t rd, lead, zlen, skip, len, buf_off; uint8_t alg; };
+struct dp_zip { uint32_t rd, lead, zlen, skip, len, buf_off; uint8_t alg; int fd;
+                uint64_t zoff; };
 
 /* A copy-on-write's copies from a compressed granule (ZIP_COW): its
    compressed bytes read once into zbuf at rd (as dp_zip's), inflated into
@@ -151,6 +152,7 @@ struct dp_zcopy {
     uint8_t alg, n;
     const struct aur_ext_copy *c[2];
 };
+
 
 /* where a ZIP piece's read starts and its length */
 #define DP_ZIP_ALIGN 4096u
@@ -367,10 +369,15 @@ DP_HIDDEN void dp_rw_done(struct aur_dp *dp, struct dp_out *o, uint64_t ud, int3
 DP_HIDDEN void dp_pass(struct aur_dp *dp, struct dp_out *o, unsigned max, int *full,
                        int submit);
 DP_HIDDEN void dp_wake_loop(struct aur_dp *dp);
-/* inflate.c: bytes [skip, skip + len) of what src inflates to (alg: AUR_EXT_ZLIB
-   or AUR_EXT_ZSTD) into dst; 0, or -errno */
-DP_HIDDEN int dp_inflate(struct aur_dp *dp, int alg, const void *src, size_t srclen,
-                         char *dst, uint32_t skip, uint32_t len);
+/* inflate.c: bytes [skip, skip + len) of what src, the compressed bytes at
+   (fd, zoff), inflates to (alg: AUR_EXT_ZLIB or AUR_EXT_ZSTD) into dst, and
+   kept in the plane's cache; 0, or -errno */
+DP_HIDDEN int dp_inflate(struct aur_dp *dp, int alg, int fd, uint64_t zoff, const void *src,
+                         size_t srclen, char *dst, uint32_t skip, uint32_t len);
+/* the same bytes from the cache into dst if it has them: 1, else 0 */
+DP_HIDDEN int dp_zcache_get(struct aur_dp *dp, int fd, uint64_t zoff, char *dst, uint32_t skip,
+                            uint32_t len);
+DP_HIDDEN void dp_zcache_clear(struct aur_dp *dp);
 DP_HIDDEN void dp_inflater_free(struct aur_dp *dp);
 /* plugin.c: ask the plug-in what it wants (o: a CQE's records, or NULL) */
 DP_HIDDEN int dp_ext_watch(struct aur_dp *dp, struct dp_out *o);

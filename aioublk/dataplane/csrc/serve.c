@@ -229,7 +229,8 @@ static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
             uint64_t rd_off = p[i].host_off - DP_ZIP_LEAD(p[i].host_off);
 
             *z = (struct dp_zip){ zat, DP_ZIP_LEAD(p[i].host_off), p[i].zlen, p[i].zskip,
-                                  p[i].len, p[i].buf_off, p[i].zalg };
+                                  p[i].len, p[i].buf_off, p[i].zalg, p[i].fd,
+                                  p[i].host_off };
             ud = DP_UD(DP_K_ZIP, local, tag, t->nr_zips++);
             if (dp_inline_fd(dp, p[i].fd)) {
                 dp_inline_rw(dp, 0, p[i].fd, t->zbuf + zat, rd_len, rd_off, ud);
@@ -359,7 +360,8 @@ static int32_t dp_zcopy_done(struct aur_dp *dp, struct dp_tag *t, unsigned local
     for (i = 0; i < z->n; i++)
         if (z->c[i]->zskip + z->c[i]->len > end)
             end = z->c[i]->zskip + z->c[i]->len;
-    if (dp_inflate(dp, z->alg, t->zbuf + z->rd + z->lead, (uint32_t)have, out, 0, end))
+    if (dp_inflate(dp, z->alg, z->c[0]->src_fd, z->c[0]->src_off, t->zbuf + z->rd + z->lead,
+                   (uint32_t)have, out, 0, end))
         return -EIO;
     if (!dp_sq_room(dp, z->n))
         return -EBUSY;
@@ -434,7 +436,8 @@ static int32_t dp_merged_done(struct aur_dp *dp, struct dp_tag *t, unsigned loca
 
         if (have < 0)
             return have;
-        if (dp_inflate(dp, z->alg, t->zbuf + z->lead, (uint32_t)have, b, m->skip, m->len))
+        if (dp_inflate(dp, z->alg, t->copies[0].src_fd, t->copies[0].src_off, t->zbuf + z->lead,
+                       (uint32_t)have, b, m->skip, m->len))
             return -EIO;
     } else if (res != (int32_t)m->len) {
         return res < 0 ? res : -EIO;
@@ -521,6 +524,22 @@ static unsigned dp_fill_zeros(struct aur_dp *dp, unsigned local, uint16_t tag,
     return k;
 }
 
+/* ZIP pieces the plane's cache of inflated clusters holds, copied into the
+   tag's buffer now: they need no I/O. The other pieces are moved to the
+   front; returns how many. */
+static unsigned dp_fill_inflated(struct aur_dp *dp, unsigned local, uint16_t tag,
+                                 struct dp_piece *p, unsigned n)
+{
+    char *buf = dp_buf(dp, local, tag);
+    unsigned i, k = 0;
+
+    for (i = 0; i < n; i++)
+        if (!p[i].zalg ||
+            !dp_zcache_get(dp, p[i].fd, p[i].host_off, buf + p[i].buf_off, p[i].zskip, p[i].len))
+            p[k++] = p[i];
+    return k;
+}
+
 /* A fetched request: 1 if C serves it, 0 if it is Python's. */
 DP_HIDDEN int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag)
 {
@@ -597,13 +616,15 @@ DP_HIDDEN int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint
     t->served = 1;
     if (nz)
         n = dp_fill_zeros(dp, local, tag, p, n);
+    if (!write && dp->map == AUR_MAP_EXTENTS)
+        n = dp_fill_inflated(dp, local, tag, p, n);
     if (t->nr_copies && n == 1 && t->nr_ids == 1 && !uc) {  /* one granule: merged */
         dp_queue_merged(dp, local, tag, p);
         goto queued;
     }
     if (t->nr_copies)  /* (a write: it has pieces, the copies go beside them) */
         dp_queue_copies(dp, local, tag);
-    if (!n && !uc) {  /* zeros only, in the buffer already: done, as the null map */
+    if (!n && !uc) {  /* in the buffer already (zeros, cached): done, as the null map */
         dp_release(dp, t, local, AUR_EXT_DONE);
         dp_complete(dp, o, local, tag, (int32_t)len);
         return 1;
@@ -672,7 +693,7 @@ static int32_t dp_zip_done(struct aur_dp *dp, struct dp_tag *t, char *buf, unsig
 
     if (have < 0)
         return have;
-    return dp_inflate(dp, z->alg, t->zbuf + z->rd + z->lead, (uint32_t)have,
+    return dp_inflate(dp, z->alg, z->fd, z->zoff, t->zbuf + z->rd + z->lead, (uint32_t)have,
                       buf + z->buf_off, z->skip, z->len) ? -EIO : 0;
 }
 

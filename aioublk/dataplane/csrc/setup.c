@@ -170,6 +170,7 @@ DP_HIDDEN void dp_new_map(struct aur_dp *dp, const int *fds, unsigned n)
     aur_unfix_files(dp->r, dp->s.char_fd);
     for (i = 0; i < n; i++)
         aur_fix_file(dp->r, fds[i]);
+    dp_zcache_clear(dp);  /* (what it kept was the old map's) */
 }
 
 int aur_dp_map_null(struct aur_dp *dp)
