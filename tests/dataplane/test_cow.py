@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-from pathlib import Path
 
 import pytest
 
@@ -19,6 +18,7 @@ from aioublk.dataplane.plane import EV_IO
 from aioublk.kernel import uapi
 from aioublk.ring import Ring
 from tests.dataplane.test_hostile_kernel import Plane
+from tests.support.files import Where
 
 G = 64 * 1024
 SUB = G // 32
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.asyncio
 
 @pytest.mark.parametrize("kind", [COW, COW_SUB], ids=["cow", "cow_sub"])
 @pytest.mark.parametrize("user_copy", [False, True], ids=["copy", "user-copy"])
-async def test_c_copies_on_write_around_the_write(tmp_path: Path, kind: int,
+async def test_c_copies_on_write_around_the_write(where: Where, kind: int,
                                                   user_copy: bool) -> None:
     """Writes inside a granule (head and tail to copy; only a head; a
     whole granule: nothing) and one across two granules (the first's head,
@@ -36,9 +36,9 @@ async def test_c_copies_on_write_around_the_write(tmp_path: Path, kind: int,
     over it (COW_SUB: only the subclusters it touched, the rest left zero
     for the engine's bitmap), and a record says where."""
     old = os.urandom(6 * G)
-    base = os.open(tmp_path / "base", os.O_RDWR | os.O_CREAT, 0o600)
+    base = os.open(where.dir / "base", os.O_RDWR | os.O_CREAT, 0o600)
     os.pwrite(base, old, 0)
-    alloc = os.open(tmp_path / "alloc", os.O_RDWR | os.O_CREAT, 0o600)
+    alloc = os.open(where.dir / "alloc", os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(alloc, 16 * G)
     table = ExtentTable(G)
     table.set_alloc(alloc, 8, 8)
@@ -48,7 +48,7 @@ async def test_c_copies_on_write_around_the_write(tmp_path: Path, kind: int,
     ring = Ring(16)
     mode = lib.AUR_DP_USER_COPY if user_copy else lib.AUR_DP_COPY
     plane = Plane(ring, alloc, depth=2, max_io=2 * G, mode=mode,
-                  map=Extents(table, slot=slot), copy_in=user_copy)
+                  map=Extents(table, slot=slot), copy_in=user_copy, setup=where.setup)
     host = 0
     try:
         for dev, length in ((4096 + 512, 8192), (2 * G - 4096, 4096), (2 * G, G),
@@ -82,13 +82,13 @@ async def test_c_copies_on_write_around_the_write(tmp_path: Path, kind: int,
 
 
 async def test_a_merged_copy_whose_old_data_cannot_be_read_goes_to_python(
-        tmp_path: Path) -> None:
+        where: Where) -> None:
     """The old data's read comes back short (the base ends inside the
     granule): nothing is written, the cluster is recorded failed, and the
     write goes to Python from the start."""
-    base = os.open(tmp_path / "base", os.O_RDWR | os.O_CREAT, 0o600)
+    base = os.open(where.dir / "base", os.O_RDWR | os.O_CREAT, 0o600)
     os.pwrite(base, os.urandom(G // 2), 0)
-    alloc = os.open(tmp_path / "alloc", os.O_RDWR | os.O_CREAT, 0o600)
+    alloc = os.open(where.dir / "alloc", os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(alloc, 4 * G)
     table = ExtentTable(G)
     table.set_alloc(alloc, 8, 8)
@@ -96,7 +96,8 @@ async def test_a_merged_copy_whose_old_data_cannot_be_read_goes_to_python(
     assert table.pool_add(slot, [2 * G]) == 1
     assert table.insert_kind(COW, 0, G, base, 0)
     ring = Ring(16)
-    plane = Plane(ring, alloc, depth=2, max_io=G, map=Extents(table, slot=slot))
+    plane = Plane(ring, alloc, depth=2, max_io=G, map=Extents(table, slot=slot),
+                  setup=where.setup)
     try:
         plane.buf(0)[:4096] = b"\x11" * 4096
         plane.fetch(0, uapi.Op.WRITE, 8, 8)

@@ -33,6 +33,7 @@ from aioublk.qcow2.compress import compress
 from aioublk.qcow2.format import COMPRESSION_ZLIB, COMPRESSION_ZSTD
 from aioublk.ring import Ring
 from tests.dataplane.test_hostile_kernel import Plane
+from tests.support.files import Where
 
 G = 64 * 1024  # the granule: a default qcow2 cluster
 KIND = {ZLIB: COMPRESSION_ZLIB, ZSTD: COMPRESSION_ZSTD}
@@ -71,8 +72,8 @@ class Image:
 
 
 @pytest.fixture
-def image(tmp_path: Path) -> Any:
-    img = Image(tmp_path / "zipped", [ZLIB, ZSTD, ZLIB])
+def image(where: Where) -> Any:
+    img = Image(where.dir / "zipped", [ZLIB, ZSTD, ZLIB])
     yield img
     img.close()
 
@@ -131,13 +132,13 @@ async def _read(plane: Plane, batch: int, tag: int, off: int, length: int) -> No
 @pytest.mark.asyncio
 @pytest.mark.parametrize("batch", [0, 1], ids=["per-io", "batch"])
 @pytest.mark.parametrize("user_copy", [False, True], ids=["copy", "user-copy"])
-async def test_c_inflates_the_part_a_read_asks_for(image: Image, tmp_path: Path, batch: int,
+async def test_c_inflates_the_part_a_read_asks_for(image: Image, where: Where, batch: int,
                                                    user_copy: bool) -> None:
     """zlib and zstd granules, beside plain data: the head, the middle and
     the tail of a cluster, a read across two compressed clusters, and one
     of everything; each served by C in full, the bytes those of the
     clusters, nothing held after."""
-    plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT, 0o600)
+    plain = os.open(where.dir / "plain", os.O_RDWR | os.O_CREAT, 0o600)
     os.pwrite(plain, b"\x5a" * G, 0)
     table = ExtentTable(G)
     image.publish(table)
@@ -145,7 +146,8 @@ async def test_c_inflates_the_part_a_read_asks_for(image: Image, tmp_path: Path,
     disk = b"".join(image.want) + b"\x5a" * G
     ring = Ring(16)
     mode = lib.AUR_DP_USER_COPY if user_copy else lib.AUR_DP_COPY
-    plane = Plane(ring, plain, depth=2, max_io=4 * G, mode=mode, batch=batch, map=Extents(table))
+    plane = Plane(ring, plain, depth=2, max_io=4 * G, mode=mode, batch=batch, map=Extents(table),
+                  setup=where.setup)
     fcntl.fcntl(plane.pipe[1], fcntl.F_SETPIPE_SZ, 4 * G)  # (-u: a whole read copied out)
     try:
         for off, length in ((0, 4096), (G + 8192, 4096), (2 * G - 4096, 4096),
@@ -164,13 +166,13 @@ async def test_c_inflates_the_part_a_read_asks_for(image: Image, tmp_path: Path,
 
 
 @pytest.mark.asyncio
-async def test_a_cluster_that_does_not_inflate_goes_to_python(tmp_path: Path) -> None:
+async def test_a_cluster_that_does_not_inflate_goes_to_python(where: Where) -> None:
     """Bytes that are not what the entry says (garbage, or a stream cut
     short) are never answered by C: the request comes back to Python from
     the start, which reports the image's fault, and nothing stays held."""
     good = compress(COMPRESSION_ZLIB, cluster(7), G)
     assert good is not None
-    path = tmp_path / "bad"
+    path = where.dir / "bad"
     path.write_bytes(os.urandom(3000) + good)
     fd = os.open(path, os.O_RDONLY)
     table = ExtentTable(G)
@@ -178,7 +180,7 @@ async def test_a_cluster_that_does_not_inflate_goes_to_python(tmp_path: Path) ->
     assert table.insert_zip(G, fd, 3000, len(good) // 2, ZLIB)   # cut short
     assert table.insert_zip(2 * G, fd, 0, 3000, ZSTD)      # no zstd frame
     ring = Ring(16)
-    plane = Plane(ring, fd, depth=2, max_io=G, map=Extents(table))
+    plane = Plane(ring, fd, depth=2, max_io=G, map=Extents(table), setup=where.setup)
     try:
         for dev in (0, G, 2 * G):
             await _read(plane, 0, 0, dev + G - 4096, 4096)
@@ -190,20 +192,20 @@ async def test_a_cluster_that_does_not_inflate_goes_to_python(tmp_path: Path) ->
 
 
 @pytest.mark.asyncio
-async def test_a_cluster_at_the_files_end_is_read_short_and_served(tmp_path: Path) -> None:
+async def test_a_cluster_at_the_files_end_is_read_short_and_served(where: Where) -> None:
     """The read of a compressed cluster is widened to 4 KiB boundaries (a file
     opened O_DIRECT wants them), so at the end of the file it comes back
     short: what came is enough."""
     data = cluster(3)
     packed = compress(COMPRESSION_ZSTD, data, G)
     assert packed is not None
-    path = tmp_path / "end"
+    path = where.dir / "end"
     path.write_bytes(os.urandom(5000) + packed)  # (ends mid-block)
     fd = os.open(path, os.O_RDONLY)
     table = ExtentTable(G)
     assert table.insert_zip(0, fd, 5000, len(packed) + 300, ZSTD)  # (its sector's padding)
     ring = Ring(16)
-    plane = Plane(ring, fd, depth=2, max_io=G, map=Extents(table))
+    plane = Plane(ring, fd, depth=2, max_io=G, map=Extents(table), setup=where.setup)
     try:
         await _read(plane, 0, 1, 0, G)
         assert plane.events == _commit(0, 1)
@@ -215,21 +217,21 @@ async def test_a_cluster_at_the_files_end_is_read_short_and_served(tmp_path: Pat
 
 @pytest.mark.asyncio
 async def test_a_cluster_inflated_once_is_read_again_from_the_planes_cache(
-        tmp_path: Path) -> None:
+        where: Where) -> None:
     """A read within what the plane inflated of a cluster already is a copy
     (its compressed bytes, garbled on disk since, are not read again); one
     further than that inflates again, from the disk (and fails here: to
     Python); a new map empties the cache."""
-    image = Image(tmp_path / "zipped", [ZLIB, ZSTD])
+    image = Image(where.dir / "zipped", [ZLIB, ZSTD])
     table = ExtentTable(G)
     image.publish(table)
     ring = Ring(16)
-    plane = Plane(ring, image.fd, depth=2, max_io=G, map=Extents(table))
+    plane = Plane(ring, image.fd, depth=2, max_io=G, map=Extents(table), setup=where.setup)
     try:
         await _read(plane, 0, 0, G, 8192)
         assert plane.events == _commit(0, 0)
         off, n, _alg = image.spans[1]
-        with open(tmp_path / "zipped", "r+b") as f:
+        with open(where.dir / "zipped", "r+b") as f:
             f.seek(off)
             f.write(os.urandom(n))
         for at, length in ((G, 8192), (G + 4096, 4096)):
@@ -300,14 +302,14 @@ def test_a_write_to_a_zip_cow_granule_allocates_and_copies_the_inflated_rest(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("user_copy", [False, True], ids=["copy", "user-copy"])
-async def test_c_copies_on_write_from_a_compressed_granule(image: Image, tmp_path: Path,
+async def test_c_copies_on_write_from_a_compressed_granule(image: Image, where: Where,
                                                           user_copy: bool) -> None:
     """C's copy-on-write over zlib and zstd granules: a write inside a
     granule (its head and tail inflated once, both written), one at a
     granule's end (only its head), one of a whole granule (nothing to
     copy): each lands in its pool cluster with the inflated rest around it,
     recorded, and the granule is data there after."""
-    alloc = os.open(tmp_path / "alloc", os.O_RDWR | os.O_CREAT, 0o600)
+    alloc = os.open(where.dir / "alloc", os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(alloc, 8 * G)
     table = ExtentTable(G)
     table.set_alloc(alloc, 8, 8)
@@ -318,7 +320,7 @@ async def test_c_copies_on_write_from_a_compressed_granule(image: Image, tmp_pat
     ring = Ring(16)
     mode = lib.AUR_DP_USER_COPY if user_copy else lib.AUR_DP_COPY
     plane = Plane(ring, alloc, depth=2, max_io=G, mode=mode, map=Extents(table, slot=slot),
-                  copy_in=user_copy)
+                  copy_in=user_copy, setup=where.setup)
     try:
         writes = [(G + 4096, 8192), (3 * G - 4096, 4096), (0, G)]
         for k, (dev, length) in enumerate(writes):

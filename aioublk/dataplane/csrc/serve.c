@@ -207,6 +207,36 @@ static void dp_inline_rw(struct aur_dp *dp, int write, int fd, void *buf, uint32
     dp->done[dp->nr_done++] = (struct dp_done){ ud, got < 0 ? -errno : (int32_t)got };
 }
 
+/* Room in the SQ for n more SQEs, submitting what is queued if need be. A
+   linked chain must reach the kernel in one submission (io_uring does not
+   carry a link across two: the rest would run unordered, an unregister
+   before its register), so one is started only when all of it fits. */
+static int dp_sq_room(struct aur_dp *dp, unsigned n)
+{
+    struct io_uring *ring = &dp->r->ring;
+
+    if (io_uring_sq_space_left(ring) >= n)
+        return 1;
+    io_uring_submit(ring);
+    return io_uring_sq_space_left(ring) >= n;
+}
+
+/* One read or write of a file for a request, by the ring, or now in this
+   thread where the ring would pass it to a worker (dp_inline_fd): 0, or
+   -EBUSY when the SQ has no room. */
+static int dp_file_rw(struct aur_dp *dp, int write, int fd, void *buf, uint32_t len,
+                      uint64_t off, uint64_t ud)
+{
+    if (dp_inline_fd(dp, fd)) {
+        dp_inline_rw(dp, write, fd, buf, len, off, ud);
+        return 0;
+    }
+    if (!dp_sq_room(dp, 1))
+        return -EBUSY;
+    return aur_prep(dp->r, write ? IORING_OP_WRITE : IORING_OP_READ, fd,
+                    (uint64_t)(uintptr_t)buf, len, off, 0, 0, 0, ud) < 0 ? -EBUSY : 0;
+}
+
 /* The backend I/O of pieces p[0..n), each one more pending piece; a piece
    the ring cannot take marks the request bad and stops there. */
 static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
@@ -232,14 +262,7 @@ static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
                                   p[i].len, p[i].buf_off, p[i].zalg, p[i].fd,
                                   p[i].host_off };
             ud = DP_UD(DP_K_ZIP, local, tag, t->nr_zips++);
-            if (dp_inline_fd(dp, p[i].fd)) {
-                dp_inline_rw(dp, 0, p[i].fd, t->zbuf + zat, rd_len, rd_off, ud);
-                ret = 0;
-            } else {
-                ret = aur_prep(dp->r, IORING_OP_READ, p[i].fd,
-                               (uint64_t)(uintptr_t)(t->zbuf + zat), rd_len, rd_off, 0, 0, 0,
-                               ud);
-            }
+            ret = dp_file_rw(dp, 0, p[i].fd, t->zbuf + zat, rd_len, rd_off, ud);
             zat += rd_len;
         } else if (dp->map == AUR_MAP_NVME) {
             ret = dp_nvme_rw(dp, t, local, tag, &p[i], ud);
@@ -286,20 +309,6 @@ static int dp_uc_copy(struct aur_dp *dp, unsigned local, uint16_t tag)
     return ret;
 }
 
-/* Room in the SQ for n more SQEs, submitting what is queued if need be. A
-   linked chain must reach the kernel in one submission (io_uring does not
-   carry a link across two: the rest would run unordered, an unregister
-   before its register), so one is started only when all of it fits. */
-static int dp_sq_room(struct aur_dp *dp, unsigned n)
-{
-    struct io_uring *ring = &dp->r->ring;
-
-    if (io_uring_sq_space_left(ring) >= n)
-        return 1;
-    io_uring_submit(ring);
-    return io_uring_sq_space_left(ring) >= n;
-}
-
 /* How many compressed bytes a read of them brought (res: its result, the
    first lead bytes not theirs), at most zlen; < 0: none, why. A read short
    of zlen (the file ends inside the last sector's padding) is fine if what
@@ -335,9 +344,7 @@ static int dp_queue_zcopy(struct aur_dp *dp, struct dp_tag *t, unsigned local, u
     ud = DP_UD(DP_K_ZCOPY, local, tag, t->nr_zcopy++);
     aur_fix_file(dp->r, c->src_fd);
     aur_fix_file(dp->r, c->dst_fd);
-    if (!dp_sq_room(dp, 1) ||
-        aur_prep(dp->r, IORING_OP_READ, c->src_fd, (uint64_t)(uintptr_t)(t->zbuf + rd), rd_len,
-                 c->src_off - z->lead, 0, 0, 0, ud) < 0)
+    if (dp_file_rw(dp, 0, c->src_fd, t->zbuf + rd, rd_len, c->src_off - z->lead, ud) < 0)
         return -EBUSY;
     t->pending++;
     return 0;
@@ -363,15 +370,12 @@ static int32_t dp_zcopy_done(struct aur_dp *dp, struct dp_tag *t, unsigned local
     if (dp_inflate(dp, z->alg, z->c[0]->src_fd, z->c[0]->src_off, t->zbuf + z->rd + z->lead,
                    (uint32_t)have, out, 0, end))
         return -EIO;
-    if (!dp_sq_room(dp, z->n))
-        return -EBUSY;
     for (i = 0; i < z->n; i++) {
         const struct aur_ext_copy *c = z->c[i];
 
-        if (aur_prep(dp->r, IORING_OP_WRITE, c->dst_fd,
-                     (uint64_t)(uintptr_t)(out + c->zskip), c->len, c->dst_off, 0, 0, 0,
-                     DP_UD(DP_K_RW, local, tag, c->len >> 9)) < 0)
-            return -EBUSY;  /* (cannot be: room was made) */
+        if (dp_file_rw(dp, 1, c->dst_fd, out + c->zskip, c->len, c->dst_off,
+                       DP_UD(DP_K_RW, local, tag, c->len >> 9)) < 0)
+            return -EBUSY;
         t->pending++;
     }
     return 0;
@@ -408,14 +412,13 @@ static void dp_queue_merged(struct aur_dp *dp, unsigned local, uint16_t tag,
                                          (uint8_t)c->zalg, 0, { NULL, NULL } };
         rd_len = (uint32_t)DP_ZIP_READ(c->src_off, c->zlen);
         src = c->src_off - t->zcopy[0].lead;
-        if (aur_prep(dp->r, IORING_OP_READ, c->src_fd, (uint64_t)(uintptr_t)t->zbuf, rd_len,
-                     src, 0, 0, 0, DP_UD(DP_K_MERGE, local, tag, 0)) < 0) {
+        if (dp_file_rw(dp, 0, c->src_fd, t->zbuf, rd_len, src,
+                       DP_UD(DP_K_MERGE, local, tag, 0)) < 0) {
             t->bad = -EBUSY;
             return;
         }
-    } else if (aur_prep(dp->r, IORING_OP_READ, c->src_fd, (uint64_t)(uintptr_t)t->bounce,
-                        t->merge.len, d0 + (c->src_off - c->dst_off), 0, 0, 0,
-                        DP_UD(DP_K_MERGE, local, tag, 0)) < 0) {
+    } else if (dp_file_rw(dp, 0, c->src_fd, t->bounce, t->merge.len,
+                          d0 + (c->src_off - c->dst_off), DP_UD(DP_K_MERGE, local, tag, 0)) < 0) {
         t->bad = -EBUSY;
         return;
     }
@@ -443,9 +446,7 @@ static int32_t dp_merged_done(struct aur_dp *dp, struct dp_tag *t, unsigned loca
         return res < 0 ? res : -EIO;
     }
     memcpy(b + m->data, dp_buf(dp, local, tag), t->len);
-    if (!dp_sq_room(dp, 1) ||
-        aur_prep(dp->r, IORING_OP_WRITE, m->fd, (uint64_t)(uintptr_t)b, m->len, m->d0, 0, 0, 0,
-                 DP_UD(DP_K_RW, local, tag, m->len >> 9)) < 0)
+    if (dp_file_rw(dp, 1, m->fd, b, m->len, m->d0, DP_UD(DP_K_RW, local, tag, m->len >> 9)) < 0)
         return -EBUSY;
     t->pending++;
     return 0;
@@ -475,12 +476,23 @@ static void dp_queue_copies(struct aur_dp *dp, unsigned local, uint16_t tag)
             continue;
         }
 
+        aur_fix_file(dp->r, c->src_fd);
+        aur_fix_file(dp->r, c->dst_fd);
+        if (dp_inline_fd(dp, c->src_fd) && dp_inline_fd(dp, c->dst_fd)) {
+            /* both now, in order; a read that is not whole cancels the write */
+            dp_inline_rw(dp, 0, c->src_fd, (void *)(uintptr_t)buf, c->len, c->src_off, ud);
+            if (dp->done[dp->nr_done - 1].res == (int32_t)c->len)
+                dp_inline_rw(dp, 1, c->dst_fd, (void *)(uintptr_t)buf, c->len, c->dst_off, ud);
+            else
+                dp->done[dp->nr_done++] = (struct dp_done){ ud, -ECANCELED };
+            t->pending += 2;
+            at += c->len;
+            continue;
+        }
         if (!dp_sq_room(dp, 2)) {  /* (the pair in one submission: see dp_sq_room) */
             t->bad = -EBUSY;
             return;
         }
-        aur_fix_file(dp->r, c->src_fd);
-        aur_fix_file(dp->r, c->dst_fd);
         if (aur_prep(dp->r, IORING_OP_READ, c->src_fd, buf, c->len, c->src_off, 0, 0,
                      IOSQE_IO_LINK, ud) < 0) {
             t->bad = -EBUSY;
