@@ -41,7 +41,7 @@ TARGETS: dict[str, dict[str, list[Path] | list[str]]] = {
               # (the data plane's .c files, which the harness includes, are headers here)
               "headers": [*sorted(p for p in DPSRC.glob("*.[ch]") if p.name != "extents.c"),
                           CSRC / "ring.h", CSRC / "ublk_cmd.h"],
-              "include": [CSRC, DPSRC], "libs": ["-luring", "-lpthread"]},
+              "include": [CSRC, DPSRC], "libs": ["-luring", "-lz", "-lzstd", "-lpthread"]},
 }
 
 

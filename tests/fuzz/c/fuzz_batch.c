@@ -32,6 +32,7 @@
 #include "setup.c"
 #include "commands.c"
 #include "serve.c"
+#include "inflate.c"
 #include "plugin.c"
 #include "reap.c"
 #include "uvhook.c"
