@@ -266,12 +266,16 @@ class Publisher:
                 alloc_ok=self.allocating() and bool(self.l1[t.l1i] & COPIED),
                 backing_end=self.backing_end, meta=meta, skip=skip)
         except ExtentConflict:
-            # a mapping changed without _remap: a bug; stop serving from the table
-            log.error("qcow2 extent conflict: data plane off", image=self.path, cluster=vc0)
-            self.drop()
+            self._conflict(vc0)
             return
         if pairs:
             self.pub_host.update(pairs)
+
+    def _conflict(self, vc: int) -> None:
+        """Cluster ``vc`` is mapped otherwise in the table: a mapping changed
+        without ``_remap``, a bug; stop serving from the table."""
+        log.error("qcow2 extent conflict: data plane off", image=self.path, cluster=vc)
+        self.drop()
 
     # --------------------------------------------- the backing chain's data
     def through(self, vcs: range) -> None:
@@ -330,9 +334,7 @@ class Publisher:
             if not self.extents.insert_zip(pos, z.fd, z.zoff, z.zlen, z.alg, kind=kind):
                 return False
         except ExtentConflict:
-            log.error("qcow2 extent conflict: data plane off", image=self.path,
-                      cluster=pos >> self.cbits)
-            self.drop()
+            self._conflict(pos >> self.cbits)
             return False
         vc = pos >> self.cbits
         if t is not None:
@@ -428,9 +430,7 @@ class Publisher:
             try:
                 ok = self.extents.insert_kind(kind, pos, length, fd, host if fd >= 0 else 0)
             except ExtentConflict:
-                log.error("qcow2 extent conflict: data plane off", image=self.path,
-                          cluster=pos >> cbits)
-                self.drop()
+                self._conflict(pos >> cbits)
                 return
             if not ok:
                 return  # the table is full

@@ -199,9 +199,10 @@ class Reads(ImageBase):
                     piece = None
                 elif e & COMPRESSED:  # (before PARTIAL: a compressed entry's bits differ)
                     ram = self.zc.where(e) if self.zc is not None else None
-                    if ram is None:
-                        return self._zipped(e, take) if not got and take == cs else \
-                            (fd, off, got) if got else None
+                    if ram is None:  # (its compressed bytes: a run of its own)
+                        if got:
+                            break
+                        return self._zipped(e, take) if take == cs else None
                     piece = (self.zc.fd, ram + (at & cmask), take)  # type: ignore[union-attr]
                 elif e & PARTIAL:
                     piece = None
@@ -213,8 +214,10 @@ class Reads(ImageBase):
                         host >> cbits in self.meta else (self.file.fd, host + (at & cmask), take)
                 elif backing is not None and at < backing.size:
                     below = backing.place(at, take)
-                    if isinstance(below, Zipped):  # (one cluster, alone)
-                        return below if not got else (fd, off, got)
+                    if isinstance(below, Zipped):  # (one cluster, a run of its own)
+                        if got:
+                            break
+                        return below
                     piece = below
                 else:
                     piece = (ZERO_FD, 0, take)

@@ -153,7 +153,6 @@ struct dp_zcopy {
     const struct aur_ext_copy *c[2];
 };
 
-
 /* where a ZIP piece's read starts and its length */
 #define DP_ZIP_ALIGN 4096u
 #define DP_ZIP_LEAD(off) ((uint32_t)((off) & (DP_ZIP_ALIGN - 1)))
@@ -186,6 +185,7 @@ struct dp_tag {
     struct dp_merge { uint64_t d0; uint32_t len, data, skip; int32_t fd; } merge;
     uint8_t nr_zcopy;    /* compressed sources of its copies (ZIP_COW) */
     struct dp_zcopy zcopy[2];
+    uint8_t has_zip;     /* its pieces include ZIP ones (dp_resolve) */
     uint8_t nr_zips;     /* ZIP pieces queued (extent table ZIP granules) */
     struct dp_zip *zips; /* DP_MAX_PIECES, made on first use */
     char *zbuf;          /* their compressed bytes, zbuf_cap of room */
@@ -329,6 +329,7 @@ static inline void dp_tag_start(struct dp_tag *t, uint32_t len, int write, int f
     t->nr_ids = 0;
     t->nr_copies = 0;
     t->nr_zips = 0;
+    t->has_zip = 0;
     t->nr_zcopy = 0;
     t->pending = 0;
     t->cqes = 0;

@@ -45,17 +45,13 @@ static int dp_can_cow(const struct aur_dp *dp)
            dp->s.mode != AUR_DP_AUTO_ZC;
 }
 
-/* Room in the tag for the ZIP pieces of p[0..n) and its compressed copies:
-   their state, and their compressed bytes' reads; 0 when there is no
-   memory for them. */
-static int dp_zip_room(struct dp_tag *t, const struct dp_piece *p, unsigned n)
+/* Room in the tag for its ZIP pieces (need: their compressed bytes' reads)
+   and its compressed copies: their state, and their reads; 0 when there is
+   no memory for them. */
+static int dp_zip_room(struct dp_tag *t, size_t need)
 {
-    size_t need = 0;
     unsigned i;
 
-    for (i = 0; i < n; i++)
-        if (p[i].zalg)
-            need += DP_ZIP_READ(p[i].host_off, p[i].zlen);
     for (i = 0; i < t->nr_copies; i++)  /* (at most: two copies may share one read) */
         if (t->copies[i].zalg)
             need += DP_ZIP_READ(t->copies[i].src_off, t->copies[i].zlen);
@@ -82,6 +78,7 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
                            int write, struct dp_piece *p)
 {
     struct aur_ext_piece ep[DP_MAX_PIECES];
+    size_t zneed = 0;
     uint32_t pos = 0;
     unsigned n = 0, i, nc = 0;
     int got;
@@ -129,9 +126,12 @@ static unsigned dp_resolve(struct aur_dp *dp, struct dp_tag *t, uint64_t off, ui
             }
             p[i] = (struct dp_piece){ ep[i].fd, ep[i].len, ep[i].host_off, pos,
                                       ep[i].zlen, ep[i].zskip, (uint8_t)ep[i].zalg };
+            if (ep[i].zalg)
+                zneed += DP_ZIP_READ(ep[i].host_off, ep[i].zlen);
             pos += ep[i].len;
         }
-        if (!dp_zip_room(t, p, (unsigned)got)) {  /* (no memory: Python's) */
+        t->has_zip = zneed != 0;
+        if ((zneed || nc) && !dp_zip_room(t, zneed)) {  /* (no memory: Python's) */
             aur_ext_release(dp->ext, t->ids, t->nr_ids, AUR_EXT_UNUSED);
             t->nr_ids = 0;
             return 0;
@@ -243,9 +243,8 @@ static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
                             const struct dp_piece *p, unsigned n)
 {
     struct dp_tag *t = dp_tag(dp, local, tag);
-    unsigned i;
-
     uint32_t zat = 0;
+    unsigned i;
 
     for (i = 0; i < n; i++) {
         uint64_t ud = DP_UD(DP_K_RW, local, tag, p[i].len >> 9);
@@ -628,7 +627,7 @@ DP_HIDDEN int dp_serve(struct aur_dp *dp, struct dp_out *o, unsigned local, uint
     t->served = 1;
     if (nz)
         n = dp_fill_zeros(dp, local, tag, p, n);
-    if (!write && dp->map == AUR_MAP_EXTENTS)
+    if (t->has_zip)  /* (a read's: a write to ZIP granules misses) */
         n = dp_fill_inflated(dp, local, tag, p, n);
     if (t->nr_copies && n == 1 && t->nr_ids == 1 && !uc) {  /* one granule: merged */
         dp_queue_merged(dp, local, tag, p);
