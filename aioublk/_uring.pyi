@@ -54,6 +54,7 @@ class _Lib:
     AUR_EXT_COW_SUB: int
     AUR_EXT_ZIP: int
     AUR_EXT_ZIP_COW: int
+    AUR_EXT_SUB: int
     AUR_EXT_SUBCLUSTERS: int
     AUR_EXT_ZLIB: int
     AUR_EXT_ZSTD: int
@@ -64,6 +65,7 @@ class _Lib:
     AUR_EXT_ID_ALLOC: int
     AUR_EXT_REC_OK: int
     AUR_EXT_REC_FAILED: int
+    AUR_EXT_REC_GROWN: int
     AUR_DP_UD_MARK_SHIFT: int
     AUR_DP_UD_KIND_SHIFT: int
     AUR_DP_UD_KIND_MASK: int
@@ -137,6 +139,8 @@ class _Lib:
                             host_off: int, writable: int, /) -> int: ...
     def aur_ext_insert_zip(self, t: Any, dev_off: int, kind: int, fd: int, zoff: int,
                            zlen: int, zalg: int, /) -> int: ...
+    def aur_ext_insert_sub(self, t: Any, dev_off: int, fd: int, host_off: int, subs: int,
+                           src_fd: int, src_off: int, /) -> int: ...
     def aur_ext_publish_l2(self, t: Any, fd: int, dev_base: int, entries: Any, n: int,
                            r: Any, pub_out: Any, host_out: Any, gran_out: Any, /) -> int: ...
     def aur_ext_invalidate(self, t: Any, dev_off: int, len: int, /) -> int: ...

@@ -52,7 +52,8 @@ from typing import Any, NamedTuple
 from aioublk._uring import ffi, lib
 from aioublk.errors import Error
 
-__all__ = ["ALLOC", "ALLOCATING", "COW", "COW_SUB", "DONE", "FAILED", "MAP", "UNUSED", "ZERO",
+__all__ = ["ALLOC", "ALLOCATING", "COW", "COW_SUB", "DONE", "FAILED", "MAP", "SUB", "UNUSED",
+           "ZERO",
            "ZERO_FD", "ZIP", "ZIP_COW", "ZLIB", "ZSTD", "Copy", "ExtentConflict", "ExtentTable",
            "Handle", "Piece", "Record", "ZipCopy", "Zipped"]
 
@@ -69,16 +70,20 @@ Copy = tuple[int, int, int, int, int]
 #: from the writer's pool and copies what it does not cover
 MAP, ZERO, ALLOC, COW = lib.AUR_EXT_MAP, lib.AUR_EXT_ZERO, lib.AUR_EXT_ALLOC, lib.AUR_EXT_COW
 #: COW in 32 subclusters: a write copies only the rest of the subclusters it
-#: touches, its record says which (``Record.subs``), and the granule leaves
-#: the table
+#: touches, its record says which (``Record.subs``), and the granule is SUB
 COW_SUB = lib.AUR_EXT_COW_SUB
+#: a cluster of the allocation file part of whose subclusters are data there,
+#: the others still elsewhere (``insert_sub``): a write to the others copies
+#: the rest of them into the cluster and records them (``Record.grown``)
+SUB = lib.AUR_EXT_SUB
 #: a compressed cluster: its compressed bytes at (fd, offset), inflated by
 #: the reader (ZLIB: raw deflate, ZSTD: one frame), read only; ZIP_COW: and a
 #: write allocates and copies the rest of it, inflated, as for COW
 ZIP, ZIP_COW = lib.AUR_EXT_ZIP, lib.AUR_EXT_ZIP_COW
 ZLIB, ZSTD = lib.AUR_EXT_ZLIB, lib.AUR_EXT_ZSTD
-#: the kinds a write may allocate in (from the writer's pool)
-ALLOCATING = (ALLOC, COW, COW_SUB, ZIP_COW)
+#: the kinds whose write C records (allocating from the writer's pool, or
+#: more subclusters of a SUB's cluster)
+ALLOCATING = (ALLOC, COW, COW_SUB, ZIP_COW, SUB)
 #: what became of an acquisition's writes (:meth:`ExtentTable.release`)
 DONE, FAILED, UNUSED = lib.AUR_EXT_DONE, lib.AUR_EXT_FAILED, lib.AUR_EXT_UNUSED
 #: the fd of a piece of zeros
@@ -131,6 +136,9 @@ class Record(NamedTuple):
     #: for a COW_SUB granule, the subclusters the write made data (bit i: the
     #: i-th 32nd of the granule); 0: the whole granule
     subs: int = 0
+    #: a SUB granule's write: ``host_off`` was its cluster already, and
+    #: ``subs`` are every subcluster of it that is data now
+    grown: bool = False
 
 
 class ExtentConflict(Error, ValueError):
@@ -264,6 +272,22 @@ class ExtentTable:
         return _inserted(ret, dev_off, self.granule,
                          f"kind {kind}, fd {fd} at {zoff}, {zlen} bytes, type {alg}", self.granule)
 
+    def insert_sub(self, dev_off: int, fd: int, host_off: int, subs: int, src_fd: int,
+                   src_off: int) -> bool:
+        """Publish granule ``dev_off`` as SUB: its cluster at (``fd``,
+        ``host_off``), written in place where ``subs`` (bit i: the i-th 32nd
+        of the granule, some but not all) says it is data, the others read
+        at (``src_fd``, ``src_off``) (``ZERO_FD``: zeros) until a write
+        copies the rest of them in. Otherwise as :meth:`insert`."""
+        _check("dev_off", dev_off)
+        _check("host_off", host_off)
+        _check("src_off", src_off)
+        _check("subs", subs, _U32)
+        ret = lib.aur_ext_insert_sub(self.cdata, dev_off, fd, host_off, subs, src_fd, src_off)
+        return _inserted(ret, dev_off, self.granule,
+                         f"SUB {subs:#x}, fd {fd} at {host_off}, the rest fd {src_fd} at "
+                         f"{src_off}", self.granule)
+
     def publish_l2(self, fd: int, dev_base: int, entries: Any, pub: Any, *, used_end: int,
                    size: int, writable_ok: bool, alloc_ok: bool = False, backing_end: int = 0,
                    meta: Iterable[int] = (), skip: Iterable[int] = ()) -> list[tuple[int, int]]:
@@ -363,7 +387,8 @@ class ExtentTable:
         Returns the pieces in device order and a handle to pass to release(),
         or None when some granule is unmapped (or read-only or ZERO, for a
         write; or ALLOC or COW, for a write with no ``slot``, an empty pool or
-        a full log; or allocating, for anything). A run of ZERO or ALLOC
+        a full log; or allocating, for anything; or when SUB granules make
+        more runs than it has room for). A run of ZERO or ALLOC
         granules read is one piece ``(ZERO_FD, 0, length)``. A write to ALLOC
         or COW granules gets clusters from ``slot``'s pool: its pieces point
         there, and the handle's ``copies`` say what of the COW granules' data
@@ -374,12 +399,13 @@ class ExtentTable:
             raise ValueError(f"length {length} out of range")
         g = self.granule.bit_length() - 1
         n = ((dev_off + length - 1) >> g) - (dev_off >> g) + 1
-        pieces = ffi.new("struct aur_ext_piece[]", n)
+        room = n + lib.AUR_EXT_SUBCLUSTERS  # (a SUB granule's runs: a piece each)
+        pieces = ffi.new("struct aur_ext_piece[]", room)
         ids = ffi.new("uint32_t[]", n)
         copies = ffi.new("struct aur_ext_copy[2]")
         nc = ffi.new("unsigned *")
         got = lib.aur_ext_acquire_cow(self.cdata, dev_off, length, write,
-                                      -1 if slot is None else slot, pieces, n, ids, n,
+                                      -1 if slot is None else slot, pieces, room, ids, n,
                                       copies, nc)
         if not got:
             return None
@@ -463,8 +489,9 @@ class ExtentTable:
         recs: list[Record] = []
         while True:
             got = int(lib.aur_ext_drain(self.cdata, out, n))
-            recs += [Record(int(r.gran), int(r.host_off), r.flags == lib.AUR_EXT_REC_OK,
-                            int(r.slot), int(r.subs)) for r in out[0:got]]
+            recs += [Record(int(r.gran), int(r.host_off), bool(r.flags & lib.AUR_EXT_REC_OK),
+                            int(r.slot), int(r.subs), bool(r.flags & lib.AUR_EXT_REC_GROWN))
+                     for r in out[0:got]]
             if got < n:
                 return recs
 
@@ -479,12 +506,14 @@ class ExtentTable:
 
     def stats(self) -> dict[str, int]:
         """Lock operations and how many were contended (waited for another
-        thread), allocations per outcome, records not drained, allocations in
-        flight: what says whether the one mutex or the pools need work."""
+        thread), allocations per outcome (``grown``: of those done, writes
+        that added subclusters to a SUB granule's cluster), records not
+        drained, allocations in flight: what says whether the one mutex or
+        the pools need work."""
         s = ffi.new("struct aur_ext_stats *")
         lib.aur_ext_stats(self.cdata, s)
         return {k: int(getattr(s, k)) for k in ("locks", "contended", "done", "failed",
-                                                "unused", "log_n", "allocating")}
+                                                "unused", "grown", "log_n", "allocating")}
 
     def lookup(self, dev_off: int, length: int, *, write: bool,
                slot: int | None = None) -> list[Piece | Zipped] | None:

@@ -700,8 +700,8 @@ def test_a_cow_write_that_did_not_land_leaves_the_old_data(outcome: int) -> None
 def test_a_write_to_a_cow_sub_granule_copies_only_its_subclusters() -> None:
     """With subclusters (a 32nd of the granule each, 2 KiB here) a write
     copies only the rest of the subclusters it touches, its record says
-    which it made data, and the granule leaves the table: part of it is in
-    the new cluster, the rest still where it was."""
+    which it made data, and the granule is SUB: part of it in the new
+    cluster, the rest still where it was."""
     t, slot = alloc_table()
     t.pool_add(slot, [100 * G, 101 * G, 102 * G])
     sub = G // 32
@@ -714,15 +714,17 @@ def test_a_write_to_a_cow_sub_granule_copies_only_its_subclusters() -> None:
                                sub - 512)]
     assert t.release(held[1]) == 1
     assert t.drain() == [Record(0, 100 * G, True, slot, 0b1110)]
-    assert t.lookup(0, 512, write=False) is None and len(t) == 2  # (gone from the table)
+    assert t.lookup(0, 5 * sub, write=False) == [(BFD, 50 * G, sub), (AFD, 100 * G + sub, 3 * sub),
+                                                  (BFD, 50 * G + 4 * sub, sub)]
     # aligned to subclusters: nothing to copy; across granules: each its own
     held = t.acquire(2 * G - 2 * sub, 4 * sub, write=True, slot=slot)
     assert held is not None and held[1].copies == []
     t.release(held[1])
     assert t.drain() == [Record(1, 101 * G, True, slot, 0b11 << 30),
                          Record(2, 102 * G, True, slot, 0b11)]
-    assert len(t) == 0
+    assert len(t) == 3
     # a write that did not land leaves it COW_SUB where it was
+    t.invalidate(0, 3 * G)
     t.pool_add(slot, [103 * G])
     t.insert_kind(COW_SUB, 3 * G, G, BFD, 60 * G)
     held = t.acquire(3 * G, 512, write=True, slot=slot)
@@ -950,3 +952,98 @@ def test_threads_allocate_while_the_owner_invalidates_and_drains() -> None:
     assert (s["allocating"], s["log_n"]) == (0, 0)
     assert s["done"] == sum(allocs) and s["failed"] == len(records) - sum(allocs)
     assert s["failed"] and s["unused"]                      # every outcome was met
+
+
+def sub_table() -> tuple[ExtentTable, int, int]:
+    """A table whose granule 0 is SUB: subclusters 1-3 data in cluster 100,
+    the others in the backing file at 50 (as a COW_SUB's first write leaves
+    it)."""
+    t, slot = alloc_table()
+    sub = G // 32
+    t.pool_add(slot, [100 * G])
+    t.insert_kind(COW_SUB, 0, G, BFD, 50 * G)
+    held = t.acquire(sub, 3 * sub, write=True, slot=slot)
+    assert held is not None and held[1].copies == []
+    t.release(held[1])
+    assert t.drain() == [Record(0, 100 * G, True, slot, 0b1110)]
+    return t, slot, sub
+
+
+def test_a_sub_granule_reads_each_subcluster_from_where_it_is() -> None:
+    t, slot, sub = sub_table()
+    assert t.lookup(0, G, write=False) == [(BFD, 50 * G, sub), (AFD, 100 * G + sub, 3 * sub),
+                                           (BFD, 50 * G + 4 * sub, G - 4 * sub)]
+    assert t.lookup(2 * sub + 512, 512, write=False) == [(AFD, 100 * G + 2 * sub + 512, 512)]
+    # more runs than pieces: a miss, whole
+    pieces = ffi.new("struct aur_ext_piece[2]")
+    ids = ffi.new("uint32_t[1]")
+    assert lib.aur_ext_acquire(t.cdata, 0, G, 0, slot, pieces, 2, ids, 1) == 0
+    assert t.stats()["allocating"] == 0
+
+
+def test_a_write_to_a_sub_granule_goes_in_place_or_copies_the_rest_of_new_subclusters() -> None:
+    """A write to subclusters that are data goes in place with nothing to
+    record; one that touches others copies the rest of those from the
+    backing data into the granule's own cluster (no pool), holds the
+    granule alone meanwhile, and its record (GROWN) says which subclusters
+    are data now. When all are, the granule is MAP."""
+    t, slot, sub = sub_table()
+    held = t.acquire(sub + 512, 1024, write=True, slot=slot)  # inside data: in place
+    assert held is not None and held[0] == [(AFD, 100 * G + sub + 512, 1024)]
+    assert held[1].copies == [] and not held[1].allocates
+    assert t.acquire(sub, 512, write=True, slot=slot) is not None  # (shared, as MAP)
+    assert t.release(held[1]) == 0 and t.drain() == []
+    # from the middle of subcluster 3 (data) into the middle of 5: copies 5's tail
+    held = t.acquire(3 * sub + 512, 2 * sub, write=True, slot=slot)
+    assert held is not None and held[1].allocates
+    assert held[0] == [(AFD, 100 * G + 3 * sub + 512, 2 * sub)]
+    assert held[1].copies == [(BFD, 50 * G + 5 * sub + 512, AFD, 100 * G + 5 * sub + 512,
+                               sub - 512)]
+    assert t.acquire(0, 512, write=False) is None   # held alone until it lands
+    assert t.pool_level(slot) == 0                  # (no pool cluster taken)
+    assert t.release(held[1]) == 1
+    assert t.drain() == [Record(0, 100 * G, True, slot, 0b111110, grown=True)]
+    assert t.lookup(4 * sub, 3 * sub, write=False) == [(AFD, 100 * G + 4 * sub, 2 * sub),
+                                                        (BFD, 50 * G + 6 * sub, sub)]
+    # the head of subcluster 0, the rest of the granule: all data now, MAP
+    held = t.acquire(512, G - 512, write=True, slot=slot)
+    assert held is not None
+    assert held[1].copies == [(BFD, 50 * G, AFD, 100 * G, 512)]
+    t.release(held[1])
+    assert t.drain() == [Record(0, 100 * G, True, slot, 0xFFFF_FFFF, grown=True)]
+    assert t.lookup(0, G, write=True) == [(AFD, 100 * G, G)]
+
+
+@pytest.mark.parametrize("outcome", [FAILED, UNUSED])
+def test_a_sub_write_that_did_not_land_leaves_the_granule_as_it_was(outcome: int) -> None:
+    """Nothing to free (the cluster stays the granule's) and nothing to
+    record: the subclusters it touched still read from the backing data."""
+    t, slot, sub = sub_table()
+    before = t.lookup(0, G, write=False)
+    held = t.acquire(6 * sub, 512, write=True, slot=slot)
+    assert held is not None and held[1].allocates
+    assert t.release(held[1], outcome) == 0
+    assert t.drain() == []
+    assert t.lookup(0, G, write=False) == before
+    assert t.stats()["allocating"] == 0
+
+
+def test_a_sub_write_needs_room_in_the_log_and_a_slot() -> None:
+    t, slot = alloc_table(log_cap=1)
+    sub = G // 32
+    assert t.insert_sub(0, AFD, 100 * G, 0b1, BFD, 50 * G)
+    assert t.insert_sub(G, AFD, 101 * G, 0b1, BFD, 51 * G)
+    assert t.insert_sub(0, AFD, 100 * G, 0b1, BFD, 50 * G)  # the same again: no change
+    with pytest.raises(ExtentConflict):
+        t.insert_sub(0, AFD, 100 * G, 0b11, BFD, 50 * G)
+    assert t.acquire(sub, 512, write=True, slot=-1) is None  # no slot: no record
+    first = t.acquire(sub, 512, write=True, slot=slot)
+    assert first is not None
+    assert t.acquire(G + sub, 512, write=True, slot=slot) is None  # the log's room is taken
+    assert t.acquire(G, 512, write=True, slot=slot) is not None  # (in place: no record)
+    t.release(first[1])
+    assert [r.subs for r in t.drain()] == [0b11]
+    for bad in [(0, AFD, 100 * G, 0, BFD, 0), (0, AFD, 100 * G, 0xFFFF_FFFF, BFD, 0),
+                (512, AFD, 100 * G, 1, BFD, 0), (0, -1, 100 * G, 1, BFD, 0)]:
+        with pytest.raises(ValueError):
+            t.insert_sub(*bad)

@@ -84,8 +84,20 @@
  * makes it MAP in the new cluster and pushes a record as for ALLOC.
  * COW_SUB is COW for an image with subclusters (qcow2's extended L2): a write
  * copies only the rest of the subclusters it touches, and its record says
- * which (subs); the granule then leaves the table, since part of it is new
- * data and the rest still where it was, which is no kind of granule.
+ * which (subs).
+ *
+ * Why SUB: after that first write the granule is part new data, part still
+ * where it was, and a VM's next write to the cluster is most likely to a
+ * subcluster still in the backing file. A SUB granule keeps both places and
+ * which subclusters are where (subs): a read takes each subcluster's bytes
+ * from where they are, a write to subclusters already data goes in place,
+ * and one to others copies the rest of them as COW_SUB does, into the
+ * cluster the granule already has (no pool), holding it exclusively as an
+ * allocation does; DONE adds them to subs and pushes a record (GROWN: the
+ * subclusters that are data now), FAILED and UNUSED leave the granule as
+ * it was (what a failed write left in subclusters that are not data is
+ * never read: their next write covers them whole, copies included). Once
+ * every subcluster is data the granule is MAP.
  *
  * Why ZIP: a cloud image is a compressed qcow2 base under an overlay, and
  * every read of a cluster the VM has not written inflates one of the base's
@@ -135,8 +147,11 @@ struct aur_ext_entry {
     uint64_t host_off;  /* host byte offset of the granule's first byte */
     uint64_t src_off;   /* EXT_ALLOCATING from COW: the data it copies from, at */
     int32_t src_fd;     /* src_off in src_fd (-1: from ALLOC, nothing to copy) */
-    uint32_t subs;      /* EXT_ALLOCATING from COW_SUB: the subclusters written */
-    uint8_t src_kind;   /* EXT_ALLOCATING from COW or COW_SUB: which */
+    uint32_t subs;      /* EXT_ALLOCATING from COW_SUB: the subclusters written; SUB:
+                           the subclusters that are data at host_off (src_fd and
+                           src_off: the others' data, -1 zeros) */
+    uint32_t grow;      /* EXT_ALLOCATING from SUB: the subclusters the write adds */
+    uint8_t src_kind;   /* EXT_ALLOCATING from COW, COW_SUB or SUB: which */
     int32_t fd;
     uint32_t inflight;  /* acquisitions not yet released */
     uint32_t next;      /* LIVE: hash chain; GONE: removed list; FREE: free list */
@@ -144,8 +159,9 @@ struct aur_ext_entry {
     uint8_t state;
     uint8_t writable;
     uint8_t kind;       /* AUR_EXT_MAP, AUR_EXT_COW, AUR_EXT_ZERO, AUR_EXT_ALLOC (fd,
-                           host_off unused) or EXT_ALLOCATING (host_off, slot and
-                           fd set; src_fd and src_off what it was as COW) */
+                           host_off unused), ... or EXT_ALLOCATING (host_off, slot
+                           and fd set; src_fd and src_off what it was as COW, or
+                           the SUB's other subclusters) */
     uint8_t slot;       /* EXT_ALLOCATING: the pool its cluster came from */
     uint8_t zalg;       /* AUR_EXT_ZIP: how host_off's zlen bytes are compressed */
     uint32_t zlen;
@@ -176,7 +192,7 @@ struct aur_ext {
     uint32_t allocating;        /* records the allocations in flight will push */
     int notify_fd;
     uint32_t waiters;
-    uint64_t locks, contended, done, failed, unused;
+    uint64_t locks, contended, done, failed, unused, grown;
 };
 
 /* The lock, counting how often it had to be waited for. */
@@ -350,7 +366,8 @@ static int ext_same(const struct aur_ext_entry *x, int kind, int fd, uint64_t ho
         return 0;
     if (kind == AUR_EXT_ZIP || kind == AUR_EXT_ZIP_COW)
         return x->fd == fd && x->host_off == host_off && x->zlen == zlen && x->zalg == zalg;
-    return (kind != AUR_EXT_MAP && kind != AUR_EXT_COW && kind != AUR_EXT_COW_SUB) ||
+    return (kind != AUR_EXT_MAP && kind != AUR_EXT_COW && kind != AUR_EXT_COW_SUB &&
+            kind != AUR_EXT_SUB) ||
            (x->fd == fd && x->host_off == host_off && x->writable == !!writable);
 }
 
@@ -388,7 +405,8 @@ static int ext_insert_locked(struct aur_ext *t, uint64_t g0, uint64_t n, int kin
         t->e[i] = (struct aur_ext_entry){
             .gran = g0 + k, .state = EXT_LIVE, .kind = (uint8_t)kind,
         };
-        if (kind == AUR_EXT_MAP || kind == AUR_EXT_COW || kind == AUR_EXT_COW_SUB) {
+        if (kind == AUR_EXT_MAP || kind == AUR_EXT_COW || kind == AUR_EXT_COW_SUB ||
+            kind == AUR_EXT_SUB) {
             t->e[i].host_off = host_off + (k << t->shift);
             t->e[i].fd = fd;
             t->e[i].writable = !!writable;
@@ -447,6 +465,38 @@ int aur_ext_insert_zip(struct aur_ext *t, uint64_t dev_off, int kind, int fd, ui
         return -EINVAL;
     ext_lock(t);
     ret = ext_insert_locked(t, dev_off >> t->shift, 1, kind, fd, zoff, 0, zlen, zalg);
+    pthread_mutex_unlock(&t->mu);
+    return ret;
+}
+
+int aur_ext_insert_sub(struct aur_ext *t, uint64_t dev_off, int fd, uint64_t host_off,
+                       uint32_t subs, int src_fd, uint64_t src_off)
+{
+    uint64_t gmask = ((uint64_t)1 << t->shift) - 1, g = dev_off >> t->shift;
+    struct aur_ext_entry *x;
+    uint32_t i;
+    int ret = 0;
+
+    if (t->shift < 9 + 5 || fd < 0 || src_fd < -1 || !subs || subs == 0xffffffffu ||
+        (dev_off | host_off | src_off) & gmask || host_off > UINT64_MAX - gmask ||
+        src_off > UINT64_MAX - gmask || (src_fd < 0 && src_off))
+        return -EINVAL;
+    ext_lock(t);
+    i = ext_find(t, g);
+    if (i != EXT_NIL) {
+        x = &t->e[i];
+        if (x->kind != AUR_EXT_SUB || x->fd != fd || x->host_off != host_off ||
+            x->subs != subs || x->src_fd != src_fd || x->src_off != src_off)
+            ret = -EEXIST;
+    } else {
+        ret = ext_insert_locked(t, g, 1, AUR_EXT_SUB, fd, host_off, 1, 0, 0);
+        if (!ret) {
+            x = &t->e[ext_find(t, g)];
+            x->subs = subs;
+            x->src_fd = src_fd;
+            x->src_off = src_off;
+        }
+    }
     pthread_mutex_unlock(&t->mu);
     return ret;
 }
@@ -646,13 +696,20 @@ unsigned aur_ext_count(struct aur_ext *t)
     return n;
 }
 
-/* Whether slot's pool can give one more cluster after `taken` to a request,
-   with room in the log for every allocation's record. */
-static int ext_can_alloc(const struct aur_ext *t, int slot, uint32_t taken)
+/* Whether the log has room for one more record after the `recs` a request
+   will push already, besides those the allocations in flight will push. */
+static int ext_can_record(const struct aur_ext *t, int slot, uint32_t recs)
 {
     if (slot < 0 || (unsigned)slot >= t->nslots || !t->log_cap)
         return 0;
-    return t->pool[slot].n > taken && t->log_n + t->allocating + taken < t->log_cap;
+    return t->log_n + t->allocating + recs < t->log_cap;
+}
+
+/* Whether slot's pool can give one more cluster after `taken` to a request,
+   with room for its record. */
+static int ext_can_alloc(const struct aur_ext *t, int slot, uint32_t taken, uint32_t recs)
+{
+    return ext_can_record(t, slot, recs) && t->pool[slot].n > taken;
 }
 
 static uint64_t ext_pool_at(const struct aur_ext *t, const struct ext_pool *p, uint32_t k)
@@ -692,6 +749,75 @@ static int ext_alloc(struct aur_ext *t, struct aur_ext_entry *x, unsigned slot)
     return 1;
 }
 
+/* SUB entry x's write makes subclusters `grow` data: it holds x exclusively
+   (ALLOCATING, the cluster it has) until released. */
+static void ext_grow(struct aur_ext *t, struct aur_ext_entry *x, unsigned slot, uint32_t grow)
+{
+    x->grow = grow;
+    x->src_kind = AUR_EXT_SUB;
+    x->kind = EXT_ALLOCATING;
+    x->slot = (uint8_t)slot;
+    t->allocating++;
+}
+
+/* The subclusters of the k-th of n granules that [dev_off, last] touches. */
+static uint32_t ext_touched(const struct aur_ext *t, uint64_t k, uint64_t n, uint64_t dev_off,
+                            uint64_t last)
+{
+    uint64_t gmask = ((uint64_t)1 << t->shift) - 1;
+    unsigned ss = t->shift - 5;
+    unsigned i0 = k ? 0 : (unsigned)((dev_off & gmask) >> ss);
+    unsigned i1 = k < n - 1 ? 31 : (unsigned)((last & gmask) >> ss);
+
+    return (i1 == 31 ? 0xffffffffu : (1u << (i1 + 1)) - 1) & ~((1u << i0) - 1);
+}
+
+/* Run (fd, h, len) onto the pieces, merged into *last where it goes on from
+   it (host-contiguous data, or zeros after zeros); -1 when there is no room. */
+static int ext_put(struct aur_ext_piece *pieces, unsigned *np, unsigned max,
+                   struct aur_ext_piece **last, int fd, uint64_t h, uint32_t len)
+{
+    struct aur_ext_piece *p = *last;
+
+    if (p && p->fd == fd && (fd < 0 || p->host_off + p->len == h)) {
+        p->len += len;
+        return 0;
+    }
+    if (*np == max)
+        return -1;
+    p = *last = &pieces[(*np)++];
+    *p = (struct aur_ext_piece){ fd, len, h, 0, 0, 0 };
+    return 0;
+}
+
+/* The part [a, b] (offsets in it) of SUB entry x, for a read: each run of
+   subclusters from where it is. */
+static int ext_put_sub(const struct aur_ext *t, const struct aur_ext_entry *x, uint64_t a,
+                       uint64_t b, struct aur_ext_piece *pieces, unsigned *np, unsigned max,
+                       struct aur_ext_piece **last)
+{
+    unsigned ss = t->shift - 5, si, sj;
+    uint64_t end;
+    int in;
+
+    while (a <= b) {
+        si = (unsigned)(a >> ss);
+        in = x->subs >> si & 1;
+        for (sj = si; sj < 31 && (int)(x->subs >> (sj + 1) & 1) == in &&
+                      ((uint64_t)(sj + 1) << ss) <= b; sj++)
+            ;
+        end = ((uint64_t)(sj + 1) << ss) - 1;
+        if (end > b)
+            end = b;
+        if (in ? ext_put(pieces, np, max, last, x->fd, x->host_off + a, (uint32_t)(end - a + 1))
+               : ext_put(pieces, np, max, last, x->src_fd,
+                         x->src_fd >= 0 ? x->src_off + a : 0, (uint32_t)(end - a + 1)))
+            return -1;
+        a = end + 1;
+    }
+    return 0;
+}
+
 int aur_ext_acquire(struct aur_ext *t, uint64_t dev_off, uint32_t len, int write, int slot,
                     struct aur_ext_piece *pieces, unsigned max_pieces,
                     uint32_t *ids, unsigned max_ids)
@@ -708,7 +834,7 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
     uint64_t gmask = ((uint64_t)1 << t->shift) - 1, last, g0, g1, n, k, pos, end, h;
     struct aur_ext_piece *p = NULL;
     struct aur_ext_entry *x;
-    uint32_t i, plen, taken = 0;
+    uint32_t i, plen, taken = 0, recs = 0;
     unsigned np = 0, nc = 0;
     int fd, notify = 0;
 
@@ -731,18 +857,55 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
         x = &t->e[i];
         ids[k] = i;
         end = (g0 + k) << t->shift | gmask;    /* last byte of this granule */
+        if (end > last)
+            end = last;
+        plen = (uint32_t)(end - pos + 1);
         if (x->kind == EXT_ALLOCATING) {    /* neither zeros nor settled yet */
             goto miss;
+        } else if (x->kind == AUR_EXT_SUB) {
+            uint64_t a = pos & gmask, b = end & gmask;
+            uint32_t touched = ext_touched(t, k, n, dev_off, last);
+
+            if (!write) {
+                if (ext_put_sub(t, x, a, b, pieces, &np, max_pieces, &p))
+                    goto miss;
+                pos = end + 1;
+                continue;
+            }
+            if (!x->writable)
+                goto miss;
+            if (touched & ~x->subs) {   /* some not data yet: copies the rest of those */
+                unsigned ss = t->shift - 5, s0 = (unsigned)(a >> ss), s1 = (unsigned)(b >> ss);
+                uint64_t from = (uint64_t)s0 << ss, to = ((uint64_t)(s1 + 1) << ss) - 1;
+                int head = !(x->subs >> s0 & 1) && a > from, tail = !(x->subs >> s1 & 1) && to > b;
+
+                if (!copies || !ext_can_record(t, slot, recs) ||
+                    ((head || tail) && x->src_fd < 0))  /* (zeros: no copy says that) */
+                    goto miss;
+                if (head)
+                    copies[nc++] = (struct aur_ext_copy){
+                        x->src_fd, x->fd, (uint32_t)(a - from), x->src_off + from,
+                        x->host_off + from, 0, 0, 0 };
+                if (tail)
+                    copies[nc++] = (struct aur_ext_copy){
+                        x->src_fd, x->fd, (uint32_t)(to - b), x->src_off + b + 1,
+                        x->host_off + b + 1, 0, 0, 0 };
+                recs++;
+                ids[k] |= AUR_EXT_ID_ALLOC;
+            }
+            fd = x->fd;
+            h = x->host_off + a;
         } else if (write && (x->kind == AUR_EXT_ALLOC ||
                              ((x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB ||
                                x->kind == AUR_EXT_ZIP_COW) && copies))) {
-            uint64_t a = pos & gmask, b = (end > last ? last : end) & gmask;  /* in it */
+            uint64_t a = pos & gmask, b = end & gmask;  /* in it */
 
-            if (!ext_can_alloc(t, slot, taken))
+            if (!ext_can_alloc(t, slot, taken, recs))
                 goto miss;
             /* the cluster the commit below gives it (in order: the taken-th) */
             fd = t->alloc_fd;
             h = ext_pool_at(t, &t->pool[slot], taken++);
+            recs++;
             if (x->kind != AUR_EXT_ALLOC) {  /* what the write leaves of the granule, or
                                                 of the subclusters it touches */
                 uint64_t from = 0, to = gmask;
@@ -781,11 +944,8 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
                                                                its own, never merged */
             if (np == max_pieces)
                 goto miss;
-            if (end > last)
-                end = last;
-            p = &pieces[np++];
-            *p = (struct aur_ext_piece){ x->fd, (uint32_t)(end - pos + 1), x->host_off,
-                                         x->zlen, (uint32_t)(pos & gmask), x->zalg };
+            pieces[np++] = (struct aur_ext_piece){ x->fd, plen, x->host_off, x->zlen,
+                                                   (uint32_t)(pos & gmask), x->zalg };
             p = NULL;
             pos = end + 1;
             continue;
@@ -794,17 +954,8 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
             h = x->kind == AUR_EXT_MAP || x->kind == AUR_EXT_COW || x->kind == AUR_EXT_COW_SUB
                 ? x->host_off + (pos & gmask) : 0;
         }
-        if (end > last)
-            end = last;
-        plen = (uint32_t)(end - pos + 1);
-        if (p && p->fd == fd && (fd < 0 || p->host_off + p->len == h)) {
-            p->len += plen;     /* host-contiguous data, or zeros after zeros */
-        } else {
-            if (np == max_pieces)
-                goto miss;
-            p = &pieces[np++];
-            *p = (struct aur_ext_piece){ fd, plen, h, 0, 0, 0 };
-        }
+        if (ext_put(pieces, &np, max_pieces, &p, fd, h, plen))
+            goto miss;
         pos = end + 1;
     }
     for (k = 0; k < n; k++) {
@@ -812,14 +963,13 @@ int aur_ext_acquire_cow(struct aur_ext *t, uint64_t dev_off, uint32_t len, int w
         x->inflight++;
         if (!(ids[k] & AUR_EXT_ID_ALLOC))
             continue;
-        notify |= ext_alloc(t, x, (unsigned)slot);
-        if (x->src_kind == AUR_EXT_COW_SUB) {  /* the subclusters it makes data */
-            unsigned ss = t->shift - 5;
-            unsigned i0 = k ? 0 : (unsigned)((dev_off & gmask) >> ss);
-            unsigned i1 = k < n - 1 ? 31 : (unsigned)((last & gmask) >> ss);
-
-            x->subs = (i1 == 31 ? 0xffffffffu : (1u << (i1 + 1)) - 1) & ~((1u << i0) - 1);
+        if (x->kind == AUR_EXT_SUB) {
+            ext_grow(t, x, (unsigned)slot, ext_touched(t, k, n, dev_off, last) & ~x->subs);
+            continue;
         }
+        notify |= ext_alloc(t, x, (unsigned)slot);
+        if (x->src_kind == AUR_EXT_COW_SUB)  /* the subclusters it makes data */
+            x->subs = ext_touched(t, k, n, dev_off, last);
     }
     ext_unlock(t, notify);
     if (ncopies)
@@ -842,22 +992,39 @@ static int ext_log_push(struct aur_ext *t, const struct aur_ext_entry *x, uint32
     return ++t->log_n == half;
 }
 
-/* What became of an ALLOCATING entry's write; 1 if the owner should hear.
-   *drop: the entry leaves the table (COW_SUB done: part of its granule is
-   new data, the rest still where it was, which no kind says). */
-static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, unsigned *done,
-                      int *drop)
+/* What became of an ALLOCATING entry's write; 1 if the owner should hear. */
+static int ext_settle(struct aur_ext *t, struct aur_ext_entry *x, int outcome, unsigned *done)
 {
     struct ext_pool *p = &t->pool[x->slot];
     int notify = 0;
 
-    p->out--;
     t->allocating--;
+    if (x->src_kind == AUR_EXT_SUB) {   /* more subclusters of its own cluster */
+        x->kind = AUR_EXT_SUB;
+        if (outcome != AUR_EXT_DONE) {  /* (as it was: nothing to free) */
+            x->grow = 0;
+            outcome == AUR_EXT_UNUSED ? t->unused++ : t->failed++;
+            return 0;
+        }
+        x->subs |= x->grow;
+        x->grow = 0;
+        if (x->subs == 0xffffffffu) {
+            x->kind = AUR_EXT_MAP;
+            x->src_fd = -1;
+        }
+        t->done++;
+        t->grown++;
+        ++*done;
+        return ext_log_push(t, x, AUR_EXT_REC_OK | AUR_EXT_REC_GROWN);
+    }
+    p->out--;
     if (outcome == AUR_EXT_DONE) {
-        *drop = x->src_kind == AUR_EXT_COW_SUB;
         x->kind = AUR_EXT_MAP;
-        x->writable = !*drop;
-        x->src_fd = -1;
+        x->writable = 1;
+        if (x->src_kind == AUR_EXT_COW_SUB && x->subs != 0xffffffffu)
+            x->kind = AUR_EXT_SUB;  /* (src_fd, src_off: the other subclusters' data) */
+        else
+            x->src_fd = -1;
         t->done++;
         ++*done;
         return ext_log_push(t, x, AUR_EXT_REC_OK);
@@ -888,7 +1055,7 @@ unsigned aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n, int
 {
     struct aur_ext_entry *x;
     unsigned k, j, done = 0;
-    int notify = 0, drop;
+    int notify = 0;
     uint32_t i;
 
     ext_lock(t);
@@ -899,17 +1066,8 @@ unsigned aur_ext_release(struct aur_ext *t, const uint32_t *ids, unsigned n, int
         if (i >= t->hw || !t->e[i].inflight)
             continue;   /* not held: a caller's bug, not worth a crash here */
         x = &t->e[i];
-        drop = 0;
         if (ids[j] & AUR_EXT_ID_ALLOC && x->kind == EXT_ALLOCATING)
-            notify |= ext_settle(t, x, outcome, &done, &drop);
-        if (drop && x->state == EXT_LIVE) {  /* (its one holder: allocating is exclusive) */
-            unsigned removed = 0;
-
-            x->inflight = 0;
-            ext_remove(t, i, &removed);
-            notify |= t->waiters > 0;
-            continue;
-        }
+            notify |= ext_settle(t, x, outcome, &done);
         if (--x->inflight || x->state != EXT_GONE)
             continue;
         if (x->prev != EXT_NIL)
@@ -1061,7 +1219,7 @@ void aur_ext_stats(struct aur_ext *t, struct aur_ext_stats *out)
     ext_lock(t);
     *out = (struct aur_ext_stats){
         .locks = t->locks, .contended = t->contended, .done = t->done,
-        .failed = t->failed, .unused = t->unused, .log_n = t->log_n,
+        .failed = t->failed, .unused = t->unused, .grown = t->grown, .log_n = t->log_n,
         .allocating = t->allocating,
     };
     pthread_mutex_unlock(&t->mu);

@@ -30,6 +30,12 @@ struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off;
                              is a miss */
 #define AUR_EXT_ZIP_COW 8 /* as ZIP, and a write allocates from the writer's pool and
                              copies the rest of the granule, inflated, as COW does */
+#define AUR_EXT_SUB 9     /* a cluster of the writer's file at (fd, host_off) whose
+                             subclusters in subs are data there, the others still at
+                             (src_fd, src_off) (a COW_SUB after its first write): a
+                             read takes each subcluster from where it is, a write to
+                             those in subs goes in place, one to the others copies
+                             the rest of them from src and records them (no pool) */
 #define AUR_EXT_SUBCLUSTERS 32
 /* how a ZIP granule's bytes are compressed (qcow2's compression types) */
 #define AUR_EXT_ZLIB 1    /* raw deflate */
@@ -46,6 +52,8 @@ struct aur_ext_piece { int32_t fd; uint32_t len; uint64_t host_off;
 /* a record's flags */
 #define AUR_EXT_REC_OK 1      /* gran's data is now at host_off */
 #define AUR_EXT_REC_FAILED 2  /* host_off was allocated and holds garbage: free it */
+#define AUR_EXT_REC_GROWN 4   /* with OK: host_off was gran's cluster already (SUB), and
+                                 subs are now all its subclusters that are data */
 /* bytes a write to a COW granule leaves to copy into its new cluster: from
    (src_fd, src_off) to (dst_fd, dst_off), dst_fd the allocation fd; with zalg
    set (ZIP_COW), the granule's [zskip, zskip + len) of what the zlen bytes at
@@ -54,11 +62,13 @@ struct aur_ext_copy { int32_t src_fd, dst_fd; uint32_t len; uint64_t src_off, ds
                       uint32_t zlen, zskip; int32_t zalg; };
 /* an allocation's outcome, for the owner (aur_ext_drain) */
 /* subs: AUR_EXT_COW_SUB's subclusters the write made data (bit i: the i-th
-   32nd of the granule), 0 for a whole granule */
+   32nd of the granule), 0 for a whole granule; with AUR_EXT_REC_GROWN, every
+   subcluster of the SUB granule that is data now */
 struct aur_ext_rec { uint64_t gran, host_off; uint32_t flags, slot, subs; };
 struct aur_ext_stats {
     uint64_t locks, contended;        /* lock operations, and those that had to wait */
     uint64_t done, failed, unused;    /* allocations released with each outcome */
+    uint64_t grown;                   /* of done: more subclusters of a SUB's cluster */
     uint32_t log_n, allocating;       /* records not drained; allocations in flight */
 };
 
@@ -95,6 +105,12 @@ int aur_ext_publish_l2(struct aur_ext *t, int fd, uint64_t dev_base, const uint6
    -EEXIST, -ENOSPC as aur_ext_insert_kind */
 int aur_ext_insert_zip(struct aur_ext *t, uint64_t dev_off, int kind, int fd, uint64_t zoff,
                        uint32_t zlen, int zalg);
+/* One SUB granule at dev_off: its cluster at (fd, host_off), writable, subs the
+   subclusters that are data there (not none, not all), the others' data at
+   (src_fd, src_off); -EINVAL on a bad argument, -EEXIST, -ENOSPC as
+   aur_ext_insert_kind */
+int aur_ext_insert_sub(struct aur_ext *t, uint64_t dev_off, int fd, uint64_t host_off,
+                       uint32_t subs, int src_fd, uint64_t src_off);
 unsigned aur_ext_invalidate(struct aur_ext *t, uint64_t dev_off, uint64_t len);
 unsigned aur_ext_busy(struct aur_ext *t, uint64_t dev_off, uint64_t len);
 unsigned aur_ext_count(struct aur_ext *t);
