@@ -46,7 +46,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
-from aioublk.dataplane.extents import ALLOCATING, MAP, ExtentTable
+from aioublk.dataplane.extents import ALLOCATING, MAP, SUB, ExtentTable, Record
 from aioublk.qcow2.base import PARTIAL, L2Table, log
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, SUB_ALLOC
 from aioublk.qcow2.refcounts import Refcounts
@@ -55,6 +55,15 @@ from aioublk.qcow2.refcounts import Refcounts
 POOL_BYTES = 8 << 20
 #: records C may hold for the engine before an allocating write misses
 LOG_RECORDS = 4096
+
+
+def _fits(e: int, r: Record) -> bool:
+    """Whether C's record ``r`` may apply to L2 entry ``e``: an allocation to
+    an entry with no cluster; more subclusters (``grown``) to the entry of
+    the cluster it names, whose subclusters differ."""
+    if r.grown:
+        return e & (OFFSET_MASK | COMPRESSED) == r.host_off and bool(e & PARTIAL)
+    return not e & (OFFSET_MASK | COMPRESSED)
 
 
 class Pools:
@@ -112,22 +121,24 @@ class Pools:
             off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
             t = self.l2cache.get(off) if off else None
             i = vc & self.l2_mask
-            if t is None or t.entries[i] & (OFFSET_MASK | COMPRESSED):
+            if t is None or not _fits(t.entries[i], r):
                 # C allocated where the engine did not let it: the cluster is
                 # counted and holds acknowledged data nobody points at
                 log.error("qcow2: a C allocation for an entry that changed or left the "
                           "cache; the cluster is leaked", image=self.path, cluster=vc,
                           host=r.host_off)
                 continue
-            if r.subs and r.subs != SUB_ALLOC:  # (C's COW_SUB: some subclusters data)
+            if r.subs and r.subs != SUB_ALLOC:  # (COW_SUB, SUB: some subclusters data)
                 assert t.subs is not None
                 t.entries[i] = r.host_off | COPIED | PARTIAL
                 t.subs[i] = r.subs  # (the others still show the backing file)
-                t.pub[i] = 0  # (and C took the granule out of its table)
+                t.pub[i] = SUB  # (as C keeps it)
             else:
                 t.entries[i] = r.host_off | COPIED
-                t.pub[i] = 0 if r.subs else MAP
-                self.pub_host[c] = vc
+                t.pub[i] = MAP
+                if t.subs is not None:
+                    t.subs[i] = SUB_ALLOC
+            self.pub_host[c] = vc
             t.touch()
             n += 1
         if n:

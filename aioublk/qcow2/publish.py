@@ -22,6 +22,7 @@ from aioublk.dataplane.extents import (
     COW,
     COW_SUB,
     MAP,
+    SUB,
     ZERO,
     ZERO_FD,
     ZIP,
@@ -31,7 +32,7 @@ from aioublk.dataplane.extents import (
     Zipped,
 )
 from aioublk.qcow2.base import PARTIAL, L2Table, log
-from aioublk.qcow2.format import COPIED, OFFSET_MASK
+from aioublk.qcow2.format import COPIED, OFFSET_MASK, SUB_ALLOC
 from aioublk.qcow2.pools import Pools
 from aioublk.qcow2.refcounts import Refcounts
 from aioublk.qcow2.zcache import ZCache
@@ -145,7 +146,7 @@ class Publisher:
             off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
             t = self.tables.get(off) if off else None
             i = vc & self.l2_mask
-            if t is None or t.pub[i] != MAP or \
+            if t is None or t.pub[i] not in (MAP, SUB) or \
                     (t.entries[i] & OFFSET_MASK) >> self.cbits != c:
                 del self.pub_host[c]  # taken back since (ZERO never reads the cluster)
                 continue
@@ -238,16 +239,23 @@ class Publisher:
           private to the active layer, COPIED in L1, so that a record never
           needs the table copied): reads are zeros, a write takes a cluster
           from the queue's pool;
-        - never a compressed cluster, one whose subclusters differ, one that
-          shows the backing file (``through`` publishes those), one past the
-          disk's end, nor one being changed (``busy``): its changer has taken
-          it back or is about to, and publishes it after."""
+        - as SUB, a cluster whose subclusters differ, where C may allocate
+          and the rest is in one run of the chain (``_publish_sub``);
+        - never a compressed cluster, one that shows the backing file
+          (``through`` publishes those), one past the disk's end, nor one
+          being changed (``busy``): its changer has taken it back or is about
+          to, and publishes it after."""
         if not self.on:
             return
         assert self.extents is not None
         cbits, vc0 = self.cbits, (t.l1i << self.l2_bits) + i
+        partial: list[int] = []
         if n == 1:  # (the one host cluster and vc are all the rules need to know)
-            if vc0 in self.busy or t.entries[i] & PARTIAL:
+            if vc0 in self.busy:
+                return
+            if t.entries[i] & PARTIAL:
+                if not t.pub[i]:
+                    self._publish_sub(t, i)
                 return
             c = (t.entries[i] & OFFSET_MASK) >> cbits
             meta: Any = (c,) if c in self.meta else ()
@@ -255,9 +263,9 @@ class Publisher:
         else:
             meta = self.meta
             skip = [vc for vc in self.busy if vc0 <= vc < vc0 + n]
-            if t.subs is not None:  # (subclusters that differ: Python's, vc by vc)
-                skip = sorted({*skip, *(vc0 + k for k in range(n)
-                                        if t.entries[i + k] & PARTIAL)})
+            if t.subs is not None:  # (subclusters that differ: vc by vc, below)
+                partial = [k for k in range(i, i + n) if t.entries[k] & PARTIAL]
+                skip = sorted({*skip, *(((t.l1i << self.l2_bits) + k) for k in partial)})
         try:
             pairs = self.extents.publish_l2(
                 self.fd, vc0 << cbits, memoryview(t.entries)[i:i + n],
@@ -270,6 +278,41 @@ class Publisher:
             return
         if pairs:
             self.pub_host.update(pairs)
+        base = t.l1i << self.l2_bits
+        for k in partial:
+            if not t.pub[k] and base + k not in self.busy:
+                self._publish_sub(t, k)
+
+    def _publish_sub(self, t: L2Table, i: int) -> None:
+        """Publish entry ``i`` of ``t``, a cluster whose subclusters differ,
+        as SUB: only where C may allocate in ``t`` (its records of more
+        subclusters need that as an allocation's do), the cluster COPIED and
+        plainly data, its subclusters data or not (none of them zero), and
+        the chain's bytes under the cluster in one aligned run or zeros."""
+        assert self.extents is not None
+        e, sub = t.entries[i], t.subs[i] if t.subs is not None else 0
+        host, cbits, cs = e & OFFSET_MASK, self.cbits, self.cluster_size
+        if self.place is None or sub >> 32 or not sub & SUB_ALLOC or not e & COPIED or \
+                host & (cs - 1) or host >= self.refs.used_end or host >> cbits in self.meta or \
+                not (self.writable() and self.allocating() and self.l1[t.l1i] & COPIED):
+            return
+        vc = (t.l1i << self.l2_bits) + i
+        pos = vc << cbits
+        if pos + cs > self.size:
+            return
+        got = self.place(pos, cs)
+        if not isinstance(got, tuple) or got[2] != cs or got[0] in self.in_ram or \
+                got[0] != ZERO_FD and got[1] & (cs - 1):
+            return  # (a cache's memfd: its slots are reused, see ``hold``)
+        src_fd, src_off = (got[0], got[1]) if got[0] != ZERO_FD else (ZERO_FD, 0)
+        try:
+            if not self.extents.insert_sub(pos, self.fd, host, sub, src_fd, src_off):
+                return
+        except ExtentConflict:
+            self._conflict(vc)
+            return
+        t.pub[i] = SUB
+        self.pub_host[host >> cbits] = vc
 
     def _conflict(self, vc: int) -> None:
         """Cluster ``vc`` is mapped otherwise in the table: a mapping changed

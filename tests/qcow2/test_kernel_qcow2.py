@@ -783,9 +783,11 @@ def test_c_copies_on_write_over_the_chain(depth: int, compressed: bool, extended
     takes a cluster from its queue's pool, copies the
     rest of the cluster (of the subclusters it touches, ``extended``) from
     the backing file (a compressed base's cluster inflated) around the
-    write, and records it: at most 1% of the writes reach
-    Python, the device and then QEMU read the base's bytes around every
-    write, and the image checks clean."""
+    write, and records it (``extended``: a second write to each cluster,
+    elsewhere in it, copies the rest of its own subclusters into the cluster
+    C took): at most 1% of the writes reach Python, the device and then
+    QEMU read the base's bytes around every write, and the image checks
+    clean."""
     size = 64 * MiB
     top, want = chain_of(depth, tmp_path, size, compressed, extended)
     expected = bytearray(want.read_bytes())
@@ -797,6 +799,11 @@ def test_c_copies_on_write_over_the_chain(depth: int, compressed: bool, extended
         n = rng.choice((4, 8, 12)) * KiB
         off = c * 64 * KiB + rng.randrange(0, (64 * KiB - n) // (4 * KiB) + 1) * 4 * KiB
         writes.append((off, data(c, n)))
+    if extended:  # the same clusters again, in their other half
+        for off, body in list(writes):
+            c, n = off // (64 * KiB), 4 * KiB
+            at = off + len(body) if off % (64 * KiB) < 32 * KiB else off - 2 * n
+            writes.append((max(at, c * 64 * KiB), data(c + size, n)))
     dev = add("-t", "qcow2", str(top), *args)
     blk = f"/dev/ublkb{dev.dev_id}"
     try:

@@ -32,6 +32,8 @@ import pytest
 
 from aioublk.dataplane.extents import UNUSED, ZERO_FD, ExtentTable, Zipped
 from aioublk.qcow2 import Qcow2Image
+from aioublk.qcow2.base import PARTIAL
+from aioublk.qcow2.format import SUB_ALLOC
 from aioublk.ring import Ring
 from tests.qcow2.test_qcow2_extents import DataPlaneStandIn, _held_then_released, published
 from tests.qcow2.test_qcow2_writes import (
@@ -427,7 +429,10 @@ async def test_copy_on_write_of_subclusters_in_c(tmp_path: Path, ring: Ring) -> 
     """On an extended-L2 overlay a first write in C copies only the rest of
     the subclusters it touches (2 KiB each at 64 KiB clusters), and the
     engine applies the record as a cluster whose other subclusters still
-    show the backing file, as QEMU writes it."""
+    show the backing file, as QEMU writes it. The cluster stays C's (SUB):
+    later writes to its other subclusters copy the rest of those into it,
+    reads take each subcluster from where it is, and a write that makes the
+    last subclusters data leaves a normal cluster."""
     chain1(tmp_path, "raw")
     top = create(tmp_path / "ext.qcow2", 6 * M, backing="base.raw", backing_fmt="raw",
                  extended_l2=True)
@@ -447,18 +452,66 @@ async def test_copy_on_write_of_subclusters_in_c(tmp_path: Path, ring: Ring) -> 
         img.pools.drain()
         t = img.l2.table_of(5)
         assert t is not None and t.subs is not None
-        got = bytearray(5 * cs)
-        await img.read(5 * cs, got)
         words = [t.subs[vc] for vc in (5, 6)]
+        # more of clusters 5 and 6: the subclusters C has not written yet
+        # (in part: C copies the rest of them into the cluster the granule has)
+        served = dp.served
+        more = [(5 * cs + 3 * sub + 100, 3000), (6 * cs, 5 * sub),
+                (6 * cs + 6 * sub + 100, cs - 6 * sub - 100)]
+        for off, n in more:
+            await dp.write(off, b"m" * n)
+        assert dp.served - served >= 2, "later writes of a cluster C copied into went to Python"
+        got, served = bytearray(2 * cs), dp.served
+        await dp.read(5 * cs, got)  # (SUB and MAP granules: C's)
+        assert dp.served == served + 1
+        got += bytearray(3 * cs)
+        await img.read(7 * cs, memoryview(got)[2 * cs:])
+        img.pools.drain()
+        whole = t.subs[6] if t.entries[6] & PARTIAL else SUB_ALLOC
     finally:
         await img.close()
     want = bytearray(base[5 * cs:10 * cs])
-    for off, n in writes:
-        want[off - 5 * cs:off - 5 * cs + n] = b"w" * n
+    for (off, n), body in [*((w, b"w") for w in writes), *((w, b"m") for w in more)]:
+        want[off - 5 * cs:off - 5 * cs + n] = body * n
     assert got == want
     assert words[0] in (0b10, 0) and words[1] in (0b11 << 4, 0), [bin(w) for w in words]
+    assert whole == SUB_ALLOC or words[1] == 0, bin(whole)  # (6: every subcluster written)
     check_clean(top)
     assert read_file(to_raw(top, tmp_path / "after.raw"))[5 * cs:10 * cs] == want
+
+
+async def test_a_cluster_with_subclusters_in_two_places_is_published_for_c(
+        tmp_path: Path, ring: Ring) -> None:
+    """A cluster QEMU wrote in part on an extended-L2 overlay (its other
+    subclusters show the base) is published as SUB where C may allocate:
+    reads in C take each subcluster from where it is, and a write to one of
+    the others copies the rest of it into the cluster and is recorded."""
+    top = chain1(tmp_path, "raw", extended_l2=True)  # (cluster 32: subcluster 0 written)
+    want = bytearray(read_file(to_raw(top, tmp_path / "want.raw")))
+    img = Qcow2Image.open(str(top), direct=False)
+    try:
+        dp = await c_allocating(img, "sub")
+        want[:4096] = b"t" * 4096
+        cs, sub, vc = img.cluster_size, img.cluster_size // 32, 32
+        await img.read(vc * cs, bytearray(512))  # (caches the table: publishes it)
+        pieces = dp.table.lookup(vc * cs, cs, write=False)
+        assert pieces is not None and len(pieces) == 2, pieces
+        assert piece_bytes(pieces) == want[vc * cs:(vc + 1) * cs]
+        served = dp.served
+        await dp.write(vc * cs + 5 * sub + 512, b"s" * 1024)
+        assert dp.served == served + 1 and dp.table.stats()["grown"] == 1
+        want[vc * cs + 5 * sub + 512:vc * cs + 5 * sub + 1536] = b"s" * 1024
+        got = bytearray(cs)
+        await dp.read(vc * cs, got)
+        assert dp.served == served + 2
+        img.pools.drain()
+        t = img.l2.table_of(vc)
+        assert t is not None and t.subs is not None and t.subs[vc & img.l2_mask] == 0b100001
+    finally:
+        await img.close()
+    assert got == want[vc * cs:(vc + 1) * cs]
+    check_clean(top)
+    assert read_file(to_raw(top, tmp_path / "after.raw")) == want
 
 
 async def test_a_first_write_publishes_the_span_for_copy_on_write(tmp_path: Path,

@@ -85,6 +85,7 @@ class Recording:
     clock: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # (C stand-ins' threads tick)
     c_allocated: int = 0  # clusters the C stand-ins allocated that became data
+    c_grown: int = 0  # of those, writes that added subclusters to a cluster C had
     refused: str = ""  # the engine found its image corrupt and refused it (the workload stopped)
     flushes_over_c: int = 0  # FLUSHes sent while a C stand-in held a write
 
@@ -379,6 +380,7 @@ def record(path: Path, workload: Workload, seed: int, *, write_through: bool = F
                 await img.close()
             s.flushed()
             rec.c_allocated = sum(p.allocated for p in planes)
+            rec.c_grown = planes[0].table.stats()["grown"] if planes else 0  # (one table)
             return rec
         finally:
             ring.close()
@@ -636,6 +638,7 @@ class Case:
     queues: int = 0  # C stand-ins (data planes allocating in C)
     threads: bool = False  # their C steps on threads
     over_c: bool = False  # FLUSHes are sent over C writes in flight
+    grown: bool = False  # C adds subclusters to clusters it copied into before
 
     def record(self, path: Path, seed: int, *, refusal_ok: bool = False) -> Recording:
         rec = record(path, self.workload, seed, write_through=self.write_through,
@@ -645,6 +648,8 @@ class Case:
             assert rec.c_allocated > 20, f"C allocated only {rec.c_allocated} clusters"
         if self.over_c:
             assert rec.flushes_over_c > 2, f"{rec.flushes_over_c} FLUSHes over C writes"
+        if self.grown:
+            assert rec.c_grown > 10, f"C added subclusters {rec.c_grown} times"
         return rec
 
 
@@ -661,7 +666,8 @@ WORKLOADS: dict[str, Case] = {
     "c-alloc-flush-concurrently": Case(image_tables, partial(c_alloc, rounds=4, flushes=1),
                                        queues=2, over_c=True),
     "c-cow-backing": Case(image_backing, c_cow, queues=2),
-    "c-cow-subclusters": Case(image_backing_extl2, c_cow, queues=2),
+    "c-cow-subclusters": Case(image_backing_extl2, partial(c_cow, rounds=8), queues=2,
+                              grown=True),
 }
 
 
@@ -675,8 +681,8 @@ def test_power_cut_at_every_barrier(name: str, tmp_path: Path) -> None:
         grown = int.from_bytes(path.read_bytes()[56:60], "big")
         assert grown > 1, "the refcount table did not grow"
     rep = check_recording(rec, tmp_path, name, seed=7)
-    c = (f"{rec.c_allocated} clusters allocated in C, {rec.flushes_over_c} FLUSHes over C "
-         f"writes, " if case.queues else "")
+    c = (f"{rec.c_allocated} clusters allocated in C ({rec.c_grown} more subclusters of "
+         f"one), {rec.flushes_over_c} FLUSHes over C writes, " if case.queues else "")
     print(f"\npower cut: {rep.line()}, {len(rec.writes)} writes, {c}"
           f"{time.monotonic() - t0:.1f} s")
     assert rep.cut_points >= 4, f"{name}: only {rep.cut_points} cut points"
@@ -757,6 +763,7 @@ MUTATIONS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str, str]] = {
     "pool-uncounted": (pool_uncounted, "c-alloc", ""),
     "record-before-data": (record_before_data, "c-alloc-flush-concurrently", "reads back wrong"),
     "cow-copies-late": (copies_late, "c-cow-backing", "reads back wrong"),
+    "subcluster-copies-late": (copies_late, "c-cow-subclusters", "reads back wrong"),
 }
 
 
