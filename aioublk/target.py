@@ -375,6 +375,13 @@ class Target:
         """As ``start_read``, for a write without FUA."""
         return False
 
+    async def settle_writes(self) -> None:
+        """Writes the data plane served from a map that holds them (an
+        ``ExtentTable`` with ``set_hold_writes``) are answered once this
+        returns, many at a time, on the queue's loop: make durable what they
+        changed in the target's own metadata (a qcow2 image whose metadata
+        is written through). Raising fails them with EIO."""
+
     async def flush(self) -> None:
         """Make every completed write durable."""
 

@@ -495,6 +495,19 @@ class ExtentTable:
             if got < n:
                 return recs
 
+    def set_hold_writes(self, on: bool) -> None:
+        """With ``on``, a data plane serving this table does not answer the
+        writes it serves: it hands each to Python once its data is written
+        (and its allocation recorded), and the target's ``settle_writes``
+        answers them, once what they changed is durable. Set it before any
+        data plane serves the table."""
+        lib.aur_ext_set_hold_writes(self.cdata, int(on))
+
+    @property
+    def holds_writes(self) -> bool:
+        """Whether :meth:`set_hold_writes` is on."""
+        return bool(lib.aur_ext_holds_writes(self.cdata))
+
     def set_notify(self, efd: int) -> None:
         """An eventfd C adds 1 to when the target has work: a pool dropped to
         half (once until its next pool_add), the log reached half full, or a

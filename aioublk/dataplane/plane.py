@@ -12,9 +12,10 @@ from aioublk.dataplane.maps import Extents, External, Linear, Map, Null, Passthr
 from aioublk.ring import UD_MARK, EventHandler, Ring
 
 #: the kinds of record the data plane hands to Python (the kind in its user_data)
-EV_IO, EV_FETCH, EV_TAG, EV_RETRY, EV_COMMIT, EV_LOST, EV_IDLE, EV_EXT = (
+EV_IO, EV_FETCH, EV_TAG, EV_RETRY, EV_COMMIT, EV_LOST, EV_IDLE, EV_EXT, EV_HELD = (
     lib.AUR_DP_EV_IO, lib.AUR_DP_EV_FETCH, lib.AUR_DP_EV_TAG, lib.AUR_DP_EV_RETRY,
-    lib.AUR_DP_EV_COMMIT, lib.AUR_DP_EV_LOST, lib.AUR_DP_EV_IDLE, lib.AUR_DP_EV_EXT)
+    lib.AUR_DP_EV_COMMIT, lib.AUR_DP_EV_LOST, lib.AUR_DP_EV_IDLE, lib.AUR_DP_EV_EXT,
+    lib.AUR_DP_EV_HELD)
 
 # the layout's fields, as C defines them (dataplane.h)
 _KIND_SHIFT, _KIND_MASK = lib.AUR_DP_UD_KIND_SHIFT, lib.AUR_DP_UD_KIND_MASK

@@ -24,7 +24,15 @@ from typing import Any, ClassVar, Protocol, cast
 from aioublk import logs
 from aioublk._uring import ffi, lib
 from aioublk.dataplane import plane as dataplane
-from aioublk.dataplane.plane import EV_EXT, EV_IDLE, EV_LOST, EV_RETRY, DataPlane, decode
+from aioublk.dataplane.plane import (
+    EV_EXT,
+    EV_HELD,
+    EV_IDLE,
+    EV_LOST,
+    EV_RETRY,
+    DataPlane,
+    decode,
+)
 from aioublk.kernel import uapi
 from aioublk.queue.lifecycle import Action, Event, Lifecycle, State, Table
 from aioublk.queue.options import CopyMode, DeviceConfig
@@ -416,6 +424,9 @@ class Driver:
         self.char_fd = worker.char_fd
         self.failed = 0  # the first error the kernel answered an arming command with
         self.inflight = 0  # requests Python started and has not answered yet
+        #: writes C served whose answers wait for the target (``held``)
+        self._held: list[tuple[int, int, int]] = []
+        self._settling: asyncio.Task[None] | None = None
         cfg = worker.cfg
         self.depth = cfg.depth
         work = worker.spec.work
@@ -496,6 +507,8 @@ class Driver:
         kind, local, tag, aux = decode(ud)
         if kind == EV_RETRY:
             self.retry(local, tag)
+        elif kind == EV_HELD:
+            self.held(local, tag, res)
         elif kind == EV_IDLE:
             if not self.inflight:
                 self.fire(Event.LAST_ANSWERED)
@@ -514,6 +527,30 @@ class Driver:
     def retry(self, local: int, tag: int) -> None:
         """A request C started and could not finish: Python serves it anew."""
         raise NotImplementedError
+
+    def held(self, local: int, tag: int, res: int) -> None:
+        """A write C served whose answer waits for ``Target.settle_writes``:
+        the writes held meanwhile share one call (a group commit)."""
+        self.inflight += 1
+        self._held.append((local, tag, res))
+        if self._settling is None:
+            self._settling = self.loop.create_task(self._settle_held())
+
+    async def _settle_held(self) -> None:
+        try:
+            while self._held:
+                batch, self._held = self._held, []
+                failed = False
+                try:
+                    await self.path.target.settle_writes()
+                except Exception as e:  # noqa: BLE001 - the writes fail, the server goes on
+                    self.w.log.error("held writes could not be made durable", error=str(e))
+                    failed = True
+                for local, tag, res in batch:
+                    if self.settle(tag):
+                        self.commit(local, tag, -errno.EIO if failed else res)
+        finally:
+            self._settling = None
 
     def start(self, qm: QueueMem, tag: int, done: Done) -> bool:
         """Start a request on the target's fast path (``done`` answers it)."""

@@ -664,6 +664,44 @@ async def test_an_allocating_write_lands_in_the_pools_cluster_recorded_before_it
 
 
 @pytest.mark.asyncio
+async def test_a_held_write_is_handed_back_for_the_target_to_answer(backing: int) -> None:
+    """A table that holds writes (a qcow2 image writing its metadata
+    through): a write C served, allocating or in place, comes to Python as
+    EV_HELD with its result once its data is written and its record pushed,
+    and nothing is committed until Python answers; reads are C's to answer."""
+    from aioublk.dataplane.extents import Record
+    from aioublk.dataplane.plane import EV_HELD
+
+    table, slot = _alloc_table(backing, [40 * G4])
+    table.set_hold_writes(True)
+    assert table.holds_writes
+    plane = _RecordsAtCommit(table, Ring(16), backing, depth=2, max_io=G4,
+                             map=Extents(table, slot=slot))
+    body = os.urandom(G4)
+    try:
+        await plane.write(0, 0, body)
+        assert plane.events == [(EV_HELD, 0, 0, G4)]   # not committed: Python's to answer
+        assert plane.log_at == [1]                     # the record first
+        assert table.drain() == [Record(0, 40 * G4, True, slot)]
+        assert os.pread(backing, G4, 40 * G4) == body
+        await plane.write(1, 512, b"w" * 512)          # in place now: held too
+        assert plane.events == [(EV_HELD, 1, 0, 512)]
+        c = plane.dp.counts[0]
+        assert (c.c_served, c.c_alloc, c.py_handed, plane.dp.inflight) == (2, 1, 0, 0)
+        plane.events.clear()
+        assert lib.aur_dp_answer(plane.dp.c, 0, 0, G4) == 0  # the target's answer
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)]
+        plane.events.clear()
+        plane.fetch(0, uapi.Op.READ, 8, 0)             # a read: C answers it
+        await plane.wait_for(lambda: plane.events)
+        assert plane.events == [(EV_IO, 0, 0, -errno.EOPNOTSUPP)]
+        assert plane.buf(0)[:G4] == body[:512] + b"w" * 512 + body[1024:]
+    finally:
+        plane.close()
+
+
+@pytest.mark.asyncio
 async def test_an_allocating_write_without_a_slot_is_pythons(backing: int) -> None:
     from aioublk.ring import Ring
 

@@ -33,6 +33,8 @@
 #define AUR_DP_EV_LOST 9      /* a request finished after the seal: not answered */
 #define AUR_DP_EV_IDLE 10     /* stopping, and C holds no request any more */
 #define AUR_DP_EV_EXT 20      /* the external map's plug-in asks Python to look */
+#define AUR_DP_EV_HELD 11     /* a write C served whose answer (res) the target gives once
+                                 what it changed is durable (aur_ext_set_hold_writes) */
 
 /* the most sectors a request may have: a piece's length is carried in aux
    (max_io_size is bounded by it) */

@@ -191,6 +191,7 @@ struct aur_ext {
     uint32_t log_head, log_n, log_cap;
     uint32_t allocating;        /* records the allocations in flight will push */
     int notify_fd;
+    int hold_writes;    /* aur_ext_set_hold_writes: read without the lock */
     uint32_t waiters;
     uint64_t locks, contended, done, failed, unused, grown;
 };
@@ -1197,6 +1198,16 @@ void aur_ext_set_notify(struct aur_ext *t, int efd)
     ext_lock(t);
     t->notify_fd = efd;
     pthread_mutex_unlock(&t->mu);
+}
+
+void aur_ext_set_hold_writes(struct aur_ext *t, int on)
+{
+    __atomic_store_n(&t->hold_writes, !!on, __ATOMIC_RELEASE);
+}
+
+int aur_ext_holds_writes(struct aur_ext *t)
+{
+    return __atomic_load_n(&t->hold_writes, __ATOMIC_ACQUIRE);
 }
 
 void aur_ext_wait_begin(struct aur_ext *t)

@@ -143,6 +143,12 @@ unsigned aur_ext_pool_take(struct aur_ext *t, unsigned slot, uint64_t *out, unsi
 unsigned aur_ext_pool_level(struct aur_ext *t, unsigned slot);
 /* move up to max records out, oldest first */
 unsigned aur_ext_drain(struct aur_ext *t, struct aur_ext_rec *out, unsigned max);
+/* whether the data plane answers the writes it serves from this table itself
+   (0, the default) or hands each to the target once done (AUR_DP_EV_HELD),
+   which answers it once its metadata is durable (a qcow2 image that writes
+   its metadata through); set before any data plane serves the table */
+void aur_ext_set_hold_writes(struct aur_ext *t, int on);
+int aur_ext_holds_writes(struct aur_ext *t);
 /* an eventfd C adds 1 to when the owner has work (see extents.c); -1: none */
 void aur_ext_set_notify(struct aur_ext *t, int efd);
 /* the owner waits (or stops waiting) for held entries to be released */

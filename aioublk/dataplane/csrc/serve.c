@@ -24,14 +24,19 @@
 static void dp_complete(struct aur_dp *dp, struct dp_out *o, unsigned local, uint16_t tag,
                         int32_t res)
 {
+    struct dp_tag *t = dp_tag(dp, local, tag);
+
     dp->inflight--;
     dp->completed++;
-    dp_tag(dp, local, tag)->served = 0;
+    t->served = 0;
     if (dp->sealed) {
         dp_emit(o, DP_UD(AUR_DP_EV_LOST, local, tag, 0), res, 0);
     } else {
         dp->q[local].counts->c_served++;
-        dp_commit(dp, local, tag, res);
+        if (t->write && dp->map == AUR_MAP_EXTENTS && aur_ext_holds_writes(dp->ext))
+            dp_emit(o, DP_UD(AUR_DP_EV_HELD, local, tag, 0), res, 0);  /* the target answers */
+        else
+            dp_commit(dp, local, tag, res);
     }
     dp_idle_check(dp, o);
 }

@@ -56,6 +56,9 @@ class Filter(Target):
     async def flush(self) -> None:
         await self.inner.flush()
 
+    async def settle_writes(self) -> None:
+        await self.inner.settle_writes()
+
     async def discard(self, offset: int, length: int) -> None:
         await self.inner.discard(offset, length)
 
