@@ -58,15 +58,18 @@ without any I/O.
   to one entry. As data (MAP), a normal cluster: allocated, not compressed,
   not ZERO, cluster aligned, inside the file, not a metadata cluster. It is
   writable where a write may go in place: COPIED set, the image writable,
-  and no ``metadata_write_through`` (there a write must wait for the
-  metadata that made its cluster, so the data plane gets reads only). As
+  and under ``metadata_write_through`` only if the table holds C's writes
+  (``hold_c_writes``: a write must wait for the metadata that made its
+  cluster, so its answer waits for ``settle_writes``; else the data plane
+  gets reads only). As
   ZERO (reads as zeros, a write misses and comes here to allocate): the
   ZERO flag, with a host cluster or not, or an unallocated cluster with no
   backing file or wholly past the backing file's end. As ALLOC instead of
   ZERO, where a queue's data plane may allocate (no host cluster kept for
-  it, the table COPIED, the image writable, no metadata write-through, a
-  pool attached): a write takes a counted cluster from the plane's pool and
-  C records it; the rules and the drain points are ``aioublk.qcow2.pools``'.
+  it, the table COPIED, the image writable, no metadata write-through
+  unless C's writes are held, a pool attached): a write takes a counted
+  cluster from the plane's pool and C records it; the rules and the drain
+  points are ``aioublk.qcow2.pools``'.
   An unallocated cluster over backing data is published read-only where the
   backing chain holds it, at any depth (``Qcow2Image.place``: a raw file at
   the same offset, a qcow2 image where its cached L2 entry points), or as
@@ -258,17 +261,43 @@ class Qcow2Image(Writes):
         the first request). No mapping changes, so nothing waits."""
         self.plane.republish()
 
+    def hold_c_writes(self) -> None:
+        """Under ``metadata_write_through`` let the data plane write in place
+        and allocate too, its extent table holding each write's answer until
+        ``settle_writes`` (``ExtentTable.set_hold_writes``): the answer then
+        waits for the write-back that makes the write's metadata durable, as
+        the engine's own writes do. Before the first request."""
+        table = self.extent_table()
+        if table is None:
+            return
+        table.set_hold_writes(True)
+        self.republish()
+
+    async def settle_writes(self) -> None:
+        """With ``metadata_write_through``: return once every metadata change
+        so far, what C recorded included, is in the image file; the callers
+        waiting meanwhile share one write-back."""
+        if self.metadata_write_through and not self.read_only:
+            self.pools.drain()
+            await self.wb.write_through()
+
+    def _c_writes_wait(self) -> bool:
+        """Whether metadata write-through keeps C from writing: its writes'
+        answers would not wait for their metadata (``hold_c_writes``)."""
+        return self.metadata_write_through and not (
+            self.plane.extents is not None and self.plane.extents.holds_writes)
+
     @property
     def c_allocating(self) -> bool:
         """Whether C may allocate now: what publishing ALLOC asks first."""
         return bool(self.pools.slots) and not self.read_only and not self.corrupt \
-            and not self.metadata_write_through and not self.compress and not self.file.is_block
+            and not self._c_writes_wait() and not self.compress and not self.file.is_block
 
     def attach_pool(self) -> int:
         """A pool for one more data plane (``Pools.attach``), or -1 where C may
         not allocate in this image."""
         if self.plane.extents is None or not self.pools.c_alloc or self.read_only \
-                or self.file.is_block or self.metadata_write_through or self.compress:
+                or self.file.is_block or self._c_writes_wait() or self.compress:
             return -1
         return self.pools.attach(self.file.fd)
 
@@ -450,7 +479,7 @@ class Qcow2Image(Writes):
             f.fd, path, self.cbits, self.l2_bits, self.size,
             self.backing.size if self.backing is not None else 0, self.l1, tables,
             self._busy, self.meta, self.refs, self.pools, pub_host,
-            lambda: not (self.read_only or self.metadata_write_through or self.compress),
+            lambda: not (self.read_only or self._c_writes_wait() or self.compress),
             lambda: self.c_allocating, self._mark_corrupt,
             self.backing.place if self.backing is not None else None)
         below = self.backing

@@ -4,7 +4,8 @@ what C did with them.
 A guest's first write to a cluster is an allocation, and in Python that is
 a task, a dozen coroutine frames and a Python SQE per request. So an
 unallocated cluster of a cached, private L2 table (no backing data under
-it, the image writable, no metadata write-through) is published as ALLOC
+it, the image writable, no metadata write-through unless C's writes are
+held) is published as ALLOC
 (``aioublk.dataplane.extents``): the data plane serves a write to it by taking a
 cluster from its queue's pool, writing the data there, and recording
 ``(guest cluster, host cluster)``. Python still decides everything else:

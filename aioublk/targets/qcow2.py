@@ -96,7 +96,8 @@ class Qcow2Target(Target):
         # device that outlives us needs them in the file before a write completes
         if device_flags & uapi.Feature.USER_RECOVERY:
             self.image.metadata_write_through = True
-            self.image.republish()  # what the data plane had writable goes read-only
+            # C writes and allocates still; each answer waits for settle_writes
+            self.image.hold_c_writes()
 
     async def queue_setup(self, q: QueueContext) -> None:
         with self._lock:
@@ -172,6 +173,9 @@ class Qcow2Target(Target):
 
     async def flush(self) -> None:
         await self._engine(self.image.flush)
+
+    async def settle_writes(self) -> None:
+        await self._engine(self.image.settle_writes)
 
     async def discard(self, offset: int, length: int) -> None:
         await self._engine(self.image.discard, offset, length)

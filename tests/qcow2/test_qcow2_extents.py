@@ -622,27 +622,44 @@ async def test_random_io_with_c_allocation(cluster: int, planes: int, tmp_path: 
     await verify(case, f"c{cluster} with C allocation on {planes} planes")
 
 
-async def test_write_through_keeps_allocation_in_python(tmp_path: Path, ring: Ring) -> None:
-    """User recovery's metadata write-through needs each allocation in the
-    file before its request completes, which C cannot do: such a device gets
-    no pool, and nothing is published as ALLOC."""
+async def test_write_through_holds_cs_writes(tmp_path: Path, ring: Ring) -> None:
+    """User recovery's metadata write-through needs each write's metadata in
+    the file before its request completes: the table holds C's writes
+    (their answers wait for ``settle_writes``), so C still gets a pool and
+    ALLOC entries. An image written through whose table does not hold
+    them (a library user's) gets neither."""
     from aioublk.dataplane.extents import ALLOC
     from aioublk.dataplane.maps import Extents
     from aioublk.kernel import uapi
+    from aioublk.qcow2 import Qcow2Image
     from aioublk.targets.qcow2 import Qcow2Target
 
     t = Qcow2Target(str(create(tmp_path / "a.qcow2", 8 * M, cluster_size=CS)))
     try:
         t.configure(uapi.Feature.USER_RECOVERY)
         m = t.map()
-        assert isinstance(m, Extents) and m.served().slot is None
+        assert isinstance(m, Extents) and m.table.holds_writes
+        assert m.served().slot is not None
         await t.write(0, memoryview(bytearray(b"x" * CS)))  # the L2 table, cached
-        tables = list(t.image.l2.tables.values())
-        assert tables and all(ALLOC not in tb.pub for tb in tables)
-        assert not t.image.c_allocating
+        t.image.service()
+        if t.image.pools.filling is not None:
+            await t.image.pools.filling
+        assert t.image.c_allocating
+        assert any(ALLOC in tb.pub for tb in t.image.l2.tables.values())
     finally:
         await t.drain()
         t.close()
+    img = Qcow2Image.open(str(create(tmp_path / "c.qcow2", 8 * M, cluster_size=CS)),
+                          metadata_write_through=True)
+    try:  # (written through, not held: reads only)
+        table = img.extent_table()
+        assert table is not None and not table.holds_writes and img.attach_pool() == -1
+        await img.write(0, b"x" * CS)
+        tables = list(img.l2.tables.values())
+        assert tables and all(ALLOC not in tb.pub for tb in tables)
+        assert published(table, 0) == "ro"
+    finally:
+        await img.close()
     plain = Qcow2Target(str(create(tmp_path / "b.qcow2", 8 * M, cluster_size=CS)))
     try:  # (the same without write-through: a pool, and ALLOC entries)
         m = plain.map()  # (served as a data plane serves it: with its pool)
@@ -707,8 +724,8 @@ async def test_run_op_reads_through_the_stand_in(tmp_path: Path, ring: Ring) -> 
 
 
 async def test_target_map(tmp_path: Path, ring: Ring) -> None:
-    """``Qcow2Target.map`` is the image's table; user recovery makes what it
-    publishes read-only; a corrupt image has no map."""
+    """``Qcow2Target.map`` is the image's table; under user recovery it holds
+    C's writes and publishes as before; a corrupt image has no map."""
     from aioublk.dataplane.maps import Extents
     from aioublk.kernel import uapi
     from aioublk.targets.qcow2 import Qcow2Target
@@ -720,7 +737,7 @@ async def test_target_map(tmp_path: Path, ring: Ring) -> None:
         await t.read(0, memoryview(bytearray(CS)))
         assert published(m.table, 0) == "rw"
         t.configure(uapi.Feature.USER_RECOVERY)
-        assert published(m.table, 0) == "ro"
+        assert published(m.table, 0) == "rw" and m.table.holds_writes
         with pytest.raises(OSError):
             t.image._mark_corrupt("a test")
         assert t.map() is None and len(m.table) == 0

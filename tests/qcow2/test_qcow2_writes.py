@@ -699,6 +699,19 @@ async def test_read_only_image_refuses_changes(tmp_path: Path, ring: Ring) -> No
 # -- metadata write-through ---------------------------------------------------------------
 
 
+class WriteBacks:
+    """Counts ``img``'s write-backs from now on (``n``)."""
+
+    def __init__(self, img: Any) -> None:
+        self.n = 0
+        real = img.wb.run_locked
+
+        async def counted() -> None:
+            self.n += 1
+            await real()
+        img.wb.run_locked = counted
+
+
 async def test_metadata_write_through_shares_write_backs(tmp_path: Path, ring: Ring) -> None:
     """``metadata_write_through``: each allocating write returns with its L2 and
     refcount changes in the file (another reader sees a consistent image with
@@ -709,19 +722,12 @@ async def test_metadata_write_through_shares_write_backs(tmp_path: Path, ring: R
     mirror = bytearray(16 * M)
     img = Qcow2Image.open(str(path), metadata_write_through=True)
     assert img.metadata_write_through
-    passes = 0
-    real = img.wb.run_locked
-
-    async def counted() -> None:
-        nonlocal passes
-        passes += 1
-        await real()
-    img.wb.run_locked = counted  # type: ignore[method-assign]
+    wbs = WriteBacks(img)
     try:
         rng = random.Random(71)
         await img.write(3 * 64 * K + 512, b"\x11" * 4 * K)
         mirror[3 * 64 * K + 512:3 * 64 * K + 512 + 4 * K] = b"\x11" * 4 * K
-        assert passes == 1
+        assert wbs.n == 1
         qemu_img("check", "-U", path)  # exit 0: clean, while still open
         compare_identical(path, _raw(tmp_path, mirror), force_share=True)
         ops = [(s * 256 * K, rng.randbytes(rng.randrange(1, 64) * SECTOR))
@@ -729,12 +735,51 @@ async def test_metadata_write_through_shares_write_backs(tmp_path: Path, ring: R
         await asyncio.gather(*(img.write(off, data) for off, data in ops))
         for off, data in ops:
             mirror[off:off + len(data)] = data
-        assert passes < 1 + len(ops) // 2, f"{passes - 1} write-backs for {len(ops)} writes"
+        assert wbs.n < 1 + len(ops) // 2, f"{wbs.n - 1} write-backs for {len(ops)} writes"
         qemu_img("check", "-U", path)  # exit 0: clean, while still open
         compare_identical(path, _raw(tmp_path, mirror), force_share=True)
-        before = passes
+        before = wbs.n
         await img.write(3 * 64 * K + 512, b"\x22" * 4 * K)  # in place: no metadata
-        assert passes == before
+        assert wbs.n == before
+    finally:
+        await img.close()
+
+
+async def test_held_c_writes_are_settled_by_one_write_back(tmp_path: Path, ring: Ring) -> None:
+    """Metadata write-through with C's writes held (``hold_c_writes``, a
+    device with user recovery): C still allocates and writes in place, and
+    ``settle_writes``, which the held writes' answers wait for, puts what
+    they changed in the file in one write-back for all of them."""
+    from aioublk.qcow2 import Qcow2Image
+    from tests.qcow2.test_qcow2_extents import DataPlaneStandIn, published
+
+    path = create(tmp_path / "img.qcow2", 16 * M)
+    img = Qcow2Image.open(str(path), metadata_write_through=True, direct=False)
+    try:
+        assert img.attach_pool() == -1  # (not held: C may not allocate)
+        img.hold_c_writes()
+        dp = DataPlaneStandIn(img, random.Random(5), c_alloc=True)
+        await img.write(0, b"\x01" * 4 * K)  # (the L2 table: Python's, written through)
+        img.service()
+        if img.pools.filling is not None:
+            await img.pools.filling
+        assert published(dp.table, 0) == "rw" and img.c_allocating
+        mirror = bytearray(16 * M)
+        mirror[:4 * K] = b"\x01" * 4 * K
+        wbs = WriteBacks(img)
+        served = dp.served
+        for k in range(1, 9):
+            await dp.write(k * 64 * K + 512, bytes([k]) * 4 * K)  # (C: allocates)
+            mirror[k * 64 * K + 512:k * 64 * K + 512 + 4 * K] = bytes([k]) * 4 * K
+        await dp.write(1024, b"\x02" * 512)  # (C: in place)
+        mirror[1024:1536] = b"\x02" * 512
+        assert dp.served - served >= 8 and wbs.n == 0
+        await img.settle_writes()
+        assert wbs.n == 1
+        qemu_img("check", "-U", path)  # exit 0: clean, while still open
+        compare_identical(path, _raw(tmp_path, mirror), force_share=True)
+        await img.settle_writes()  # (nothing new: no write-back)
+        assert wbs.n == 1
     finally:
         await img.close()
 
