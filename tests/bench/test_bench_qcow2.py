@@ -178,6 +178,21 @@ def test_subclusters_pair_each_servers_extl2_with_its_backing_rows() -> None:
     assert "**backing** and **extl2**" in text
 
 
+def test_write_through_pairs_its_rows_with_aioublks_own() -> None:
+    runs = []
+    for rnd, cost in enumerate([0.5, 0.6, 0.4], 1):
+        for qd in (1, 64):
+            runs += [run(rnd, AIOUBLK, "empty", RANDWRITE, qd, 1000.0 * rnd),
+                     run(rnd, qcow2.WRITE_THROUGH, "empty", RANDWRITE, qd,
+                         1000.0 * rnd * cost * (2 if qd == 1 else 1))]
+    text = qcow2.report(data(runs), "cmd")
+    assert "## Metadata write-through" in text
+    assert "| 4k randwrite qd64 | 2,000 | 1,200 | 0.50 (0.40 – 0.60) | ≥ 0.5 | yes |" in text
+    assert "| 4k randwrite qd1 | 2,000 | 2,400 | 1.00 (0.80 – 1.20) | — | — |" in text
+    assert row(data(runs), ("empty", RANDWRITE, 64, 1)).aioublk == 2000.0  # (its own rows)
+    assert "## Metadata write-through" not in qcow2.report(data(runs[:1]), "cmd")
+
+
 def test_results_of_the_one_round_script_render_with_a_note(tmp_path: Path) -> None:
     old = {**data([]), "runs": [
         {"kind": "empty", "server": IO_URING, "workload": RANDREAD, "qd": 64, "iops": 100.0},
