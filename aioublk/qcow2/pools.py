@@ -91,6 +91,10 @@ class Pools:
         self.slots: list[int] = []   # attached pools (appended from any thread)
         self._attaching = threading.Lock()  # (every queue's data plane attaches at once)
         self.filling: asyncio.Task[None] | None = None
+        #: C asked again while a fill ran: look at every pool once more after it
+        #: (C asks once per pool until its next pool_add, so a call missed here
+        #: would leave that pool empty for good)
+        self.again = False
         self.cap = min(1024, max(16, POOL_BYTES >> cbits))  # clusters per pool
 
     def attach(self, fd: int) -> int:
@@ -150,23 +154,28 @@ class Pools:
         a pool was attached: apply the records, refill the pools, in one task
         at a time (on the engine's loop)."""
         self.drain()
-        if self.filling is None and self.may_alloc():
+        if self.filling is not None:
+            self.again = True
+        elif self.may_alloc():
             self.filling = asyncio.get_running_loop().create_task(self._fill())
 
     async def _fill(self) -> None:
         try:
             table = self.table
-            for slot in list(self.slots):
-                if table is None or not self.may_alloc():
-                    return
-                level = table.pool_level(slot)
-                if level * 2 > self.cap:
-                    continue
-                run = await self._pool_run(self.cap - level)
-                added = table.pool_add(slot, [c << self.cbits for c in run])
-                if added < len(run):  # (C took fewer: never referenced, uncount)
-                    async with self.refs.lock:
-                        await self.refs.add_ref_run(run[added:], -1)
+            self.again = True
+            while self.again:  # (until a pass began after C's last call)
+                self.again = False
+                for slot in list(self.slots):
+                    if table is None or not self.may_alloc():
+                        return
+                    level = table.pool_level(slot)
+                    if level * 2 > self.cap:
+                        continue
+                    run = await self._pool_run(self.cap - level)
+                    added = table.pool_add(slot, [c << self.cbits for c in run])
+                    if added < len(run):  # (C took fewer: never referenced, uncount)
+                        async with self.refs.lock:
+                            await self.refs.add_ref_run(run[added:], -1)
         except Exception as e:  # noqa: BLE001 - C allocation waits; Python allocates
             log.error("qcow2: refilling the data plane's pools failed", image=self.path,
                       error=str(e))

@@ -708,6 +708,45 @@ async def test_pools_counted_at_a_crash_are_not_handed_out_again(tmp_path: Path,
             path, f"read -P {k} {k * CS} {CS}")
 
 
+async def test_a_pool_that_asks_while_another_is_filled_is_filled_too(tmp_path: Path,
+                                                                       ring: Ring) -> None:
+    """C asks for the engine once per pool until that pool is refilled. A
+    pool that asks while a fill is under way (after the fill looked at it:
+    full then) is filled by another pass of the same fill, never forgotten:
+    a forgotten pool stays empty and every write of its queue is Python's."""
+    img = Qcow2Image.open(str(create(tmp_path / "img.qcow2", 8 * M, cluster_size=CS)),
+                          direct=False)
+    try:
+        table = img.extent_table()
+        assert table is not None
+        slots = [img.attach_pool(), img.attach_pool()]
+        await img.write(0, b"a" * CS)  # (the L2 table: C may allocate in it)
+        img.service()
+        assert img.pools.filling is not None
+        await img.pools.filling
+        cap = img.pools.cap
+        assert [table.pool_level(s) for s in slots] == [cap, cap]
+        entered, gate = asyncio.Event(), asyncio.Event()
+        real = img.pools._pool_run
+
+        async def held(n: int) -> range:
+            entered.set()
+            await gate.wait()
+            return await real(n)
+        img.pools._pool_run = held  # type: ignore[method-assign]
+        table.pool_take(slots[1], cap)  # the second pool empty: a fill starts
+        img.service()
+        await entered.wait()  # (its pass looked at the first pool, full, and waits)
+        table.pool_take(slots[0], cap)  # now the first one asks
+        img.service()
+        gate.set()
+        while img.pools.filling is not None:
+            await asyncio.sleep(0)
+        assert [table.pool_level(s) for s in slots] == [cap, cap]
+    finally:
+        await img.close()
+
+
 async def test_run_op_reads_through_the_stand_in(tmp_path: Path, ring: Ring) -> None:
     """The stand-in really serves reads and writes (a guard for the test above)."""
     img = Qcow2Image.open(str(mixed(tmp_path / "a.qcow2")), direct=False)
