@@ -244,6 +244,7 @@ struct aur_dp {
     struct aur_ext *ext;
     unsigned ext_shift;
     int ext_slot;           /* its pool in ext (aur_ext_attach); -1: no allocation */
+    int hold_writes;        /* ext holds the writes served (read once, at the map) */
     uint32_t nsid;          /* AUR_MAP_NVME */
     unsigned lba_shift;
     unsigned nvme_flags;    /* AUR_NVME_* */

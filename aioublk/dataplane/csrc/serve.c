@@ -33,7 +33,7 @@ static void dp_complete(struct aur_dp *dp, struct dp_out *o, unsigned local, uin
         dp_emit(o, DP_UD(AUR_DP_EV_LOST, local, tag, 0), res, 0);
     } else {
         dp->q[local].counts->c_served++;
-        if (t->write && dp->map == AUR_MAP_EXTENTS && aur_ext_holds_writes(dp->ext))
+        if (t->write && dp->map == AUR_MAP_EXTENTS && dp->hold_writes)
             dp_emit(o, DP_UD(AUR_DP_EV_HELD, local, tag, 0), res, 0);  /* the target answers */
         else
             dp_commit(dp, local, tag, res);

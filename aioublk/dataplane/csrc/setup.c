@@ -210,6 +210,7 @@ int aur_dp_map_extents(struct aur_dp *dp, struct aur_ext *t, unsigned granule_sh
     dp->ext = t;
     dp->ext_shift = granule_shift;
     dp->ext_slot = slot < 0 ? -1 : slot;
+    dp->hold_writes = aur_ext_holds_writes(t);
     dp->map = AUR_MAP_EXTENTS;
     return 0;
 }
