@@ -263,6 +263,7 @@ struct aur_dp {
     unsigned nr_done;
     struct dp_fd_inline { int fd; int on; } fd_inline[DP_FD_INLINE_MAX];
     unsigned nr_fd_inline;
+    int no_copy_range;  /* copy_file_range refused between inline files */
     /* aur_dp_own_wait: the loop's hook, and the records C's wait kept for
        Python (out_cap of them at most), which its next reap takes first */
     struct dp_hook *hook;

@@ -7,6 +7,7 @@
  * success is committed, anything else goes to Python from the start.
  */
 
+#define _GNU_SOURCE  /* copy_file_range */
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -242,6 +243,64 @@ static int dp_file_rw(struct aur_dp *dp, int write, int fd, void *buf, uint32_t 
                     (uint64_t)(uintptr_t)buf, len, off, 0, 0, 0, ud) < 0 ? -EBUSY : 0;
 }
 
+/* len bytes from src_fd at src to dst_fd at dst by copy_file_range, for
+   files both on tmpfs or ramfs: one copy in the kernel, where a read and a
+   write through the bounce buffer make two. len, -errno, or 0 if the kernel
+   will not copy between them (dp->no_copy_range set: the caller moves the
+   bytes itself, now and from then on). A source that ends early is -EIO,
+   as a short read is. */
+static int32_t dp_copy_range(struct aur_dp *dp, int src_fd, uint64_t src, int dst_fd,
+                             uint64_t dst, uint32_t len)
+{
+    loff_t s = (loff_t)src, d = (loff_t)dst;
+    uint32_t left = len;
+
+    while (left && !dp->no_copy_range) {
+        ssize_t n = copy_file_range(src_fd, &s, dst_fd, &d, left, 0);
+
+        if (n > 0) {
+            left -= (uint32_t)n;
+        } else if (n == 0) {
+            return -EIO;
+        } else if (errno == EXDEV || errno == EINVAL || errno == EOPNOTSUPP ||
+                   errno == ENOSYS) {
+            dp->no_copy_range = 1;  /* (what was copied is copied again) */
+        } else if (errno != EINTR) {
+            return -errno;
+        }
+    }
+    return left ? 0 : (int32_t)len;
+}
+
+/* A merged copy-on-write of a granule not compressed, both files on tmpfs or
+   ramfs, now: the old data beside the write copied in the kernel, the
+   write's data written; one piece, done. 0 if the kernel will not copy
+   (dp_copy_range): the caller merges through the bounce buffer instead. */
+static int dp_merged_now(struct aur_dp *dp, struct dp_tag *t, unsigned local, uint16_t tag,
+                         const struct dp_piece *p, uint64_t d0, uint64_t d1)
+{
+    const struct aur_ext_copy *c = &t->copies[0];
+    uint64_t shift = c->src_off - c->dst_off, w1 = p->host_off + p->len;
+    int32_t res = (int32_t)(d1 - d0);
+
+    if (!dp_inline_fd(dp, c->src_fd) || !dp_inline_fd(dp, p->fd) || dp->no_copy_range)
+        return 0;
+    if (p->host_off > d0)
+        res = dp_copy_range(dp, c->src_fd, d0 + shift, p->fd, d0, (uint32_t)(p->host_off - d0));
+    if (res > 0 && d1 > w1)
+        res = dp_copy_range(dp, c->src_fd, w1 + shift, p->fd, w1, (uint32_t)(d1 - w1));
+    if (res == 0)
+        return 0;
+    if (res > 0) {
+        ssize_t got = pwrite(p->fd, dp_buf(dp, local, tag), p->len, (off_t)p->host_off);
+
+        res = got == (ssize_t)p->len ? (int32_t)(d1 - d0) : got < 0 ? -errno : -EIO;
+    }
+    dp->done[dp->nr_done++] = (struct dp_done){ DP_UD(DP_K_RW, local, tag, (d1 - d0) >> 9), res };
+    t->pending++;
+    return 1;
+}
+
 /* The backend I/O of pieces p[0..n), each one more pending piece; a piece
    the ring cannot take marks the request bad and stops there. */
 static void dp_queue_pieces(struct aur_dp *dp, unsigned local, uint16_t tag,
@@ -409,6 +468,8 @@ static void dp_queue_merged(struct aur_dp *dp, unsigned local, uint16_t tag,
     t->merge = (struct dp_merge){ d0, (uint32_t)(d1 - d0), (uint32_t)(p->host_off - d0),
                                   c->zalg ? (uint32_t)(c->zskip - (c->dst_off - d0)) : 0,
                                   p->fd };
+    if (!c->zalg && dp_merged_now(dp, t, local, tag, p, d0, d1))
+        return;
     aur_fix_file(dp->r, c->src_fd);
     aur_fix_file(dp->r, p->fd);
     if (c->zalg) {  /* the compressed bytes, into zbuf (as dp_queue_zcopy's) */
@@ -482,6 +543,18 @@ static void dp_queue_copies(struct aur_dp *dp, unsigned local, uint16_t tag)
 
         aur_fix_file(dp->r, c->src_fd);
         aur_fix_file(dp->r, c->dst_fd);
+        if (dp_inline_fd(dp, c->src_fd) && dp_inline_fd(dp, c->dst_fd) &&
+            !dp->no_copy_range) {  /* in the kernel, now: one piece */
+            int32_t res = dp_copy_range(dp, c->src_fd, c->src_off, c->dst_fd, c->dst_off,
+                                        c->len);
+
+            if (res != 0) {
+                dp->done[dp->nr_done++] = (struct dp_done){ ud, res };
+                t->pending++;
+                at += c->len;
+                continue;
+            }
+        }
         if (dp_inline_fd(dp, c->src_fd) && dp_inline_fd(dp, c->dst_fd)) {
             /* both now, in order; a read that is not whole cancels the write */
             dp_inline_rw(dp, 0, c->src_fd, (void *)(uintptr_t)buf, c->len, c->src_off, ud);
