@@ -117,15 +117,18 @@ class Pools:
         if table is None or not self.slots:
             return
         n = 0
+        # (locals: this loop runs once per write C allocated)
+        l1, cached, pub_host = self.l1, self.l2cache.get, self.pub_host
+        cbits, l2_bits, l2_mask = self.cbits, self.l2_bits, self.l2_mask
         for r in table.drain():
-            c = r.host_off >> self.cbits
+            c = r.host_off >> cbits
             if not r.ok:
                 self.refs.defer_free(c)
                 continue
             vc = r.gran
-            off = self.l1[vc >> self.l2_bits] & OFFSET_MASK
-            t = self.l2cache.get(off) if off else None
-            i = vc & self.l2_mask
+            off = l1[vc >> l2_bits] & OFFSET_MASK
+            t = cached(off) if off else None
+            i = vc & l2_mask
             if t is None or not _fits(t.entries[i], r):
                 # C allocated where the engine did not let it: the cluster is
                 # counted and holds acknowledged data nobody points at
@@ -143,7 +146,7 @@ class Pools:
                 t.pub[i] = MAP
                 if t.subs is not None:
                     t.subs[i] = SUB_ALLOC
-            self.pub_host[c] = vc
+            pub_host[c] = vc
             t.touch()
             n += 1
         if n:
