@@ -120,6 +120,7 @@ _U32 = (1 << 32) - 1
 _REC = struct.Struct("=QQIII4x")
 assert _REC.size == ffi.sizeof("struct aur_ext_rec")
 _REC_OK, _REC_GROWN = lib.AUR_EXT_REC_OK, lib.AUR_EXT_REC_GROWN
+_new = tuple.__new__
 
 
 class Record(NamedTuple):
@@ -496,9 +497,10 @@ class ExtentTable:
         while True:
             got = int(lib.aur_ext_drain(self.cdata, out, n))
             # (unpacked in one call: a cffi attribute read per field cost
-            # more than the engine's whole work per record)
-            recs += [Record(gran, host_off, bool(flags & _REC_OK), slot, subs,
-                            bool(flags & _REC_GROWN))
+            # more than the engine's whole work per record; and made with
+            # tuple.__new__, which runs no Python frame as Record() does)
+            recs += [_new(Record, (gran, host_off, bool(flags & _REC_OK), slot, subs,
+                                   bool(flags & _REC_GROWN)))
                      for gran, host_off, flags, slot, subs
                      in _REC.iter_unpack(raw[:got * _REC.size])]
             if got < n:
