@@ -47,7 +47,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
-from aioublk.dataplane.extents import ALLOCATING, MAP, SUB, ExtentTable, Record
+from aioublk.dataplane.extents import ALLOCATING, MAP, SUB, ExtentTable
 from aioublk.qcow2.base import PARTIAL, L2Table, log
 from aioublk.qcow2.format import COMPRESSED, COPIED, OFFSET_MASK, SUB_ALLOC
 from aioublk.qcow2.refcounts import Refcounts
@@ -56,15 +56,8 @@ from aioublk.qcow2.refcounts import Refcounts
 POOL_BYTES = 8 << 20
 #: records C may hold for the engine before an allocating write misses
 LOG_RECORDS = 4096
-
-
-def _fits(e: int, r: Record) -> bool:
-    """Whether C's record ``r`` may apply to L2 entry ``e``: an allocation to
-    an entry with no cluster; more subclusters (``grown``) to the entry of
-    the cluster it names, whose subclusters differ."""
-    if r.grown:
-        return e & (OFFSET_MASK | COMPRESSED) == r.host_off and bool(e & PARTIAL)
-    return not e & (OFFSET_MASK | COMPRESSED)
+#: the bits of an L2 entry that say where its data is
+_WHERE = OFFSET_MASK | COMPRESSED
 
 
 class Pools:
@@ -120,29 +113,33 @@ class Pools:
         # (locals: this loop runs once per write C allocated)
         l1, cached, pub_host = self.l1, self.l2cache.get, self.pub_host
         cbits, l2_bits, l2_mask = self.cbits, self.l2_bits, self.l2_mask
-        for r in table.drain():
-            c = r.host_off >> cbits
-            if not r.ok:
+        for vc, host_off, ok, _, subs, grown in table.drain():
+            c = host_off >> cbits
+            if not ok:
                 self.refs.defer_free(c)
                 continue
-            vc = r.gran
             off = l1[vc >> l2_bits] & OFFSET_MASK
             t = cached(off) if off else None
             i = vc & l2_mask
-            if t is None or not _fits(t.entries[i], r):
+            # a record applies to an entry with no cluster (an allocation), or
+            # (grown: more subclusters) to the partial entry of its cluster
+            e = t.entries[i] if t is not None else None
+            if e is None or ((e & _WHERE != host_off or not e & PARTIAL) if grown
+                             else e & _WHERE):
                 # C allocated where the engine did not let it: the cluster is
                 # counted and holds acknowledged data nobody points at
                 log.error("qcow2: a C allocation for an entry that changed or left the "
                           "cache; the cluster is leaked", image=self.path, cluster=vc,
-                          host=r.host_off)
+                          host=host_off)
                 continue
-            if r.subs and r.subs != SUB_ALLOC:  # (COW_SUB, SUB: some subclusters data)
+            assert t is not None
+            if subs and subs != SUB_ALLOC:  # (COW_SUB, SUB: some subclusters data)
                 assert t.subs is not None
-                t.entries[i] = r.host_off | COPIED | PARTIAL
-                t.subs[i] = r.subs  # (the others still show the backing file)
+                t.entries[i] = host_off | COPIED | PARTIAL
+                t.subs[i] = subs  # (the others still show the backing file)
                 t.pub[i] = SUB  # (as C keeps it)
             else:
-                t.entries[i] = r.host_off | COPIED
+                t.entries[i] = host_off | COPIED
                 t.pub[i] = MAP
                 if t.subs is not None:
                     t.subs[i] = SUB_ALLOC

@@ -11,12 +11,19 @@ plane given the stack's map as the worker does it.
 from __future__ import annotations
 
 import asyncio
+from array import array
+from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from aioublk.dataplane.extents import MAP, SUB, Record
 from aioublk.dataplane.maps import Extents, Null
 from aioublk.frontend import registry
+from aioublk.qcow2.base import PARTIAL, L2Table
+from aioublk.qcow2.format import COPIED, SUB_ALLOC
+from aioublk.qcow2.pools import Pools
 from aioublk.ring import Ring
 from aioublk.target import QueueContext, Target, setup_queue, teardown_queue
 from aioublk.targets.qcow2 import Qcow2Target
@@ -109,3 +116,30 @@ async def test_a_data_plane_serving_the_table_gets_its_pool(tmp_path: Path, ring
         plane.close()
         top.close()
     check_clean(path)
+
+
+async def test_records_apply_only_to_the_entries_the_engine_let_c_change() -> None:
+    """What C records is applied to the L2 entries it was published for: an
+    allocation to an entry with no cluster, more subclusters to the partial
+    entry of the cluster named. A record for an entry that holds something
+    else is refused (the cluster leaks, the entry stays), and a failed one
+    frees its cluster."""
+    x, y, z = 10 * CS, 11 * CS, 12 * CS
+    entries = array("Q", [0, x | COPIED, y | COPIED | PARTIAL, 0])
+    l2 = L2Table(CS, entries, 0, subs=array("Q", [0, 0, 1, 0]))
+    freed: list[int] = []
+    changed: list[int] = []
+    pools = Pools("img", 16, 13, SimpleNamespace(defer_free=freed.append),  # type: ignore[arg-type]
+                  array("Q", [CS]), OrderedDict({CS: l2}), {}, changed.append, lambda: True)
+    records = [Record(0, z, True, 0, 0, False),            # allocation: applied
+               Record(1, 13 * CS, True, 0, 0, False),      # entry has a cluster: refused
+               Record(2, y, True, 0, 3, True),             # more subclusters: applied
+               Record(1, x, True, 0, 3, True),             # entry not partial: refused
+               Record(3, 14 * CS, False, 0, 0, False)]     # failed: freed
+    pools.table = SimpleNamespace(drain=lambda: records)  # type: ignore[assignment]
+    pools.slots = [0]
+    pools.drain()
+    assert list(entries) == [z | COPIED, x | COPIED, y | COPIED | PARTIAL, 0]
+    assert list(l2.subs or ()) == [SUB_ALLOC, 0, 3, 0]
+    assert list(l2.pub) == [MAP, 0, SUB, 0]
+    assert freed == [14] and changed == [2]
