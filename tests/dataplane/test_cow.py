@@ -119,7 +119,7 @@ async def test_a_merged_copy_whose_old_data_cannot_be_read_goes_to_python(
 
 
 async def test_tmpfs_files_the_kernel_will_not_copy_between_are_merged_in_the_buffer(
-        tmp_path: Path) -> None:
+        ) -> None:
     """On tmpfs C copies a cluster's old data with copy_file_range; between
     two tmpfs mounts (a memfd base, an image in /dev/shm) the kernel refuses
     (EXDEV), and C merges through its buffer instead, then and after."""

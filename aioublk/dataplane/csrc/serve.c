@@ -283,7 +283,7 @@ static int dp_merged_now(struct aur_dp *dp, struct dp_tag *t, unsigned local, ui
     uint64_t shift = c->src_off - c->dst_off, w1 = p->host_off + p->len;
     int32_t res = (int32_t)(d1 - d0);
 
-    if (!dp_inline_fd(dp, c->src_fd) || !dp_inline_fd(dp, p->fd) || dp->no_copy_range)
+    if (!dp_inline_fd(dp, c->src_fd) || !dp_inline_fd(dp, p->fd))
         return 0;
     if (p->host_off > d0)
         res = dp_copy_range(dp, c->src_fd, d0 + shift, p->fd, d0, (uint32_t)(p->host_off - d0));
@@ -543,8 +543,9 @@ static void dp_queue_copies(struct aur_dp *dp, unsigned local, uint16_t tag)
 
         aur_fix_file(dp->r, c->src_fd);
         aur_fix_file(dp->r, c->dst_fd);
-        if (dp_inline_fd(dp, c->src_fd) && dp_inline_fd(dp, c->dst_fd) &&
-            !dp->no_copy_range) {  /* in the kernel, now: one piece */
+        if (dp_inline_fd(dp, c->src_fd) && dp_inline_fd(dp, c->dst_fd)) {
+            /* now: in the kernel, one piece; or where it will not copy, both
+               through the buffer in order, a read not whole cancelling the write */
             int32_t res = dp_copy_range(dp, c->src_fd, c->src_off, c->dst_fd, c->dst_off,
                                         c->len);
 
@@ -554,9 +555,6 @@ static void dp_queue_copies(struct aur_dp *dp, unsigned local, uint16_t tag)
                 at += c->len;
                 continue;
             }
-        }
-        if (dp_inline_fd(dp, c->src_fd) && dp_inline_fd(dp, c->dst_fd)) {
-            /* both now, in order; a read that is not whole cancels the write */
             dp_inline_rw(dp, 0, c->src_fd, (void *)(uintptr_t)buf, c->len, c->src_off, ud);
             if (dp->done[dp->nr_done - 1].res == (int32_t)c->len)
                 dp_inline_rw(dp, 1, c->dst_fd, (void *)(uintptr_t)buf, c->len, c->dst_off, ud);
