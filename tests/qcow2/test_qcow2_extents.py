@@ -736,12 +736,14 @@ async def test_a_pool_that_asks_while_another_is_filled_is_filled_too(tmp_path: 
         img.pools._pool_run = held  # type: ignore[method-assign]
         table.pool_take(slots[1], cap)  # the second pool empty: a fill starts
         img.service()
-        await entered.wait()  # (its pass looked at the first pool, full, and waits)
-        table.pool_take(slots[0], cap)  # now the first one asks
-        img.service()
-        gate.set()
-        while img.pools.filling is not None:
-            await asyncio.sleep(0)
+        fill = img.pools.filling
+        assert fill is not None
+        async with asyncio.timeout(30):  # (a lost wake fails here, not the run)
+            await entered.wait()  # (its pass looked at the first pool, full, and waits)
+            table.pool_take(slots[0], cap)  # now the first one asks
+            img.service()
+            gate.set()
+            await fill
         assert [table.pool_level(s) for s in slots] == [cap, cap]
     finally:
         await img.close()
